@@ -1,0 +1,198 @@
+// Package pgcluster creates, starts and stops a private PostgreSQL cluster from the local
+// initdb and pg_ctl. The test harness uses a throwaway one, `make run` and `make bench` a
+// persistent one.
+//
+// initdb refuses to run as root, so when the process is root every PostgreSQL program runs
+// as the operating-system user "postgres" (created by the Debian package) and the cluster's
+// directory is handed to that user.
+package pgcluster
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// Cluster is a PostgreSQL cluster in a directory of its own: Dir/data holds the cluster,
+// Dir/postgres.log its log. It listens on a Unix socket in SocketDir and, when TCPAddr is
+// set, on that TCP address too. Connections are trusted and made as superuser "postgres".
+type Cluster struct {
+	// Dir holds the data directory and the log. It is created when missing.
+	Dir string
+	// SocketDir is the directory of the Unix socket. Default Dir. Keep it short: a socket
+	// path is limited to about 100 bytes.
+	SocketDir string
+	// Port is the port number (the socket's name, and the TCP port when TCPAddr is set).
+	// Default 5432.
+	Port int
+	// TCPAddr is the address to listen on, for example "127.0.0.1". Empty: Unix socket only.
+	TCPAddr string
+	// Settings are passed to the server as -c name=value, for example fsync=off.
+	Settings map[string]string
+
+	binDir string
+	cred   *syscall.Credential
+	uid    int
+	gid    int
+}
+
+// BinDir finds the directory of initdb and pg_ctl: $PG_BINDIR, then the PATH, then the
+// newest /usr/lib/postgresql/N/bin.
+func BinDir() (string, error) {
+	if d := os.Getenv("PG_BINDIR"); d != "" {
+		return d, nil
+	}
+	if p, err := exec.LookPath("initdb"); err == nil {
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			p = real
+		}
+		return filepath.Dir(p), nil
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
+	sort.Slice(dirs, func(i, j int) bool { return version(dirs[i]) > version(dirs[j]) })
+	if len(dirs) > 0 {
+		return filepath.Dir(dirs[0]), nil
+	}
+	return "", errors.New("pgcluster: initdb not found: install PostgreSQL (Debian: apt-get install postgresql-15) or set PG_BINDIR")
+}
+
+func version(initdb string) int {
+	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(filepath.Dir(initdb))))
+	return n
+}
+
+func (c *Cluster) prepare() error {
+	if c.binDir != "" {
+		return nil
+	}
+	bin, err := BinDir()
+	if err != nil {
+		return err
+	}
+	c.binDir = bin
+	if c.SocketDir == "" {
+		c.SocketDir = c.Dir
+	}
+	if c.Port == 0 {
+		c.Port = 5432
+	}
+	c.uid, c.gid = -1, -1
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			return fmt.Errorf("pgcluster: running as root needs the user postgres to run the server (initdb refuses root): %w", err)
+		}
+		c.uid, _ = strconv.Atoi(u.Uid)
+		c.gid, _ = strconv.Atoi(u.Gid)
+		c.cred = &syscall.Credential{Uid: uint32(c.uid), Gid: uint32(c.gid)}
+	}
+	for _, d := range []string{c.Dir, c.SocketDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return fmt.Errorf("pgcluster: %w", err)
+		}
+		if c.cred != nil {
+			if err := os.Chown(d, c.uid, c.gid); err != nil {
+				return fmt.Errorf("pgcluster: %w", err)
+			}
+		}
+	}
+	return nil
+}
+
+func (c *Cluster) dataDir() string { return filepath.Join(c.Dir, "data") }
+
+// LogFile is the server's log.
+func (c *Cluster) LogFile() string { return filepath.Join(c.Dir, "postgres.log") }
+
+func (c *Cluster) run(ctx context.Context, name string, args ...string) error {
+	cmd := exec.CommandContext(ctx, filepath.Join(c.binDir, name), args...)
+	cmd.Dir = c.Dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C.UTF-8")
+	if c.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("pgcluster: %s %s: %w\n%s", name, strings.Join(args, " "), err, out.String())
+	}
+	return nil
+}
+
+// Initialized tells whether Dir already holds a cluster.
+func (c *Cluster) Initialized() bool {
+	_, err := os.Stat(filepath.Join(c.dataDir(), "PG_VERSION"))
+	return err == nil
+}
+
+// Init creates the cluster (superuser postgres, trust authentication, UTF-8) unless Dir
+// already holds one.
+func (c *Cluster) Init(ctx context.Context) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	if c.Initialized() {
+		return nil
+	}
+	return c.run(ctx, "initdb", "-D", c.dataDir(), "-U", "postgres", "--auth=trust",
+		"-E", "UTF8", "--locale=C.UTF-8", "--no-sync")
+}
+
+// Start starts the server and waits until it accepts connections. A server that is already
+// running in Dir is left running.
+func (c *Cluster) Start(ctx context.Context) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") == nil {
+		return nil
+	}
+	opts := []string{
+		"-c", "listen_addresses=" + c.TCPAddr,
+		"-c", "unix_socket_directories=" + c.SocketDir,
+		"-c", "port=" + strconv.Itoa(c.Port),
+	}
+	keys := make([]string, 0, len(c.Settings))
+	for k := range c.Settings {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		opts = append(opts, "-c", k+"="+c.Settings[k])
+	}
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", c.LogFile(), "-w", "-t", "60",
+		"-o", strings.Join(quoteAll(opts), " "), "start")
+}
+
+func quoteAll(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+	}
+	return out
+}
+
+// Stop stops the server (fast shutdown: open transactions roll back).
+func (c *Cluster) Stop(ctx context.Context) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") != nil {
+		return nil
+	}
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "fast", "-w", "stop")
+}
+
+// ConnString is a libpq key/value connection string for database dbname as postgres.
+func (c *Cluster) ConnString(dbname string) string {
+	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", c.SocketDir, c.Port, dbname)
+}

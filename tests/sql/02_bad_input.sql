@@ -1,0 +1,44 @@
+-- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
+-- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
+BEGIN;
+SELECT plan(32);
+
+CREATE TEMP TABLE bad (fn text, call text, state text);
+INSERT INTO bad VALUES
+ ('begin', $$SELECT idem.idem_begin(NULL, 'k', 'a', sha256('x'))$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', NULL, 'a', sha256('x'))$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('', 'k', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin(repeat('p', 256), 'k', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', '', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', repeat('k', 256), 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', E'k\n1', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k 1', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'clé', 'a', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', NULL, sha256('x'))$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', '', sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', NULL)$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', '\x00'::bytea)$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha512('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '0')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '-1 hour')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => NULL)$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '0')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '25 hours')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '[1]')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '-1 s')$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 99, '{}', NULL)$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 600, '{}', NULL)$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', NULL, 200, '{}', NULL)$$, '22004'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '[]', NULL)$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{}', NULL, NULL, 'secret')$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{}', 'body', NULL, 'too_large')$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 1000, '{}', NULL)$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', E'k\t', 'a', sha256('x'), '1 hour', 404, '{}', NULL)$$, '22023'),
+ ('release', $$SELECT idem.idem_release('p', 'k', NULL)$$, '22004'),
+ ('cleanup', $$SELECT idem.idem_cleanup(0)$$, '22023');
+
+SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
+SELECT is((SELECT count(*) FROM idem.idempotency_keys), 0::bigint, 'nothing was written');
+
+SELECT * FROM finish();
+ROLLBACK;

@@ -1,0 +1,25 @@
+-- A transactional claim (p_lease NULL) cannot be committed without its completion. The
+-- deferred foreign key fires at COMMIT; SET CONSTRAINTS ALL IMMEDIATE runs the same check
+-- here, inside the test's transaction. (tests/concurrency_test.go commits for real.)
+BEGIN;
+SELECT plan(6);
+
+SELECT is(outcome, 'claimed', 'a transactional claim')
+  FROM idem.idem_begin('p', 'guarded', 'a', sha256('x'));
+SELECT throws_ok('SET CONSTRAINTS ALL IMMEDIATE', '23503', NULL,
+    'an uncompleted transactional claim is refused at commit');
+
+SELECT is(outcome, 'claimed', 'a lease claim')
+  FROM idem.idem_begin('p', 'leased', 'a', sha256('x'), p_lease => '1 minute');
+SELECT idem.idem_complete('p', 'guarded', 1, 200, '{}', 'ok');
+SELECT lives_ok('SET CONSTRAINTS ALL IMMEDIATE',
+    'a completed transactional claim and an open lease claim may commit');
+SET CONSTRAINTS ALL DEFERRED;
+
+SELECT is(outcome, 'claimed', 'another transactional claim')
+  FROM idem.idem_begin('p', 'released', 'a', sha256('x'));
+SELECT idem.idem_release('p', 'released', 1);
+SELECT lives_ok('SET CONSTRAINTS ALL IMMEDIATE', 'a released transactional claim may commit');
+
+SELECT * FROM finish();
+ROLLBACK;
