@@ -28,8 +28,8 @@ import (
 type Cluster struct {
 	// Dir holds the data directory and the log. It is created when missing.
 	Dir string
-	// SocketDir is the directory of the Unix socket. Default Dir. Keep it short: a socket
-	// path is limited to about 100 bytes.
+	// SocketDir is the directory of the Unix socket. Default Dir, or no socket at all when
+	// TCPAddr is set. Keep it short: a socket path is limited to about 100 bytes.
 	SocketDir string
 	// Port is the port number (the socket's name, and the TCP port when TCPAddr is set).
 	// Default 5432.
@@ -79,7 +79,7 @@ func (c *Cluster) prepare() error {
 		return err
 	}
 	c.binDir = bin
-	if c.SocketDir == "" {
+	if c.SocketDir == "" && c.TCPAddr == "" {
 		c.SocketDir = c.Dir
 	}
 	if c.Port == 0 {
@@ -96,6 +96,9 @@ func (c *Cluster) prepare() error {
 		c.cred = &syscall.Credential{Uid: uint32(c.uid), Gid: uint32(c.gid)}
 	}
 	for _, d := range []string{c.Dir, c.SocketDir} {
+		if d == "" {
+			continue
+		}
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return fmt.Errorf("pgcluster: %w", err)
 		}
@@ -192,7 +195,18 @@ func (c *Cluster) Stop(ctx context.Context) error {
 	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "fast", "-w", "stop")
 }
 
-// ConnString is a libpq key/value connection string for database dbname as postgres.
+// ConnString is a libpq key/value connection string for database dbname as postgres: over
+// TCP when TCPAddr is set, else over the Unix socket.
 func (c *Cluster) ConnString(dbname string) string {
-	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", c.SocketDir, c.Port, dbname)
+	host, port := c.SocketDir, c.Port
+	if host == "" {
+		host = c.Dir
+	}
+	if c.TCPAddr != "" {
+		host = c.TCPAddr
+	}
+	if port == 0 {
+		port = 5432
+	}
+	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", host, port, dbname)
 }

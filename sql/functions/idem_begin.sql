@@ -4,7 +4,7 @@
 -- (bounded by lock_timeout, SQLSTATE 55P03 past it); the row is then read without a lock and
 -- decided on. Only the two writes (re-claiming an expired or released row, taking over a lease
 -- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
--- no subtransaction on any path.
+-- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
     p_principal      text,
     p_key            text,
@@ -30,59 +30,61 @@ SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 AS $$
 DECLARE
-    v_now   timestamptz := clock_timestamp();
-    v_row   idem.idempotency_keys%ROWTYPE;
-    v_lock  boolean := false;
+    v_problem text;
+    v_now     timestamptz;
+    v_row     idem.idempotency_keys%ROWTYPE;
+    v_lock    boolean;
+    v_tries   integer;
 BEGIN
-    PERFORM idem.check_key(p_principal, p_key);
-    IF p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL THEN
-        RAISE EXCEPTION 'idem_begin: p_action, p_request_sha256 and p_ttl must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF length(p_action) NOT BETWEEN 1 AND 1000 THEN
-        RAISE EXCEPTION 'idem_begin: p_action must be 1 to 1000 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF octet_length(p_request_sha256) <> 32 THEN
-        RAISE EXCEPTION 'idem_begin: p_request_sha256 must be 32 bytes, got %', octet_length(p_request_sha256)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_ttl <= interval '0' THEN
-        RAISE EXCEPTION 'idem_begin: p_ttl must be positive, got %', p_ttl
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_lease <= interval '0' OR p_lease > p_ttl THEN
-        RAISE EXCEPTION 'idem_begin: p_lease must be positive and at most p_ttl, got %', p_lease
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF jsonb_typeof(p_request_fields) <> 'object' THEN
-        RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
-            USING ERRCODE = 'invalid_parameter_value';
+    -- One expression validates everything: PL/pgSQL prepares each expression once per
+    -- transaction, so on the hot path fewer expressions are cheaper than many small IFs.
+    v_problem := CASE
+{{ template "check_key.sql" . }}
+        WHEN p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL
+            THEN '22004 p_action, p_request_sha256 and p_ttl must not be NULL'
+        WHEN length(p_action) NOT BETWEEN 1 AND 1000
+            THEN '22023 p_action must be 1 to 1000 characters'
+        WHEN octet_length(p_request_sha256) <> 32
+            THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
+        WHEN p_ttl <= interval '0'
+            THEN format('22023 p_ttl must be positive, got %s', p_ttl)
+        WHEN p_lease <= interval '0' OR p_lease > p_ttl
+            THEN format('22023 p_lease must be positive and at most p_ttl, got %s', p_lease)
+        WHEN jsonb_typeof(p_request_fields) <> 'object'
+            THEN format('22023 p_request_fields must be a JSON object, got %s', jsonb_typeof(p_request_fields))
+        WHEN p_lock_timeout <= interval '0'
+            THEN format('22023 p_lock_timeout must be positive, got %s', p_lock_timeout)
+    END;
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_begin: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
     IF p_lock_timeout IS NOT NULL THEN
-        IF p_lock_timeout <= interval '0' THEN
-            RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive, got %', p_lock_timeout
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
         -- Local to this call: the SET clause above restores the caller's value on return.
         PERFORM set_config('lock_timeout',
             greatest(ceil(extract(epoch FROM p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
 
-    FOR v_try IN 1..8 LOOP
-        IF NOT v_lock THEN
+    -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
+    -- A fresh key leaves at the first RETURN: one INSERT and two expressions.
+    LOOP
+        IF v_lock IS NOT TRUE THEN
+            -- statement_timestamp() is one instant for the whole call (the request's
+            -- arrival); decisions after a wait use clock_timestamp().
             INSERT INTO idem.idempotency_keys AS k
                 (principal_id, key, state, attempt, created_at, expires_at, lease_expires_at,
                  uncompleted, action, request_sha256, request_fields)
             VALUES
-                (p_principal, p_key, 'in_progress', 1, v_now, v_now + p_ttl, v_now + p_lease,
-                 nullif(p_lease IS NULL, false), p_action, p_request_sha256, p_request_fields)
+                (p_principal, p_key, 'in_progress', 1, statement_timestamp(), statement_timestamp() + p_ttl,
+                 statement_timestamp() + p_lease, nullif(p_lease IS NULL, false), p_action,
+                 p_request_sha256, p_request_fields)
             ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
                 RETURN;
             END IF;
+            -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
+            -- the row as committed; lock it only to write.
             SELECT * INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSE
@@ -90,8 +92,11 @@ BEGIN
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
         END IF;
+
         IF NOT FOUND THEN
-            -- Deleted by idem_cleanup since the INSERT saw it: insert again.
+            -- idem_cleanup deleted the (expired) row since the INSERT saw it: insert again.
+            v_tries := coalesce(v_tries, 0) + 1;
+            EXIT WHEN v_tries >= 8;
             v_lock := false;
             CONTINUE;
         END IF;
@@ -100,26 +105,22 @@ BEGIN
         IF v_row.expires_at <= v_now OR v_row.state = 'released' THEN
             -- An expired key is absent, a released one free: claim it again. The attempt
             -- keeps counting so that a holder of an older claim stays fenced off.
-            IF NOT v_lock THEN
-                v_lock := true;
-                CONTINUE;
+            IF v_lock THEN
+                UPDATE idem.idempotency_keys AS k
+                   SET state = 'in_progress', attempt = k.attempt + 1, created_at = v_now,
+                       expires_at = v_now + p_ttl, lease_expires_at = v_now + p_lease,
+                       uncompleted = nullif(p_lease IS NULL, false), action = p_action,
+                       request_sha256 = p_request_sha256, request_fields = p_request_fields,
+                       completed_at = NULL, response_status = NULL, response_headers = NULL,
+                       response_body = NULL, resource_id = NULL, withheld = NULL
+                 WHERE k.principal_id = p_principal AND k.key = p_key
+                RETURNING k.attempt INTO attempt;
+                outcome := 'claimed';
+                RETURN;
             END IF;
-            UPDATE idem.idempotency_keys AS k
-               SET state = 'in_progress', attempt = k.attempt + 1, created_at = v_now,
-                   expires_at = v_now + p_ttl, lease_expires_at = v_now + p_lease,
-                   uncompleted = nullif(p_lease IS NULL, false), action = p_action,
-                   request_sha256 = p_request_sha256, request_fields = p_request_fields,
-                   completed_at = NULL, response_status = NULL, response_headers = NULL,
-                   response_body = NULL, resource_id = NULL, withheld = NULL
-             WHERE k.principal_id = p_principal AND k.key = p_key
-            RETURNING k.attempt INTO attempt;
-            outcome := 'claimed';
-            RETURN;
-        END IF;
-
-        attempt := v_row.attempt;
-        IF v_row.action <> p_action OR v_row.request_sha256 <> p_request_sha256 THEN
+        ELSIF v_row.action <> p_action OR v_row.request_sha256 <> p_request_sha256 THEN
             outcome := 'mismatch';
+            attempt := v_row.attempt;
             IF v_row.action <> p_action THEN
                 changed_fields := '{}';
             ELSIF v_row.request_fields IS NOT NULL AND p_request_fields IS NOT NULL THEN
@@ -132,41 +133,36 @@ BEGIN
                      ORDER BY 1);
             END IF;
             RETURN;
-        END IF;
-
-        IF v_row.state = 'completed' THEN
+        ELSIF v_row.state = 'completed' THEN
             outcome := 'replay';
+            attempt := v_row.attempt;
             response_status := v_row.response_status;
             response_headers := v_row.response_headers;
             response_body := v_row.response_body;
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             RETURN;
-        END IF;
-
-        -- in_progress with the same fingerprint. Without a lease it is this transaction's own
-        -- uncommitted claim (no other transaction can see one).
-        IF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
+        ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
+            -- in_progress with the same fingerprint. Without a lease it is this
+            -- transaction's own uncommitted claim (no other transaction can see one).
             outcome := 'in_progress';
+            attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             RETURN;
+        ELSIF v_lock THEN
+            -- The lease ran out: take it over with the next attempt (fencing token).
+            UPDATE idem.idempotency_keys AS k
+               SET attempt = k.attempt + 1, lease_expires_at = v_now + p_lease,
+                   uncompleted = nullif(p_lease IS NULL, false)
+             WHERE k.principal_id = p_principal AND k.key = p_key
+            RETURNING k.attempt INTO attempt;
+            outcome := 'claimed';
+            RETURN;
         END IF;
-
-        -- The lease ran out: take it over with the next attempt (fencing token).
-        IF NOT v_lock THEN
-            v_lock := true;
-            CONTINUE;
-        END IF;
-        UPDATE idem.idempotency_keys AS k
-           SET attempt = k.attempt + 1, lease_expires_at = v_now + p_lease,
-               uncompleted = nullif(p_lease IS NULL, false)
-         WHERE k.principal_id = p_principal AND k.key = p_key
-        RETURNING k.attempt INTO attempt;
-        outcome := 'claimed';
-        RETURN;
+        -- A write is due: read the row again FOR UPDATE and decide on the locked version.
+        v_lock := true;
     END LOOP;
-
-    RAISE EXCEPTION 'idem_begin: the row for this key kept changing; retry the transaction'
+    RAISE EXCEPTION 'idem_begin: the row of this key kept vanishing; retry the transaction'
         USING ERRCODE = 'serialization_failure';
 END
 $$;

@@ -18,23 +18,22 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 AS $$
+DECLARE
+    v_problem text;
 BEGIN
-    PERFORM idem.check_key(p_principal, p_key);
-    IF p_attempt IS NULL OR p_status IS NULL OR p_headers IS NULL THEN
-        RAISE EXCEPTION 'idem_complete: p_attempt, p_status and p_headers must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF p_status NOT BETWEEN 100 AND 599 THEN
-        RAISE EXCEPTION 'idem_complete: p_status must be between 100 and 599, got %', p_status
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF jsonb_typeof(p_headers) <> 'object' THEN
-        RAISE EXCEPTION 'idem_complete: p_headers must be a JSON object, got %', jsonb_typeof(p_headers)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL) THEN
-        RAISE EXCEPTION 'idem_complete: p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
-            USING ERRCODE = 'invalid_parameter_value';
+    v_problem := CASE
+{{ template "check_key.sql" . }}
+        WHEN p_attempt IS NULL OR p_status IS NULL OR p_headers IS NULL
+            THEN '22004 p_attempt, p_status and p_headers must not be NULL'
+        WHEN p_status NOT BETWEEN 100 AND 599
+            THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
+        WHEN jsonb_typeof(p_headers) <> 'object'
+            THEN format('22023 p_headers must be a JSON object, got %s', jsonb_typeof(p_headers))
+        WHEN p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
+            THEN '22023 p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
+    END;
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_complete: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
     UPDATE idem.idempotency_keys AS k

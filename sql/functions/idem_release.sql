@@ -12,11 +12,16 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 AS $$
+DECLARE
+    v_problem text;
 BEGIN
-    PERFORM idem.check_key(p_principal, p_key);
-    IF p_attempt IS NULL THEN
-        RAISE EXCEPTION 'idem_release: p_attempt must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
+    v_problem := CASE
+{{ template "check_key.sql" . }}
+        WHEN p_attempt IS NULL
+            THEN '22004 p_attempt must not be NULL'
+    END;
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_release: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
     UPDATE idem.idempotency_keys AS k

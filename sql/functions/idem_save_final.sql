@@ -19,33 +19,27 @@ SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 AS $$
 DECLARE
-    v_now    timestamptz := clock_timestamp();
-    v_stored boolean;
+    v_problem text;
+    v_now     timestamptz := clock_timestamp();
+    v_stored  boolean;
 BEGIN
-    PERFORM idem.check_key(p_principal, p_key);
-    IF p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL OR p_status IS NULL OR p_headers IS NULL THEN
-        RAISE EXCEPTION 'idem_save_final: p_action, p_request_sha256, p_ttl, p_status and p_headers must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF length(p_action) NOT BETWEEN 1 AND 1000 THEN
-        RAISE EXCEPTION 'idem_save_final: p_action must be 1 to 1000 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF octet_length(p_request_sha256) <> 32 THEN
-        RAISE EXCEPTION 'idem_save_final: p_request_sha256 must be 32 bytes, got %', octet_length(p_request_sha256)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_ttl <= interval '0' THEN
-        RAISE EXCEPTION 'idem_save_final: p_ttl must be positive, got %', p_ttl
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_status NOT BETWEEN 100 AND 599 THEN
-        RAISE EXCEPTION 'idem_save_final: p_status must be between 100 and 599, got %', p_status
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF jsonb_typeof(p_headers) <> 'object' OR jsonb_typeof(p_request_fields) <> 'object' THEN
-        RAISE EXCEPTION 'idem_save_final: p_headers and p_request_fields must be JSON objects'
-            USING ERRCODE = 'invalid_parameter_value';
+    v_problem := CASE
+{{ template "check_key.sql" . }}
+        WHEN p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL OR p_status IS NULL OR p_headers IS NULL
+            THEN '22004 p_action, p_request_sha256, p_ttl, p_status and p_headers must not be NULL'
+        WHEN length(p_action) NOT BETWEEN 1 AND 1000
+            THEN '22023 p_action must be 1 to 1000 characters'
+        WHEN octet_length(p_request_sha256) <> 32
+            THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
+        WHEN p_ttl <= interval '0'
+            THEN format('22023 p_ttl must be positive, got %s', p_ttl)
+        WHEN p_status NOT BETWEEN 100 AND 599
+            THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
+        WHEN jsonb_typeof(p_headers) <> 'object' OR jsonb_typeof(p_request_fields) <> 'object'
+            THEN '22023 p_headers and p_request_fields must be JSON objects'
+    END;
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_save_final: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
     INSERT INTO idem.idempotency_keys AS k

@@ -1,6 +1,5 @@
 -- The public SQL API of idem, installed (and re-installed) by `server migrate` after the
 -- migrations in sql/migrations. Each function lives in its own file.
-{{ template "check_key.sql" . }}
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}

@@ -1,0 +1,42 @@
+# idem: idempotency keys decided inside PostgreSQL. `make help` lists the targets.
+SHELL := /bin/bash
+GO ?= go
+GOFLAGS_TEST ?= -race -count=1
+PKGS := ./...
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
+
+.PHONY: build
+build: ## build the reference server into bin/server
+	$(GO) build -o bin/server ./cmd/server
+
+.PHONY: run
+run: ## serve on 127.0.0.1:8080 (a private PostgreSQL under .data/ when DATABASE_URL is unset)
+	$(GO) run ./cmd/server serve
+
+.PHONY: migrate
+migrate: ## apply the migrations and install the SQL API into DATABASE_URL (or the .data/ cluster)
+	$(GO) run ./cmd/server migrate
+
+.PHONY: test
+test: ## run every test (Go and pgTAP) against a real PostgreSQL, with the race detector
+	$(GO) test $(GOFLAGS_TEST) $(PKGS)
+
+.PHONY: lint
+lint: ## gofmt, go vet, staticcheck and plpgsql_check over every function
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	$(GO) tool staticcheck $(PKGS)
+	$(GO) run ./internal/tools/sqllint
+
+.PHONY: bench
+bench: ## SQL benchmark (pgbench, fsync on): no key, functions, hand-written, replays, side by side
+	$(GO) run ./internal/tools/bench
+
+.PHONY: clean
+clean: ## stop nothing, remove build output (the .data/ cluster stays)
+	rm -rf bin

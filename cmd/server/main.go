@@ -1,0 +1,43 @@
+// Command server is the reference server of idem: today it migrates a database and serves
+// health and version; the ledger API builds on it.
+//
+//	server [serve]   serve HTTP on LISTEN_ADDR (default)
+//	server migrate   apply the migrations and install the SQL API, then exit
+//	server version   print the version
+//
+// Without DATABASE_URL the server creates, starts and reuses a private PostgreSQL cluster
+// under .data/ and migrates it (the `make run` default).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	m := NewMain(os.Stdout, os.Stderr)
+	if err := m.ParseFlags(os.Args[1:], os.Getenv); err != nil {
+		fmt.Fprintln(os.Stderr, "server:", err)
+		os.Exit(2)
+	}
+	err := m.Run(ctx)
+	if cerr := m.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil && !errors.Is(err, context.Canceled) {
+		fmt.Fprintln(os.Stderr, "server:", err)
+		os.Exit(1)
+	}
+}
+
+// NewMain returns a Main that writes its output to stdout and its logs to stderr.
+func NewMain(stdout, stderr io.Writer) *Main {
+	return &Main{stdout: stdout, stderr: stderr}
+}
