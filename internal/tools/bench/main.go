@@ -218,7 +218,6 @@ func pgbench(bin, url string, v variant, script string, clients, seconds int) (f
 	return strconv.ParseFloat(string(m[1]), 64)
 }
 
-
 func median(xs []float64) float64 {
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
