@@ -202,6 +202,24 @@ func NewDB(t testing.TB) string {
 	return newDatabase(t, true)
 }
 
+// ExampleDB creates a migrated database for an Example function (which has no testing.T)
+// and returns its connection string. It is dropped when the test binary ends. Call it only
+// from a package whose TestMain uses Main.
+func ExampleDB() string {
+	setupOnce.Do(func() { setupErr = start() })
+	if setupErr != nil {
+		panic(setupErr)
+	}
+	name := fmt.Sprintf("ex_%d_%d", os.Getpid(), counter.Add(1))
+	if err := adminExec(context.Background(), fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s", name, template)); err != nil {
+		panic(err)
+	}
+	teardown = append(teardown, func() {
+		_ = adminExec(context.Background(), "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
+	})
+	return withDB(adminURL, name)
+}
+
 // NewEmptyDB creates an empty database (from template0) for tests of the migrations.
 func NewEmptyDB(t testing.TB) string {
 	t.Helper()
