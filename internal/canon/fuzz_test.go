@@ -145,3 +145,21 @@ func BenchmarkCompute(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkJCS is the alternative side by side: github.com/gowebpki/jcs on the same bodies
+// (up to 64 KiB; its cost grows faster than the body).
+func BenchmarkJCS(b *testing.B) {
+	for _, size := range []int{1 << 10, 16 << 10, 64 << 10} {
+		for _, name := range []string{"many_keys", "deep", "numbers"} {
+			body := shapes(size)[name]
+			b.Run(fmt.Sprintf("%s/%dKiB", name, size>>10), func(b *testing.B) {
+				b.SetBytes(int64(len(body)))
+				for b.Loop() {
+					if _, err := jcs.Transform(body); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
