@@ -1,0 +1,606 @@
+package idemhttp_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+
+// app is a real HTTP server over a real database. Its handlers write one effect row per run
+// through the ambient transaction and answer as the request body says.
+type app struct {
+	t       *testing.T
+	pool    *pgxpool.Pool
+	srv     *httptest.Server
+	runs    atomic.Int32
+	started chan struct{}
+	release chan struct{}
+	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
+}
+
+type order struct {
+	Amount   int  `json:"amount"`
+	Status   int  `json:"status"`
+	Panic    bool `json:"panic"`
+	Block    bool `json:"block"`
+	Conflict bool `json:"conflict"`
+	StepUp   bool `json:"step_up"`
+	Big      bool `json:"big"`
+}
+
+func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
+	t.Helper()
+	pool, _ := pgtest.NewPool(t, 80)
+	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), release: make(chan struct{})}
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int)`); err != nil {
+		t.Fatal(err)
+	}
+	opts := idemhttp.Options{
+		DB: pool,
+		Principal: func(r *http.Request) (string, bool) {
+			p := r.Header.Get("X-Principal")
+			return p, p != ""
+		},
+		Logger:             slog.New(slog.NewTextHandler(io.Discard, nil)),
+		MaxBodyBytes:       1024,
+		MaxStoredBodyBytes: 512,
+		LockTimeout:        5 * time.Second,
+	}
+	if edit != nil {
+		edit(&opts)
+	}
+	m, err := idemhttp.New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := mux.NewRouter()
+	r.Handle("/transfers", m.Route(idemhttp.Route{Required: true})(http.HandlerFunc(a.effect))).Methods("POST")
+	r.HandleFunc("/accounts/{id}/deposits", a.effect).Methods("POST")
+	m.Declare("POST", "/accounts/{id}/deposits", idemhttp.Route{Action: "POST /accounts/{id}/deposits"})
+	r.Handle("/tokens", m.Route(idemhttp.Route{})(http.HandlerFunc(a.token))).Methods("POST")
+	r.Handle("/jobs", m.Route(idemhttp.Route{Lease: time.Minute})(http.HandlerFunc(a.job))).Methods("POST")
+	r.HandleFunc("/undeclared", a.effect).Methods("POST")
+	r.Use(m.Handler)
+	a.srv = httptest.NewServer(r)
+	t.Cleanup(a.srv.Close)
+	return a
+}
+
+func (a *app) effect(w http.ResponseWriter, r *http.Request) {
+	n := a.runs.Add(1)
+	var o order
+	body, _ := io.ReadAll(r.Body)
+	_ = json.Unmarshal(body, &o)
+	if o.Panic {
+		panic("handler bug")
+	}
+	var tx interface {
+		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+		QueryRow(context.Context, string, ...any) pgx.Row
+	} = a.pool // an undeclared route writes on its own
+	if t := idemhttp.Tx(r.Context()); t != nil {
+		tx = t
+	} else if r.URL.Path != "/undeclared" {
+		http.Error(w, "no transaction", 500)
+		return
+	}
+	if o.Block {
+		a.started <- struct{}{}
+		<-a.release
+	}
+	if o.Conflict {
+		run := r.Header.Get("X-Test-Run")
+		prev, _ := a.seen.LoadOrStore(run, new(atomic.Int32))
+		if prev.(*atomic.Int32).Add(1) == 1 {
+			if _, err := tx.Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$`); err != nil {
+				http.Error(w, err.Error(), 500)
+				return
+			}
+		}
+	}
+	var id int
+	if err := tx.QueryRow(r.Context(), `INSERT INTO effects (path, amount) VALUES ($1, $2) RETURNING id`, r.URL.Path, o.Amount).Scan(&id); err != nil {
+		http.Error(w, err.Error(), 500)
+		return
+	}
+	if o.StepUp && r.Header.Get("X-Step-Up") == "" {
+		w.WriteHeader(http.StatusUnauthorized)
+		return
+	}
+	status := o.Status
+	if status == 0 {
+		status = http.StatusCreated
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Location", fmt.Sprintf("/effects/%d", id))
+	w.Header().Set("X-Not-Stored", "yes")
+	w.WriteHeader(status)
+	if o.Big {
+		fmt.Fprintf(w, `{"id":%d,"pad":%q}`, id, strings.Repeat("x", 2048))
+		return
+	}
+	fmt.Fprintf(w, `{"id":%d,"amount":%d,"run":%d}`, id, o.Amount, n)
+}
+
+func (a *app) token(w http.ResponseWriter, r *http.Request) {
+	a.runs.Add(1)
+	idemhttp.MarkOneTimeSecret(r.Context())
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"token":"secret-%d"}`, time.Now().UnixNano())
+}
+
+func (a *app) job(w http.ResponseWriter, r *http.Request) {
+	a.runs.Add(1)
+	if idemhttp.Tx(r.Context()) != nil {
+		http.Error(w, "a lease route has no transaction", 500)
+		return
+	}
+	w.WriteHeader(http.StatusAccepted)
+	fmt.Fprint(w, `{"job":"done"}`)
+}
+
+var noRedirects = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+
+type reply struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (a *app) do(method, path, principal, key string, body string, headers ...string) reply {
+	return a.doCtx(context.Background(), method, path, principal, key, body, headers...)
+}
+
+func (a *app) doCtx(ctx context.Context, method, path, principal, key string, body string, headers ...string) reply {
+	a.t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, method, a.srv.URL+path, strings.NewReader(body))
+	if principal != "" {
+		req.Header.Set("X-Principal", principal)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Add(headers[i], headers[i+1])
+	}
+	resp, err := noRedirects.Do(req)
+	if err != nil {
+		return reply{status: -1, body: err.Error()}
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return reply{resp.StatusCode, resp.Header, string(b)}
+}
+
+func (a *app) count(sql string, args ...any) int {
+	a.t.Helper()
+	var n int
+	if err := a.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		a.t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+func (a *app) effects() int { return a.count(`SELECT count(*) FROM effects`) }
+func (a *app) keys() int    { return a.count(`SELECT count(*) FROM idem.idempotency_keys`) }
+
+func problemCode(t *testing.T, r reply) string {
+	t.Helper()
+	var p idemhttp.Problem
+	if err := json.Unmarshal([]byte(r.body), &p); err != nil || r.header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("not a problem: %d %s %v", r.status, r.body, r.header)
+	}
+	if p.Status != r.status || p.Type == "" || p.Title == "" || !strings.HasSuffix(p.Type, "#"+p.Code) {
+		t.Errorf("problem %+v is incomplete", p)
+	}
+	return p.Code
+}
+
+func TestReplayIsByteForByte(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	first := a.do("POST", "/transfers", "alice", "k1", `{"amount":100}`)
+	if first.status != 201 || first.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("first: %+v", first)
+	}
+	second := a.do("POST", "/transfers", "alice", "k1", `{"amount":100}`, "X-Request-Id", "req-2")
+	if second.status != 201 || second.body != first.body || second.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %+v, want %q", second, first.body)
+	}
+	for _, h := range []string{"Content-Type", "Location"} {
+		if second.header.Get(h) != first.header.Get(h) {
+			t.Errorf("replayed %s = %q, want %q", h, second.header.Get(h), first.header.Get(h))
+		}
+	}
+	if second.header.Get("X-Not-Stored") != "" {
+		t.Error("a header outside the allowlist was replayed")
+	}
+	if a.runs.Load() != 1 || a.effects() != 1 {
+		t.Fatalf("handler ran %d times, %d effects; want 1 and 1", a.runs.Load(), a.effects())
+	}
+	// Equivalent JSON is the same request.
+	third := a.do("POST", "/transfers", "alice", "k1", " { \"amount\" : 100.0 } ")
+	if third.status != 201 || third.body != first.body || a.runs.Load() != 1 {
+		t.Fatalf("equivalent JSON: %+v", third)
+	}
+	// Quoted (RFC 8941) and bare keys are the same key.
+	if r := a.do("POST", "/transfers", "alice", `"k1"`, `{"amount":100}`); r.body != first.body || r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("quoted key: %+v", r)
+	}
+}
+
+func TestMismatch(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	a.do("POST", "/transfers", "alice", "k1", `{"amount":100,"to":"x"}`)
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":999,"to":"x"}`)
+	if r.status != 422 || problemCode(t, r) != idemhttp.CodeKeyReuse {
+		t.Fatalf("other body: %+v", r)
+	}
+	var p idemhttp.Problem
+	_ = json.Unmarshal([]byte(r.body), &p)
+	if len(p.ChangedFields) != 1 || p.ChangedFields[0] != "amount" || strings.Contains(r.body, "999") {
+		t.Fatalf("changed fields %v in %s: want [amount] and no values", p.ChangedFields, r.body)
+	}
+	a.do("POST", "/accounts/1/deposits", "alice", "d1", `{"amount":5}`)
+	r = a.do("POST", "/accounts/2/deposits", "alice", "d1", `{"amount":5}`)
+	if r.status != 422 || problemCode(t, r) != idemhttp.CodeKeyReuse {
+		t.Fatalf("other path: %+v", r)
+	}
+	if a.effects() != 2 {
+		t.Fatalf("%d effects, want 2", a.effects())
+	}
+}
+
+func TestConcurrentRepeatWaitsThen409(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, func(o *idemhttp.Options) { o.LockTimeout = 300 * time.Millisecond })
+	done := make(chan reply, 1)
+	go func() { done <- a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`) }()
+	<-a.started
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`)
+	if r.status != 409 || problemCode(t, r) != idemhttp.CodeInProgress || r.header.Get("Retry-After") != "1" {
+		t.Fatalf("repeat during the first: %+v", r)
+	}
+	close(a.release)
+	first := <-done
+	if first.status != 201 {
+		t.Fatalf("first: %+v", first)
+	}
+	if r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`); r.body != first.body || r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("repeat after the first: %+v", r)
+	}
+	if a.effects() != 1 {
+		t.Fatalf("%d effects", a.effects())
+	}
+}
+
+func TestSixtyFourParallelRequestsOneEffect(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, func(o *idemhttp.Options) { o.LockTimeout = 20 * time.Second })
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	replies := make([]reply, 64)
+	for i := range replies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			replies[i] = a.do("POST", "/transfers", "alice", "same", `{"amount":64}`)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for i, r := range replies {
+		if r.status != 201 || r.body != replies[0].body {
+			t.Fatalf("reply %d: %+v, want %q", i, r, replies[0].body)
+		}
+	}
+	if a.effects() != 1 || a.runs.Load() != 1 {
+		t.Fatalf("%d effects, %d runs; want 1 and 1", a.effects(), a.runs.Load())
+	}
+}
+
+func TestStepUpThenRetryTakesEffectOnce(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	if r := a.do("POST", "/transfers", "alice", "k1", `{"amount":7,"step_up":true}`); r.status != 401 {
+		t.Fatalf("first: %+v", r)
+	}
+	if a.effects() != 0 || a.keys() != 0 {
+		t.Fatal("a 401 left state behind")
+	}
+	if r := a.do("POST", "/transfers", "alice", "k1", `{"amount":7,"step_up":true}`, "X-Step-Up", "otp"); r.status != 201 {
+		t.Fatalf("retry: %+v", r)
+	}
+	if a.effects() != 1 {
+		t.Fatalf("%d effects, want 1", a.effects())
+	}
+}
+
+func TestNonFinalResponsesStoreNothing(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	for _, c := range []struct {
+		body   string
+		status int
+	}{
+		{`{"status":500}`, 500}, {`{"status":503}`, 503}, {`{"status":429}`, 429},
+		{`{"status":428}`, 428}, {`{"status":408}`, 408}, {`{"status":302}`, 302}, {`{"panic":true}`, 500},
+	} {
+		r := a.do("POST", "/transfers", "alice", "k-"+c.body, c.body)
+		if r.status != c.status {
+			t.Errorf("%s: status %d, want %d", c.body, r.status, c.status)
+		}
+	}
+	if a.effects() != 0 || a.keys() != 0 {
+		t.Fatalf("%d effects, %d keys after non-final responses; want none", a.effects(), a.keys())
+	}
+	if r := a.do("POST", "/transfers", "alice", `k-{"status":500}`, `{"status":201}`); r.status != 201 {
+		t.Fatalf("a retry after a 5xx runs: %+v", r)
+	}
+}
+
+func TestFinalErrorsAreStoredWithoutEffect(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	for _, status := range []int{404, 409, 422} {
+		key := fmt.Sprintf("final-%d", status)
+		body := fmt.Sprintf(`{"status":%d}`, status)
+		first := a.do("POST", "/transfers", "alice", key, body)
+		again := a.do("POST", "/transfers", "alice", key, body)
+		if first.status != status || again.status != status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("%d: first %+v, again %+v", status, first, again)
+		}
+	}
+	if a.effects() != 0 || a.runs.Load() != 3 || a.keys() != 3 {
+		t.Fatalf("%d effects, %d runs, %d keys; want 0, 3, 3", a.effects(), a.runs.Load(), a.keys())
+	}
+}
+
+func TestPrincipalsAreIndependent(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	x := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
+	y := a.do("POST", "/transfers", "bob", "k1", `{"amount":1}`)
+	if x.status != 201 || y.status != 201 || x.body == y.body || a.effects() != 2 {
+		t.Fatalf("alice %+v, bob %+v, %d effects", x, y, a.effects())
+	}
+}
+
+func TestOneTimeSecret(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	first := a.do("POST", "/tokens", "alice", "t1", `{}`)
+	if first.status != 201 || !strings.Contains(first.body, "secret-") {
+		t.Fatalf("first: %+v", first)
+	}
+	if n := a.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 't1' AND response_body IS NULL AND withheld = 'one_time_secret' AND response_status = 201`); n != 1 {
+		t.Fatal("the secret's body was stored")
+	}
+	r := a.do("POST", "/tokens", "alice", "t1", `{}`)
+	if r.status != 409 || problemCode(t, r) != idemhttp.CodeOneTimeSecret || strings.Contains(r.body, "secret-") {
+		t.Fatalf("repeat: %+v", r)
+	}
+	if a.runs.Load() != 1 {
+		t.Fatalf("the handler ran %d times", a.runs.Load())
+	}
+}
+
+func TestOversizeResponse(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	first := a.do("POST", "/transfers", "alice", "big", `{"big":true}`)
+	if first.status != 201 || len(first.body) < 2048 {
+		t.Fatalf("first: %d, %d bytes", first.status, len(first.body))
+	}
+	r := a.do("POST", "/transfers", "alice", "big", `{"big":true}`)
+	if r.status != 409 || problemCode(t, r) != idemhttp.CodeNotReplayable {
+		t.Fatalf("repeat: %+v", r)
+	}
+	var p idemhttp.Problem
+	_ = json.Unmarshal([]byte(r.body), &p)
+	if p.ResourceID != first.header.Get("Location") || p.ResourceID == "" {
+		t.Fatalf("resource id %q, want %q", p.ResourceID, first.header.Get("Location"))
+	}
+	if a.effects() != 1 {
+		t.Fatalf("%d effects", a.effects())
+	}
+}
+
+func TestExpiredKeyRunsAgain(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
+	if _, err := a.pool.Exec(context.Background(), `UPDATE idem.idempotency_keys
+		SET created_at = now() - interval '2 days', expires_at = now() - interval '1 day'`); err != nil {
+		t.Fatal(err)
+	}
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
+	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "" || a.effects() != 2 {
+		t.Fatalf("after expiry: %+v, %d effects", r, a.effects())
+	}
+}
+
+func TestKeyValidation(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	for _, key := range []string{`""`, strings.Repeat("k", 256), `"a b"`, "a\tb", "clé", `"unterminated`, `"a\qb"`} {
+		r := a.do("POST", "/transfers", "alice", key, `{"amount":1}`)
+		if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyInvalid {
+			t.Errorf("key %q: %+v", key, r)
+		}
+	}
+	r := a.do("POST", "/transfers", "alice", "", `{"amount":1}`, "Idempotency-Key", "a", "Idempotency-Key", "b")
+	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyInvalid {
+		t.Errorf("two keys: %+v", r)
+	}
+	r = a.do("POST", "/transfers", "alice", "", `{"amount":1}`)
+	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyMissing {
+		t.Errorf("missing key on a required route: %+v", r)
+	}
+	if r := a.do("POST", "/transfers", "alice", strings.Repeat("k", 255), `{"amount":1}`); r.status != 201 {
+		t.Errorf("a 255-byte key: %+v", r)
+	}
+	if a.effects() != 1 || a.keys() != 1 {
+		t.Fatalf("%d effects, %d keys; only the valid request may leave any", a.effects(), a.keys())
+	}
+}
+
+func TestAnonymousAndUndeclaredIgnoreTheKey(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	for range 2 {
+		if r := a.do("POST", "/transfers", "", "k1", `{"amount":1}`); r.status != 201 || r.header.Get("Idempotent-Replayed") != "" {
+			t.Fatalf("anonymous: %+v", r)
+		}
+		if r := a.do("POST", "/undeclared", "alice", "k2", `{"amount":1}`); r.status != 201 {
+			t.Fatalf("undeclared: %+v", r)
+		}
+	}
+	if a.keys() != 0 || a.count(`SELECT count(*) FROM effects WHERE path = '/transfers'`) != 2 {
+		t.Fatalf("%d keys, %d effects", a.keys(), a.effects())
+	}
+}
+
+func TestSerializationFailureRerunsWithFullBody(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	body := `{"amount":4242,"conflict":true,"pad":"` + strings.Repeat("p", 500) + `"}`
+	r := a.do("POST", "/transfers", "alice", "k1", body, "X-Test-Run", "run-1")
+	if r.status != 201 || a.runs.Load() != 2 {
+		t.Fatalf("%+v after %d runs; want 201 after 2", r, a.runs.Load())
+	}
+	if n := a.count(`SELECT count(*) FROM effects WHERE amount = 4242`); n != 1 || a.effects() != 1 {
+		t.Fatalf("%d effects with the full amount, %d in all", n, a.effects())
+	}
+}
+
+func TestBodyOverTheLimit(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"pad":"`+strings.Repeat("x", 2000)+`"}`)
+	if r.status != 413 || problemCode(t, r) != idemhttp.CodeRequestTooLarge {
+		t.Fatalf("%+v", r)
+	}
+	if a.keys() != 0 || a.effects() != 0 || a.runs.Load() != 0 {
+		t.Fatal("an oversized request left state or ran the handler")
+	}
+}
+
+func TestLeaseRoute(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	first := a.do("POST", "/jobs", "alice", "j1", `{"n":1}`)
+	again := a.do("POST", "/jobs", "alice", "j1", `{"n":1}`)
+	if first.status != 202 || again.status != 202 || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("first %+v, again %+v", first, again)
+	}
+	if a.runs.Load() != 1 {
+		t.Fatalf("the job ran %d times", a.runs.Load())
+	}
+}
+
+func TestCancelledClientLeavesNothing(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan reply, 1)
+	go func() { done <- a.doCtx(ctx, "POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`) }()
+	<-a.started
+	cancel()
+	<-done
+	close(a.release)
+	deadline := time.Now().Add(5 * time.Second)
+	for a.count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'`) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if a.keys() != 0 || a.effects() != 0 {
+		t.Fatalf("%d keys, %d effects after a cancelled request", a.keys(), a.effects())
+	}
+	if r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`); r.status != 201 {
+		t.Fatalf("the retry: %+v", r)
+	}
+}
+
+
+func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
+	t.Parallel()
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	reg := prometheus.NewRegistry()
+	a := newApp(t, func(o *idemhttp.Options) {
+		o.Logger = slog.New(slog.NewJSONHandler(lockedWriter{&mu, &logs}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		o.Metrics = idemhttp.NewPrometheusObserver(reg)
+	})
+	const key, secret = "key-visible-in-no-log", "body-visible-in-no-log"
+	a.do("POST", "/transfers", "alice", key, `{"amount":1,"memo":"`+secret+`"}`)
+	a.do("POST", "/transfers", "alice", key, `{"amount":1,"memo":"`+secret+`"}`)
+	a.do("POST", "/transfers", "alice", key, `{"amount":2,"memo":"`+secret+`"}`)
+	a.do("POST", "/transfers", "alice", "k-500", `{"status":500,"memo":"`+secret+`"}`)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != "idem_http_requests_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "outcome" {
+					got[l.GetValue()] += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	want := map[string]float64{"acquired": 1, "replayed": 1, "mismatch": 1, "not_stored": 1}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("outcome %s counted %v times, want %v (all: %v)", k, got[k], v, got)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if strings.Contains(logs.String(), key) || strings.Contains(logs.String(), secret) {
+		t.Fatalf("a log line holds a raw key or body:\n%s", logs.String())
+	}
+	if !strings.Contains(logs.String(), `"outcome":"mismatch"`) {
+		t.Fatalf("the mismatch was not logged:\n%s", logs.String())
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}

@@ -1,0 +1,142 @@
+// Package idemhttp is the gorilla/mux (and plain net/http) middleware of idem: wrap a
+// route, and retries of its requests become safe without idempotency code in the handler.
+//
+// For a declared route, a request that carries an Idempotency-Key and has a principal:
+//
+//   - the first request runs the handler inside a database transaction that also claims the
+//     key; a 2xx response is stored with the effect in the same commit;
+//   - a repeat gets the stored response byte for byte, plus Idempotent-Replayed: true;
+//   - a different request under the same key gets 422 idempotency_key_reuse;
+//   - a repeat while the first still runs waits up to the lock timeout, then answers as the
+//     first did, or 409 request_in_progress with Retry-After;
+//   - a final error (400, 403, 404, 409, 410, 412, 413, 415, 422) is rolled back and stored;
+//     other errors (401, 408, 428, 429, 3xx, 5xx, a panic) are rolled back and not stored.
+//
+// Handlers write through the transaction in the request's context ([Tx]). docs/http.md has
+// the whole behaviour table, the problem types and how to wire it.
+package idemhttp
+
+import (
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/canon"
+)
+
+// Options configure a Middleware. Only DB and Principal are required.
+type Options struct {
+	// DB is the pool the units of work run on. Required.
+	DB *pgxpool.Pool
+	// Principal returns who sent the request, or false for an anonymous request (whose
+	// Idempotency-Key is then ignored). Required. An application that references its own
+	// principals table from idem.idempotency_keys gets 401 for a principal that is not there.
+	Principal func(*http.Request) (string, bool)
+	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
+	KeyHeader string
+	// ReplayHeader is set to "true" on a replayed response. Default "Idempotent-Replayed".
+	ReplayHeader string
+	// CorrelationHeader names the request's correlation id; a replay carries the current
+	// request's value, not the stored one. Default "X-Request-Id".
+	CorrelationHeader string
+	// TTL is how long a key stays valid. Default 24h.
+	TTL time.Duration
+	// LockTimeout bounds the wait for a concurrent request with the same key; past it the
+	// answer is 409 request_in_progress. Default 2s (the SQL function's default).
+	LockTimeout time.Duration
+	// MaxBodyBytes is the largest request body read; a larger one gets 413 before any
+	// fingerprint or database work. Default 1 MiB.
+	MaxBodyBytes int64
+	// MaxStoredBodyBytes is the largest response body stored for replay; a larger response
+	// is sent once and stored without its body (a repeat gets 409 response_not_replayable).
+	// Default 256 KiB.
+	MaxStoredBodyBytes int
+	// StoredHeaders is the allowlist of response headers stored and replayed. Default
+	// Content-Type, Location, ETag, Content-Location, Last-Modified.
+	StoredHeaders []string
+	// FinalStatus tells which error statuses are final: rolled back, then stored and
+	// replayed. Default: 400, 403, 404, 409, 410, 412, 413, 415, 422.
+	FinalStatus func(status int) bool
+	// ProblemBase is the prefix of the problem type URIs; a problem's type is ProblemBase
+	// followed by its code, which is also an anchor of docs/http.md. Default
+	// "https://github.com/pgidem/pgidem/blob/main/docs/http.md#".
+	ProblemBase string
+	// MaxAttempts bounds the runs of a unit of work that fails with 40001 or 40P01.
+	// Default 3.
+	MaxAttempts int
+	// Logger receives one line per idempotency outcome worth a look (never a raw key or
+	// body: keys are logged as a short hash). Default slog.Default().
+	Logger *slog.Logger
+	// Metrics observes every outcome. Default: none.
+	Metrics Observer
+}
+
+// Route declares how one route takes part. The zero value is an optional-key,
+// transactional route whose action is the request's method and route path template.
+type Route struct {
+	// Action names what the route does, for example "POST /v1/transfers". A different
+	// action under the same key is a mismatch. Default: the method and the gorilla/mux
+	// path template (or the URL path outside gorilla/mux).
+	Action string
+	// Required makes a request without the key a 400 idempotency_key_missing.
+	Required bool
+	// Lease makes the route a lease claim for work outside the database: the claim is
+	// committed on its own before the handler runs, the handler gets no transaction, and the
+	// response is stored afterwards, fenced by the claim's attempt. 0: a transactional claim,
+	// the handler's writes commit with the key.
+	Lease time.Duration
+	// Fingerprint replaces the default fingerprint (method, path and canonical body) for a
+	// route whose meaning is narrower than its body.
+	Fingerprint func(r *http.Request, body []byte) canon.Fingerprint
+}
+
+func (o *Options) defaults() {
+	if o.KeyHeader == "" {
+		o.KeyHeader = "Idempotency-Key"
+	}
+	if o.ReplayHeader == "" {
+		o.ReplayHeader = "Idempotent-Replayed"
+	}
+	if o.CorrelationHeader == "" {
+		o.CorrelationHeader = "X-Request-Id"
+	}
+	if o.TTL == 0 {
+		o.TTL = 24 * time.Hour
+	}
+	if o.LockTimeout == 0 {
+		o.LockTimeout = 2 * time.Second
+	}
+	if o.MaxBodyBytes == 0 {
+		o.MaxBodyBytes = 1 << 20
+	}
+	if o.MaxStoredBodyBytes == 0 {
+		o.MaxStoredBodyBytes = 256 << 10
+	}
+	if o.StoredHeaders == nil {
+		o.StoredHeaders = []string{"Content-Type", "Location", "ETag", "Content-Location", "Last-Modified"}
+	}
+	if o.FinalStatus == nil {
+		o.FinalStatus = DefaultFinalStatus
+	}
+	if o.ProblemBase == "" {
+		o.ProblemBase = "https://github.com/pgidem/pgidem/blob/main/docs/http.md#"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.Metrics == nil {
+		o.Metrics = nopObserver{}
+	}
+}
+
+// DefaultFinalStatus is the default Options.FinalStatus: the error statuses that a retry of
+// the same request would get again (CONTRACT.md section 4).
+func DefaultFinalStatus(status int) bool {
+	switch status {
+	case 400, 403, 404, 409, 410, 412, 413, 415, 422:
+		return true
+	}
+	return false
+}
