@@ -546,7 +546,6 @@ func TestCancelledClientLeavesNothing(t *testing.T) {
 	}
 }
 
-
 func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	t.Parallel()
 	var logs bytes.Buffer
