@@ -559,6 +559,9 @@ func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, resp dbidem.
 		w.Header()[k] = v
 	}
 	w.Header().Set(m.o.ReplayHeader, "true")
+	if id := r.Header.Get(m.o.CorrelationHeader); id != "" && w.Header().Get(m.o.CorrelationHeader) == "" {
+		w.Header().Set(m.o.CorrelationHeader, id) // the current request's, never the stored one
+	}
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
 }

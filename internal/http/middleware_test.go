@@ -235,6 +235,9 @@ func TestReplayIsByteForByte(t *testing.T) {
 			t.Errorf("replayed %s = %q, want %q", h, second.header.Get(h), first.header.Get(h))
 		}
 	}
+	if second.header.Get("X-Request-Id") != "req-2" {
+		t.Errorf("the replay carries correlation id %q, want the current request's req-2", second.header.Get("X-Request-Id"))
+	}
 	if second.header.Get("X-Not-Stored") != "" {
 		t.Error("a header outside the allowlist was replayed")
 	}
