@@ -1,12 +1,16 @@
-// Command server is the reference server of idem: today it migrates a database and serves
-// health and version; the ledger API builds on it.
+// Command server is the reference server of idem: a small ledger API (accounts, deposits,
+// transfers, API tokens) whose POST routes are made idempotent by internal/http, with
+// in-process cleanup of expired keys, Prometheus metrics and an OpenAPI document.
 //
-//	server [serve]   serve HTTP on LISTEN_ADDR (default)
-//	server migrate   apply the migrations and install the SQL API, then exit
-//	server version   print the version
+//	server [serve]                 serve HTTP on LISTEN_ADDR (default)
+//	server migrate                 apply the migrations and install the SQL API, then exit
+//	server cleanup                 delete expired idempotency keys (one full pass), then exit
+//	server principal create NAME   create a principal; print its id and a bearer token once
+//	server version                 print the version
 //
 // Without DATABASE_URL the server creates, starts and reuses a private PostgreSQL cluster
-// under .data/ and migrates it (the `make run` default).
+// under .data/ and migrates it (the `make run` default). docs/operations.md lists every
+// environment variable.
 package main
 
 import (

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"io"
 	"net/http"
 	"os"
@@ -38,48 +37,13 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 
 // TestServeHealthz runs the real program: migrate, then serve health and version.
 func TestServeHealthz(t *testing.T) {
-	url := pgtest.NewEmptyDB(t)
-	env := map[string]string{"DATABASE_URL": url, "LISTEN_ADDR": "127.0.0.1:0"}
-	getenv := func(k string) string { return env[k] }
-
-	mig := NewMain(io.Discard, io.Discard)
-	if err := mig.ParseFlags([]string{"migrate"}, getenv); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	_ = mig.Close()
-	var n int
-	if err := pgtest.Connect(t, url).QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace`).Scan(&n); err != nil || n != 5 {
-		t.Fatalf("after migrate: %d functions in schema idem (%v), want 5", n, err)
-	}
-
-	m := NewMain(io.Discard, io.Discard)
-	if err := m.ParseFlags(nil, getenv); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- m.Run(ctx) }()
-	addr := <-m.Addr
-	for _, path := range []string{"/healthz", "/version"} {
-		resp, err := http.Get("http://" + addr + path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			t.Errorf("GET %s: %d %s", path, resp.StatusCode, body)
+	s := startServer(t, nil)
+	for _, path := range []string{"/healthz", "/version", "/metrics", "/openapi.json"} {
+		if r := s.call("GET", path, "", "", ""); r.status != http.StatusOK {
+			t.Errorf("GET %s: %d %s", path, r.status, r.body)
 		}
 	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("serve: %v", err)
-	}
-	if err := m.Close(); err != nil {
-		t.Fatal(err)
+	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace`); n != 5 {
+		t.Fatalf("%d functions in schema idem, want 5", n)
 	}
 }

@@ -1,0 +1,225 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+func TestLedgerRoutes(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, alice := s.principal("alice")
+	_, bob := s.principal("bob")
+
+	// Accounts: 201 with Location and ETag; stored final errors replay.
+	r := s.call("POST", "/v1/accounts", alice, "acc-1", `{"name":"main","currency":"EUR"}`)
+	if r.status != 201 || r.header.Get("Location") == "" || r.header.Get("ETag") != `"1"` {
+		t.Fatalf("create account: %+v", r)
+	}
+	main := int(r.json(t)["id"].(float64))
+	if again := s.call("POST", "/v1/accounts", alice, "acc-1", `{"name":"main","currency":"EUR"}`); again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %+v", again)
+	}
+	savings := int(s.call("POST", "/v1/accounts", alice, "", `{"name":"savings","currency":"EUR"}`).json(t)["id"].(float64))
+	usd := int(s.call("POST", "/v1/accounts", alice, "", `{"name":"usd","currency":"USD"}`).json(t)["id"].(float64))
+	for _, c := range []struct {
+		body   string
+		status int
+	}{{`{"name":"x","currency":"euro"}`, 422}, {`{"name":"","currency":"EUR"}`, 422}, {`{"name":"x"`, 400}, {`{"name":"x","currency":"EUR","extra":1}`, 400}} {
+		key := "bad-" + c.body
+		first := s.call("POST", "/v1/accounts", alice, key, c.body)
+		again := s.call("POST", "/v1/accounts", alice, key, c.body)
+		if first.status != c.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("%s: %+v then %+v, want a stored %d", c.body, first, again, c.status)
+		}
+	}
+
+	// GET with ETag; another principal sees nothing.
+	g := s.call("GET", fmt.Sprintf("/v1/accounts/%d", main), alice, "", "")
+	if g.status != 200 || g.header.Get("ETag") == "" {
+		t.Fatalf("get: %+v", g)
+	}
+	if r := s.call("GET", fmt.Sprintf("/v1/accounts/%d", main), alice, "", "", "If-None-Match", g.header.Get("ETag")); r.status != 304 {
+		t.Errorf("If-None-Match: %d", r.status)
+	}
+	if r := s.call("GET", fmt.Sprintf("/v1/accounts/%d", main), bob, "", ""); r.status != 404 {
+		t.Errorf("bob reads alice's account: %+v", r)
+	}
+	if r := s.call("GET", "/v1/accounts/1", "", "", ""); r.status != 401 {
+		t.Errorf("no token: %+v", r)
+	}
+
+	// Deposits.
+	d := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", main), alice, "dep-1", `{"amount":1000}`)
+	if d.status != 201 || d.json(t)["balance"].(float64) != 1000 {
+		t.Fatalf("deposit: %+v", d)
+	}
+	for _, c := range []struct {
+		path, body string
+		status     int
+	}{
+		{fmt.Sprintf("/v1/accounts/%d/deposits", main), `{"amount":0}`, 422},
+		{fmt.Sprintf("/v1/accounts/%d/deposits", main), `{"amount":1.5}`, 422},
+		{"/v1/accounts/999999/deposits", `{"amount":5}`, 404},
+	} {
+		first := s.call("POST", c.path, alice, "dep-"+c.body+c.path, c.body)
+		again := s.call("POST", c.path, alice, "dep-"+c.body+c.path, c.body)
+		if first.status != c.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("deposit %s %s: %+v then %+v", c.path, c.body, first, again)
+		}
+	}
+	if r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", main), bob, "", `{"amount":5}`); r.status != 404 {
+		t.Errorf("bob deposits into alice's account: %+v", r)
+	}
+
+	// Transfers: key required; insufficient funds is a stored 422.
+	tr := fmt.Sprintf(`{"from":%d,"to":%d,"amount":300}`, main, savings)
+	if r := s.call("POST", "/v1/transfers", alice, "", tr); r.status != 400 || !strings.Contains(r.body, "idempotency_key_missing") {
+		t.Fatalf("transfer without a key: %+v", r)
+	}
+	if r := s.call("POST", "/v1/transfers", alice, "tr-1", tr); r.status != 201 || r.header.Get("Location") == "" {
+		t.Fatalf("transfer: %+v", r)
+	}
+	over := fmt.Sprintf(`{"from":%d,"to":%d,"amount":999999}`, main, savings)
+	first := s.call("POST", "/v1/transfers", alice, "tr-2", over)
+	again := s.call("POST", "/v1/transfers", alice, "tr-2", over)
+	if first.status != 422 || !strings.Contains(first.body, `"code":"insufficient_funds"`) || again.body != first.body {
+		t.Fatalf("insufficient funds: %+v then %+v", first, again)
+	}
+	if r := s.call("POST", "/v1/transfers", alice, "tr-3", fmt.Sprintf(`{"from":%d,"to":%d,"amount":1}`, main, usd)); r.status != 422 {
+		t.Errorf("currency mismatch: %+v", r)
+	}
+	if r := s.call("POST", "/v1/transfers", bob, "tr-4", tr); r.status != 404 {
+		t.Errorf("bob moves alice's money: %+v", r)
+	}
+	if n := s.count(`SELECT balance FROM accounts WHERE id = $1`, main); n != 700 {
+		t.Fatalf("balance %d, want 700", n)
+	}
+
+	// API tokens: a one-time secret that works.
+	tok := s.call("POST", "/v1/api-tokens", alice, "tok-1", `{"name":"ci"}`)
+	if tok.status != 201 {
+		t.Fatalf("token: %+v", tok)
+	}
+	token := tok.json(t)["token"].(string)
+	if r := s.call("GET", fmt.Sprintf("/v1/accounts/%d", main), token, "", ""); r.status != 200 {
+		t.Fatalf("the new token does not authenticate: %+v", r)
+	}
+	if r := s.call("POST", "/v1/api-tokens", alice, "tok-1", `{"name":"ci"}`); r.status != 409 || strings.Contains(r.body, token) {
+		t.Fatalf("token repeat: %+v", r)
+	}
+	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'tok-1' AND response_body IS NULL`); n != 1 {
+		t.Fatal("the token was stored")
+	}
+}
+
+func TestDeletedPrincipal(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	id, token := s.principal("gone")
+	s.call("POST", "/v1/accounts", token, "k1", `{"name":"a","currency":"EUR"}`)
+	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = $1`, id); n != 1 {
+		t.Fatalf("%d keys before", n)
+	}
+	if _, err := s.pool.Exec(context.Background(), `DELETE FROM principals WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	if r := s.call("POST", "/v1/accounts", token, "k1", `{"name":"a","currency":"EUR"}`); r.status != 401 {
+		t.Fatalf("a deleted principal's token: %+v", r)
+	}
+	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = $1`, id); n != 0 {
+		t.Fatalf("%d keys of a deleted principal remain", n)
+	}
+}
+
+// TestOpenAPIMatchesRoutes: every route is in the document and every documented path is
+// routed, with the same methods.
+func TestOpenAPIMatchesRoutes(t *testing.T) {
+	t.Parallel()
+	var doc struct {
+		Paths map[string]map[string]struct {
+			Parameters []struct {
+				Ref string `json:"$ref"`
+			} `json:"parameters"`
+		} `json:"paths"`
+	}
+	if err := json.Unmarshal(openAPI, &doc); err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for path, ops := range doc.Paths {
+		for method := range ops {
+			documented[strings.ToUpper(method)+" "+path] = true
+		}
+	}
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none") // never connects
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	m := &Main{Config: Config{TransfersRequireKey: true, MaxBodyBytes: 1, MaxStoredBytes: 1},
+		registry: prometheus.NewRegistry(), log: slog.New(slog.NewTextHandler(io.Discard, nil)), pool: pool}
+	router, err := m.router()
+	if err != nil {
+		t.Fatal(err)
+	}
+	routed := map[string]bool{}
+	_ = router.Walk(func(route *mux.Route, _ *mux.Router, _ []*mux.Route) error {
+		tpl, err1 := route.GetPathTemplate()
+		methods, err2 := route.GetMethods()
+		if err1 == nil && err2 == nil {
+			for _, meth := range methods {
+				routed[meth+" "+tpl] = true
+			}
+		}
+		return nil
+	})
+	var missing, unrouted []string
+	for r := range routed {
+		if !documented[r] {
+			missing = append(missing, r)
+		}
+	}
+	for d := range documented {
+		if !routed[d] {
+			unrouted = append(unrouted, d)
+		}
+	}
+	sort.Strings(missing)
+	sort.Strings(unrouted)
+	if len(missing)+len(unrouted) > 0 || len(routed) < 9 {
+		t.Fatalf("routes not in openapi.json: %v; documented but not routed: %v (%d routes)", missing, unrouted, len(routed))
+	}
+	for _, op := range []string{"/v1/transfers"} {
+		refs := fmt.Sprint(doc.Paths[op]["post"].Parameters)
+		if !strings.Contains(refs, "IdempotencyKeyRequired") {
+			t.Errorf("%s does not document its required Idempotency-Key: %s", op, refs)
+		}
+	}
+}
+
+func TestMetricsAfterRequests(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("m")
+	s.call("POST", "/v1/accounts", token, "k", `{"name":"a","currency":"EUR"}`)
+	s.call("POST", "/v1/accounts", token, "k", `{"name":"a","currency":"EUR"}`)
+	r := s.call("GET", "/metrics", "", "", "")
+	for _, want := range []string{`idem_http_requests_total{action="POST /v1/accounts",outcome="acquired"} 1`,
+		`idem_http_requests_total{action="POST /v1/accounts",outcome="replayed"} 1`} {
+		if !strings.Contains(r.body, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+

@@ -1,0 +1,123 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// testServer is the real program serving on a free port against a fresh database.
+type testServer struct {
+	t    *testing.T
+	url  string
+	db   string
+	pool *pgxpool.Pool
+	main *Main
+}
+
+func startServer(t *testing.T, env map[string]string) *testServer {
+	t.Helper()
+	db := pgtest.NewEmptyDB(t)
+	vars := map[string]string{"DATABASE_URL": db, "LISTEN_ADDR": "127.0.0.1:0", "CLEANUP_INTERVAL": "0"}
+	for k, v := range env {
+		vars[k] = v
+	}
+	getenv := func(k string) string { return vars[k] }
+	mig := NewMain(io.Discard, io.Discard)
+	if err := mig.ParseFlags([]string{"migrate"}, getenv); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	_ = mig.Close()
+
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags(nil, getenv); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	var addr string
+	select {
+	case addr = <-m.Addr:
+	case err := <-done:
+		cancel()
+		t.Fatalf("serve: %v", err)
+	}
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+		_ = m.Close()
+	})
+	pool, err := pgxpool.New(context.Background(), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return &testServer{t: t, url: "http://" + addr, db: db, pool: pool, main: m}
+}
+
+func (s *testServer) principal(name string) (id, token string) {
+	s.t.Helper()
+	id, token, err := createPrincipal(context.Background(), s.pool, name)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return id, token
+}
+
+type resp struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (r resp) json(t *testing.T) map[string]any {
+	t.Helper()
+	var v map[string]any
+	if err := json.Unmarshal([]byte(r.body), &v); err != nil {
+		t.Fatalf("not JSON: %d %q", r.status, r.body)
+	}
+	return v
+}
+
+func (s *testServer) call(method, path, token, key, body string, headers ...string) resp {
+	s.t.Helper()
+	req, _ := http.NewRequest(method, s.url+path, strings.NewReader(body))
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, _ := io.ReadAll(res.Body)
+	return resp{res.StatusCode, res.Header, string(b)}
+}
+
+func (s *testServer) count(sql string, args ...any) int {
+	s.t.Helper()
+	var n int
+	if err := s.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		s.t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
