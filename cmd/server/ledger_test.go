@@ -222,4 +222,3 @@ func TestMetricsAfterRequests(t *testing.T) {
 		}
 	}
 }
-

@@ -358,12 +358,13 @@ func (m *Main) serve(ctx context.Context) error {
 	return nil
 }
 
-// Close closes the pool and stops the private cluster, if Run started one.
+// Close closes the pool and stops the private cluster if this process started it (a
+// `principal create` next to a running `make run` leaves that server's cluster alone).
 func (m *Main) Close() error {
 	if m.pool != nil {
 		m.pool.Close()
 	}
-	if m.cluster != nil {
+	if m.cluster != nil && m.cluster.Started() {
 		return m.cluster.Stop(context.Background())
 	}
 	return nil

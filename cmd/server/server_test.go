@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -121,3 +122,5 @@ func (s *testServer) count(sql string, args ...any) int {
 	}
 	return n
 }
+
+func sleepBriefly() { time.Sleep(25 * time.Millisecond) }

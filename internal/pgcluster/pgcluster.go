@@ -39,10 +39,11 @@ type Cluster struct {
 	// Settings are passed to the server as -c name=value, for example fsync=off.
 	Settings map[string]string
 
-	binDir string
-	cred   *syscall.Credential
-	uid    int
-	gid    int
+	binDir  string
+	started bool
+	cred    *syscall.Credential
+	uid     int
+	gid     int
 }
 
 // BinDir finds the directory of initdb and pg_ctl: $PG_BINDIR, then the PATH, then the
@@ -151,14 +152,16 @@ func (c *Cluster) Init(ctx context.Context) error {
 }
 
 // Start starts the server and waits until it accepts connections. A server that is already
-// running in Dir is left running.
+// running in Dir is left running, and Started reports false.
 func (c *Cluster) Start(ctx context.Context) error {
 	if err := c.prepare(); err != nil {
 		return err
 	}
+	c.started = false
 	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") == nil {
 		return nil
 	}
+	c.started = true
 	opts := []string{
 		"-c", "listen_addresses=" + c.TCPAddr,
 		"-c", "unix_socket_directories=" + c.SocketDir,
@@ -183,6 +186,9 @@ func quoteAll(args []string) []string {
 	}
 	return out
 }
+
+// Started tells whether the last Start started the server (rather than finding it running).
+func (c *Cluster) Started() bool { return c.started }
 
 // Stop stops the server (fast shutdown: open transactions roll back).
 func (c *Cluster) Stop(ctx context.Context) error {
