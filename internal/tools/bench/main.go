@@ -11,8 +11,11 @@
 //	replay       idem_begin on a completed key
 //
 // It prints the transactions per second of every run, the median per variant and the ratios
-// the contract sets targets for. Environment: BENCH_SECONDS (10), BENCH_ROUNDS (3),
-// BENCH_CLIENTS (16), BENCH_DATABASE_URL (unset: private cluster in a temporary directory).
+// the contract sets targets for. Then (unless BENCH_HTTP=0) the HTTP part: the reference
+// server's POST /v1/transfers without a key, with fresh keys and replayed, with requests per
+// second, p50 and p99 latency and their ratios. Environment: BENCH_SECONDS (10),
+// BENCH_ROUNDS (3), BENCH_CLIENTS (16), BENCH_HTTP (1), BENCH_DATABASE_URL (unset: private
+// cluster in a temporary directory).
 package main
 
 import (
@@ -132,7 +135,17 @@ func run() error {
 	ratio("functions / hand-written statements", "functions", "handwritten", 1.0, ">=")
 	ratio("guard / no guard (functions)", "functions", "noguard", 0.95, ">=")
 	ratio("replay / first execution (functions)", "replay", "functions", 3.0, ">=")
-	return nil
+	if os.Getenv("BENCH_HTTP") == "0" {
+		return nil
+	}
+	return httpBench(ctx, url, tmp, clients, seconds, rounds)
+}
+
+func setupEmpty(ctx context.Context, url, db string) error {
+	if err := sqlExec(ctx, url, "", "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
+		return err
+	}
+	return sqlExec(ctx, url, "", "CREATE DATABASE "+db)
 }
 
 func setup(ctx context.Context, url, db string) error {
