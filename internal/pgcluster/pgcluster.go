@@ -216,3 +216,31 @@ func (c *Cluster) ConnString(dbname string) string {
 	}
 	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", host, port, dbname)
 }
+
+// StartTemp initializes and starts a throwaway cluster in a new temporary directory (made
+// readable to the postgres user when running as root) with these settings. stop stops it
+// and removes the directory.
+func StartTemp(ctx context.Context, prefix string, settings map[string]string) (c *Cluster, stop func(), err error) {
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := os.Chmod(dir, 0o755); err != nil { // the server may run as postgres
+		os.RemoveAll(dir)
+		return nil, nil, err
+	}
+	c = &Cluster{Dir: filepath.Join(dir, "pg"), Settings: settings}
+	stop = func() {
+		_ = c.Stop(context.Background())
+		_ = os.RemoveAll(dir)
+	}
+	if err := c.Init(ctx); err != nil {
+		stop()
+		return nil, nil, err
+	}
+	if err := c.Start(ctx); err != nil {
+		stop()
+		return nil, nil, fmt.Errorf("%w (server log: %s)", err, c.LogFile())
+	}
+	return c, stop, nil
+}

@@ -98,24 +98,14 @@ func start() error {
 		if _, err := pgcluster.BinDir(); err != nil {
 			return fmt.Errorf("%s\n(%v)", howTo, err)
 		}
-		dir, err := os.MkdirTemp("", "idem-pgtest-")
-		if err != nil {
-			return err
-		}
-		c := &pgcluster.Cluster{Dir: dir, Settings: map[string]string{
+		c, stop, err := pgcluster.StartTemp(ctx, "idem-pgtest-", map[string]string{
 			"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
 			"max_connections": "300", "shared_buffers": "64MB",
-		}}
-		teardown = append(teardown, func() {
-			_ = c.Stop(context.Background())
-			_ = os.RemoveAll(dir)
 		})
-		if err := c.Init(ctx); err != nil {
+		if err != nil {
 			return fmt.Errorf("%s\n(%v)", howTo, err)
 		}
-		if err := c.Start(ctx); err != nil {
-			return fmt.Errorf("%s\n(%v)\nserver log: %s", howTo, err, c.LogFile())
-		}
+		teardown = append(teardown, stop)
 		adminURL, source = c.ConnString("postgres"), "local cluster"
 	}
 	template = fmt.Sprintf("idem_template_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)

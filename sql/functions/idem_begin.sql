@@ -40,14 +40,7 @@ BEGIN
     -- transaction, so on the hot path fewer expressions are cheaper than many small IFs.
     v_problem := CASE
 {{ template "check_key.sql" . }}
-        WHEN p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL
-            THEN '22004 p_action, p_request_sha256 and p_ttl must not be NULL'
-        WHEN length(p_action) NOT BETWEEN 1 AND 1000
-            THEN '22023 p_action must be 1 to 1000 characters'
-        WHEN octet_length(p_request_sha256) <> 32
-            THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
-        WHEN p_ttl <= interval '0'
-            THEN format('22023 p_ttl must be positive, got %s', p_ttl)
+{{ template "check_request.sql" . }}
         WHEN p_lease <= interval '0' OR p_lease > p_ttl
             THEN format('22023 p_lease must be positive and at most p_ttl, got %s', p_lease)
         WHEN jsonb_typeof(p_request_fields) <> 'object'

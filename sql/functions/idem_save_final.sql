@@ -25,14 +25,9 @@ DECLARE
 BEGIN
     v_problem := CASE
 {{ template "check_key.sql" . }}
-        WHEN p_action IS NULL OR p_request_sha256 IS NULL OR p_ttl IS NULL OR p_status IS NULL OR p_headers IS NULL
-            THEN '22004 p_action, p_request_sha256, p_ttl, p_status and p_headers must not be NULL'
-        WHEN length(p_action) NOT BETWEEN 1 AND 1000
-            THEN '22023 p_action must be 1 to 1000 characters'
-        WHEN octet_length(p_request_sha256) <> 32
-            THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
-        WHEN p_ttl <= interval '0'
-            THEN format('22023 p_ttl must be positive, got %s', p_ttl)
+{{ template "check_request.sql" . }}
+        WHEN p_status IS NULL OR p_headers IS NULL
+            THEN '22004 p_status and p_headers must not be NULL'
         WHEN p_status NOT BETWEEN 100 AND 599
             THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
         WHEN jsonb_typeof(p_headers) <> 'object' OR jsonb_typeof(p_request_fields) <> 'object'

@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(32);
+SELECT plan(33);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -34,6 +34,7 @@ INSERT INTO bad VALUES
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{}', 'body', NULL, 'too_large')$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 1000, '{}', NULL)$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', E'k\t', 'a', sha256('x'), '1 hour', 404, '{}', NULL)$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', NULL, '{}', NULL)$$, '22004'),
  ('release', $$SELECT idem.idem_release('p', 'k', NULL)$$, '22004'),
  ('cleanup', $$SELECT idem.idem_cleanup(0)$$, '22023');
 

@@ -75,21 +75,15 @@ func run() error {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	if err := os.Chmod(tmp, 0o755); err != nil { // the cluster may run as postgres
-		return err
-	}
 	url := os.Getenv("BENCH_DATABASE_URL")
 	if url == "" {
-		c := &pgcluster.Cluster{Dir: filepath.Join(tmp, "pg"), Settings: map[string]string{
+		c, stop, err := pgcluster.StartTemp(ctx, "idem-bench-", map[string]string{
 			"max_connections": "100", "shared_buffers": "256MB", "max_wal_size": "4GB",
-		}}
-		if err := c.Init(ctx); err != nil {
+		})
+		if err != nil {
 			return err
 		}
-		defer c.Stop(context.Background())
-		if err := c.Start(ctx); err != nil {
-			return err
-		}
+		defer stop()
 		url = c.ConnString("postgres")
 	}
 	for _, db := range []string{"bench", "bench_noguard"} {

@@ -30,19 +30,11 @@ func run() error {
 	defer cancel()
 	url := os.Getenv("TEST_DATABASE_URL")
 	if url == "" {
-		dir, err := os.MkdirTemp("", "idem-sqllint-")
+		c, stop, err := pgcluster.StartTemp(ctx, "idem-sqllint-", map[string]string{"fsync": "off"})
 		if err != nil {
 			return err
 		}
-		defer os.RemoveAll(dir)
-		c := &pgcluster.Cluster{Dir: dir, Settings: map[string]string{"fsync": "off"}}
-		if err := c.Init(ctx); err != nil {
-			return err
-		}
-		defer c.Stop(context.Background())
-		if err := c.Start(ctx); err != nil {
-			return err
-		}
+		defer stop()
 		url = c.ConnString("postgres")
 	}
 	admin, err := pgx.Connect(ctx, url)
