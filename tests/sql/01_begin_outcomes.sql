@@ -2,7 +2,7 @@
 -- Run with: pg_prove -d DB tests/sql/*.sql (the database needs the idem migrations and the
 -- pgtap extension; `make test` does both).
 BEGIN;
-SELECT plan(41);
+SELECT plan(42);
 
 CREATE TEMP TABLE r AS
 SELECT * FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1', p_action => 'POST /v1/transfers',
@@ -117,6 +117,9 @@ SELECT is(idem.idem_save_final('alice', 'lease', 'POST /v1/jobs', sha256('f'), '
 UPDATE idem.idempotency_keys SET created_at = now() - interval '2 days', expires_at = now() - interval '1 day' WHERE key = 'final';
 SELECT is(idem.idem_save_final('alice', 'final', 'POST /v1/transfers', sha256('g'), '1 hour', 404, '{}', 'new'), true,
     'save_final replaces an expired row');
+
+SELECT is(outcome, 'claimed', 'a key of exactly 255 visible ASCII characters is accepted')
+  FROM idem.idem_begin('alice', repeat('~', 254) || '!', 'POST /v1/x', sha256('x'));
 
 SELECT * FROM finish();
 ROLLBACK;
