@@ -3,9 +3,11 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,6 +23,8 @@ type testServer struct {
 	db   string
 	pool *pgxpool.Pool
 	main *Main
+	// shutdown cancels the server's context and returns what Run returned; once.
+	shutdown func() error
 }
 
 func startServer(t *testing.T, env map[string]string) *testServer {
@@ -54,19 +58,27 @@ func startServer(t *testing.T, env map[string]string) *testServer {
 		cancel()
 		t.Fatalf("serve: %v", err)
 	}
+	var once sync.Once
+	var runErr error
+	shutdown := func() error {
+		once.Do(func() {
+			cancel()
+			runErr = <-done
+			_ = m.Close()
+		})
+		return runErr
+	}
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := shutdown(); err != nil {
 			t.Errorf("serve: %v", err)
 		}
-		_ = m.Close()
 	})
 	pool, err := pgxpool.New(context.Background(), db)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	return &testServer{t: t, url: "http://" + addr, db: db, pool: pool, main: m}
+	return &testServer{t: t, url: "http://" + addr, db: db, pool: pool, main: m, shutdown: shutdown}
 }
 
 func (s *testServer) principal(name string) (id, token string) {
@@ -124,3 +136,53 @@ func (s *testServer) count(sql string, args ...any) int {
 }
 
 func sleepBriefly() { time.Sleep(25 * time.Millisecond) }
+
+// TestGracefulShutdown: a request in flight when the shutdown starts still finishes and
+// commits; new connections are refused; Run returns without error.
+func TestGracefulShutdown(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("g")
+	id := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
+
+	// Hold the account's row so that the deposit waits inside its handler.
+	ctx := context.Background()
+	holder, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM accounts WHERE id = $1 FOR UPDATE`, id); err != nil {
+		t.Fatal(err)
+	}
+	inflight := make(chan resp, 1)
+	go func() {
+		inflight <- s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", id), token, "dep-1", `{"amount":5}`)
+	}()
+	for i := 0; i < 500 && s.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`) == 0; i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	stopped := make(chan error, 1)
+	go func() { stopped <- s.shutdown() }()
+	for i := 0; i < 200; i++ { // the listener closes first
+		if _, err := http.Get(s.url + "/healthz"); err != nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, err := http.Get(s.url + "/healthz"); err == nil {
+		t.Fatal("the server still accepts connections while shutting down")
+	}
+	_ = holder.Rollback(ctx)
+	if r := <-inflight; r.status != 201 {
+		t.Fatalf("the in-flight deposit: %+v", r)
+	}
+	if err := <-stopped; err != nil {
+		t.Fatalf("shutdown: %v", err)
+	}
+	if n := s.count(`SELECT balance FROM accounts WHERE id = $1`, id); n != 5 {
+		t.Fatalf("balance %d, want 5: the in-flight deposit did not commit", n)
+	}
+	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'dep-1' AND state = 'completed'`); n != 1 {
+		t.Fatal("the in-flight deposit's key was not stored")
+	}
+}

@@ -325,10 +325,10 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 	return ok, classify(err)
 }
 
-// Cleanup deletes expired keys in batches of batchSize (idem_cleanup, each batch its own
-// transaction) until a batch comes back short, and returns how many it deleted. When ctx
-// ends first it returns the count so far and ctx.Err(). Safe to run from several processes
-// at once.
+// Cleanup deletes expired keys in batches of batchSize (idem_cleanup) until a batch comes
+// back short, and returns how many it deleted. Pass a pool or a connection outside any
+// transaction, so that each batch is its own short transaction. When ctx ends first it
+// returns the count so far and ctx.Err(). Safe to run from several processes at once.
 func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 	total := 0
 	for {

@@ -132,6 +132,51 @@ func (r trackedRows) Err() error {
 	return err
 }
 
+func (t trackedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return trackedBatch{t.Tx.SendBatch(ctx, b), t.st}
+}
+
+// trackedBatch notes retryable errors from a batch's results (a deadlock in one of its
+// statements is as retryable as one in Exec).
+type trackedBatch struct {
+	pgx.BatchResults
+	st *state
+}
+
+func (b trackedBatch) Exec() (pgconn.CommandTag, error) {
+	tag, err := b.BatchResults.Exec()
+	b.st.note(err)
+	return tag, err
+}
+
+func (b trackedBatch) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	b.st.note(err)
+	if err != nil {
+		return rows, err
+	}
+	return trackedRows{rows, b.st}, nil
+}
+
+func (b trackedBatch) QueryRow() pgx.Row { return notedRow{b.BatchResults.QueryRow(), b.st} }
+
+func (b trackedBatch) Close() error {
+	err := b.BatchResults.Close()
+	b.st.note(err)
+	return err
+}
+
+type notedRow struct {
+	pgx.Row
+	st *state
+}
+
+func (r notedRow) Scan(dest ...any) error {
+	err := r.Row.Scan(dest...)
+	r.st.note(err)
+	return err
+}
+
 // trackedRow behaves as pgx's Row: the first row, pgx.ErrNoRows when there is none.
 type trackedRow struct {
 	rows pgx.Rows

@@ -46,6 +46,8 @@ type order struct {
 	Panic    bool `json:"panic"`
 	Block    bool `json:"block"`
 	Conflict bool `json:"conflict"`
+	InBatch  bool `json:"in_batch"`
+	Flush    bool `json:"flush"`
 	StepUp   bool `json:"step_up"`
 	Big      bool `json:"big"`
 }
@@ -114,7 +116,16 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 		run := r.Header.Get("X-Test-Run")
 		prev, _ := a.seen.LoadOrStore(run, new(atomic.Int32))
 		if prev.(*atomic.Int32).Add(1) == 1 {
-			if _, err := tx.Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$`); err != nil {
+			const raise = `DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$`
+			var err error
+			if o.InBatch {
+				b := &pgx.Batch{}
+				b.Queue(raise)
+				err = idemhttp.Tx(r.Context()).SendBatch(r.Context(), b).Close()
+			} else {
+				_, err = tx.Exec(r.Context(), raise)
+			}
+			if err != nil {
 				http.Error(w, err.Error(), 500)
 				return
 			}
@@ -124,6 +135,11 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 	if err := tx.QueryRow(r.Context(), `INSERT INTO effects (path, amount) VALUES ($1, $2) RETURNING id`, r.URL.Path, o.Amount).Scan(&id); err != nil {
 		http.Error(w, err.Error(), 500)
 		return
+	}
+	if o.Flush {
+		fmt.Fprint(w, `{"partial":`)
+		w.(http.Flusher).Flush()
+		panic("failed after flushing")
 	}
 	if o.StepUp && r.Header.Get("X-Step-Up") == "" {
 		w.WriteHeader(http.StatusUnauthorized)
@@ -499,6 +515,29 @@ func TestSerializationFailureRerunsWithFullBody(t *testing.T) {
 	}
 	if n := a.count(`SELECT count(*) FROM effects WHERE amount = 4242`); n != 1 || a.effects() != 1 {
 		t.Fatalf("%d effects with the full amount, %d in all", n, a.effects())
+	}
+}
+
+func TestSerializationFailureInABatchReruns(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":77,"conflict":true,"in_batch":true}`, "X-Test-Run", "batch-1")
+	if r.status != 201 || a.runs.Load() != 2 || a.effects() != 1 {
+		t.Fatalf("%+v after %d runs, %d effects; want 201 after 2 runs, 1 effect", r, a.runs.Load(), a.effects())
+	}
+}
+
+// TestFlushThenPanicSendsNothingPartial: a handler that flushed part of its response and
+// then failed leaves no effect, no key, and the client sees only the 500 problem.
+func TestFlushThenPanicSendsNothingPartial(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"flush":true}`)
+	if r.status != 500 || strings.Contains(r.body, "partial") || problemCode(t, r) != idemhttp.CodeInternalError {
+		t.Fatalf("%+v", r)
+	}
+	if a.effects() != 0 || a.keys() != 0 {
+		t.Fatalf("%d effects, %d keys after a failed streaming handler", a.effects(), a.keys())
 	}
 }
 
