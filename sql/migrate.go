@@ -19,7 +19,7 @@ import (
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
 
-//go:embed functions/*.sql
+//go:embed functions/*.sql functions/include/*.sql
 var functionFiles embed.FS
 
 // DefaultAppRole is the NOLOGIN role that is granted EXECUTE on the API functions.
@@ -42,6 +42,13 @@ var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 func Migrations() fs.FS {
 	sub, _ := fs.Sub(migrationFiles, "migrations")
 	return sub
+}
+
+// Version is the schema version these migrations bring a database to (the number of
+// migrations): idem.schema_version holds it once Migrate has run.
+func Version() int {
+	paths, _ := migrate.FindMigrations(Migrations())
+	return len(paths)
 }
 
 // Functions returns the tern code package of the SQL API (install.sql and one file per

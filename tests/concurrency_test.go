@@ -128,7 +128,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 			}
 
 			if firstCommits {
-				mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', 1, 201, '{}', 'first')`)
+				mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 				if err := txA.Commit(ctx); err != nil {
 					t.Fatal(err)
 				}
@@ -148,7 +148,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 			if n := count(t, obs, `SELECT count(*) FROM effects`); n != 1 {
 				t.Fatalf("%d effects, want 1", n)
 			}
-			if n := count(t, obs, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'completed'`); n != 1 {
+			if n := count(t, obs, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != 1 {
 				t.Fatalf("%d completed keys, want 1", n)
 			}
 		})
@@ -177,7 +177,7 @@ func TestLockTimeout(t *testing.T) {
 		t.Fatalf("B's transaction should be aborted, got %v", err)
 	}
 	_ = txB.Rollback(ctx)
-	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', 1, 200, '{}', NULL)`)
+	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 200, '{}', NULL) FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 	if err := txA.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -270,7 +270,7 @@ func TestManyCallersPerKey(t *testing.T) {
 	if n := count(t, pool, `SELECT count(DISTINCT key) FROM effects`); n != keys {
 		t.Fatalf("effects on %d distinct keys, want %d", n, keys)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'completed' AND attempt = 1`); n != keys {
+	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != keys {
 		t.Fatalf("%d completed key rows, want %d", n, keys)
 	}
 	for k := range keys {
@@ -306,7 +306,7 @@ func TestRepeatableReadGets40001(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { _, err := begin(ctx, txB, "k", "body", "10s"); done <- err }()
 	waitUntilBlocked(t, obs, b.PgConn().PID())
-	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', 1, 201, '{}', 'first')`)
+	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 	if err := txA.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -350,11 +350,7 @@ func TestConcurrentCleanup(t *testing.T) {
 	const expired, live = 3000, 500
 	pool, _ := pgtest.NewPool(t, 8)
 	ctx := context.Background()
-	mustExec(t, pool, `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at,
-		expires_at, action, request_sha256, completed_at, response_status, response_headers)
-		SELECT 'p', 'old-' || i, 'completed', 1, now() - interval '2 days', now() - interval '1 day' + i * interval '1 ms',
-		       'POST /t', sha256(i::text::bytea), now() - interval '2 days', 200, '{}'
-		  FROM generate_series(1, $1) AS i`, expired)
+	pgtest.InsertExpired(t, pool, "p", expired)
 
 	var wg sync.WaitGroup
 	start := make(chan struct{})
@@ -412,7 +408,7 @@ func TestConcurrentCleanup(t *testing.T) {
 	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'old-%'`); n != 0 {
 		t.Fatalf("%d expired rows left", n)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%' AND state = 'completed'`); n != live {
+	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%' AND state = 'c'`); n != live {
 		t.Fatalf("%d live rows, want %d", n, live)
 	}
 }

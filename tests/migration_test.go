@@ -67,6 +67,10 @@ func catalog(t *testing.T, conn *pgx.Conn) string {
 	    FROM pg_class c JOIN pg_index x ON x.indrelid = c.oid JOIN pg_class i ON i.oid = x.indexrelid
 	   WHERE c.relnamespace = 'idem'::regnamespace AND c.relname <> 'schema_version'
 	) s ORDER BY rel, part, n`)
+	lines(`SELECT 'sequence idem.' || c.relname || ' ' || format_type(s.seqtypid, NULL) || ' START ' || s.seqstart
+	         || ' INCREMENT ' || s.seqincrement || ' CACHE ' || s.seqcache || CASE WHEN s.seqcycle THEN ' CYCLE' ELSE ' NO CYCLE' END
+	         FROM pg_class c JOIN pg_sequence s ON s.seqrelid = c.oid
+	        WHERE c.relnamespace = 'idem'::regnamespace ORDER BY 1`)
 	lines(`SELECT 'role ' || rolname || CASE WHEN rolcanlogin THEN ' LOGIN' ELSE ' NOLOGIN' END
 	         FROM pg_roles WHERE rolname = 'idem_app'`)
 	lines(`
@@ -78,7 +82,7 @@ func catalog(t *testing.T, conn *pgx.Conn) string {
 	  SELECT 'TABLE idem.' || c.relname, a.privilege_type, coalesce(r.rolname, 'PUBLIC')
 	    FROM pg_class c, aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
 	    LEFT JOIN pg_roles r ON r.oid = a.grantee
-	   WHERE c.relnamespace = 'idem'::regnamespace AND c.relkind = 'r' AND a.grantee <> c.relowner
+	   WHERE c.relnamespace = 'idem'::regnamespace AND c.relkind IN ('r', 'S') AND a.grantee <> c.relowner
 	  UNION ALL
 	  SELECT 'FUNCTION ' || p.oid::regprocedure::text, a.privilege_type, coalesce(r.rolname, 'PUBLIC')
 	    FROM pg_proc p, aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
@@ -86,9 +90,11 @@ func catalog(t *testing.T, conn *pgx.Conn) string {
 	   WHERE p.pronamespace = 'idem'::regnamespace AND a.grantee <> p.proowner
 	) g ORDER BY 1`)
 	lines(`
-	SELECT 'function ' || p.oid::regprocedure::text || ' returns ' || pg_get_function_result(p.oid)
+	SELECT CASE p.prokind WHEN 'p' THEN 'procedure ' ELSE 'function ' END || p.oid::regprocedure::text
+	       || coalesce(' returns ' || pg_get_function_result(p.oid), '')
+	       || CASE p.provolatile WHEN 'i' THEN ' IMMUTABLE' WHEN 's' THEN ' STABLE' ELSE ' VOLATILE' END
 	       || CASE WHEN p.prosecdef THEN ' SECURITY DEFINER' ELSE ' SECURITY INVOKER' END
-	       || ' ' || array_to_string(p.proconfig, ' ')
+	       || coalesce(' ' || array_to_string(p.proconfig, ' '), '')
 	  FROM pg_proc p WHERE p.pronamespace = 'idem'::regnamespace ORDER BY 1`)
 	return b.String()
 }
@@ -139,8 +145,8 @@ func TestMigrateTwiceAndCustomRole(t *testing.T) {
 		t.Fatalf("version rows: %d", n)
 	}
 	var v int
-	if err := conn.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err != nil || v != 2 {
-		t.Fatalf("schema version %d (%v), want 2", v, err)
+	if err := conn.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err != nil || v != idemsql.Version() {
+		t.Fatalf("schema version %d (%v), want %d", v, err, idemsql.Version())
 	}
 	var ok bool
 	if err := conn.QueryRow(ctx, `SELECT has_function_privilege($1, 'idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)', 'EXECUTE')`, role).Scan(&ok); err != nil || !ok {

@@ -88,8 +88,10 @@ func (c *cleaner) schedule(ctx context.Context, interval time.Duration) (stop fu
 			switch {
 			case err != nil && ctx.Err() == nil:
 				c.log.Error("cleanup pass failed", "error", err, "deleted", n)
-			case ran:
+			case ran && n > 0:
 				c.log.Info("cleanup pass", "deleted", n)
+			case ran:
+				c.log.Debug("cleanup pass", "deleted", n)
 			}
 		}),
 		gocron.WithSingletonMode(gocron.LimitModeReschedule),

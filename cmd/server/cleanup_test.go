@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/pgidem/pgidem/internal/pgtest"
 	"io"
 	"log/slog"
 	"sync"
@@ -11,12 +12,7 @@ import (
 
 func expire(t *testing.T, s *testServer, principal string, n int) {
 	t.Helper()
-	if _, err := s.pool.Exec(context.Background(), `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt,
-		created_at, expires_at, action, request_sha256, completed_at, response_status, response_headers)
-		SELECT $1, 'old-' || i, 'completed', 1, now() - interval '2 days', now() - interval '1 day', 'a',
-		       sha256(i::text::bytea), now() - interval '2 days', 201, '{}' FROM generate_series(1, $2) i`, principal, n); err != nil {
-		t.Fatal(err)
-	}
+	pgtest.InsertExpired(t, s.pool, principal, n)
 }
 
 // TestCleanupWhileRequestsRun: a pass deletes every expired key and no live one while

@@ -84,22 +84,22 @@ func TestMoneyInvariant(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 
-	if n := s.count(`SELECT count(*) FROM accounts a WHERE a.balance <>
-		  (SELECT coalesce(sum(amount), 0) FROM deposits d WHERE d.account_id = a.id)
-		+ (SELECT coalesce(sum(amount), 0) FROM transfers t WHERE t.to_id = a.id)
-		- (SELECT coalesce(sum(amount), 0) FROM transfers t WHERE t.from_id = a.id)`); n != 0 {
+	if n := s.count(`SELECT count(*) FROM ledger.accounts a WHERE a.balance <>
+		  (SELECT coalesce(sum(amount), 0) FROM ledger.deposits d WHERE d.account_id = a.id)
+		+ (SELECT coalesce(sum(amount), 0) FROM ledger.transfers t WHERE t.to_id = a.id)
+		- (SELECT coalesce(sum(amount), 0) FROM ledger.transfers t WHERE t.from_id = a.id)`); n != 0 {
 		t.Errorf("%d balances disagree with their operations", n)
 	}
-	if n := s.count(`SELECT count(*) FROM (SELECT idempotency_key FROM (SELECT idempotency_key FROM deposits
-		WHERE idempotency_key IS NOT NULL UNION ALL SELECT idempotency_key FROM transfers WHERE idempotency_key IS NOT NULL) e
+	if n := s.count(`SELECT count(*) FROM (SELECT idempotency_key FROM (SELECT idempotency_key FROM ledger.deposits
+		WHERE idempotency_key IS NOT NULL UNION ALL SELECT idempotency_key FROM ledger.transfers WHERE idempotency_key IS NOT NULL) e
 		GROUP BY idempotency_key HAVING count(*) > 1) dup`); n != 0 {
 		t.Errorf("%d keys took effect more than once", n)
 	}
-	if n := s.count(`SELECT count(*) FROM (SELECT idempotency_key FROM deposits UNION ALL SELECT idempotency_key FROM transfers) e
-		WHERE NOT EXISTS (SELECT FROM idem.idempotency_keys k WHERE k.key = e.idempotency_key AND k.state = 'completed')`); n != 0 {
+	if n := s.count(`SELECT count(*) FROM (SELECT idempotency_key FROM ledger.deposits UNION ALL SELECT idempotency_key FROM ledger.transfers) e
+		WHERE NOT EXISTS (SELECT FROM idem.idempotency_keys k WHERE k.key = e.idempotency_key AND k.state = 'c')`); n != 0 {
 		t.Errorf("%d effects without their completed key", n)
 	}
-	if n := s.count(`SELECT (SELECT sum(balance) FROM accounts) - (SELECT sum(amount) FROM deposits)`); n != 0 {
+	if n := s.count(`SELECT (SELECT sum(balance) FROM ledger.accounts) - (SELECT sum(amount) FROM ledger.deposits)`); n != 0 {
 		t.Errorf("money was created or destroyed: %d", n)
 	}
 	mu.Lock()
@@ -107,21 +107,21 @@ func TestMoneyInvariant(t *testing.T) {
 	for key, body := range seen {
 		var stored string
 		if err := s.pool.QueryRow(context.Background(), `SELECT btrim(convert_from(response_body, 'UTF8'), E'\n')
-			FROM idem.idempotency_keys WHERE key = $1 AND state = 'completed'`, key).Scan(&stored); err != nil || stored != body {
+			FROM idem.idempotency_keys WHERE key = $1 AND state = 'c'`, key).Scan(&stored); err != nil || stored != body {
 			t.Errorf("key %s: the client saw %s, stored %q (%v)", key, body, stored, err)
 		}
 		var out struct{ ID int }
 		_ = json.Unmarshal([]byte(body), &out)
-		table := "transfers"
+		table := "ledger.transfers"
 		if strings.Contains(body, "account_id") {
-			table = "deposits"
+			table = "ledger.deposits"
 		}
 		if n := s.count(`SELECT count(*) FROM `+table+` WHERE id = $1 AND idempotency_key = $2`, out.ID, key); n != 1 {
 			t.Errorf("key %s: the effect the client saw (%s %d) does not exist", key, table, out.ID)
 		}
 	}
 	t.Logf("%d operations, %d answered 2xx, %d transfers and %d deposits took effect", workers*ops, len(seen),
-		s.count(`SELECT count(*) FROM transfers`), s.count(`SELECT count(*) FROM deposits`)-accounts)
+		s.count(`SELECT count(*) FROM ledger.transfers`), s.count(`SELECT count(*) FROM ledger.deposits`)-accounts)
 }
 
 func post(url, token, key, body string, timeout time.Duration) (int, string, error) {

@@ -1,160 +1,46 @@
 package main
 
 import (
-	"context"
-	_ "embed"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math"
 	"net/http"
 	"strconv"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
+	"github.com/go-json-experiment/json/jsontext"
 	"github.com/gorilla/mux"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 )
 
-//go:embed openapi.json
-var openAPI []byte
-
-// problemBase prefixes the ledger's own problem types; idempotency problems use idemhttp's.
-const problemBase = "https://github.com/pgidem/pgidem/blob/main/docs/ledger.md#"
-
-// ledger is the reference API: a deliberately small money API whose handlers write through
-// the transaction of idemhttp's unit of work.
-type ledger struct {
-	pool *pgxpool.Pool
-	log  *slog.Logger
-}
-
-// routes is the server's handler: the router behind the correlation-id middleware.
-func (m *Main) routes() (http.Handler, error) {
-	r, err := m.router()
-	if err != nil {
-		return nil, err
+// amount reads a positive integer amount in minor units from a JSON number: ok false (a
+// 422) for a fraction, an exponent, zero, a negative or one past the largest balance.
+func amount(v jsontext.Value) (int64, bool) {
+	if v.Kind() != '0' {
+		return 0, false
 	}
-	return correlate(m.log, r), nil
+	n, err := strconv.ParseInt(string(v), 10, 64)
+	return n, err == nil && n > 0
 }
 
-// router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
-// health, version, metrics and the OpenAPI document outside it.
-func (m *Main) router() (*mux.Router, error) {
-	s := &ledger{pool: m.pool, log: m.log}
-	idem, err := idemhttp.New(idemhttp.Options{
-		DB:                 m.pool,
-		Principal:          principalFromRequest,
-		TTL:                m.Config.TTL,
-		LockTimeout:        m.Config.LockTimeout,
-		MaxBodyBytes:       m.Config.MaxBodyBytes,
-		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
-		Logger:             m.log,
-		Metrics:            idemhttp.NewPrometheusObserver(m.registry),
-	})
-	if err != nil {
-		return nil, err
-	}
-	r := mux.NewRouter()
-	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet)
-	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]string{"version": Version})
-	}).Methods(http.MethodGet)
-	r.Handle("/metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})).Methods(http.MethodGet)
-	r.HandleFunc("/openapi.json", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = w.Write(openAPI)
-	}).Methods(http.MethodGet)
+// isNumber tells a JSON number from the other kinds (a string amount is a malformed body).
+func isNumber(v *jsontext.Value) bool { return v != nil && v.Kind() == '0' }
 
-	v1 := r.PathPrefix("/v1").Subrouter()
-	v1.Use(s.authenticate)
-	v1.Use(idem.Handler)
-	v1.HandleFunc("/accounts", s.createAccount).Methods(http.MethodPost)
-	v1.HandleFunc("/accounts/{id}", s.getAccount).Methods(http.MethodGet)
-	v1.HandleFunc("/accounts/{id}/deposits", s.createDeposit).Methods(http.MethodPost)
-	v1.HandleFunc("/transfers", s.createTransfer).Methods(http.MethodPost)
-	v1.HandleFunc("/api-tokens", s.createToken).Methods(http.MethodPost)
-	idem.Declare("POST", "/v1/accounts", idemhttp.Route{Action: "POST /v1/accounts"})
-	idem.Declare("POST", "/v1/accounts/{id}/deposits", idemhttp.Route{Action: "POST /v1/accounts/{id}/deposits"})
-	idem.Declare("POST", "/v1/transfers", idemhttp.Route{Action: "POST /v1/transfers", Required: m.Config.TransfersRequireKey})
-	idem.Declare("POST", "/v1/api-tokens", idemhttp.Route{Action: "POST /v1/api-tokens"})
-
-	r.NotFoundHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.problem(w, r, http.StatusNotFound, "not_found", "Not found", "no such route")
-	})
-	r.MethodNotAllowedHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.problem(w, r, http.StatusMethodNotAllowed, "method_not_allowed", "Method not allowed", "")
-	})
-	return r, nil
+// overflow tells whether err is PostgreSQL's numeric_value_out_of_range (a balance past the
+// bigint range).
+func overflow(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "22003"
 }
 
-func principalFromRequest(r *http.Request) (string, bool) { return principalOf(r.Context()) }
-
-func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
-// problem writes an RFC 9457 problem of the ledger.
-func (s *ledger) problem(w http.ResponseWriter, r *http.Request, status int, code, title, detail string) {
-	writeProblem(w, status, map[string]any{"type": problemBase + code, "title": title, "status": status,
-		"detail": detail, "code": code, "correlation_id": requestIDOf(r.Context())})
-}
-
-func writeProblem(w http.ResponseWriter, status int, p map[string]any) {
-	if p["detail"] == "" {
-		delete(p, "detail")
-	}
-	b, _ := json.Marshal(p)
-	w.Header().Set("Content-Type", "application/problem+json")
-	w.WriteHeader(status)
-	_, _ = w.Write(b)
-}
-
-func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
-	if r.Context().Err() == nil {
-		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
-	}
-	s.problem(w, r, http.StatusInternalServerError, "internal_error", "Internal error", "nothing was changed; retry with the same Idempotency-Key")
-}
-
-func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-	defer cancel()
-	if err := s.pool.Ping(ctx); err != nil {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable"})
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-}
-
-// decode reads a JSON object body into dst strictly (no unknown fields, one value); a
-// malformed body is 400, and the caller checks the values (422).
-func (s *ledger) decode(w http.ResponseWriter, r *http.Request, dst any) bool {
-	dec := json.NewDecoder(r.Body)
-	dec.DisallowUnknownFields()
-	dec.UseNumber()
-	if err := dec.Decode(dst); err != nil || dec.More() {
-		s.problem(w, r, http.StatusBadRequest, "malformed_body", "Malformed body", "the body must be one JSON object with the documented members")
-		return false
-	}
-	return true
-}
-
-// amount reads a positive integer amount in minor units.
-func amount(n json.Number) (int64, bool) {
-	v, err := strconv.ParseInt(string(n), 10, 64)
-	return v, err == nil && v > 0 && v < math.MaxInt64/2
-}
-
-func (s *ledger) invalid(w http.ResponseWriter, r *http.Request, detail string) {
-	s.problem(w, r, http.StatusUnprocessableEntity, "validation_failed", "Validation failed", detail)
+func balanceLimit(w http.ResponseWriter, r *http.Request) {
+	problem(w, r, http.StatusUnprocessableEntity, "balance_limit",
+		fmt.Sprintf("the operation would take a balance past %d minor units", int64(math.MaxInt64)))
 }
 
 type account struct {
@@ -166,33 +52,66 @@ type account struct {
 	CreatedAt time.Time `json:"created_at"`
 }
 
+// etag is derived from the account's version, so a replayed ETag and a fresh GET of the
+// same version agree.
+func (a account) etag() string { return fmt.Sprintf(`"%d"`, a.Version) }
+
 func (a account) send(w http.ResponseWriter, status int) {
-	w.Header().Set("ETag", fmt.Sprintf(`"%d"`, a.Version))
+	w.Header().Set("ETag", a.etag())
 	if status == http.StatusCreated {
 		w.Header().Set("Location", fmt.Sprintf("/v1/accounts/%d", a.ID))
 	}
 	writeJSON(w, status, a)
 }
 
-func validName(n string) bool { return len(n) >= 1 && len(n) <= 100 && utf8.ValidString(n) }
+// validName: 1 to 100 characters, no control characters (U+0000 included).
+func validName(n string) bool {
+	if c := utf8.RuneCountInString(n); c < 1 || c > 100 || !utf8.ValidString(n) {
+		return false
+	}
+	for _, r := range n {
+		if unicode.IsControl(r) {
+			return false
+		}
+	}
+	return true
+}
+
+func validCurrency(c string) bool {
+	if len(c) != 3 {
+		return false
+	}
+	for i := 0; i < 3; i++ {
+		if c[i] < 'A' || c[i] > 'Z' {
+			return false
+		}
+	}
+	return true
+}
 
 func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
-	var in struct{ Name, Currency string }
-	if !s.decode(w, r, &in) {
+	var in struct {
+		Name     *string `json:"name"`
+		Currency *string `json:"currency"`
+	}
+	if !idemhttp.DecodeJSON(w, r, &in) {
 		return
 	}
-	if !validName(in.Name) {
-		s.invalid(w, r, "name must be 1 to 100 characters")
+	switch {
+	case in.Name == nil || in.Currency == nil:
+		missing(w, r, "name and currency")
 		return
-	}
-	if len(in.Currency) != 3 || in.Currency[0] < 'A' || in.Currency[0] > 'Z' || in.Currency[1] < 'A' || in.Currency[1] > 'Z' || in.Currency[2] < 'A' || in.Currency[2] > 'Z' {
-		s.invalid(w, r, "currency must be an ISO 4217 code such as EUR")
+	case !validName(*in.Name):
+		invalid(w, r, "name must be 1 to 100 characters, none of them a control character")
+		return
+	case !validCurrency(*in.Currency):
+		invalid(w, r, "currency must be an ISO 4217 code such as EUR")
 		return
 	}
 	principal, _ := principalOf(r.Context())
 	var a account
-	err := idemhttp.Tx(r.Context()).QueryRow(r.Context(), `INSERT INTO accounts (principal_id, name, currency)
-		VALUES ($1, $2, $3) RETURNING id, name, currency, balance, version, created_at`, principal, in.Name, in.Currency).
+	err := idemhttp.Tx(r.Context()).QueryRow(r.Context(), `INSERT INTO ledger.accounts (principal_id, name, currency)
+		VALUES ($1, $2, $3) RETURNING id, name, currency, balance, version, created_at`, principal, *in.Name, *in.Currency).
 		Scan(&a.ID, &a.Name, &a.Currency, &a.Balance, &a.Version, &a.CreatedAt)
 	if err != nil {
 		s.serverError(w, r, err)
@@ -201,81 +120,118 @@ func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
 	a.send(w, http.StatusCreated)
 }
 
-func accountID(r *http.Request) (int64, bool) {
-	id, err := strconv.ParseInt(mux.Vars(r)["id"], 10, 64)
+// missing answers a body that lacks a required member: it is not the documented object.
+func missing(w http.ResponseWriter, r *http.Request, members string) {
+	idemhttp.Refuse(w, r, idemhttp.CodeMalformedBody, "the body must have the members "+members)
+}
+
+func pathID(r *http.Request, name string) (int64, bool) {
+	id, err := strconv.ParseInt(mux.Vars(r)[name], 10, 64)
 	return id, err == nil && id > 0
 }
 
 func (s *ledger) getAccount(w http.ResponseWriter, r *http.Request) {
 	principal, _ := principalOf(r.Context())
-	id, ok := accountID(r)
+	id, ok := pathID(r, "id")
 	var a account
 	err := pgx.ErrNoRows
 	if ok {
 		err = s.pool.QueryRow(r.Context(), `SELECT id, name, currency, balance, version, created_at
-			FROM accounts WHERE id = $1 AND principal_id = $2`, id, principal).
+			FROM ledger.accounts WHERE id = $1 AND principal_id = $2`, id, principal).
 			Scan(&a.ID, &a.Name, &a.Currency, &a.Balance, &a.Version, &a.CreatedAt)
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
-		s.problem(w, r, http.StatusNotFound, "account_not_found", "Account not found", "no such account")
+		accountNotFound(w, r)
 		return
 	}
 	if err != nil {
 		s.serverError(w, r, err)
 		return
 	}
-	if r.Header.Get("If-None-Match") == fmt.Sprintf(`"%d"`, a.Version) {
-		w.Header().Set("ETag", fmt.Sprintf(`"%d"`, a.Version))
+	if r.Header.Get("If-None-Match") == a.etag() {
+		w.Header().Set("ETag", a.etag())
 		w.WriteHeader(http.StatusNotModified)
 		return
 	}
 	a.send(w, http.StatusOK)
 }
 
+type deposit struct {
+	ID        int64     `json:"id"`
+	AccountID int64     `json:"account_id"`
+	Amount    int64     `json:"amount"`
+	Balance   int64     `json:"balance,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
 func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	var in struct{ Amount json.Number }
-	if !s.decode(w, r, &in) {
+	var in struct {
+		Amount *jsontext.Value `json:"amount"`
+	}
+	if !idemhttp.DecodeJSON(w, r, &in) {
 		return
 	}
-	amt, ok := amount(in.Amount)
+	if !isNumber(in.Amount) {
+		missing(w, r, "amount (a number)")
+		return
+	}
+	amt, ok := amount(*in.Amount)
 	if !ok {
-		s.invalid(w, r, "amount must be a positive integer in minor units")
+		invalid(w, r, "amount must be a positive integer in minor units")
 		return
 	}
-	id, ok := accountID(r)
+	id, ok := pathID(r, "id")
 	principal, _ := principalOf(ctx)
 	tx := idemhttp.Tx(ctx)
-	var balance int64
+	var out deposit
 	err := pgx.ErrNoRows
 	if ok {
-		err = tx.QueryRow(ctx, `UPDATE accounts SET balance = balance + $1, version = version + 1
-			WHERE id = $2 AND principal_id = $3 RETURNING balance`, amt, id, principal).Scan(&balance)
+		err = tx.QueryRow(ctx, `UPDATE ledger.accounts SET balance = balance + $1, version = version + 1
+			WHERE id = $2 AND principal_id = $3 RETURNING balance`, amt, id, principal).Scan(&out.Balance)
 	}
-	if errors.Is(err, pgx.ErrNoRows) {
-		s.problem(w, r, http.StatusNotFound, "account_not_found", "Account not found", "no such account")
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		accountNotFound(w, r)
 		return
-	}
-	if err != nil {
+	case overflow(err):
+		balanceLimit(w, r)
+		return
+	case err != nil:
 		s.serverError(w, r, err)
 		return
 	}
-	var out struct {
-		ID        int64     `json:"id"`
-		AccountID int64     `json:"account_id"`
-		Amount    int64     `json:"amount"`
-		Balance   int64     `json:"balance"`
-		CreatedAt time.Time `json:"created_at"`
-	}
-	err = tx.QueryRow(ctx, `INSERT INTO deposits (account_id, amount, idempotency_key) VALUES ($1, $2, $3)
+	err = tx.QueryRow(ctx, `INSERT INTO ledger.deposits (account_id, amount, idempotency_key) VALUES ($1, $2, $3)
 		RETURNING id, account_id, amount, created_at`, id, amt, nullKey(r)).Scan(&out.ID, &out.AccountID, &out.Amount, &out.CreatedAt)
 	if err != nil {
 		s.serverError(w, r, err)
 		return
 	}
-	out.Balance = balance
 	w.Header().Set("Location", fmt.Sprintf("/v1/accounts/%d/deposits/%d", id, out.ID))
 	writeJSON(w, http.StatusCreated, out)
+}
+
+func (s *ledger) getDeposit(w http.ResponseWriter, r *http.Request) {
+	principal, _ := principalOf(r.Context())
+	id, ok1 := pathID(r, "id")
+	depID, ok2 := pathID(r, "deposit_id")
+	var d deposit
+	err := pgx.ErrNoRows
+	if ok1 && ok2 {
+		err = s.pool.QueryRow(r.Context(), `SELECT d.id, d.account_id, d.amount, d.created_at
+			FROM ledger.deposits d JOIN ledger.accounts a ON a.id = d.account_id
+			WHERE d.id = $1 AND d.account_id = $2 AND a.principal_id = $3`, depID, id, principal).
+			Scan(&d.ID, &d.AccountID, &d.Amount, &d.CreatedAt)
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		problem(w, r, http.StatusNotFound, "deposit_not_found", "no such deposit")
+		return
+	}
+	if err != nil {
+		s.serverError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, d)
 }
 
 // nullKey records which key a request carried, for audits (and the money-invariant test).
@@ -286,32 +242,46 @@ func nullKey(r *http.Request) *string {
 	return nil
 }
 
+type transfer struct {
+	ID        int64     `json:"id"`
+	From      int64     `json:"from"`
+	To        int64     `json:"to"`
+	Amount    int64     `json:"amount"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
 func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var in struct {
-		From, To int64
-		Amount   json.Number
+		From   *int64          `json:"from"`
+		To     *int64          `json:"to"`
+		Amount *jsontext.Value `json:"amount"`
 	}
-	if !s.decode(w, r, &in) {
+	if !idemhttp.DecodeJSON(w, r, &in) {
 		return
 	}
-	amt, ok := amount(in.Amount)
+	if in.From == nil || in.To == nil || !isNumber(in.Amount) {
+		missing(w, r, "from, to and amount (numbers)")
+		return
+	}
+	amt, ok := amount(*in.Amount)
+	from, to := *in.From, *in.To
 	switch {
 	case !ok:
-		s.invalid(w, r, "amount must be a positive integer in minor units")
+		invalid(w, r, "amount must be a positive integer in minor units")
 		return
-	case in.From <= 0 || in.To <= 0:
-		s.invalid(w, r, "from and to must be account ids")
+	case from <= 0 || to <= 0:
+		invalid(w, r, "from and to must be account ids")
 		return
-	case in.From == in.To:
-		s.invalid(w, r, "from and to must be different accounts")
+	case from == to:
+		invalid(w, r, "from and to must be different accounts")
 		return
 	}
 	principal, _ := principalOf(ctx)
 	tx := idemhttp.Tx(ctx)
 	// Lock both accounts in id order, so two opposite transfers cannot deadlock.
-	rows, err := tx.Query(ctx, `SELECT id, currency, balance FROM accounts
-		WHERE id IN ($1, $2) AND principal_id = $3 ORDER BY id FOR UPDATE`, in.From, in.To, principal)
+	rows, err := tx.Query(ctx, `SELECT id, currency, balance FROM ledger.accounts
+		WHERE id IN ($1, $2) AND principal_id = $3 ORDER BY id FOR UPDATE`, from, to, principal)
 	if err != nil {
 		s.serverError(w, r, err)
 		return
@@ -336,32 +306,28 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 		s.serverError(w, r, err)
 		return
 	}
-	from, okFrom := found[in.From]
-	to, okTo := found[in.To]
+	src, okFrom := found[from]
+	dst, okTo := found[to]
 	switch {
 	case !okFrom || !okTo:
-		s.problem(w, r, http.StatusNotFound, "account_not_found", "Account not found", "no such account")
+		accountNotFound(w, r)
 		return
-	case from.currency != to.currency:
-		s.problem(w, r, http.StatusUnprocessableEntity, "currency_mismatch", "Currency mismatch", "both accounts must hold the same currency")
+	case src.currency != dst.currency:
+		problem(w, r, http.StatusUnprocessableEntity, "currency_mismatch", "both accounts must hold the same currency")
 		return
-	case from.balance < amt:
-		s.problem(w, r, http.StatusUnprocessableEntity, "insufficient_funds", "Insufficient funds",
-			"the source account's balance is lower than the amount")
+	case src.balance < amt:
+		problem(w, r, http.StatusUnprocessableEntity, "insufficient_funds", "the source account's balance is lower than the amount")
+		return
+	case dst.balance > math.MaxInt64-amt:
+		balanceLimit(w, r)
 		return
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(`UPDATE accounts SET balance = balance - $1, version = version + 1 WHERE id = $2`, amt, in.From)
-	batch.Queue(`UPDATE accounts SET balance = balance + $1, version = version + 1 WHERE id = $2`, amt, in.To)
-	var out struct {
-		ID        int64     `json:"id"`
-		From      int64     `json:"from"`
-		To        int64     `json:"to"`
-		Amount    int64     `json:"amount"`
-		CreatedAt time.Time `json:"created_at"`
-	}
-	batch.Queue(`INSERT INTO transfers (principal_id, from_id, to_id, amount, idempotency_key) VALUES ($1, $2, $3, $4, $5)
-		RETURNING id, from_id, to_id, amount, created_at`, principal, in.From, in.To, amt, nullKey(r)).
+	batch.Queue(`UPDATE ledger.accounts SET balance = balance - $1, version = version + 1 WHERE id = $2`, amt, from)
+	batch.Queue(`UPDATE ledger.accounts SET balance = balance + $1, version = version + 1 WHERE id = $2`, amt, to)
+	var out transfer
+	batch.Queue(`INSERT INTO ledger.transfers (principal_id, from_id, to_id, amount, idempotency_key) VALUES ($1, $2, $3, $4, $5)
+		RETURNING id, from_id, to_id, amount, created_at`, principal, from, to, amt, nullKey(r)).
 		QueryRow(func(row pgx.Row) error {
 			return row.Scan(&out.ID, &out.From, &out.To, &out.Amount, &out.CreatedAt)
 		})
@@ -373,21 +339,47 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-func (s *ledger) createToken(w http.ResponseWriter, r *http.Request) {
-	ctx := r.Context()
-	var in struct{ Name string }
-	if !s.decode(w, r, &in) {
+func (s *ledger) getTransfer(w http.ResponseWriter, r *http.Request) {
+	principal, _ := principalOf(r.Context())
+	id, ok := pathID(r, "id")
+	var t transfer
+	err := pgx.ErrNoRows
+	if ok {
+		err = s.pool.QueryRow(r.Context(), `SELECT id, from_id, to_id, amount, created_at FROM ledger.transfers
+			WHERE id = $1 AND principal_id = $2`, id, principal).Scan(&t.ID, &t.From, &t.To, &t.Amount, &t.CreatedAt)
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		problem(w, r, http.StatusNotFound, "transfer_not_found", "no such transfer")
 		return
 	}
-	if !validName(in.Name) {
-		s.invalid(w, r, "name must be 1 to 100 characters")
+	if err != nil {
+		s.serverError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, t)
+}
+
+func (s *ledger) createToken(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	var in struct {
+		Name *string `json:"name"`
+	}
+	if !idemhttp.DecodeJSON(w, r, &in) {
+		return
+	}
+	if in.Name == nil {
+		missing(w, r, "name")
+		return
+	}
+	if !validName(*in.Name) {
+		invalid(w, r, "name must be 1 to 100 characters, none of them a control character")
 		return
 	}
 	principal, _ := principalOf(ctx)
 	token, sum := newToken()
 	var id int64
-	if err := idemhttp.Tx(ctx).QueryRow(ctx, `INSERT INTO api_tokens (principal_id, name, token_sha256)
-		VALUES ($1, $2, $3) RETURNING id`, principal, in.Name, sum).Scan(&id); err != nil {
+	if err := idemhttp.Tx(ctx).QueryRow(ctx, `INSERT INTO ledger.api_tokens (principal_id, name, token_sha256)
+		VALUES ($1, $2, $3) RETURNING id`, principal, *in.Name, sum).Scan(&id); err != nil {
 		s.serverError(w, r, err)
 		return
 	}

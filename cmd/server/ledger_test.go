@@ -102,7 +102,7 @@ func TestLedgerRoutes(t *testing.T) {
 	if r := s.call("POST", "/v1/transfers", bob, "tr-4", tr); r.status != 404 {
 		t.Errorf("bob moves alice's money: %+v", r)
 	}
-	if n := s.count(`SELECT balance FROM accounts WHERE id = $1`, main); n != 700 {
+	if n := s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, main); n != 700 {
 		t.Fatalf("balance %d, want 700", n)
 	}
 
@@ -131,7 +131,7 @@ func TestDeletedPrincipal(t *testing.T) {
 	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = $1`, id); n != 1 {
 		t.Fatalf("%d keys before", n)
 	}
-	if _, err := s.pool.Exec(context.Background(), `DELETE FROM principals WHERE id = $1`, id); err != nil {
+	if _, err := s.pool.Exec(context.Background(), `DELETE FROM ledger.principals WHERE id = $1`, id); err != nil {
 		t.Fatal(err)
 	}
 	if r := s.call("POST", "/v1/accounts", token, "k1", `{"name":"a","currency":"EUR"}`); r.status != 401 {
@@ -169,7 +169,7 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 	defer pool.Close()
 	m := &Main{Config: Config{TransfersRequireKey: true, MaxBodyBytes: 1, MaxStoredBytes: 1},
 		registry: prometheus.NewRegistry(), log: slog.New(slog.NewTextHandler(io.Discard, nil)), pool: pool}
-	router, err := m.router()
+	router, _, err := m.router()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,8 +215,8 @@ func TestMetricsAfterRequests(t *testing.T) {
 	s.call("POST", "/v1/accounts", token, "k", `{"name":"a","currency":"EUR"}`)
 	s.call("POST", "/v1/accounts", token, "k", `{"name":"a","currency":"EUR"}`)
 	r := s.call("GET", "/metrics", "", "", "")
-	for _, want := range []string{`idem_http_requests_total{action="POST /v1/accounts",outcome="acquired"} 1`,
-		`idem_http_requests_total{action="POST /v1/accounts",outcome="replayed"} 1`} {
+	for _, want := range []string{`idempotency_requests_total{action="POST /v1/accounts",state="acquired"} 1`,
+		`idempotency_requests_total{action="POST /v1/accounts",state="replayed"} 1`, `idempotency_waiting_duplicates 0`} {
 		if !strings.Contains(r.body, want) {
 			t.Errorf("metrics lack %s", want)
 		}

@@ -43,7 +43,7 @@ func TestServeHealthz(t *testing.T) {
 			t.Errorf("GET %s: %d %s", path, r.status, r.body)
 		}
 	}
-	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace`); n != 5 {
-		t.Fatalf("%d functions in schema idem, want 5", n)
+	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace AND proname LIKE 'idem\_%'`); n != 7 {
+		t.Fatalf("%d API functions in schema idem, want 7", n)
 	}
 }

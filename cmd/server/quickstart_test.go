@@ -53,7 +53,7 @@ func TestQuickstart(t *testing.T) {
 			t.Errorf("the quickstart's output lacks %s:\n%s", want, text)
 		}
 	}
-	if n := s.count(`SELECT count(*) FROM transfers`); n != 1 {
+	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
 		t.Errorf("%d transfers, want 1", n)
 	}
 }

@@ -151,7 +151,7 @@ func TestGracefulShutdown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := holder.Exec(ctx, `SELECT 1 FROM accounts WHERE id = $1 FOR UPDATE`, id); err != nil {
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, id); err != nil {
 		t.Fatal(err)
 	}
 	inflight := make(chan resp, 1)
@@ -179,10 +179,10 @@ func TestGracefulShutdown(t *testing.T) {
 	if err := <-stopped; err != nil {
 		t.Fatalf("shutdown: %v", err)
 	}
-	if n := s.count(`SELECT balance FROM accounts WHERE id = $1`, id); n != 5 {
+	if n := s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, id); n != 5 {
 		t.Fatalf("balance %d, want 5: the in-flight deposit did not commit", n)
 	}
-	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'dep-1' AND state = 'completed'`); n != 1 {
+	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'dep-1' AND state = 'c'`); n != 1 {
 		t.Fatal("the in-flight deposit's key was not stored")
 	}
 }

@@ -33,6 +33,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -63,7 +64,18 @@ type Fingerprint struct {
 	// fields of a mismatch. Nil when the body is not a JSON object or has more than
 	// MaxFields members.
 	Fields map[string]string
+	// Ambiguous is why a strictly valid JSON body must still be refused, or "": a string or
+	// member name holds U+0000 (PostgreSQL's jsonb and text cannot store it), or two member
+	// names of one object differ only in case (decoders such as encoding/json match names
+	// case-insensitively, so the request would not mean what its fingerprint says).
+	Ambiguous string
 }
+
+// The reasons in Fingerprint.Ambiguous.
+const (
+	AmbiguousNUL  = "a string or member name holds U+0000"
+	AmbiguousCase = "two member names of one object differ only in case"
+)
 
 // Compute returns the fingerprint of a request. method is upper-cased; escapedPath is the
 // request's escaped path without the query (url.URL.EscapedPath); body is the whole body,
@@ -78,6 +90,12 @@ func Compute(method, escapedPath string, body []byte) Fingerprint {
 	if len(body) > 0 {
 		if t, err := parse(body); err == nil {
 			fp.JSON = true
+			switch {
+			case t.nul:
+				fp.Ambiguous = AmbiguousNUL
+			case t.caseDup:
+				fp.Ambiguous = AmbiguousCase
+			}
 			buf := write(h, t, 0, make([]byte, 0, 4096+64))
 			n := 0
 			for c := t.nodes[0].first; t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
@@ -135,9 +153,11 @@ type node struct {
 
 // tree is a parsed body; the root is nodes[0].
 type tree struct {
-	data  []byte
-	arena []byte
-	nodes []node
+	data    []byte
+	arena   []byte
+	nodes   []node
+	nul     bool // a string or name holds U+0000
+	caseDup bool // two names of one object differ only in case
 }
 
 func (t *tree) bytes(s span) []byte {
@@ -292,6 +312,9 @@ func (p *parser) object() (int32, error) {
 			return 0, fmt.Errorf("%w: duplicate member name %q", ErrNotCanonical, name(members[i]))
 		}
 	}
+	if !p.caseDup {
+		p.caseDup = foldDuplicates(members, name)
+	}
 	p.nodes[obj].first = members[0]
 	for i := 1; i < len(members); i++ {
 		p.nodes[members[i-1]].next = members[i]
@@ -299,6 +322,53 @@ func (p *parser) object() (int32, error) {
 	p.nodes[members[len(members)-1]].next = -1
 	p.order = p.order[:base]
 	return obj, nil
+}
+
+// foldDuplicates tells whether two of the members have names that are equal under the case
+// folding of bytes.EqualFold (which encoding/json uses to match names). Small objects compare
+// pairwise; larger ones sort their folded names.
+func foldDuplicates(members []int32, name func(int32) []byte) bool {
+	if len(members) <= 16 {
+		for i := range members {
+			for j := i + 1; j < len(members); j++ {
+				if bytes.EqualFold(name(members[i]), name(members[j])) {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	folded := make([][]byte, len(members))
+	for i, m := range members {
+		folded[i] = foldName(name(m))
+	}
+	slices.SortFunc(folded, bytes.Compare)
+	for i := 1; i < len(folded); i++ {
+		if bytes.Equal(folded[i], folded[i-1]) {
+			return true
+		}
+	}
+	return false
+}
+
+// foldName folds a name so that foldName(x) == foldName(y) exactly when bytes.EqualFold(x, y)
+// (encoding/json's own folding).
+func foldName(in []byte) []byte {
+	out := make([]byte, 0, len(in))
+	for i := 0; i < len(in); {
+		if c := in[i]; c < utf8.RuneSelf {
+			if 'a' <= c && c <= 'z' {
+				c -= 'a' - 'A'
+			}
+			out = append(out, c)
+			i++
+			continue
+		}
+		r, n := utf8.DecodeRune(in[i:])
+		out = utf8.AppendRune(out, unicode.ToUpper(unicode.ToLower(r)))
+		i += n
+	}
+	return out
 }
 
 func (p *parser) array() (int32, error) {
@@ -450,6 +520,9 @@ func (p *parser) string() (span, error) {
 						return span{}, p.fail("lone surrogate")
 					}
 					r = utf16.DecodeRune(r, lo)
+				}
+				if r == 0 {
+					p.nul = true
 				}
 				p.arena = utf8.AppendRune(p.arena, r)
 			default:

@@ -4,44 +4,66 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
-// Outcome is what happened to one keyed request, as the Observer sees it.
-type Outcome string
+// State is what happened to a keyed request, as metrics count it. The set of values is
+// frozen (TestStatesAreFrozen): dashboards and alerts depend on it.
+type State string
 
-// The outcomes an Observer sees.
+// The states of idempotency_requests_total.
 const (
-	// OutcomeAcquired: the request claimed the key and its response was stored (a 2xx, or a
-	// final error through idem_save_final).
-	OutcomeAcquired Outcome = "acquired"
-	// OutcomeReplayed: a stored response was sent again (or 409 for a withheld body).
-	OutcomeReplayed Outcome = "replayed"
-	// OutcomeInProgress: the key was held by a running request: 409 request_in_progress.
-	OutcomeInProgress Outcome = "in_progress"
-	// OutcomeMismatch: the key belongs to another request: 422 idempotency_key_reuse.
-	OutcomeMismatch Outcome = "mismatch"
-	// OutcomeNotStored: the handler's response was not final (401, 429, 5xx, a panic...):
-	// rolled back, nothing stored.
-	OutcomeNotStored Outcome = "not_stored"
-	// OutcomeOversize: the response was larger than MaxStoredBodyBytes: sent, stored
-	// without its body.
-	OutcomeOversize Outcome = "oversize"
-	// OutcomeStoreError: the database failed; the client got a 5xx and nothing was stored.
-	OutcomeStoreError Outcome = "store_error"
+	// StateAcquired: the request claimed the key (counted once per fresh claim, when it is
+	// made): the denominator of the other rates.
+	StateAcquired State = "acquired"
+	// StateReplayed: a stored response was sent again (or 409 for a stored response whose
+	// body is withheld).
+	StateReplayed State = "replayed"
+	// StateBusy: another request held the key: 409 request_in_progress.
+	StateBusy State = "busy"
+	// StateKeyReused: the key belongs to another request: 422 idempotency_key_reuse.
+	StateKeyReused State = "key_reused"
+	// StateStoreError: the database failed; the client got a 5xx.
+	StateStoreError State = "store_error"
+	// StateOversize: counted on top of StateAcquired for a response too large to store for
+	// replay, so oversize ÷ acquired is the uncacheable rate.
+	StateOversize State = "oversize"
 )
 
-// Observer receives every keyed request's outcome. Implementations must be safe for
+// States lists every State, in a fixed order.
+var States = []State{StateAcquired, StateReplayed, StateBusy, StateKeyReused, StateStoreError, StateOversize}
+
+// stateOf is the one translation of the driver's outcomes into metric states.
+func stateOfOutcome(o dbidem.Outcome) State {
+	switch o {
+	case dbidem.Claimed:
+		return StateAcquired
+	case dbidem.Replay:
+		return StateReplayed
+	case dbidem.Mismatch:
+		return StateKeyReused
+	}
+	return StateBusy // dbidem.InProgress
+}
+
+// Observer receives the events of keyed requests. Implementations must be safe for
 // concurrent use.
 type Observer interface {
-	Observe(action string, outcome Outcome, elapsed time.Duration)
+	// Count counts one state of a keyed request of this action (a request may count
+	// StateAcquired and then StateOversize).
+	Count(action string, state State)
+	// Done times a keyed request from the key check to its answer, by its main state.
+	Done(state State, elapsed time.Duration)
 }
 
 type nopObserver struct{}
 
-func (nopObserver) Observe(string, Outcome, time.Duration) {}
+func (nopObserver) Count(string, State)       {}
+func (nopObserver) Done(State, time.Duration) {}
 
-// PrometheusObserver counts outcomes per action (idem_http_requests_total) and times them
-// (idem_http_request_duration_seconds).
+// PrometheusObserver counts states per action (idempotency_requests_total{action,state}) and
+// times requests (idempotency_request_duration_seconds{state}).
 type PrometheusObserver struct {
 	requests *prometheus.CounterVec
 	duration *prometheus.HistogramVec
@@ -51,21 +73,43 @@ type PrometheusObserver struct {
 func NewPrometheusObserver(reg prometheus.Registerer) *PrometheusObserver {
 	o := &PrometheusObserver{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_http_requests_total",
-			Help: "Requests with an idempotency key, by action and outcome.",
-		}, []string{"action", "outcome"}),
+			Name: "idempotency_requests_total",
+			Help: "Keyed requests by action and state (acquired, replayed, busy, key_reused, store_error; oversize on top of acquired).",
+		}, []string{"action", "state"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_http_request_duration_seconds",
-			Help:    "Time from the key check to the response, by outcome.",
+			Name:    "idempotency_request_duration_seconds",
+			Help:    "Time from the key check to the answer of keyed requests, by state.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
-		}, []string{"outcome"}),
+		}, []string{"state"}),
 	}
 	reg.MustRegister(o.requests, o.duration)
 	return o
 }
 
-// Observe implements Observer.
-func (o *PrometheusObserver) Observe(action string, outcome Outcome, elapsed time.Duration) {
-	o.requests.WithLabelValues(action, string(outcome)).Inc()
-	o.duration.WithLabelValues(string(outcome)).Observe(elapsed.Seconds())
+// Count implements Observer.
+func (o *PrometheusObserver) Count(action string, state State) {
+	o.requests.WithLabelValues(action, string(state)).Inc()
+}
+
+// Done implements Observer.
+func (o *PrometheusObserver) Done(state State, elapsed time.Duration) {
+	o.duration.WithLabelValues(string(state)).Observe(elapsed.Seconds())
+}
+
+// RegisterGateMetrics registers the metrics of the middleware's Gate with reg:
+// idempotency_waiting_duplicates (gauge), idempotency_coalesced_total and
+// idempotency_refused_total (counters).
+func (m *Middleware) RegisterGateMetrics(reg prometheus.Registerer) {
+	g := m.gate
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicates",
+			Help: "Requests waiting, without a database connection, for a request of this process with the same key."},
+			func() float64 { return float64(g.Waiting()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_coalesced_total",
+			Help: "Requests that found their key in flight in this process and waited for it."},
+			func() float64 { return float64(g.Coalesced()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_refused_total",
+			Help: "Requests answered 409 without waiting on the database: their wait ran out, or every wait slot was taken."},
+			func() float64 { return float64(g.Refused()) }),
+	)
 }

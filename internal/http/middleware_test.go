@@ -37,6 +37,7 @@ type app struct {
 	runs    atomic.Int32
 	started chan struct{}
 	release chan struct{}
+	once    sync.Once
 	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
 }
 
@@ -56,6 +57,7 @@ func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
 	t.Helper()
 	pool, _ := pgtest.NewPool(t, 80)
 	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), release: make(chan struct{})}
+	t.Cleanup(a.unblock) // a failing test must not leave a handler blocked until the timeout
 	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int)`); err != nil {
 		t.Fatal(err)
 	}
@@ -159,6 +161,9 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 	}
 	fmt.Fprintf(w, `{"id":%d,"amount":%d,"run":%d}`, id, o.Amount, n)
 }
+
+// unblock releases every handler blocked on a.release; safe to call more than once.
+func (a *app) unblock() { a.once.Do(func() { close(a.release) }) }
 
 func (a *app) token(w http.ResponseWriter, r *http.Request) {
 	a.runs.Add(1)
@@ -281,13 +286,13 @@ func TestMismatch(t *testing.T) {
 	}
 	var p idemhttp.Problem
 	_ = json.Unmarshal([]byte(r.body), &p)
-	if len(p.ChangedFields) != 1 || p.ChangedFields[0] != "amount" || strings.Contains(r.body, "999") {
-		t.Fatalf("changed fields %v in %s: want [amount] and no values", p.ChangedFields, r.body)
+	if p.ChangedFields == nil || len(*p.ChangedFields) != 1 || (*p.ChangedFields)[0] != "amount" || strings.Contains(r.body, "999") {
+		t.Fatalf("changed fields in %s: want [amount] and no values", r.body)
 	}
 	a.do("POST", "/accounts/1/deposits", "alice", "d1", `{"amount":5}`)
 	r = a.do("POST", "/accounts/2/deposits", "alice", "d1", `{"amount":5}`)
-	if r.status != 422 || problemCode(t, r) != idemhttp.CodeKeyReuse {
-		t.Fatalf("other path: %+v", r)
+	if r.status != 422 || problemCode(t, r) != idemhttp.CodeKeyReuse || !strings.Contains(r.body, `"changed_fields":[]`) {
+		t.Fatalf("other path: %+v, want changed_fields []", r)
 	}
 	if a.effects() != 2 {
 		t.Fatalf("%d effects, want 2", a.effects())
@@ -304,7 +309,7 @@ func TestConcurrentRepeatWaitsThen409(t *testing.T) {
 	if r.status != 409 || problemCode(t, r) != idemhttp.CodeInProgress || r.header.Get("Retry-After") != "1" {
 		t.Fatalf("repeat during the first: %+v", r)
 	}
-	close(a.release)
+	a.unblock()
 	first := <-done
 	if first.status != 201 {
 		t.Fatalf("first: %+v", first)
@@ -454,8 +459,7 @@ func TestExpiredKeyRunsAgain(t *testing.T) {
 	t.Parallel()
 	a := newApp(t, nil)
 	a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
-	if _, err := a.pool.Exec(context.Background(), `UPDATE idem.idempotency_keys
-		SET created_at = now() - interval '2 days', expires_at = now() - interval '1 day'`); err != nil {
+	if _, err := a.pool.Exec(context.Background(), `UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day'`); err != nil {
 		t.Fatal(err)
 	}
 	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
@@ -575,7 +579,7 @@ func TestCancelledClientLeavesNothing(t *testing.T) {
 	<-a.started
 	cancel()
 	<-done
-	close(a.release)
+	a.unblock()
 	deadline := time.Now().Add(5 * time.Second)
 	for a.count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'`) > 0 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
@@ -608,29 +612,32 @@ func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	}
 	got := map[string]float64{}
 	for _, f := range families {
-		if f.GetName() != "idem_http_requests_total" {
+		if f.GetName() != "idempotency_requests_total" {
 			continue
 		}
 		for _, m := range f.GetMetric() {
 			for _, l := range m.GetLabel() {
-				if l.GetName() == "outcome" {
+				if l.GetName() == "state" {
 					got[l.GetValue()] += m.GetCounter().GetValue()
 				}
 			}
 		}
 	}
-	want := map[string]float64{"acquired": 1, "replayed": 1, "mismatch": 1, "not_stored": 1}
+	want := map[string]float64{"acquired": 2, "replayed": 1, "key_reused": 1}
 	for k, v := range want {
 		if got[k] != v {
-			t.Errorf("outcome %s counted %v times, want %v (all: %v)", k, got[k], v, got)
+			t.Errorf("state %s counted %v times, want %v (all: %v)", k, got[k], v, got)
 		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("states counted: %v, want exactly %v", got, want)
 	}
 	mu.Lock()
 	defer mu.Unlock()
 	if strings.Contains(logs.String(), key) || strings.Contains(logs.String(), secret) {
 		t.Fatalf("a log line holds a raw key or body:\n%s", logs.String())
 	}
-	if !strings.Contains(logs.String(), `"outcome":"mismatch"`) {
+	if !strings.Contains(logs.String(), `"state":"key_reused"`) || !strings.Contains(logs.String(), `"key_hash"`) {
 		t.Fatalf("the mismatch was not logged:\n%s", logs.String())
 	}
 }

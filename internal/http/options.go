@@ -9,11 +9,13 @@
 //   - a different request under the same key gets 422 idempotency_key_reuse;
 //   - a repeat while the first still runs waits up to the lock timeout, then answers as the
 //     first did, or 409 request_in_progress with Retry-After;
-//   - a final error (400, 403, 404, 409, 410, 412, 413, 415, 422) is rolled back and stored;
-//     other errors (401, 408, 428, 429, 3xx, 5xx, a panic) are rolled back and not stored.
+//   - a final error (400, 403, 404, 409, 410, 412, 413, 415, 422) is rolled back to a
+//     savepoint taken right after the claim and stored in the same transaction; other errors
+//     (401, 408, 428, 429, 3xx, 5xx, a panic) are rolled back and not stored.
 //
-// Handlers write through the transaction in the request's context ([Tx]). docs/http.md has
-// the whole behaviour table, the problem types and how to wire it.
+// Handlers write through the transaction in the request's context ([Tx]) and read a JSON
+// body with [DecodeJSON], which decodes exactly the bytes that were fingerprinted.
+// docs/http.md has the whole behaviour table, the problem types and how to wire it.
 package idemhttp
 
 import (
@@ -41,11 +43,17 @@ type Options struct {
 	// CorrelationHeader names the request's correlation id; a replay carries the current
 	// request's value, not the stored one. Default "X-Request-Id".
 	CorrelationHeader string
-	// TTL is how long a key stays valid. Default 24h.
+	// TTL is how long a key stays valid. 0: the SQL API's default (24 hours).
 	TTL time.Duration
-	// LockTimeout bounds the wait for a concurrent request with the same key; past it the
-	// answer is 409 request_in_progress. Default 2s (the SQL function's default).
+	// LockTimeout bounds the wait for a concurrent request with the same key, in this
+	// process (in Go, without a connection) and on the database; past it the answer is 409
+	// request_in_progress. 0: the SQL API's default (2 seconds), read from the database.
 	LockTimeout time.Duration
+	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
+	// another process) at once; a request that finds them all waiting gets 409 at once, so
+	// requests for other keys always find a connection. 0: a quarter of DB's maximum
+	// connections, at least 1.
+	MaxWaitingClaims int
 	// MaxBodyBytes is the largest request body read; a larger one gets 413 before any
 	// fingerprint or database work. Default 1 MiB.
 	MaxBodyBytes int64
@@ -64,12 +72,13 @@ type Options struct {
 	// "https://github.com/pgidem/pgidem/blob/main/docs/http.md#".
 	ProblemBase string
 	// MaxAttempts bounds the runs of a unit of work that fails with 40001 or 40P01.
-	// Default 3.
+	// 0: dbidem.DefaultMaxAttempts (3).
 	MaxAttempts int
-	// Logger receives one line per idempotency outcome worth a look (never a raw key or
-	// body: keys are logged as a short hash). Default slog.Default().
+	// Logger receives one line per keyed request that was not acquired or replayed, and
+	// every failure to record or release a key (never a raw key or body: keys are logged as
+	// a short hash). Default slog.Default().
 	Logger *slog.Logger
-	// Metrics observes every outcome. Default: none.
+	// Metrics observes every keyed request. Default: none.
 	Metrics Observer
 }
 
@@ -102,12 +111,6 @@ func (o *Options) defaults() {
 	if o.CorrelationHeader == "" {
 		o.CorrelationHeader = "X-Request-Id"
 	}
-	if o.TTL == 0 {
-		o.TTL = 24 * time.Hour
-	}
-	if o.LockTimeout == 0 {
-		o.LockTimeout = 2 * time.Second
-	}
 	if o.MaxBodyBytes == 0 {
 		o.MaxBodyBytes = 1 << 20
 	}
@@ -132,7 +135,7 @@ func (o *Options) defaults() {
 }
 
 // DefaultFinalStatus is the default Options.FinalStatus: the error statuses that a retry of
-// the same request would get again (CONTRACT.md section 4).
+// the same request would get again (docs/http.md).
 func DefaultFinalStatus(status int) bool {
 	switch status {
 	case 400, 403, 404, 409, 410, 412, 413, 415, 422:

@@ -1,12 +1,16 @@
 package idemhttp
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
 // Problem codes: the `code` member of every problem this package writes, and the anchor of
-// its type URI.
+// its type URI in docs/http.md.
 const (
 	CodeKeyMissing       = "idempotency_key_missing"
 	CodeKeyInvalid       = "idempotency_key_invalid"
@@ -15,25 +19,59 @@ const (
 	CodeOneTimeSecret    = "one_time_secret"
 	CodeNotReplayable    = "response_not_replayable"
 	CodeRequestTooLarge  = "request_too_large"
+	CodeBodyUnreadable   = "request_body_unreadable"
+	CodeMalformedBody    = "malformed_body"
+	CodeUnsupportedMedia = "unsupported_media_type"
 	CodePrincipalUnknown = "principal_unknown"
 	CodeInternalError    = "internal_error"
+	CodeMisconfigured    = "idempotency_misconfigured"
 	CodeStoreUnavailable = "store_unavailable"
-	CodeBodyUnreadable   = "request_body_unreadable"
-	problemContentType   = "application/problem+json"
+	CodeOutcomeUnknown   = "outcome_unknown"
 )
 
-var problemTitles = map[string]string{
-	CodeKeyMissing:       "Idempotency-Key required",
-	CodeBodyUnreadable:   "Request body unreadable",
-	CodeKeyInvalid:       "Idempotency-Key malformed",
-	CodeKeyReuse:         "Idempotency key reused for another request",
-	CodeInProgress:       "A request with this idempotency key is in progress",
-	CodeOneTimeSecret:    "The response was a one-time secret",
-	CodeNotReplayable:    "The response cannot be replayed",
-	CodeRequestTooLarge:  "Request body too large",
-	CodePrincipalUnknown: "Unknown principal",
-	CodeInternalError:    "Internal error",
-	CodeStoreUnavailable: "Idempotency store unavailable",
+// problemSpec is a problem code's status and title.
+type problemSpec struct {
+	status int
+	title  string
+}
+
+// problems is the one table of every problem this package answers: code, status, title.
+// docs/http.md lists the same table; TestProblemTableMatchesDocs compares them.
+var problems = map[string]problemSpec{
+	CodeKeyMissing:       {http.StatusBadRequest, "Idempotency-Key required"},
+	CodeKeyInvalid:       {http.StatusBadRequest, "Idempotency-Key malformed"},
+	CodeKeyReuse:         {http.StatusUnprocessableEntity, "Idempotency key reused for another request"},
+	CodeInProgress:       {http.StatusConflict, "A request with this idempotency key is in progress"},
+	CodeOneTimeSecret:    {http.StatusConflict, "The response was a one-time secret"},
+	CodeNotReplayable:    {http.StatusConflict, "The response cannot be replayed"},
+	CodeRequestTooLarge:  {http.StatusRequestEntityTooLarge, "Request body too large"},
+	CodeBodyUnreadable:   {http.StatusBadRequest, "Request body unreadable"},
+	CodeMalformedBody:    {http.StatusBadRequest, "Malformed body"},
+	CodeUnsupportedMedia: {http.StatusUnsupportedMediaType, "Unsupported media type"},
+	CodePrincipalUnknown: {http.StatusUnauthorized, "Unknown principal"},
+	CodeInternalError:    {http.StatusInternalServerError, "Internal error"},
+	CodeMisconfigured:    {http.StatusInternalServerError, "Idempotency misconfigured"},
+	CodeStoreUnavailable: {http.StatusServiceUnavailable, "Idempotency store unavailable"},
+	CodeOutcomeUnknown:   {http.StatusServiceUnavailable, "Outcome unknown"},
+}
+
+// errorProblem maps an error of the unit of work (from the driver, the database or the
+// Gate) to the problem that answers it, and the detail to send. It is the one place that
+// reads driver errors.
+func errorProblem(err error) (code, detail string) {
+	switch {
+	case errors.Is(err, dbidem.ErrInProgress):
+		return CodeInProgress, "a request with this key is still running; retry later with the same key"
+	case errors.Is(err, dbidem.ErrUnknownPrincipal):
+		return CodePrincipalUnknown, "the principal of this request is not known"
+	case errors.Is(err, dbidem.ErrInvalidArgument):
+		return CodeMisconfigured, "the idempotency store refused the request's arguments (a route's action, the principal's length or the configured TTL): a server configuration problem; nothing was changed"
+	case errors.Is(err, dbidem.ErrCommitUnknown):
+		return CodeOutcomeUnknown, "the connection to the database was lost while the request was committing: it may or may not have taken effect; retry with the same key to get its answer"
+	case errors.Is(err, dbidem.ErrNotMigrated):
+		return CodeStoreUnavailable, "the database is not migrated; nothing was changed"
+	}
+	return CodeStoreUnavailable, "the request could not be recorded; nothing was changed; retry with the same key"
 }
 
 // Problem is an RFC 9457 problem details object.
@@ -50,21 +88,54 @@ type Problem struct {
 	Code string `json:"code"`
 	// CorrelationID is the request's correlation id, when it has one.
 	CorrelationID string `json:"correlation_id,omitempty"`
-	// ChangedFields names the top-level request fields that differ (idempotency_key_reuse).
-	ChangedFields []string `json:"changed_fields,omitempty"`
+	// ChangedFields names the top-level request fields that differ (idempotency_key_reuse):
+	// empty when only the method, path or action changed; absent when unknown.
+	ChangedFields *[]string `json:"changed_fields,omitempty"`
 	// ResourceID is the id of what the first request created (response_not_replayable).
 	ResourceID string `json:"resource_id,omitempty"`
 }
 
-func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, status int, code, detail string, edit func(*Problem)) {
-	p := Problem{Type: m.o.ProblemBase + code, Title: problemTitles[code], Status: status, Detail: detail,
+// WriteProblem writes an RFC 9457 problem: application/problem+json, nosniff, the status,
+// and a body whose type is base followed by code. Applications use it for their own codes,
+// so that every problem of a service has one shape.
+func WriteProblem(w http.ResponseWriter, status int, base, code, title, detail, correlationID string) {
+	writeProblem(w, Problem{Type: base + code, Title: title, Status: status, Detail: detail, Code: code,
+		CorrelationID: correlationID})
+}
+
+func writeProblem(w http.ResponseWriter, p Problem) {
+	body, _ := json.Marshal(p)
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(body)
+}
+
+// problem writes one of this package's problems (the table above).
+func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, code, detail string, edit func(*Problem)) {
+	spec := problems[code]
+	p := Problem{Type: m.o.ProblemBase + code, Title: spec.title, Status: spec.status, Detail: detail,
 		Code: code, CorrelationID: r.Header.Get(m.o.CorrelationHeader)}
 	if edit != nil {
 		edit(&p)
 	}
-	body, _ := json.Marshal(p)
-	w.Header().Set("Content-Type", problemContentType)
-	w.Header().Set("X-Content-Type-Options", "nosniff")
-	w.WriteHeader(status)
-	_, _ = w.Write(body)
+	writeProblem(w, p)
+}
+
+// Refuse writes one of this package's problems (a Code... constant, such as
+// CodeMalformedBody) with the options of the request's declared route, or the defaults
+// outside one: for a handler that finds the body malformed in a way DecodeJSON does not see
+// (a required member missing).
+func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
+	problemFor(r.Context(), w, r, code, detail)
+}
+
+// problemFor writes a problem from a handler's context: the declared route's middleware, or
+// the defaults outside one.
+func problemFor(ctx context.Context, w http.ResponseWriter, r *http.Request, code, detail string) {
+	m := defaultMiddleware
+	if s := stateOf(ctx); s != nil {
+		m = s.m
+	}
+	m.problem(w, r, code, detail, nil)
 }

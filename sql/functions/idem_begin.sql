@@ -5,17 +5,20 @@
 -- decided on. Only the two writes (re-claiming an expired or released row, taking over a lease
 -- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
 -- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
+--
+-- Every value a write needs is computed into a variable first: no statement that writes the
+-- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
     p_principal      text,
     p_key            text,
     p_action         text,
     p_request_sha256 bytea,
-    p_ttl            interval DEFAULT '24 hours',
+    p_ttl            interval DEFAULT {{ template "default_ttl" }},
     p_lease          interval DEFAULT NULL,
     p_request_fields jsonb    DEFAULT NULL,
     p_lock_timeout   interval DEFAULT NULL,
     OUT outcome          text,
-    OUT attempt          integer,
+    OUT attempt          bigint,
     OUT response_status  integer,
     OUT response_headers jsonb,
     OUT response_body    bytea,
@@ -23,53 +26,66 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT withheld         text,
     OUT changed_fields   text[],
     OUT retry_after      interval)
-LANGUAGE plpgsql
-VOLATILE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '2s'
+{{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
     v_problem text;
     v_now     timestamptz;
+    v_expires timestamptz;
+    v_lease   timestamptz;
+    v_guard   boolean;
+    v_action  bigint;
+    v_fields  bytea;
+    v_token   bigint;
     v_row     idem.idempotency_keys%ROWTYPE;
     v_lock    boolean;
     v_tries   integer;
+    v_names   text[];
+    v_hashes  bytea[];
+    v_pos     integer;
+    v_nul     integer;
 BEGIN
     -- One expression validates everything: PL/pgSQL prepares each expression once per
-    -- transaction, so on the hot path fewer expressions are cheaper than many small IFs.
+    -- session, so on the hot path one CASE is cheaper than many small IFs.
     v_problem := CASE
-{{ template "check_key.sql" . }}
-{{ template "check_request.sql" . }}
-        WHEN p_lease <= interval '0' OR p_lease > p_ttl
-            THEN format('22023 p_lease must be positive and at most p_ttl, got %s', p_lease)
-        WHEN jsonb_typeof(p_request_fields) <> 'object'
-            THEN format('22023 p_request_fields must be a JSON object, got %s', jsonb_typeof(p_request_fields))
-        WHEN p_lock_timeout <= interval '0'
-            THEN format('22023 p_lock_timeout must be positive, got %s', p_lock_timeout)
+{{ template "include/check_key.sql" . }}
+{{ template "include/check_request.sql" . }}
+        WHEN p_lease IS NOT NULL AND ({{ template "include/not_positive.sql" "p_lease" }}
+                                      OR p_lease > coalesce(p_ttl, {{ template "default_ttl" }}))
+            THEN format('22023 p_lease must be positive in every part and at most p_ttl, got %s', p_lease)
+        WHEN p_lock_timeout IS NOT NULL AND {{ template "include/not_positive.sql" "p_lock_timeout" }}
+            THEN format('22023 p_lock_timeout must be positive in every part, got %s', p_lock_timeout)
     END;
-    IF v_problem IS NOT NULL THEN
-        RAISE EXCEPTION 'idem_begin: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
-    END IF;
+{{ template "include/raise.sql" "idem_begin" }}
     IF p_lock_timeout IS NOT NULL THEN
         -- Local to this call: the SET clause above restores the caller's value on return.
         PERFORM set_config('lock_timeout',
             greatest(ceil(extract(epoch FROM p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
 
+    -- statement_timestamp() is one instant for the whole call (the request's arrival);
+    -- decisions after a wait use clock_timestamp().
+    v_now := statement_timestamp();
+    v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
+    v_lease := v_now + p_lease;
+    v_guard := nullif(p_lease IS NULL, false);
+    v_action := hashtextextended(p_action, 0);
+    IF p_request_fields IS NOT NULL THEN
+        v_fields := {{ template "include/fields_blob.sql" }};
+    END IF;
+    -- The fencing token: no holder of any key ever had it.
+    v_token := nextval('idem.attempt_seq');
+
     -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
-    -- A fresh key leaves at the first RETURN: one INSERT and two expressions.
+    -- A fresh key leaves at the first RETURN.
     LOOP
         IF v_lock IS NOT TRUE THEN
-            -- statement_timestamp() is one instant for the whole call (the request's
-            -- arrival); decisions after a wait use clock_timestamp().
             INSERT INTO idem.idempotency_keys AS k
-                (principal_id, key, state, attempt, created_at, expires_at, lease_expires_at,
-                 uncompleted, action, request_sha256, request_fields)
+                (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
+                 principal_id, key, request_sha256, request_fields)
             VALUES
-                (p_principal, p_key, 'in_progress', 1, statement_timestamp(), statement_timestamp() + p_ttl,
-                 statement_timestamp() + p_lease, nullif(p_lease IS NULL, false), p_action,
-                 p_request_sha256, p_request_fields)
+                (v_expires, v_token, v_action, v_lease, 'p', v_guard,
+                 p_principal, p_key, p_request_sha256, v_fields)
             ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
@@ -95,41 +111,53 @@ BEGIN
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.expires_at <= v_now OR v_row.state = 'released' THEN
-            -- An expired key is absent, a released one free: claim it again. The attempt
-            -- keeps counting so that a holder of an older claim stays fenced off.
+        IF v_row.state = 'r' OR (v_row.expires_at <= v_now
+                                 AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)) THEN
+            -- An expired key is absent, a released one free: claim it again, with a new
+            -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
+                v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
+                v_lease := v_now + p_lease;
                 UPDATE idem.idempotency_keys AS k
-                   SET state = 'in_progress', attempt = k.attempt + 1, created_at = v_now,
-                       expires_at = v_now + p_ttl, lease_expires_at = v_now + p_lease,
-                       uncompleted = nullif(p_lease IS NULL, false), action = p_action,
-                       request_sha256 = p_request_sha256, request_fields = p_request_fields,
-                       completed_at = NULL, response_status = NULL, response_headers = NULL,
+                   SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
+                       uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
+                       request_fields = v_fields, response_status = NULL, response_headers = NULL,
                        response_body = NULL, resource_id = NULL, withheld = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
                 RETURN;
             END IF;
-        ELSIF v_row.action <> p_action OR v_row.request_sha256 <> p_request_sha256 THEN
+        ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
             outcome := 'mismatch';
             attempt := v_row.attempt;
-            IF v_row.action <> p_action THEN
+            IF v_row.action_hash <> v_action THEN
                 changed_fields := '{}';
-            ELSIF v_row.request_fields IS NOT NULL AND p_request_fields IS NOT NULL THEN
-                -- Names only, never values; {} when only the method or path differ.
+            ELSIF v_row.request_fields IS NOT NULL AND v_fields IS NOT NULL THEN
+                -- Names only, never values: decode the stored names and short hashes, then
+                -- compare them with this request's.
+                v_names := '{}';
+                v_hashes := '{}';
+                v_pos := 1;
+                WHILE v_pos <= octet_length(v_row.request_fields) LOOP
+                    v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+                    EXIT WHEN v_nul = 0;
+                    v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
+                    v_hashes := v_hashes || substr(v_row.request_fields, v_pos + v_nul, 8);
+                    v_pos := v_pos + v_nul + 8;
+                END LOOP;
                 changed_fields := ARRAY(
-                    SELECT coalesce(o.key, n.key)
-                      FROM jsonb_each(v_row.request_fields) AS o
-                      FULL JOIN jsonb_each(p_request_fields) AS n ON n.key = o.key
-                     WHERE o.value IS DISTINCT FROM n.value
+                    SELECT coalesce(o.name, n.key)
+                      FROM unnest(v_names, v_hashes) AS o(name, hash)
+                      FULL JOIN jsonb_each_text(p_request_fields) AS n ON n.key = o.name
+                     WHERE o.hash IS DISTINCT FROM decode(left(n.value, 16), 'hex')
                      ORDER BY 1);
             END IF;
             RETURN;
-        ELSIF v_row.state = 'completed' THEN
+        ELSIF v_row.state = 'c' THEN
             outcome := 'replay';
             attempt := v_row.attempt;
-            response_status := v_row.response_status;
+            response_status := v_row.response_status::integer;
             response_headers := v_row.response_headers;
             response_body := v_row.response_body;
             resource_id := v_row.resource_id;
@@ -143,10 +171,13 @@ BEGIN
             retry_after := v_row.lease_expires_at - v_now;
             RETURN;
         ELSIF v_lock THEN
-            -- The lease ran out: take it over with the next attempt (fencing token).
+            -- The lease ran out: take it over with a new token. The key lives at least as
+            -- long as the new lease, so no other request can claim it while this one works.
+            v_lease := v_now + p_lease;
+            v_expires := greatest(v_row.expires_at, v_lease);
             UPDATE idem.idempotency_keys AS k
-               SET attempt = k.attempt + 1, lease_expires_at = v_now + p_lease,
-                   uncompleted = nullif(p_lease IS NULL, false)
+               SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
+                   expires_at = v_expires
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
@@ -156,7 +187,7 @@ BEGIN
         v_lock := true;
     END LOOP;
     RAISE EXCEPTION 'idem_begin: the row of this key kept vanishing; retry the transaction'
-        USING ERRCODE = 'serialization_failure';
+        USING ERRCODE = '40001';
 END
 $$;
 

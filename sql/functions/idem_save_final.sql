@@ -1,6 +1,12 @@
--- idem_save_final: store a final error response after the work was rolled back, in its own
--- short transaction. Inserts a completed row; an expired or released row counts as absent and
--- is replaced; any other row is left alone (false).
+-- idem_save_final: store a final error response (a 404, a 422) in the caller's transaction,
+-- after the work was rolled back (to a savepoint taken right after idem_begin).
+--
+--   - This transaction's own transactional claim of the same request: it is finalized with the
+--     response, so a duplicate waiting on the key sees only the final answer.
+--   - No row, an expired row or a released one: the final answer is inserted (new token).
+--   - Anything else (a completed key, another holder's lease): left alone, false.
+--
+-- Returns true when it stored the response. Never overwrites a completed key.
 CREATE OR REPLACE FUNCTION idem.idem_save_final(
     p_principal      text,
     p_key            text,
@@ -10,50 +16,60 @@ CREATE OR REPLACE FUNCTION idem.idem_save_final(
     p_status         integer,
     p_headers        jsonb,
     p_body           bytea,
-    p_request_fields jsonb DEFAULT NULL)
+    p_request_fields jsonb DEFAULT NULL,
+    p_withheld       text  DEFAULT NULL,
+    p_resource_id    text  DEFAULT NULL)
 RETURNS boolean
-LANGUAGE plpgsql
-VOLATILE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '2s'
+{{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
     v_problem text;
-    v_now     timestamptz := clock_timestamp();
+    v_now     timestamptz;
+    v_expires timestamptz;
+    v_action  bigint;
+    v_fields  bytea;
+    v_token   bigint;
     v_stored  boolean;
 BEGIN
     v_problem := CASE
-{{ template "check_key.sql" . }}
-{{ template "check_request.sql" . }}
-        WHEN p_status IS NULL OR p_headers IS NULL
-            THEN '22004 p_status and p_headers must not be NULL'
-        WHEN p_status NOT BETWEEN 100 AND 599
-            THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
-        WHEN jsonb_typeof(p_headers) <> 'object' OR jsonb_typeof(p_request_fields) <> 'object'
-            THEN '22023 p_headers and p_request_fields must be JSON objects'
+{{ template "include/check_key.sql" . }}
+{{ template "include/check_request.sql" . }}
+{{ template "include/check_response.sql" . }}
     END;
-    IF v_problem IS NOT NULL THEN
-        RAISE EXCEPTION 'idem_save_final: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+{{ template "include/raise.sql" "idem_save_final" }}
+    v_now := clock_timestamp();
+    v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
+    v_action := hashtextextended(p_action, 0);
+    IF p_request_fields IS NOT NULL THEN
+        v_fields := {{ template "include/fields_blob.sql" }};
     END IF;
+    v_token := nextval('idem.attempt_seq');
 
+    -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
+    -- decides on the committed row. An uncompleted transactional claim that it sees can only
+    -- be this transaction's own: the commit guard keeps any other from being committed.
     INSERT INTO idem.idempotency_keys AS k
-        (principal_id, key, state, attempt, created_at, expires_at, action, request_sha256,
-         request_fields, completed_at, response_status, response_headers, response_body)
+        (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
+         request_fields, response_status, response_headers, response_body, resource_id, withheld)
     VALUES
-        (p_principal, p_key, 'completed', 1, v_now, v_now + p_ttl, p_action, p_request_sha256,
-         p_request_fields, v_now, p_status, p_headers, p_body)
+        (v_expires, v_token, v_action, 'c', p_principal, p_key, p_request_sha256,
+         v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
     ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO UPDATE
-       SET state = 'completed', attempt = k.attempt + 1, created_at = v_now,
-           expires_at = v_now + p_ttl, lease_expires_at = NULL, uncompleted = NULL,
-           action = p_action, request_sha256 = p_request_sha256, request_fields = p_request_fields,
-           completed_at = v_now, response_status = p_status, response_headers = p_headers,
-           response_body = p_body, resource_id = NULL, withheld = NULL
-     WHERE k.expires_at <= v_now OR k.state = 'released'
+       SET state = 'c',
+           attempt = CASE WHEN k.uncompleted THEN k.attempt ELSE excluded.attempt END,
+           expires_at = CASE WHEN k.uncompleted THEN k.expires_at ELSE excluded.expires_at END,
+           lease_expires_at = NULL, uncompleted = NULL, action_hash = excluded.action_hash,
+           request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
+           response_status = excluded.response_status, response_headers = excluded.response_headers,
+           response_body = excluded.response_body, resource_id = excluded.resource_id,
+           withheld = excluded.withheld
+     WHERE k.state = 'r'
+        OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
+        OR (k.uncompleted AND k.action_hash = excluded.action_hash AND k.request_sha256 = excluded.request_sha256)
     RETURNING true INTO v_stored;
     RETURN coalesce(v_stored, false);
 END
 $$;
 
-COMMENT ON FUNCTION idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb) IS
-    'Stores a final error response for a key whose work was rolled back; true when stored, false when a live row already existed (never overwritten). See docs/sql-api.md.';
+COMMENT ON FUNCTION idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb, text, text) IS
+    'Stores a final error response in the caller''s transaction: finalizes its own claim, or inserts for a key nobody holds; true when stored, false when a live row exists (never overwritten). See docs/sql-api.md.';

@@ -1,13 +1,36 @@
 -- The public SQL API of idem, installed (and re-installed) by `server migrate` after the
--- migrations in sql/migrations. Each function lives in its own file.
+-- migrations in sql/migrations. Each function lives in its own file; include/ holds the
+-- fragments they share (validation, defaults, attributes).
+
+-- Signatures of earlier releases, gone (CHANGELOG.md): 0.1.0's attempt was an integer and
+-- idem_save_final had no p_withheld and p_resource_id.
+DO $$
+BEGIN
+    -- CREATE OR REPLACE cannot change an OUT parameter's type: drop 0.1.0's idem_begin, whose
+    -- attempt (its tenth parameter) was an integer.
+    IF (SELECT p.proallargtypes[10] FROM pg_catalog.pg_proc AS p
+         WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)'))
+       = 'integer'::regtype THEN
+        DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
+    END IF;
+END
+$$;
+DROP FUNCTION IF EXISTS idem.idem_complete(text, text, integer, integer, jsonb, bytea, text, text);
+DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
+DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
+
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}
 {{ template "idem_release.sql" . }}
 {{ template "idem_cleanup.sql" . }}
+{{ template "idem_defaults.sql" . }}
 
--- Nothing is granted to PUBLIC; the application role may call the five API functions.
+-- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
+REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
-    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_cleanup
+    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_cleanup,
+    idem.idem_defaults
 TO "{{.app_role}}";
+GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";

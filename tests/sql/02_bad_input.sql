@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(33);
+SELECT plan(53);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -21,22 +21,42 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha512('x'))$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '0')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '-1 hour')$$, '22023'),
- ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => NULL)$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '-1 year 361 days')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '1 day -1 second')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '1 mon -29 days')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '0')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '25 hours')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '1 day -1 second')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '2 hours', p_ttl => '1 hour')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '[1]')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": 1}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "not hex at all"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "abc"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '-1 s')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '1 day -1 s')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 99, '{}', NULL)$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 600, '{}', NULL)$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', NULL, 200, '{}', NULL)$$, '22004'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, NULL, '{}', NULL)$$, '22004'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, NULL, NULL)$$, '22004'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '[]', NULL)$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{"Content-Length": 12}', NULL)$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{"Vary": ["a", "b"]}', NULL)$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{}', NULL, NULL, 'secret')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 200, '{}', 'body', NULL, 'too_large')$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete('p', 'k 1', 1, 200, '{}', NULL)$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 1000, '{}', NULL)$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', E'k\t', 'a', sha256('x'), '1 hour', 404, '{}', NULL)$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', NULL, '{}', NULL)$$, '22004'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '-1 year 361 days', 404, '{}', NULL)$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{"a": true}', NULL)$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{}', 'b', p_withheld => 'too_large')$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{}', NULL, p_request_fields => '"x"')$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', NULL, sha256('x'), '1 hour', 404, '{}', NULL)$$, '22004'),
  ('release', $$SELECT idem.idem_release('p', 'k', NULL)$$, '22004'),
- ('cleanup', $$SELECT idem.idem_cleanup(0)$$, '22023');
+ ('release', $$SELECT idem.idem_release(NULL, 'k', 1)$$, '22004'),
+ ('cleanup', $$SELECT idem.idem_cleanup(0)$$, '22023'),
+ ('cleanup', $$SELECT idem.idem_cleanup(NULL)$$, '22004');
 
 SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
 SELECT is((SELECT count(*) FROM idem.idempotency_keys), 0::bigint, 'nothing was written');

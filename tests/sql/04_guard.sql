@@ -11,14 +11,14 @@ SELECT throws_ok('SET CONSTRAINTS ALL IMMEDIATE', '23503', NULL,
 
 SELECT is(outcome, 'claimed', 'a lease claim')
   FROM idem.idem_begin('p', 'leased', 'a', sha256('x'), p_lease => '1 minute');
-SELECT idem.idem_complete('p', 'guarded', 1, 200, '{}', 'ok');
+SELECT idem.idem_complete('p', 'guarded', attempt, 200, '{}', 'ok') FROM idem.idempotency_keys WHERE key = 'guarded';
 SELECT lives_ok('SET CONSTRAINTS ALL IMMEDIATE',
     'a completed transactional claim and an open lease claim may commit');
 SET CONSTRAINTS ALL DEFERRED;
 
 SELECT is(outcome, 'claimed', 'another transactional claim')
   FROM idem.idem_begin('p', 'released', 'a', sha256('x'));
-SELECT idem.idem_release('p', 'released', 1);
+SELECT idem.idem_release('p', 'released', attempt) FROM idem.idempotency_keys WHERE key = 'released';
 SELECT lives_ok('SET CONSTRAINTS ALL IMMEDIATE', 'a released transactional claim may commit');
 
 SELECT * FROM finish();

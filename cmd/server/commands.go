@@ -1,0 +1,271 @@
+package main
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/tern/v2/migrate"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+// Version is the server's version, set at build time with -ldflags "-X main.Version=...".
+var Version = "0.2.0-dev"
+
+//go:embed migrations/*.sql
+var ledgerMigrations embed.FS
+
+// ledgerVersionTable is the tern version table of the ledger's migrations.
+const ledgerVersionTable = "ledger.schema_version"
+
+// Main is the program: ParseFlags reads the command and configuration, Run runs it, Close
+// releases what Run acquired. End-to-end tests drive it without a shell.
+type Main struct {
+	Config Config
+	// Command is serve, migrate, cleanup, principal, version or help.
+	Command string
+	// Args are the command's arguments (principal create NAME).
+	Args []string
+	// Addr receives the address the server listens on once it serves (useful with port 0).
+	Addr chan string
+
+	stdout, stderr io.Writer
+	log            *slog.Logger
+	cluster        *pgcluster.Cluster
+	pool           *pgxpool.Pool
+	registry       *prometheus.Registry
+}
+
+// Run runs the command until it is done or ctx ends.
+func (m *Main) Run(ctx context.Context) error {
+	switch m.Command {
+	case "help":
+		_, err := fmt.Fprintln(m.stdout, usage)
+		return err
+	case "version":
+		_, err := fmt.Fprintln(m.stdout, Version)
+		return err
+	}
+	if err := m.openDatabase(ctx); err != nil {
+		return err
+	}
+	if m.Command == "migrate" {
+		return m.migrate(ctx)
+	}
+	if err := checkMigrated(ctx, m.pool); err != nil {
+		return err
+	}
+	switch m.Command {
+	case "cleanup":
+		n, _, err := newCleaner(m.pool, m.Config.CleanupBatchSize, nil, m.log).pass(ctx)
+		if err == nil {
+			fmt.Fprintf(m.stdout, "deleted %d expired keys\n", n)
+		}
+		return err
+	case "principal":
+		id, token, err := createPrincipal(ctx, m.pool, m.Args[1])
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(m.stdout, "principal %s\ntoken %s\n", id, token)
+		return nil
+	}
+	return m.serve(ctx)
+}
+
+func (m *Main) openDatabase(ctx context.Context) error {
+	url := m.Config.DatabaseURL
+	if url == "" {
+		dir, err := filepath.Abs(m.Config.DataDir)
+		if err != nil {
+			return err
+		}
+		m.cluster = &pgcluster.Cluster{Dir: dir, TCPAddr: "127.0.0.1", Port: m.Config.DataPort}
+		if err := m.cluster.Init(ctx); err != nil {
+			return err
+		}
+		if err := m.cluster.Start(ctx); err != nil {
+			return err
+		}
+		if m.cluster.Started() {
+			m.log.Info("started the private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+		} else {
+			m.log.Info("reusing the running private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+		}
+		url = m.cluster.ConnString("postgres")
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	cfg.MaxConns = int32(m.Config.PoolSize)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	m.pool = pool
+	if err := pool.Ping(ctx); err != nil {
+		return fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	if m.cluster != nil && m.Command != "migrate" {
+		return m.migrate(ctx) // the embedded default is always up to date
+	}
+	return nil
+}
+
+func ledgerFS() fs.FS {
+	sub, _ := fs.Sub(ledgerMigrations, "migrations")
+	return sub
+}
+
+// migrate installs idem (migrations and functions), then the ledger's own migrations.
+func (m *Main) migrate(ctx context.Context) error {
+	conn, err := m.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	if err := idemsql.Migrate(ctx, conn.Conn(), idemsql.Options{AppRole: m.Config.AppRole}); err != nil {
+		return err
+	}
+	// 0.1.0 kept the ledger's version table in public; it moves with the ledger.
+	if _, err := conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS ledger;
+		DO $$ BEGIN
+			IF to_regclass('public.ledger_schema_version') IS NOT NULL AND to_regclass('ledger.schema_version') IS NULL THEN
+				ALTER TABLE public.ledger_schema_version SET SCHEMA ledger;
+				ALTER TABLE ledger.ledger_schema_version RENAME TO schema_version;
+			END IF;
+		END $$`); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	mig, err := migrate.NewMigrator(ctx, conn.Conn(), ledgerVersionTable)
+	if err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	mig.Data = map[string]any{"app_role": m.Config.AppRole}
+	if err := mig.LoadMigrations(ledgerFS()); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	if err := mig.Migrate(ctx); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	m.log.Info("migrated")
+	return nil
+}
+
+// errNotMigrated is what serve, cleanup and principal create say on a database that lacks
+// the migrations of this version.
+var errNotMigrated = errors.New("database not migrated: run `server migrate`")
+
+// checkMigrated compares the versions of the idem schema and the ledger with the migrations
+// this binary carries.
+func checkMigrated(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) error {
+	want := map[string]int{idemsql.VersionTable: idemsql.Version(), ledgerVersionTable: countMigrations(ledgerFS())}
+	for _, table := range []string{idemsql.VersionTable, ledgerVersionTable} {
+		var exists bool
+		var have int32
+		if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
+			return fmt.Errorf("check the migrations: %w", err)
+		}
+		if exists {
+			// table is one of two constants: safe to splice.
+			if err := db.QueryRow(ctx, `SELECT version FROM `+table).Scan(&have); err != nil {
+				return fmt.Errorf("check the migrations: %w", err)
+			}
+		}
+		switch {
+		case int(have) < want[table]:
+			return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, table, have, want[table])
+		case int(have) > want[table]:
+			return fmt.Errorf("the database is newer than this server (%s is at version %d, this server knows %d): run the newer server", table, have, want[table])
+		}
+	}
+	return nil
+}
+
+func countMigrations(fsys fs.FS) int {
+	paths, _ := migrate.FindMigrations(fsys)
+	return len(paths)
+}
+
+func (m *Main) serve(ctx context.Context) error {
+	m.registry = prometheus.NewRegistry()
+	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	handler, err := m.routes()
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", m.Config.ListenAddr)
+	if err != nil {
+		return fmt.Errorf("LISTEN_ADDR=%s: %w", m.Config.ListenAddr, err)
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: time.Minute,
+		IdleTimeout: 2 * time.Minute}
+
+	var stopCleanup func()
+	if m.Config.CleanupInterval > 0 {
+		c := newCleaner(m.pool, m.Config.CleanupBatchSize, m.registry, m.log)
+		if stopCleanup, err = c.schedule(ctx, m.Config.CleanupInterval); err != nil {
+			return err
+		}
+	}
+
+	addr := ln.Addr().String()
+	m.log.Info("serving", "addr", addr, "version", Version)
+	if m.cluster != nil {
+		m.log.Info("quickstart: create a principal with `go run ./cmd/server principal create alice` " +
+			"(PostgreSQL at " + m.cluster.ConnString("postgres") + "), then: curl -s http://" + addr +
+			"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'")
+	}
+	m.Addr <- addr
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		if stopCleanup != nil {
+			stopCleanup()
+		}
+		return err
+	case <-ctx.Done():
+	}
+	m.log.Info("shutting down", "timeout", m.Config.ShutdownTimeout.String())
+	sctx, cancel := context.WithTimeout(context.Background(), m.Config.ShutdownTimeout)
+	defer cancel()
+	err = srv.Shutdown(sctx) // stop accepting, let in-flight requests finish
+	if stopCleanup != nil {
+		stopCleanup() // cancels a running pass and waits for it
+	}
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("shutdown: %w", err)
+	}
+	m.log.Info("stopped")
+	return nil
+}
+
+// Close closes the pool and stops the private cluster if this process started it (a
+// `principal create` next to a running `make run` leaves that server's cluster alone).
+func (m *Main) Close() error {
+	if m.pool != nil {
+		m.pool.Close()
+	}
+	if m.cluster != nil && m.cluster.Started() {
+		return m.cluster.Stop(context.Background())
+	}
+	return nil
+}

@@ -1,0 +1,233 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+// Config is the server's configuration, read from the environment by ParseFlags. Every
+// field names its variable and default; a bad value stops the start with a message that
+// names the variable. A zero TTL or LockTimeout means the SQL API's own default.
+type Config struct {
+	// DatabaseURL (DATABASE_URL): the PostgreSQL to use. Empty: a private cluster under
+	// DataDir, created, started and migrated on start.
+	DatabaseURL string
+	// PoolSize (DATABASE_POOL_SIZE): the most connections this process opens. Default 20.
+	PoolSize int
+	// ListenAddr (LISTEN_ADDR): the HTTP address. Default 127.0.0.1:8080.
+	ListenAddr string
+	// DataDir (IDEM_DATA_DIR): where the private cluster lives. Default .data.
+	DataDir string
+	// DataPort (IDEM_DATA_PORT): the private cluster's TCP port on 127.0.0.1. Default 54329.
+	DataPort int
+	// AppRole (IDEM_APP_ROLE): the role granted the SQL API by migrate. Default idem_app.
+	AppRole string
+	// TTL (IDEMPOTENCY_TTL): how long a key stays valid. 0: the SQL API's default, 24h.
+	TTL time.Duration
+	// LockTimeout (IDEMPOTENCY_LOCK_TIMEOUT): how long a repeat waits for the first
+	// request. 0: the SQL API's default, 2s.
+	LockTimeout time.Duration
+	// MaxWaitingClaims (IDEMPOTENCY_MAX_WAITING_CLAIMS): how many requests may wait on a
+	// key's row lock at once. 0: a quarter of PoolSize.
+	MaxWaitingClaims int
+	// MaxBodyBytes (MAX_BODY_BYTES): the largest request body. Default 1048576.
+	MaxBodyBytes int64
+	// MaxStoredBytes (MAX_STORED_RESPONSE_BYTES): the largest response body stored for
+	// replay. Default 262144.
+	MaxStoredBytes int
+	// CleanupInterval (CLEANUP_INTERVAL): how often expired keys are deleted; 0 disables.
+	// Default 1m.
+	CleanupInterval time.Duration
+	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Default 1000.
+	CleanupBatchSize int
+	// ShutdownTimeout (SHUTDOWN_TIMEOUT): how long in-flight requests may finish. Default 10s.
+	ShutdownTimeout time.Duration
+	// TransfersRequireKey (TRANSFERS_REQUIRE_KEY): whether POST /v1/transfers needs an
+	// Idempotency-Key. Default true; false only to benchmark the route without keys.
+	TransfersRequireKey bool
+	// LogLevel (LOG_LEVEL): debug, info, warn or error. Default info.
+	LogLevel slog.Level
+}
+
+// defaultConfig is every default, in one place.
+func defaultConfig() Config {
+	return Config{
+		PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
+		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
+		CleanupInterval: time.Minute, CleanupBatchSize: 1000, ShutdownTimeout: 10 * time.Second,
+		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
+	}
+}
+
+// usage is the help text: the commands and every environment variable.
+const usage = `usage: server [command]
+
+commands:
+  serve                    serve HTTP on LISTEN_ADDR (the default)
+  migrate                  install or upgrade the idem SQL API and the ledger, then exit
+  cleanup                  delete expired idempotency keys (one full pass), then exit
+  principal create NAME    create a principal; prints its id and a bearer token once
+  version                  print the version
+  help                     print this text (also -h, --help)
+
+environment (docs/operations.md):
+  DATABASE_URL                    PostgreSQL connection string; unset: a private cluster under IDEM_DATA_DIR
+  DATABASE_POOL_SIZE              most connections this process opens (20)
+  LISTEN_ADDR                     HTTP address, host:port (127.0.0.1:8080)
+  IDEM_DATA_DIR                   the private cluster's directory (.data)
+  IDEM_DATA_PORT                  the private cluster's port on 127.0.0.1 (54329)
+  IDEM_APP_ROLE                   the role migrate grants the API to (idem_app)
+  IDEMPOTENCY_TTL                 how long a key stays valid (the SQL default, 24h)
+  IDEMPOTENCY_LOCK_TIMEOUT        how long a repeat waits for the first request (the SQL default, 2s)
+  IDEMPOTENCY_MAX_WAITING_CLAIMS  requests that may wait on a key's row lock at once (a quarter of the pool)
+  MAX_BODY_BYTES                  the largest request body (1048576)
+  MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
+  CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
+  CLEANUP_BATCH_SIZE              rows per cleanup batch (1000)
+  SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
+  TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
+  LOG_LEVEL                       debug, info, warn or error (info)`
+
+var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// ParseFlags reads the command from args and the configuration from getenv.
+func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
+	m.Command = "serve"
+	if len(args) > 0 {
+		m.Command, m.Args = args[0], args[1:]
+	}
+	switch m.Command {
+	case "help", "-h", "-help", "--help":
+		m.Command = "help"
+		return nil
+	case "serve", "migrate", "cleanup", "version":
+		if len(m.Args) > 0 {
+			return fmt.Errorf("%s takes no arguments\n\n%s", m.Command, usage)
+		}
+	case "principal":
+		if len(m.Args) != 2 || m.Args[0] != "create" {
+			return fmt.Errorf("principal: want principal create NAME\n\n%s", usage)
+		}
+		if n := m.Args[1]; len(n) < 1 || len(n) > 100 {
+			return errors.New("principal create: NAME must be 1 to 100 characters")
+		}
+	default:
+		return fmt.Errorf("unknown command %q\n\n%s", m.Command, usage)
+	}
+	c := defaultConfig()
+	c.DatabaseURL = getenv("DATABASE_URL")
+	p := envParser{getenv: getenv}
+	if v := getenv("LISTEN_ADDR"); v != "" {
+		if _, _, err := net.SplitHostPort(v); err != nil {
+			p.fail("LISTEN_ADDR", v, "want host:port, for example 127.0.0.1:8080")
+		}
+		c.ListenAddr = v
+	}
+	p.integer("DATABASE_POOL_SIZE", &c.PoolSize, 2, 10_000)
+	p.str("IDEM_DATA_DIR", &c.DataDir)
+	p.integer("IDEM_DATA_PORT", &c.DataPort, 1, 65535)
+	if v := getenv("IDEM_APP_ROLE"); v != "" {
+		if !roleName.MatchString(v) {
+			p.fail("IDEM_APP_ROLE", v, "want a lower-case SQL identifier")
+		}
+		c.AppRole = v
+	}
+	p.duration("IDEMPOTENCY_TTL", &c.TTL, time.Second)
+	p.duration("IDEMPOTENCY_LOCK_TIMEOUT", &c.LockTimeout, time.Millisecond)
+	p.integer("IDEMPOTENCY_MAX_WAITING_CLAIMS", &c.MaxWaitingClaims, 1, 10_000)
+	maxBody := int(c.MaxBodyBytes)
+	p.integer("MAX_BODY_BYTES", &maxBody, 1, 1<<30)
+	c.MaxBodyBytes = int64(maxBody)
+	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 0, 1<<30)
+	if v := getenv("CLEANUP_INTERVAL"); v == "0" {
+		c.CleanupInterval = 0
+	} else {
+		p.duration("CLEANUP_INTERVAL", &c.CleanupInterval, time.Second)
+	}
+	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
+	p.duration("SHUTDOWN_TIMEOUT", &c.ShutdownTimeout, time.Millisecond)
+	if v := getenv("TRANSFERS_REQUIRE_KEY"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			p.fail("TRANSFERS_REQUIRE_KEY", v, "want true or false")
+		}
+		c.TransfersRequireKey = b
+	}
+	if v := getenv("LOG_LEVEL"); v != "" {
+		if err := c.LogLevel.UnmarshalText([]byte(v)); err != nil {
+			p.fail("LOG_LEVEL", v, "want debug, info, warn or error")
+		}
+	}
+	if c.DatabaseURL != "" {
+		if _, err := pgx.ParseConfig(c.DatabaseURL); err != nil {
+			p.errs = append(p.errs, fmt.Errorf("DATABASE_URL: %v", err))
+		}
+	}
+	if c.TTL > 0 && c.LockTimeout >= c.TTL {
+		p.errs = append(p.errs, errors.New("IDEMPOTENCY_LOCK_TIMEOUT must be shorter than IDEMPOTENCY_TTL"))
+	}
+	if c.MaxWaitingClaims >= c.PoolSize {
+		p.errs = append(p.errs, errors.New("IDEMPOTENCY_MAX_WAITING_CLAIMS must be smaller than DATABASE_POOL_SIZE"))
+	}
+	if err := errors.Join(p.errs...); err != nil {
+		return err
+	}
+	m.Config = c
+	m.log = slog.New(slog.NewJSONHandler(m.stderr, &slog.HandlerOptions{Level: c.LogLevel}))
+	if m.Addr == nil {
+		m.Addr = make(chan string, 1)
+	}
+	return nil
+}
+
+// envParser reads environment variables and collects every bad value.
+type envParser struct {
+	getenv func(string) string
+	errs   []error
+}
+
+func (p *envParser) fail(name, value, want string) {
+	p.errs = append(p.errs, fmt.Errorf("%s=%q: %s", name, value, want))
+}
+
+func (p *envParser) str(name string, dst *string) {
+	if v := p.getenv(name); v != "" {
+		*dst = v
+	}
+}
+
+func (p *envParser) integer(name string, dst *int, lo, hi int) {
+	v := strings.TrimSpace(p.getenv(name))
+	if v == "" {
+		return
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		p.fail(name, v, fmt.Sprintf("want an integer from %d to %d", lo, hi))
+		return
+	}
+	*dst = n
+}
+
+func (p *envParser) duration(name string, dst *time.Duration, min time.Duration) {
+	v := strings.TrimSpace(p.getenv(name))
+	if v == "" {
+		return
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < min {
+		p.fail(name, v, fmt.Sprintf("want a duration of at least %s, such as 30s or 5m", min))
+		return
+	}
+	*dst = d
+}

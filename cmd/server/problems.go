@@ -1,0 +1,45 @@
+package main
+
+import (
+	"net/http"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+)
+
+// problemBase prefixes the ledger's own problem types; idempotency problems use idemhttp's.
+const problemBase = "https://github.com/pgidem/pgidem/blob/main/docs/ledger.md#"
+
+// ledgerProblems is the title of every problem code the ledger answers (docs/ledger.md).
+var ledgerProblems = map[string]string{
+	"unauthorized":       "Authentication required",
+	"validation_failed":  "Validation failed",
+	"account_not_found":  "Account not found",
+	"transfer_not_found": "Transfer not found",
+	"deposit_not_found":  "Deposit not found",
+	"currency_mismatch":  "Currency mismatch",
+	"insufficient_funds": "Insufficient funds",
+	"balance_limit":      "Balance limit",
+	"internal_error":     "Internal error",
+	"not_found":          "Not found",
+	"method_not_allowed": "Method not allowed",
+}
+
+// problem writes one of the ledger's problems, through the one problem writer of idemhttp.
+func problem(w http.ResponseWriter, r *http.Request, status int, code, detail string) {
+	idemhttp.WriteProblem(w, status, problemBase, code, ledgerProblems[code], detail, requestIDOf(r.Context()))
+}
+
+func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Context().Err() == nil {
+		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")
+}
+
+func invalid(w http.ResponseWriter, r *http.Request, detail string) {
+	problem(w, r, http.StatusUnprocessableEntity, "validation_failed", detail)
+}
+
+func accountNotFound(w http.ResponseWriter, r *http.Request) {
+	problem(w, r, http.StatusNotFound, "account_not_found", "no such account")
+}

@@ -1,0 +1,64 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log/slog"
+	"net/http"
+	"time"
+)
+
+type requestIDKey struct{}
+
+func requestIDOf(ctx context.Context) string {
+	id, _ := ctx.Value(requestIDKey{}).(string)
+	return id
+}
+
+// correlate gives every request a correlation id (the client's X-Request-Id when it is a
+// short visible-ASCII value, else a new one), puts it on the response and in the request's
+// context, and logs the request (/metrics scrapes at debug).
+func correlate(log *slog.Logger, next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		id := r.Header.Get("X-Request-Id")
+		if !validRequestID(id) {
+			b := make([]byte, 12)
+			_, _ = rand.Read(b)
+			id = hex.EncodeToString(b)
+		}
+		r.Header.Set("X-Request-Id", id)
+		w.Header().Set("X-Request-Id", id)
+		sw := &statusWriter{ResponseWriter: w, status: http.StatusOK}
+		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id)))
+		level := slog.LevelInfo
+		if r.URL.Path == "/metrics" || r.URL.Path == "/healthz" {
+			level = slog.LevelDebug
+		}
+		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", r.URL.Path, "status", sw.status,
+			"replayed", sw.Header().Get("Idempotent-Replayed") == "true", "duration_ms", time.Since(start).Milliseconds())
+	})
+}
+
+func validRequestID(id string) bool {
+	if len(id) < 1 || len(id) > 64 {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if id[i] < 0x21 || id[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	w.status = code
+	w.ResponseWriter.WriteHeader(code)
+}

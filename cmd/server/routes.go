@@ -1,0 +1,163 @@
+package main
+
+import (
+	"context"
+	_ "embed"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+)
+
+//go:embed openapi.json
+var openAPI []byte
+
+// routes is the server's handler: the router behind the correlation-id middleware.
+func (m *Main) routes() (http.Handler, error) {
+	r, _, err := m.router()
+	if err != nil {
+		return nil, err
+	}
+	return correlate(m.log, r), nil
+}
+
+// router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
+// health, version, metrics and the OpenAPI document outside it.
+func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
+	s := &ledger{pool: m.pool, log: m.log}
+	idem, err := idemhttp.New(idemhttp.Options{
+		DB:                 m.pool,
+		Principal:          principalFromRequest,
+		TTL:                m.Config.TTL,
+		LockTimeout:        m.Config.LockTimeout,
+		MaxWaitingClaims:   m.Config.MaxWaitingClaims,
+		MaxBodyBytes:       m.Config.MaxBodyBytes,
+		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
+		Logger:             m.log,
+		Metrics:            idemhttp.NewPrometheusObserver(m.registry),
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	idem.RegisterGateMetrics(m.registry)
+	r := mux.NewRouter()
+	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet)
+	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]string{"version": Version})
+	}).Methods(http.MethodGet)
+	r.Handle("/metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})).Methods(http.MethodGet)
+	r.HandleFunc("/openapi.json", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write(openAPI)
+	}).Methods(http.MethodGet)
+
+	v1 := r.PathPrefix("/v1").Subrouter()
+	v1.Use(s.authenticate)
+	v1.Use(idem.Handler)
+	for _, rt := range ledgerRoutes(s, m.Config.TransfersRequireKey) {
+		v1.HandleFunc(strings.TrimPrefix(rt.path, "/v1"), rt.handler).Methods(rt.method)
+		if rt.idem != nil {
+			idem.Declare(rt.method, rt.path, *rt.idem)
+		}
+	}
+
+	notFound := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		problem(w, r, http.StatusNotFound, "not_found", "no such route")
+	})
+	notAllowed := http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		w.Header().Set("Allow", strings.Join(allowedMethods(r, req), ", "))
+		problem(w, req, http.StatusMethodNotAllowed, "method_not_allowed", "this route does not take "+req.Method)
+	})
+	for _, router := range []*mux.Router{r, v1} {
+		router.NotFoundHandler, router.MethodNotAllowedHandler = notFound, notAllowed
+	}
+	return r, idem, nil
+}
+
+// route is one ledger route: method, full path template, handler, and its idempotency
+// declaration (nil: not idempotent).
+type route struct {
+	method, path string
+	handler      http.HandlerFunc
+	idem         *idemhttp.Route
+}
+
+// ledgerRoutes lists the ledger's routes. /openapi.json describes the same list
+// (TestOpenAPIMatchesRoutes).
+func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
+	keyed := func(action string, required bool) *idemhttp.Route {
+		return &idemhttp.Route{Action: action, Required: required}
+	}
+	return []route{
+		{http.MethodPost, "/v1/accounts", s.createAccount, keyed("POST /v1/accounts", false)},
+		{http.MethodGet, "/v1/accounts/{id}", s.getAccount, nil},
+		{http.MethodPost, "/v1/accounts/{id}/deposits", s.createDeposit, keyed("POST /v1/accounts/{id}/deposits", false)},
+		{http.MethodGet, "/v1/accounts/{id}/deposits/{deposit_id}", s.getDeposit, nil},
+		{http.MethodPost, "/v1/transfers", s.createTransfer, keyed("POST /v1/transfers", transfersRequireKey)},
+		{http.MethodGet, "/v1/transfers/{id}", s.getTransfer, nil},
+		{http.MethodPost, "/v1/api-tokens", s.createToken, keyed("POST /v1/api-tokens", false)},
+	}
+}
+
+// allowedMethods lists the methods that the routes matching req's path take.
+func allowedMethods(root *mux.Router, req *http.Request) []string {
+	var out []string
+	_ = root.Walk(func(route *mux.Route, _ *mux.Router, _ []*mux.Route) error {
+		methods, err := route.GetMethods()
+		if err != nil {
+			return nil
+		}
+		for _, method := range methods {
+			probe := req.Clone(req.Context())
+			probe.Method = method
+			var match mux.RouteMatch
+			if route.Match(probe, &match) && !slices.Contains(out, method) {
+				out = append(out, method)
+			}
+		}
+		return nil
+	})
+	slices.Sort(out)
+	return out
+}
+
+func principalFromRequest(r *http.Request) (string, bool) { return principalOf(r.Context()) }
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// healthz answers 200 when the database answers and is migrated for this version, else 503
+// with the reason.
+func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+	defer cancel()
+	if err := checkMigrated(ctx, s.pool); err != nil {
+		reason := "the database does not answer"
+		if errors.Is(err, errNotMigrated) || strings.Contains(err.Error(), "newer than this server") {
+			reason = err.Error()
+		}
+		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable", "reason": reason})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+}
+
+// ledger is the reference API: a deliberately small money API whose handlers write through
+// the transaction of idemhttp's unit of work.
+type ledger struct {
+	pool *pgxpool.Pool
+	log  interface {
+		Error(msg string, args ...any)
+	}
+}

@@ -1,0 +1,181 @@
+package dbidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Probe is the lock timeout of a claim's first try. A request of this process never waits
+// on a key that another request of this process holds (the Gate makes it wait in Go); a
+// claim that finds the key's row held longer than Probe (by another process) gives up,
+// takes one of the Gate's wait slots and claims again with the rest of its lock timeout.
+const Probe = 5 * time.Millisecond
+
+// DefaultMaxWaitingClaims is the number of claims that may wait on a key's row lock at once
+// when NewGate is given 0.
+const DefaultMaxWaitingClaims = 4
+
+// Gate keeps a retry storm on one key from holding the connection pool:
+//
+//   - duplicates wait without a connection: a request whose (principal, key) another request
+//     of this process is working on waits in Go until that one is done, and only then claims
+//     (and replays, as a rule); past its lock timeout it gets ErrInProgress without touching
+//     the database. So at most one connection per key and process waits on the key's row;
+//   - waiting on a key's row lock (held by another process) takes one of a fixed number of
+//     slots; a claim that finds them all taken gets ErrInProgress at once.
+//
+// The database stays the arbiter across processes. A Gate is safe for concurrent use; use
+// one per pool.
+type Gate struct {
+	mu      sync.Mutex
+	flights map[flightKey]chan struct{}
+	slots   chan struct{}
+	lock    atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
+
+	waiting   atomic.Int64
+	coalesced atomic.Uint64
+	refused   atomic.Uint64
+}
+
+type flightKey struct{ principal, key string }
+
+// NewGate returns a Gate that lets at most maxWaitingClaims claims wait on a key's row lock
+// at once (0: DefaultMaxWaitingClaims).
+func NewGate(maxWaitingClaims int) *Gate {
+	if maxWaitingClaims <= 0 {
+		maxWaitingClaims = DefaultMaxWaitingClaims
+	}
+	return &Gate{flights: map[flightKey]chan struct{}{}, slots: make(chan struct{}, maxWaitingClaims)}
+}
+
+// Waiting is how many requests wait in Go for another request of this process with the same
+// key (a gauge).
+func (g *Gate) Waiting() int64 { return g.waiting.Load() }
+
+// Coalesced counts the requests that found their key in flight in this process and waited.
+func (g *Gate) Coalesced() uint64 { return g.coalesced.Load() }
+
+// Refused counts the requests answered ErrInProgress without waiting on the database: their
+// wait in Go ran out, or every wait slot was taken.
+func (g *Gate) Refused() uint64 { return g.refused.Load() }
+
+// errBusyHere and errNoSlot are the two ErrInProgress a Gate gives without the database.
+var (
+	errBusyHere = fmt.Errorf("%w: another request of this process holds the key", ErrInProgress)
+	errNoSlot   = fmt.Errorf("%w: every wait slot is taken", ErrInProgress)
+)
+
+// IsRefusedByGate tells whether err is an ErrInProgress that a Gate gave without asking the
+// database.
+func IsRefusedByGate(err error) bool { return errors.Is(err, errBusyHere) || errors.Is(err, errNoSlot) }
+
+// enter makes the caller the one request of this process that works on (principal, key),
+// waiting at most bound for another to leave.
+func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration) (leave func(), err error) {
+	id := flightKey{principal, key}
+	var deadline <-chan time.Time
+	for {
+		g.mu.Lock()
+		done, busy := g.flights[id]
+		if !busy {
+			done = make(chan struct{})
+			g.flights[id] = done
+		}
+		g.mu.Unlock()
+		if !busy {
+			if deadline != nil {
+				g.waiting.Add(-1)
+			}
+			return func() {
+				g.mu.Lock()
+				delete(g.flights, id)
+				g.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		if deadline == nil {
+			g.waiting.Add(1)
+			g.coalesced.Add(1)
+			timer := time.NewTimer(bound)
+			defer timer.Stop()
+			deadline = timer.C
+		}
+		select {
+		case <-done:
+		case <-deadline:
+			g.waiting.Add(-1)
+			g.refused.Add(1)
+			return nil, errBusyHere
+		case <-ctx.Done():
+			g.waiting.Add(-1)
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0.
+func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Duration, error) {
+	if c.LockTimeout > 0 {
+		return c.LockTimeout, nil
+	}
+	if d := g.lock.Load(); d > 0 {
+		return time.Duration(d), nil
+	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Release()
+	d, err := ReadDefaults(ctx, conn)
+	if err != nil {
+		return 0, err
+	}
+	g.lock.Store(int64(d.LockTimeout))
+	return d.LockTimeout, nil
+}
+
+// Run runs a unit of work that starts with a claim of c: fn gets the transaction and the
+// decision (fn sees only decisions, never a lock wait), as in RunTx. Requests of this
+// process with the same key run one at a time (the others wait in Go, up to the lock
+// timeout); a claim that finds the key held by another process waits on the database only
+// with a wait slot. Past the lock timeout, or without a slot, Run returns ErrInProgress.
+func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn func(tx *Tx, d Decision) error) error {
+	lockTimeout, err := g.LockTimeout(ctx, db, c)
+	if err != nil {
+		return err
+	}
+	leave, err := g.enter(ctx, c.Principal, c.Key, lockTimeout)
+	if err != nil {
+		return err
+	}
+	defer leave()
+	unit := func(c Claim) func(tx *Tx) error {
+		return func(tx *Tx) error {
+			d, err := tx.Claim(ctx, c)
+			if err != nil {
+				return err
+			}
+			return fn(tx, d)
+		}
+	}
+	first := c
+	first.LockTimeout = min(Probe, lockTimeout)
+	err = RunTx(ctx, db, opts, unit(first))
+	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
+		return err
+	}
+	select {
+	case g.slots <- struct{}{}:
+	default:
+		g.refused.Add(1)
+		return errNoSlot
+	}
+	defer func() { <-g.slots }()
+	rest := c
+	rest.LockTimeout = lockTimeout - Probe
+	return RunTx(ctx, db, opts, unit(rest))
+}

@@ -1,0 +1,224 @@
+package dbidem
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+)
+
+// The statements. Every parameter is cast, and JSON goes as text, so the same statements
+// work without prepared-statement descriptions (PgBouncer in transaction mode,
+// QueryExecModeExec).
+const (
+	beginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
+       withheld, changed_fields, extract(epoch FROM retry_after)::float8
+  FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
+                       p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
+                       p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
+
+	completeSQL = `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
+       p_status => $4::integer, p_headers => $5::jsonb, p_body => $6::bytea,
+       p_resource_id => $7::text, p_withheld => $8::text)`
+
+	saveFinalSQL = `SELECT idem.idem_save_final(p_principal => $1::text, p_key => $2::text,
+       p_action => $3::text, p_request_sha256 => $4::bytea, p_ttl => $5::interval,
+       p_status => $6::integer, p_headers => $7::jsonb, p_body => $8::bytea,
+       p_request_fields => $9::jsonb, p_withheld => $10::text, p_resource_id => $11::text)`
+
+	releaseSQL = `SELECT idem.idem_release(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint)`
+
+	cleanupSQL = `SELECT idem.idem_cleanup(p_batch_size => $1::integer)`
+
+	defaultsSQL = `SELECT extract(epoch FROM ttl)::float8, extract(epoch FROM lock_timeout)::float8, batch_size
+  FROM idem.idem_defaults()`
+)
+
+// interval is a duration as an interval parameter; 0 is NULL, the function's default.
+func interval(d time.Duration) *string {
+	if d == 0 {
+		return nil
+	}
+	s := fmt.Sprintf("%d microseconds", d.Microseconds())
+	return &s
+}
+
+func fieldsJSON(f map[string]string) *string {
+	if f == nil {
+		return nil
+	}
+	b, _ := json.Marshal(f)
+	s := string(b)
+	return &s
+}
+
+func nullable(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+// encodeHeader stores one string per header name; several values are joined with ", ".
+func encodeHeader(h http.Header) string {
+	m := make(map[string]string, len(h))
+	for k, v := range h {
+		m[k] = strings.Join(v, ", ")
+	}
+	b, _ := json.Marshal(m)
+	return string(b)
+}
+
+func decodeHeader(b []byte) (http.Header, error) {
+	var m map[string]string
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, fmt.Errorf("dbidem: stored headers: %w", err)
+	}
+	h := make(http.Header, len(m))
+	for k, v := range m {
+		h[k] = []string{v}
+	}
+	return h, nil
+}
+
+func (c Claim) beginArgs() []any {
+	return []any{c.Principal, c.Key, c.Action, c.Fingerprint[:], interval(c.TTL), interval(c.Lease),
+		fieldsJSON(c.Fields), interval(c.LockTimeout)}
+}
+
+func completeArgs(principal, key string, attempt int64, r Response) []any {
+	return []any{principal, key, attempt, r.Status, encodeHeader(r.Header), r.Body, nullable(r.ResourceID), nullable(r.Withheld)}
+}
+
+func saveFinalArgs(c Claim, r Response) []any {
+	return []any{c.Principal, c.Key, c.Action, c.Fingerprint[:], interval(c.TTL), r.Status, encodeHeader(r.Header),
+		r.Body, fieldsJSON(c.Fields), nullable(r.Withheld), nullable(r.ResourceID)}
+}
+
+// decisionRow scans idem_begin's row.
+type decisionRow struct {
+	d        Decision
+	outcome  string
+	status   *int32
+	headers  []byte
+	body     []byte
+	resource *string
+	withheld *string
+	retry    *float64
+}
+
+func (r *decisionRow) dest() []any {
+	return []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
+		&r.d.ChangedFields, &r.retry}
+}
+
+func (r *decisionRow) decision() (Decision, error) {
+	d := r.d
+	d.Outcome = Outcome(r.outcome)
+	if r.status != nil {
+		d.Response.Status = int(*r.status)
+		d.Response.Body = r.body
+		h, err := decodeHeader(r.headers)
+		if err != nil {
+			return Decision{}, err
+		}
+		d.Response.Header = h
+		if r.resource != nil {
+			d.Response.ResourceID = *r.resource
+		}
+		if r.withheld != nil {
+			d.Response.Withheld = *r.withheld
+		}
+	}
+	if r.retry != nil {
+		d.RetryAfter = time.Duration(*r.retry * float64(time.Second))
+	}
+	return d, nil
+}
+
+// Begin claims c.Key for c.Principal in q's transaction, or returns the decision about the
+// row that holds it. With a transactional claim (Lease 0) the transaction must complete
+// the claim (Complete, or SaveFinal after rolling the work back) before it commits. Inside
+// RunTx prefer Tx.Claim, which saves a round trip.
+func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
+	var row decisionRow
+	if err := q.QueryRow(ctx, beginSQL, c.beginArgs()...).Scan(row.dest()...); err != nil {
+		return Decision{}, classify(err)
+	}
+	return row.decision()
+}
+
+// Complete stores r as the response of the claim with this attempt. It returns
+// ErrClaimLost when that claim is no longer in progress (fencing). Inside RunTx prefer
+// Tx.CompleteOnCommit, which saves a round trip.
+func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
+	_, err := q.Exec(ctx, completeSQL, completeArgs(principal, key, attempt, r)...)
+	return classify(err)
+}
+
+// Release abandons the claim with this attempt without a response, so that a retry may
+// claim the key again. It returns false when no such claim is in progress.
+func Release(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, releaseSQL, principal, key, attempt).Scan(&ok)
+	return ok, classify(err)
+}
+
+// SaveFinal stores r as the final answer to c in q's transaction: in the transaction that
+// claimed c (after rolling its work back to a savepoint) it finalizes that claim; for a key
+// nobody holds it inserts the answer. It returns false when a live row for the key already
+// exists (nothing is overwritten). Inside RunTx prefer Tx.FinalOnCommit.
+func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, saveFinalSQL, saveFinalArgs(c, r)...).Scan(&ok)
+	return ok, classify(err)
+}
+
+// Cleanup deletes expired keys in batches of batchSize (idem_cleanup) until a batch comes
+// back short, and returns how many it deleted. Pass a pool or a connection outside any
+// transaction, so that each batch is its own short transaction. When ctx ends first it
+// returns the count so far and ctx.Err(). Safe to run from several processes at once.
+func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
+	total := 0
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		var n int
+		if err := q.QueryRow(ctx, cleanupSQL, batchSize).Scan(&n); err != nil {
+			if ctx.Err() != nil {
+				return total, ctx.Err()
+			}
+			return total, classify(err)
+		}
+		total += n
+		if n < batchSize {
+			return total, nil
+		}
+	}
+}
+
+// Defaults are the SQL API's defaults, which a zero Claim.TTL or Claim.LockTimeout stands
+// for. They have one home, the functions (idem.idem_defaults()).
+type Defaults struct {
+	// TTL is how long a key stays valid.
+	TTL time.Duration
+	// LockTimeout is how long a function waits for a concurrent holder of a key.
+	LockTimeout time.Duration
+	// BatchSize is idem_cleanup's batch size.
+	BatchSize int
+}
+
+// ReadDefaults reads the SQL API's defaults from the database.
+func ReadDefaults(ctx context.Context, q Querier) (Defaults, error) {
+	var ttl, lock float64
+	var d Defaults
+	if err := q.QueryRow(ctx, defaultsSQL).Scan(&ttl, &lock, &d.BatchSize); err != nil {
+		return Defaults{}, classify(err)
+	}
+	d.TTL = time.Duration(ttl * float64(time.Second))
+	d.LockTimeout = time.Duration(lock * float64(time.Second))
+	return d, nil
+}

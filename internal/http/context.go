@@ -1,0 +1,49 @@
+package idemhttp
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// state travels in the request's context to the handler.
+type state struct {
+	m          *Middleware
+	tx         pgx.Tx
+	body       []byte // the request body, as read (and fingerprinted) by the middleware
+	secret     bool
+	resourceID string
+}
+
+type stateKey struct{}
+
+func stateOf(ctx context.Context) *state {
+	s, _ := ctx.Value(stateKey{}).(*state)
+	return s
+}
+
+// Tx returns the transaction of the request's unit of work: the handler's writes through it
+// commit together with the key, or not at all. Nil outside a declared transactional route.
+func Tx(ctx context.Context) pgx.Tx {
+	if s := stateOf(ctx); s != nil && s.tx != nil {
+		return s.tx
+	}
+	return nil
+}
+
+// MarkOneTimeSecret marks the response as a one-time secret (a token shown once): it is
+// sent, its status and headers are stored, its body is not; a repeat gets 409
+// one_time_secret.
+func MarkOneTimeSecret(ctx context.Context) {
+	if s := stateOf(ctx); s != nil {
+		s.secret = true
+	}
+}
+
+// SetResourceID records the id of what the request created; a repeat of a response that
+// cannot be replayed names it. Default: the response's Location header.
+func SetResourceID(ctx context.Context, id string) {
+	if s := stateOf(ctx); s != nil {
+		s.resourceID = id
+	}
+}

@@ -1,0 +1,7 @@
+{{- /* The defaults of the SQL API, each in one place. A Go caller passes NULL for "the
+   default"; the functions read these. tests/defaults_test.go reads them back from pg_catalog
+   and compares them with docs/sql-api.md. The lock timeout's home is the SET clause of each
+   function (include/attributes.sql). */ -}}
+{{- define "default_ttl" }}interval '24 hours'{{ end -}}
+{{- define "default_lock_timeout" }}2s{{ end -}}
+{{- define "default_batch_size" }}1000{{ end -}}
