@@ -69,15 +69,19 @@ func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
 		}
 	}
 
-	notFound := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		problem(w, r, http.StatusNotFound, "not_found", "no such route")
-	})
-	notAllowed := http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		w.Header().Set("Allow", strings.Join(allowedMethods(r, req), ", "))
+	// One handler for both: gorilla/mux 1.8.1 answers a method mismatch inside a subrouter
+	// as not found, so the methods the path takes decide between 404 and 405.
+	noRoute := http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		allowed := allowedMethods(r, req)
+		if len(allowed) == 0 {
+			problem(w, req, http.StatusNotFound, "not_found", "no such route")
+			return
+		}
+		w.Header().Set("Allow", strings.Join(allowed, ", "))
 		problem(w, req, http.StatusMethodNotAllowed, "method_not_allowed", "this route does not take "+req.Method)
 	})
 	for _, router := range []*mux.Router{r, v1} {
-		router.NotFoundHandler, router.MethodNotAllowedHandler = notFound, notAllowed
+		router.NotFoundHandler, router.MethodNotAllowedHandler = noRoute, noRoute
 	}
 	return r, idem, nil
 }

@@ -30,22 +30,33 @@ type testServer struct {
 func startServer(t *testing.T, env map[string]string) *testServer {
 	t.Helper()
 	db := pgtest.NewEmptyDB(t)
-	vars := map[string]string{"DATABASE_URL": db, "LISTEN_ADDR": "127.0.0.1:0", "CLEANUP_INTERVAL": "0"}
-	for k, v := range env {
-		vars[k] = v
-	}
-	getenv := func(k string) string { return vars[k] }
 	mig := NewMain(io.Discard, io.Discard)
-	if err := mig.ParseFlags([]string{"migrate"}, getenv); err != nil {
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, env)); err != nil {
 		t.Fatal(err)
 	}
 	if err := mig.Run(context.Background()); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
 	_ = mig.Close()
+	return serveOn(t, db, env)
+}
 
+// serverEnv is the environment of a test server on db: a free port, no scheduled cleanup,
+// and env on top.
+func serverEnv(db string, env map[string]string) func(string) string {
+	vars := map[string]string{"DATABASE_URL": db, "LISTEN_ADDR": "127.0.0.1:0", "CLEANUP_INTERVAL": "0"}
+	for k, v := range env {
+		vars[k] = v
+	}
+	return func(k string) string { return vars[k] }
+}
+
+// serveOn starts the real program serving the (migrated) database db: a second process of
+// the same service when db is another test server's.
+func serveOn(t *testing.T, db string, env map[string]string) *testServer {
+	t.Helper()
 	m := NewMain(io.Discard, io.Discard)
-	if err := m.ParseFlags(nil, getenv); err != nil {
+	if err := m.ParseFlags(nil, serverEnv(db, env)); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())

@@ -3,9 +3,9 @@ package main
 import (
 	"context"
 	"crypto/sha256"
+	"embed"
 	"encoding/hex"
 	"errors"
-	"embed"
 	"io"
 	"io/fs"
 	"testing"

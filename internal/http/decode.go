@@ -23,12 +23,9 @@ import (
 // keyed request). It uses the encoding/json v2 semantics of github.com/go-json-experiment/json,
 // which are strict by design.
 func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
-	if ct := r.Header.Get("Content-Type"); ct != "" {
-		mt, _, err := mime.ParseMediaType(ct)
-		if err != nil || !(mt == "application/json" || (strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json"))) {
-			problemFor(r.Context(), w, r, CodeUnsupportedMedia, "send the body as application/json")
-			return false
-		}
+	if r.Header.Get("Content-Type") != "" && !jsonContent(r) {
+		problemFor(r.Context(), w, r, CodeUnsupportedMedia, "send the body as application/json")
+		return false
 	}
 	var body []byte
 	if s := stateOf(r.Context()); s != nil && s.body != nil {
@@ -46,4 +43,11 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		return false
 	}
 	return true
+}
+
+// jsonContent tells whether the request says its body is JSON: application/json or
+// application/*+json, parameters allowed.
+func jsonContent(r *http.Request) bool {
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	return err == nil && (mt == "application/json" || (strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json")))
 }

@@ -150,9 +150,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	} else {
 		fp = canon.Compute(r.Method, r.URL.EscapedPath(), body)
 	}
-	if fp.Ambiguous != "" {
+	switch {
+	case fp.Ambiguous != "":
 		// Refused before any claim: a handler could not be sure to act on what was hashed.
 		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous, nil)
+		return
+	case !fp.JSON && len(body) > 0 && jsonContent(r):
+		// Sent as JSON but not strictly valid JSON (duplicate members, data after the value,
+		// invalid UTF-8...): no handler may act on it, so nothing is claimed or stored.
+		m.problem(w, r, CodeMalformedBody, "the body is not strictly valid JSON (one value, no duplicate member names, valid UTF-8)", nil)
 		return
 	}
 	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.action, Fingerprint: fp.Sum, Fields: fp.Fields,

@@ -51,6 +51,7 @@ type order struct {
 	Flush    bool `json:"flush"`
 	StepUp   bool `json:"step_up"`
 	Big      bool `json:"big"`
+	FK       bool `json:"fk_violation"`
 }
 
 func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
@@ -108,6 +109,11 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 		tx = t
 	} else if r.URL.Path != "/undeclared" {
 		http.Error(w, "no transaction", 500)
+		return
+	}
+	if o.FK {
+		_, err := tx.Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'no parent' USING ERRCODE = '23503'; END $$`)
+		http.Error(w, fmt.Sprint(err), 500)
 		return
 	}
 	if o.Block {

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -202,14 +203,14 @@ func (c *Cluster) Stop(ctx context.Context) error {
 }
 
 // ConnString is a libpq key/value connection string for database dbname as postgres: over
-// TCP when TCPAddr is set, else over the Unix socket.
+// the Unix socket when the cluster has one, else over TCP.
 func (c *Cluster) ConnString(dbname string) string {
 	host, port := c.SocketDir, c.Port
 	if host == "" {
-		host = c.Dir
-	}
-	if c.TCPAddr != "" {
 		host = c.TCPAddr
+	}
+	if host == "" {
+		host = c.Dir
 	}
 	if port == 0 {
 		port = 5432
@@ -217,9 +218,28 @@ func (c *Cluster) ConnString(dbname string) string {
 	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", host, port, dbname)
 }
 
+// TCPHostPort is the cluster's TCP address as host:port, or "" when it listens on none.
+func (c *Cluster) TCPHostPort() string {
+	if c.TCPAddr == "" {
+		return ""
+	}
+	return net.JoinHostPort(c.TCPAddr, strconv.Itoa(c.Port))
+}
+
+// FreePort returns a TCP port on 127.0.0.1 that nothing listened on a moment ago.
+func FreePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
 // StartTemp initializes and starts a throwaway cluster in a new temporary directory (made
-// readable to the postgres user when running as root) with these settings. stop stops it
-// and removes the directory.
+// readable to the postgres user when running as root) with these settings, listening on a
+// Unix socket there and on a free TCP port of 127.0.0.1. stop stops it and removes the
+// directory.
 func StartTemp(ctx context.Context, prefix string, settings map[string]string) (c *Cluster, stop func(), err error) {
 	dir, err := os.MkdirTemp("", prefix)
 	if err != nil {
@@ -229,7 +249,12 @@ func StartTemp(ctx context.Context, prefix string, settings map[string]string) (
 		os.RemoveAll(dir)
 		return nil, nil, err
 	}
-	c = &Cluster{Dir: filepath.Join(dir, "pg"), Settings: settings}
+	port, err := FreePort()
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, nil, err
+	}
+	c = &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", Port: port, Settings: settings}
 	stop = func() {
 		_ = c.Stop(context.Background())
 		_ = os.RemoveAll(dir)

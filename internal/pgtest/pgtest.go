@@ -16,8 +16,11 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -40,6 +43,7 @@ const howTo = `pgtest: no PostgreSQL for the tests. Get one of:
 
 var (
 	adminURL  string // connection string to the server's maintenance database
+	tcpAddr   string // the server's TCP host:port
 	template  string // name of the migrated template database
 	source    string // where the server came from, for messages
 	setupErr  error
@@ -106,7 +110,12 @@ func start() error {
 			return fmt.Errorf("%s\n(%v)", howTo, err)
 		}
 		teardown = append(teardown, stop)
-		adminURL, source = c.ConnString("postgres"), "local cluster"
+		adminURL, source, tcpAddr = c.ConnString("postgres"), "local cluster", c.TCPHostPort()
+	}
+	if tcpAddr == "" {
+		if cfg, err := pgx.ParseConfig(adminURL); err == nil && !strings.HasPrefix(cfg.Host, "/") {
+			tcpAddr = net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+		}
 	}
 	template = fmt.Sprintf("idem_template_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)
 	if err := adminExec(ctx, "CREATE DATABASE "+template); err != nil {
@@ -183,6 +192,35 @@ func newDatabase(t testing.TB, migrated bool) string {
 		}
 	})
 	return withDB(adminURL, name)
+}
+
+// TCPAddr is the test server's TCP address (host:port), for tests that put a proxy in front
+// of it. It fails the test when the server is reachable over a Unix socket only.
+func TCPAddr(t testing.TB) string {
+	t.Helper()
+	setup(t)
+	if tcpAddr == "" {
+		t.Fatalf("pgtest: the %s server has no TCP address", source)
+	}
+	return tcpAddr
+}
+
+// Via returns url with its host and port replaced by hostPort (a proxy's address).
+func Via(t testing.TB, url, hostPort string) string {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, port, err := net.SplitHostPort(hostPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pw := ""
+	if cfg.Password != "" {
+		pw = " password=" + cfg.Password
+	}
+	return fmt.Sprintf("host=%s port=%s user=%s dbname=%s sslmode=disable%s", host, port, cfg.User, cfg.Database, pw)
 }
 
 // NewDB creates a database for this test, cloned from the migrated template, drops it when
