@@ -102,7 +102,8 @@ func (c *Client) Post(ctx context.Context, path string, body any) (Result, error
 
 // Do sends one logical operation under key (every attempt carries it) and retries it until
 // its answer is final, the context ends or MaxAttempts runs out. body is JSON-encoded; nil
-// sends none.
+// sends none. An empty key sends no Idempotency-Key: the retries are then not safe for an
+// operation that is not idempotent by itself, so such a Client should set MaxAttempts 1.
 func (c *Client) Do(ctx context.Context, method, path, key string, body any) (Result, error) {
 	var payload []byte
 	if body != nil {
@@ -166,7 +167,9 @@ func (c *Client) once(ctx context.Context, method, path, key string, payload []b
 		return Result{}, err
 	}
 	req.Header.Set("Authorization", "Bearer "+c.Token)
-	req.Header.Set("Idempotency-Key", key)
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
 	if payload != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
