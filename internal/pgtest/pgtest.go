@@ -272,6 +272,12 @@ func NewPool(t testing.TB, maxConns int32) (*pgxpool.Pool, string) {
 	return pool, url
 }
 
+// URLOf is the connection string of the database a pool created by NewPool uses.
+func URLOf(t testing.TB, pool *pgxpool.Pool) string {
+	t.Helper()
+	return pool.Config().ConnConfig.ConnString()
+}
+
 // Connect opens one connection to url, closed when the test ends.
 func Connect(t testing.TB, url string) *pgx.Conn {
 	t.Helper()

@@ -1,0 +1,134 @@
+package tests
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// TestCleanupAcrossRelations: the one cleanup path over two relations of the key table's
+// shape (as on a Citus node with two local shards), with two cleaners at once: every
+// expired row is deleted exactly once, and no live row is touched.
+func TestCleanupAcrossRelations(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 6)
+	ctx := context.Background()
+	pgtest.Exec(t, pool, `CREATE TABLE idem.keys_shard_2 (LIKE idem.idempotency_keys INCLUDING ALL)`)
+	pgtest.InsertExpired(t, pool, "a", 2000)
+	pgtest.Exec(t, pool, `INSERT INTO idem.keys_shard_2 SELECT * FROM idem.idempotency_keys`)
+	pgtest.Exec(t, pool, `UPDATE idem.keys_shard_2 SET principal_id = 'b'`)
+	pgtest.InsertExpired(t, pool, "c", 1500)
+	for _, rel := range []string{"idem.idempotency_keys", "idem.keys_shard_2"} {
+		pgtest.Exec(t, pool, `INSERT INTO `+rel+` (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
+			response_status, response_headers)
+			SELECT now() + interval '1 hour', nextval('idem.attempt_seq'), 0, 'c', 'live', 'live-' || i, sha256(i::text::bytea), 200, '{}'
+			  FROM generate_series(1, 300) AS i`)
+	}
+	var deleted atomic.Int64
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			for {
+				var n int
+				if err := pool.QueryRow(ctx, `SELECT idem.cleanup_relations(ARRAY['idem.idempotency_keys', 'idem.keys_shard_2']::regclass[], 250)`).Scan(&n); err != nil {
+					t.Error(err)
+					return
+				}
+				deleted.Add(int64(n))
+				if n < 250 {
+					return
+				}
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if got := deleted.Load(); got != 5500 {
+		t.Fatalf("the cleaners reported %d deletions, want 5500 (each expired row once)", got)
+	}
+	for _, rel := range []string{"idem.idempotency_keys", "idem.keys_shard_2"} {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM `+rel+` WHERE expires_at <= now()`); n != 0 {
+			t.Fatalf("%s: %d expired rows left", rel, n)
+		}
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM `+rel+` WHERE principal_id = 'live'`); n != 300 {
+			t.Fatalf("%s: %d live rows, want 300", rel, n)
+		}
+	}
+}
+
+// TestCleanupSkipsLockedRows: an expired row that another session holds (a request is
+// re-claiming it, say) is skipped: the cleaner returns at once, having deleted the others,
+// instead of waiting for the lock.
+func TestCleanupSkipsLockedRows(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	pgtest.InsertExpired(t, pool, "p", 50)
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	pgtest.Exec(t, holder, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'old-7' FOR UPDATE`)
+	cleaner := pgtest.Connect(t, pgtest.URLOf(t, pool))
+	pgtest.Exec(t, cleaner, `SET lock_timeout = '30s'`)
+	began := time.Now()
+	var n int
+	if err := cleaner.QueryRow(ctx, `SELECT idem.idem_cleanup(1000)`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(began); n != 49 || took > time.Second {
+		t.Fatalf("the cleaner deleted %d rows in %s; want the 49 unlocked ones, promptly", n, took)
+	}
+	_ = holder.Rollback(ctx)
+	if err := cleaner.QueryRow(ctx, `SELECT idem.idem_cleanup(1000)`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("once released, the last row: %d %v", n, err)
+	}
+}
+
+// TestLockTimeoutArgument: p_lock_timeout is the call's own bound on waiting for a holder of
+// the key: 200ms gives up well before the 2 s default, and 5 s outlasts a holder that
+// commits after 3 s (longer than the default) and then replays its answer.
+func TestLockTimeoutArgument(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDB(t)
+	ctx := context.Background()
+	a, b := pgtest.Connect(t, url), pgtest.Connect(t, url)
+	txA, err := a.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, err := begin(ctx, txA, "k", "body", "10s"); err != nil || d.Outcome != "claimed" {
+		t.Fatalf("A: %+v %v", d, err)
+	}
+	began := time.Now()
+	_, err = begin(ctx, b, "k", "body", "200ms")
+	if took := time.Since(began); sqlstate(err) != "55P03" || took > time.Second {
+		t.Fatalf("200ms: %v after %s, want 55P03 well before the 2 s default", err, took)
+	}
+	done := make(chan decision, 1)
+	errs := make(chan error, 1)
+	go func() {
+		d, err := begin(ctx, b, "k", "body", "5s")
+		done <- d
+		errs <- err
+	}()
+	pgtest.WaitUntilBlocked(t, a, b.PgConn().PID())
+	time.Sleep(3 * time.Second)
+	pgtest.Exec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE key = 'k'`)
+	if err := txA.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d, err := <-done, <-errs
+	if err != nil || d.Outcome != "replay" || string(d.Body) != "first" {
+		t.Fatalf("5s: %+v %v, want the replay after 3 s", d, err)
+	}
+}
