@@ -42,16 +42,18 @@ type app struct {
 }
 
 type order struct {
-	Amount   int  `json:"amount"`
-	Status   int  `json:"status"`
-	Panic    bool `json:"panic"`
-	Block    bool `json:"block"`
-	Conflict bool `json:"conflict"`
-	InBatch  bool `json:"in_batch"`
-	Flush    bool `json:"flush"`
-	StepUp   bool `json:"step_up"`
-	Big      bool `json:"big"`
-	FK       bool `json:"fk_violation"`
+	Amount   int    `json:"amount"`
+	Status   int    `json:"status"`
+	Panic    bool   `json:"panic"`
+	Block    bool   `json:"block"`
+	Conflict bool   `json:"conflict"`
+	InBatch  bool   `json:"in_batch"`
+	Flush    bool   `json:"flush"`
+	StepUp   bool   `json:"step_up"`
+	Big      bool   `json:"big"`
+	FK       bool   `json:"fk_violation"`
+	ETag     string `json:"etag"`
+	Problem  bool   `json:"problem"`
 }
 
 func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
@@ -157,9 +159,16 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 	if status == 0 {
 		status = http.StatusCreated
 	}
+	if o.Problem {
+		idemhttp.WriteProblem(w, status, "https://example.com/problems#", "rejected", "Rejected", "no", r.Header.Get("X-Request-Id"))
+		return
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Location", fmt.Sprintf("/effects/%d", id))
 	w.Header().Set("X-Not-Stored", "yes")
+	if o.ETag != "" {
+		w.Header().Set("ETag", o.ETag)
+	}
 	w.WriteHeader(status)
 	if o.Big {
 		fmt.Fprintf(w, `{"id":%d,"pad":%q}`, id, strings.Repeat("x", 2048))
@@ -179,14 +188,27 @@ func (a *app) token(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, `{"token":"secret-%d"}`, time.Now().UnixNano())
 }
 
+// job is a lease route's handler (work outside the database): it answers as the body says,
+// after blocking when asked to.
 func (a *app) job(w http.ResponseWriter, r *http.Request) {
-	a.runs.Add(1)
+	n := a.runs.Add(1)
 	if idemhttp.Tx(r.Context()) != nil {
 		http.Error(w, "a lease route has no transaction", 500)
 		return
 	}
-	w.WriteHeader(http.StatusAccepted)
-	fmt.Fprint(w, `{"job":"done"}`)
+	var o order
+	body, _ := io.ReadAll(r.Body)
+	_ = json.Unmarshal(body, &o)
+	if o.Block {
+		a.started <- struct{}{}
+		<-a.release
+	}
+	status := o.Status
+	if status == 0 {
+		status = http.StatusAccepted
+	}
+	w.WriteHeader(status)
+	fmt.Fprintf(w, `{"job":"done","run":%d}`, n)
 }
 
 var noRedirects = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
