@@ -222,3 +222,88 @@ func TestMetricsAfterRequests(t *testing.T) {
 		}
 	}
 }
+
+// TestKeyedRoutesAreSafeToReplay reads /openapi.json and the router: a keyed operation's
+// fingerprint covers method, path and JSON body, not the query string, so no keyed
+// operation may take query parameters or a body that is not JSON; and an ETag must be
+// derived from a version the response carries, so that a replayed ETag and a fresh GET of
+// the same version agree.
+func TestKeyedRoutesAreSafeToReplay(t *testing.T) {
+	t.Parallel()
+	var doc map[string]any
+	if err := json.Unmarshal(openAPI, &doc); err != nil {
+		t.Fatal(err)
+	}
+	resolve := func(v any) map[string]any {
+		m, _ := v.(map[string]any)
+		for m != nil && m["$ref"] != nil {
+			ref := strings.TrimPrefix(m["$ref"].(string), "#/")
+			var cur any = doc
+			for _, part := range strings.Split(ref, "/") {
+				cur = cur.(map[string]any)[part]
+			}
+			m, _ = cur.(map[string]any)
+		}
+		return m
+	}
+	keyed := 0
+	for _, rt := range ledgerRoutes(&ledger{}, true) {
+		op := resolve(resolve(doc["paths"])[rt.path])[strings.ToLower(rt.method)]
+		if op == nil {
+			t.Fatalf("%s %s is not in openapi.json", rt.method, rt.path)
+		}
+		o := op.(map[string]any)
+		if rt.idem != nil {
+			keyed++
+			params, _ := o["parameters"].([]any)
+			for _, p := range params {
+				if resolve(p)["in"] == "query" {
+					t.Errorf("keyed %s %s takes query parameter %v, which the fingerprint does not cover", rt.method, rt.path, resolve(p)["name"])
+				}
+			}
+			if body := resolve(o["requestBody"]); body != nil {
+				for ct := range body["content"].(map[string]any) {
+					if ct != "application/json" && !strings.HasSuffix(ct, "+json") {
+						t.Errorf("keyed %s %s takes a %s body, which is fingerprinted as raw bytes", rt.method, rt.path, ct)
+					}
+				}
+			}
+		}
+		for status, r := range o["responses"].(map[string]any) {
+			res := resolve(r)
+			headers, _ := res["headers"].(map[string]any)
+			if headers["ETag"] == nil {
+				continue
+			}
+			content, _ := res["content"].(map[string]any)
+			schema := resolve(resolve(content["application/json"])["schema"])
+			props, _ := schema["properties"].(map[string]any)
+			if props["version"] == nil {
+				t.Errorf("%s %s %s answers an ETag without a version to derive it from", rt.method, rt.path, status)
+			}
+		}
+	}
+	if keyed < 4 {
+		t.Fatalf("only %d keyed routes found", keyed)
+	}
+}
+
+// TestAccountETagIsItsVersion: the account's ETag is its version, so the ETag of a replayed
+// creation and a GET agree until the account changes, and change with it.
+func TestAccountETagIsItsVersion(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("etag")
+	created := s.call("POST", "/v1/accounts", token, "acct", `{"name":"a","currency":"EUR"}`)
+	replayed := s.call("POST", "/v1/accounts", token, "acct", `{"name":"a","currency":"EUR"}`)
+	path := created.header.Get("Location")
+	got := s.call("GET", path, token, "", "")
+	if created.header.Get("ETag") != `"1"` || replayed.header.Get("ETag") != `"1"` || got.header.Get("ETag") != `"1"` {
+		t.Fatalf("ETags %q, %q, %q; want \"1\" everywhere", created.header.Get("ETag"), replayed.header.Get("ETag"), got.header.Get("ETag"))
+	}
+	s.call("POST", path+"/deposits", token, "", `{"amount":5}`)
+	after := s.call("GET", path, token, "", "")
+	if v := after.json(t)["version"].(float64); after.header.Get("ETag") != fmt.Sprintf(`"%d"`, int(v)) || v != 2 {
+		t.Fatalf("after a deposit: ETag %q, version %v", after.header.Get("ETag"), v)
+	}
+}

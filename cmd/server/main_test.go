@@ -1,11 +1,14 @@
 package main
 
 import (
+	"context"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -18,6 +21,18 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"IDEM_DATA_PORT", "70000"},
 		{"SHUTDOWN_TIMEOUT", "-1s"},
 		{"DATABASE_URL", "postgres://%zz"},
+		{"DATABASE_POOL_SIZE", "1"},
+		{"IDEM_APP_ROLE", "Bad-Role"},
+		{"IDEMPOTENCY_TTL", "-1h"},
+		{"IDEMPOTENCY_TTL", "soon"},
+		{"IDEMPOTENCY_LOCK_TIMEOUT", "0"},
+		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "0"},
+		{"MAX_BODY_BYTES", "0"},
+		{"MAX_STORED_RESPONSE_BYTES", "-1"},
+		{"CLEANUP_INTERVAL", "10ms"},
+		{"CLEANUP_BATCH_SIZE", "0"},
+		{"TRANSFERS_REQUIRE_KEY", "maybe"},
+		{"LOG_LEVEL", "loud"},
 	} {
 		m := NewMain(io.Discard, io.Discard)
 		err := m.ParseFlags(nil, func(k string) string {
@@ -45,5 +60,56 @@ func TestServeHealthz(t *testing.T) {
 	}
 	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace AND proname LIKE 'idem\_%'`); n != 7 {
 		t.Fatalf("%d API functions in schema idem, want 7", n)
+	}
+}
+
+// TestConfigDefaultsAndEveryVariable: with no environment every field has its documented
+// default (a zero TTL and lock timeout mean the SQL API's own), and every variable is read.
+func TestConfigDefaultsAndEveryVariable(t *testing.T) {
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags(nil, func(string) string { return "" }); err != nil {
+		t.Fatal(err)
+	}
+	want := Config{PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
+		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupBatchSize: 1000,
+		ShutdownTimeout: 10 * time.Second, TransfersRequireKey: true, LogLevel: slog.LevelInfo}
+	if m.Config != want {
+		t.Fatalf("defaults:\n got %+v\nwant %+v", m.Config, want)
+	}
+	env := map[string]string{
+		"DATABASE_URL": "postgres://u@h:5/d", "DATABASE_POOL_SIZE": "9", "LISTEN_ADDR": "0.0.0.0:9",
+		"IDEM_DATA_DIR": "/x", "IDEM_DATA_PORT": "7", "IDEM_APP_ROLE": "app_x", "IDEMPOTENCY_TTL": "1h",
+		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "MAX_BODY_BYTES": "100",
+		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "SHUTDOWN_TIMEOUT": "3s",
+		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug",
+	}
+	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
+		t.Fatal(err)
+	}
+	want = Config{DatabaseURL: "postgres://u@h:5/d", PoolSize: 9, ListenAddr: "0.0.0.0:9", DataDir: "/x", DataPort: 7,
+		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxBodyBytes: 100,
+		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, ShutdownTimeout: 3 * time.Second,
+		TransfersRequireKey: false, LogLevel: slog.LevelDebug}
+	if m.Config != want {
+		t.Fatalf("every variable:\n got %+v\nwant %+v", m.Config, want)
+	}
+	for name := range env {
+		if !strings.Contains(usage, name) {
+			t.Errorf("the usage text does not list %s", name)
+		}
+	}
+}
+
+// TestHelp: help, -h and --help print the usage (every variable) and succeed.
+func TestHelp(t *testing.T) {
+	for _, arg := range []string{"help", "-h", "--help"} {
+		var out strings.Builder
+		m := NewMain(&out, io.Discard)
+		if err := m.ParseFlags([]string{arg}, func(string) string { return "" }); err != nil {
+			t.Fatalf("%s: %v", arg, err)
+		}
+		if err := m.Run(context.Background()); err != nil || !strings.Contains(out.String(), "IDEMPOTENCY_LOCK_TIMEOUT") {
+			t.Fatalf("%s: %v\n%s", arg, err, out.String())
+		}
 	}
 }

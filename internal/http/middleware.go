@@ -53,6 +53,10 @@ func New(o Options) (*Middleware, error) {
 	return &Middleware{o: o, gate: dbidem.NewGate(waiting), declared: map[string]Route{}}, nil
 }
 
+// Options returns the options in effect, defaults filled in (a zero TTL or LockTimeout
+// stays zero: the SQL API's default applies).
+func (m *Middleware) Options() Options { return m.o }
+
 // Route returns a middleware for one route with this declaration; it is both a
 // mux.MiddlewareFunc and a plain func(http.Handler) http.Handler.
 //
