@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"sync"
 	"testing"
+	"time"
 )
 
 func expire(t *testing.T, s *testServer, principal string, n int) {
@@ -15,38 +16,68 @@ func expire(t *testing.T, s *testServer, principal string, n int) {
 	pgtest.InsertExpired(t, s.pool, principal, n)
 }
 
-// TestCleanupWhileRequestsRun: a pass deletes every expired key and no live one while
-// keyed requests keep arriving.
+// TestCleanupWhileRequestsRun: a pass runs while requests are in flight, one of them in
+// the middle of re-claiming an expired key (its row locked, its handler held on a row
+// lock): the pass skips that row and deletes every other expired key, the request then
+// completes with its key, and the other requests never fail.
 func TestCleanupWhileRequestsRun(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
 	id, token := s.principal("c")
 	expire(t, s, id, 2500)
-	c := newCleaner(s.pool, 100, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	acct := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
+	ctx := context.Background()
+	holder, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	pgtest.Exec(t, holder, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, acct)
+	reclaim := make(chan resp, 1)
+	go func() {
+		reclaim <- s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", acct), token, "old-7", `{"amount":5}`)
+	}()
+	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+
 	var wg sync.WaitGroup
-	wg.Add(1)
 	var statuses []int
+	stop := make(chan struct{})
+	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		for i := range 40 {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
 			r := s.call("POST", "/v1/accounts", token, fmt.Sprintf("live-%d", i), `{"name":"a","currency":"EUR"}`)
 			statuses = append(statuses, r.status)
 		}
 	}()
-	n, ran, err := c.pass(context.Background())
+	c := newCleaner(s.pool, 100, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	n, ran, err := c.pass(ctx)
+	close(stop)
 	wg.Wait()
-	if err != nil || !ran || n != 2500 {
-		t.Fatalf("pass: %d deleted, ran %v, %v; want 2500", n, ran, err)
+	if err != nil || !ran || n != 2499 {
+		t.Fatalf("pass: %d deleted, ran %v, %v; want 2499 (every expired key but the one being re-claimed)", n, ran, err)
+	}
+	_ = holder.Rollback(ctx)
+	if r := <-reclaim; r.status != 201 {
+		t.Fatalf("the re-claiming deposit: %+v", r)
+	}
+	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'old-7' AND state = 'c' AND expires_at > now()`); k != 1 {
+		t.Fatal("the re-claimed key was not stored")
 	}
 	for i, st := range statuses {
 		if st != 201 {
 			t.Fatalf("request %d: %d", i, st)
 		}
 	}
-	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%'`); k != 40 {
-		t.Fatalf("%d live keys, want 40", k)
+	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%'`); k != len(statuses) {
+		t.Fatalf("%d live keys, want %d", k, len(statuses))
 	}
-	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'old-%'`); k != 0 {
+	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE expires_at <= now()`); k != 0 {
 		t.Fatalf("%d expired keys left", k)
 	}
 }
@@ -103,9 +134,9 @@ func TestTwoInstancesOneCleaner(t *testing.T) {
 	}
 }
 
-// TestScheduledCleanupStopsWithTheServer: the gocron job runs passes on its interval and
-// stop waits for it.
-func TestScheduledCleanup(t *testing.T) {
+// TestScheduledCleanupStopsWithTheServer: the gocron job runs passes on its interval, and
+// once stop has returned no pass runs any more.
+func TestScheduledCleanupStopsWithTheServer(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
 	id, _ := s.principal("c")
@@ -118,9 +149,14 @@ func TestScheduledCleanup(t *testing.T) {
 	for i := 0; i < 200 && s.count(`SELECT count(*) FROM idem.idempotency_keys`) > 0; i++ {
 		sleepBriefly()
 	}
-	stop()
-	stop() // idempotent
 	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys`); k != 0 {
 		t.Fatalf("%d expired keys left after the scheduled passes", k)
+	}
+	stop()
+	stop() // idempotent
+	pgtest.InsertExpired(t, s.pool, id, 10)
+	time.Sleep(300 * time.Millisecond) // six intervals
+	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys`); k != 10 {
+		t.Fatalf("a pass ran after stop: %d of 10 expired keys left", k)
 	}
 }

@@ -36,6 +36,8 @@ type app struct {
 	srv     *httptest.Server
 	runs    atomic.Int32
 	started chan struct{}
+	// finished receives when a blocking handler of the effect route returns.
+	finished chan struct{}
 	release chan struct{}
 	once    sync.Once
 	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
@@ -59,7 +61,8 @@ type order struct {
 func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
 	t.Helper()
 	pool, _ := pgtest.NewPool(t, 80)
-	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), release: make(chan struct{})}
+	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), finished: make(chan struct{}, 100),
+		release: make(chan struct{})}
 	t.Cleanup(a.unblock) // a failing test must not leave a handler blocked until the timeout
 	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int)`); err != nil {
 		t.Fatal(err)
@@ -119,6 +122,7 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if o.Block {
+		defer func() { a.finished <- struct{}{} }()
 		a.started <- struct{}{}
 		<-a.release
 	}
@@ -608,9 +612,12 @@ func TestCancelledClientLeavesNothing(t *testing.T) {
 	cancel()
 	<-done
 	a.unblock()
+	// Wait for the handler to return and for its unit of work to give its connection back:
+	// only then has it committed or rolled back for good.
+	<-a.finished
 	deadline := time.Now().Add(5 * time.Second)
-	for a.count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'`) > 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+	for a.pool.Stat().AcquiredConns() > 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
 	}
 	if a.keys() != 0 || a.effects() != 0 {
 		t.Fatalf("%d keys, %d effects after a cancelled request", a.keys(), a.effects())
