@@ -1,0 +1,113 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+	"github.com/pgidem/pgidem/internal/pgtest"
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+// replaceBlock returns doc with the text between the begin marker (a line starting with
+// begin) and the end marker replaced by block, and the text that was there.
+func replaceBlock(t *testing.T, doc, begin, end, block string) (string, string) {
+	t.Helper()
+	i := strings.Index(doc, begin)
+	if i < 0 {
+		t.Fatalf("no %q marker", begin)
+	}
+	i += strings.Index(doc[i:], "\n") + 1
+	j := strings.Index(doc[i:], end)
+	if j < 0 {
+		t.Fatalf("no %q marker", end)
+	}
+	return doc[:i] + block + doc[i+j:], doc[i : i+j]
+}
+
+// checkDocBlock compares a generated block with the doc's copy, or rewrites the doc when
+// UPDATE_DOCS is set.
+func checkDocBlock(t *testing.T, path, begin, end, block string) {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	updated, have := replaceBlock(t, string(raw), begin, end, block)
+	if os.Getenv("UPDATE_DOCS") != "" {
+		if err := os.WriteFile(path, []byte(updated), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if have != block {
+		t.Fatalf("%s is out of date; run UPDATE_DOCS=1 make test and review the diff.\n--- generated:\n%s--- in the doc:\n%s", path, block, have)
+	}
+}
+
+// psql runs psql with the script on standard input against url and returns what it printed.
+func psql(t *testing.T, url string, script []byte, args ...string) string {
+	t.Helper()
+	bin, err := pgcluster.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(bin, "psql"), append([]string{"-X", "-q"}, args...)...)
+	cmd.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
+		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database, "PGOPTIONS=-c timezone=UTC", "LC_ALL=C.UTF-8")
+	cmd.Stdin = bytes.NewReader(script)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("psql: %v\n%s", err, out)
+	}
+	return string(out)
+}
+
+// TestPsqlSessionMatchesDocs runs the psql session of docs/sql-api.md on a fresh database
+// with the SQL API installed alone, and compares what psql prints with the doc.
+func TestPsqlSessionMatchesDocs(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	if err := idemsql.Migrate(context.Background(), conn, idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	script, err := os.ReadFile("../docs/snippets/psql-session.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Everything from the first statement on: the file's own header comment is not shown.
+	start := regexp.MustCompile(`(?m)^\\set VERBOSITY`).FindIndex(script)
+	out := psql(t, url, script[start[0]:], "-a")
+	checkDocBlock(t, "../docs/sql-api.md", "<!-- psql-session:begin", "<!-- psql-session:end -->", "```text\n"+out+"```\n")
+}
+
+// TestPgCronSnippetMatchesDocs: the pg_cron call in docs/sql-api.md is the one the pg_cron
+// test schedules (docs/snippets/pg_cron.sql).
+func TestPgCronSnippetMatchesDocs(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("../docs/snippets/pg_cron.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stmts []string
+	for _, line := range strings.Split(string(raw), "\n") {
+		if line != "" && !strings.HasPrefix(line, "--") {
+			stmts = append(stmts, line)
+		}
+	}
+	checkDocBlock(t, "../docs/sql-api.md", "<!-- pg_cron:begin", "<!-- pg_cron:end -->", "```sql\n"+strings.Join(stmts, "\n")+"\n```\n")
+}
