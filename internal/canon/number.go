@@ -1,0 +1,142 @@
+package canon
+
+import (
+	"bytes"
+	"strconv"
+)
+
+// number reads a JSON number and returns its canonical text (see the package comment): the
+// literal itself when it already is canonical, else a copy.
+func (p *parser) number() (span, error) {
+	lit := p.pos
+	neg := false
+	if p.data[p.pos] == '-' {
+		neg = true
+		p.pos++
+	}
+	digitsFrom := func() int {
+		s := p.pos
+		for p.pos < len(p.data) && p.data[p.pos] >= '0' && p.data[p.pos] <= '9' {
+			p.pos++
+		}
+		return s
+	}
+	s := digitsFrom()
+	intPart := p.data[s:p.pos]
+	if len(intPart) == 0 || (len(intPart) > 1 && intPart[0] == '0') {
+		return span{}, p.fail("invalid number")
+	}
+	var fracPart []byte
+	if p.pos < len(p.data) && p.data[p.pos] == '.' {
+		p.pos++
+		s := digitsFrom()
+		fracPart = p.data[s:p.pos]
+		if len(fracPart) == 0 {
+			return span{}, p.fail("invalid number: no digit after '.'")
+		}
+	}
+	var exp int64
+	if p.pos < len(p.data) && (p.data[p.pos] == 'e' || p.data[p.pos] == 'E') {
+		p.pos++
+		expNeg := false
+		if p.pos < len(p.data) && (p.data[p.pos] == '+' || p.data[p.pos] == '-') {
+			expNeg = p.data[p.pos] == '-'
+			p.pos++
+		}
+		s := digitsFrom()
+		ed := bytes.TrimLeft(p.data[s:p.pos], "0")
+		if s == p.pos {
+			return span{}, p.fail("invalid number: no digit in the exponent")
+		}
+		if len(ed) > maxExponentDigits {
+			return span{}, p.fail("exponent too long")
+		}
+		for _, c := range ed {
+			exp = exp*10 + int64(c-'0')
+		}
+		if expNeg {
+			exp = -exp
+		}
+	}
+	p.scratch = appendDecimal(p.scratch[:0], neg, intPart, fracPart, exp)
+	if bytes.Equal(p.scratch, p.data[lit:p.pos]) {
+		return span{int32(lit), int32(p.pos - lit)}, nil
+	}
+	o := len(p.arena)
+	p.arena = append(p.arena, p.scratch...)
+	return span{int32(-o - 1), int32(len(p.scratch))}, nil
+}
+
+// appendDecimal appends the exact value ±(intPart.fracPart × 10^exp) in the ECMAScript
+// Number-to-String layout that RFC 8785 prescribes, using the literal's significant digits.
+func appendDecimal(b []byte, neg bool, intPart, fracPart []byte, exp int64) []byte {
+	// value = 0.d1d2d3... × 10^point, with the digits taken from intPart and then fracPart
+	point := int64(len(intPart)) + exp
+	lead := 0
+	for lead < len(intPart) && intPart[lead] == '0' {
+		lead++
+	}
+	a, c := intPart[lead:], fracPart // the significant digits are a followed by c
+	point -= int64(lead)
+	if len(a) == 0 {
+		z := 0
+		for z < len(c) && c[z] == '0' {
+			z++
+		}
+		c = c[z:]
+		point -= int64(z)
+	}
+	c = bytes.TrimRight(c, "0")
+	if len(c) == 0 {
+		a = bytes.TrimRight(a, "0")
+	}
+	k := int64(len(a) + len(c))
+	if k == 0 {
+		return append(b, '0')
+	}
+	digit := func(i int64) byte {
+		if i < int64(len(a)) {
+			return a[i]
+		}
+		return c[i-int64(len(a))]
+	}
+	digits := func(b []byte, from, to int64) []byte {
+		for i := from; i < to; i++ {
+			b = append(b, digit(i))
+		}
+		return b
+	}
+	if neg {
+		b = append(b, '-')
+	}
+	n := point
+	switch {
+	case k <= n && n <= 21:
+		b = digits(b, 0, k)
+		for i := k; i < n; i++ {
+			b = append(b, '0')
+		}
+	case 0 < n && n <= 21:
+		b = digits(b, 0, n)
+		b = append(b, '.')
+		b = digits(b, n, k)
+	case -6 < n && n <= 0:
+		b = append(b, '0', '.')
+		for i := n; i < 0; i++ {
+			b = append(b, '0')
+		}
+		b = digits(b, 0, k)
+	default:
+		b = append(b, digit(0))
+		if k > 1 {
+			b = append(b, '.')
+			b = digits(b, 1, k)
+		}
+		b = append(b, 'e')
+		if n-1 >= 0 {
+			b = append(b, '+')
+		}
+		b = strconv.AppendInt(b, n-1, 10)
+	}
+	return b
+}

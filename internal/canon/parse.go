@@ -1,0 +1,242 @@
+package canon
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"slices"
+)
+
+// The parser: a strictly valid JSON text into a flat tree (node), objects' members sorted
+// as RFC 8785 orders them.
+
+// span locates bytes: data[off:off+n] when off >= 0, arena[-off-1:][:n] when off < 0.
+type span struct{ off, n int32 }
+
+// node is one parsed JSON value in a flat slice that holds no pointers, so one allocation
+// grows for the whole body and the garbage collector never scans it. Children form a
+// linked list through next; an object's members are relinked in canonical order when the
+// object ends. Strings without escapes and numbers already in canonical form point into
+// the input; others into the arena.
+type node struct {
+	kind  byte // '{', '[', '"', '0' (number), 't', 'f', 'n'
+	text  span // string: the decoded bytes; number: the canonical text
+	name  span // member name, when the parent is an object
+	first int32
+	next  int32
+}
+
+// tree is a parsed body; the root is nodes[0].
+type tree struct {
+	data    []byte
+	arena   []byte
+	nodes   []node
+	nul     bool // a string or name holds U+0000
+	caseDup bool // two names of one object differ only in case
+}
+
+func (t *tree) bytes(s span) []byte {
+	if s.off >= 0 {
+		return t.data[s.off : s.off+s.n]
+	}
+	o := -s.off - 1
+	return t.arena[o : o+s.n]
+}
+
+type parser struct {
+	tree
+	pos     int
+	depth   int
+	order   []int32 // scratch stack of member indices, for sorting
+	scratch []byte
+}
+
+// parse returns the tree of a strictly valid JSON text.
+func parse(data []byte) (*tree, error) {
+	if len(data) > math.MaxInt32/2 {
+		return nil, fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
+	}
+	p := parser{tree: tree{data: data, nodes: make([]node, 0, 16+len(data)/8)}}
+	p.space()
+	if _, err := p.value(); err != nil {
+		return nil, err
+	}
+	p.space()
+	if p.pos != len(p.data) {
+		return nil, p.fail("data after the top-level value")
+	}
+	return &p.tree, nil
+}
+
+func (p *parser) fail(what string) error {
+	return fmt.Errorf("%w: %s at byte %d", ErrNotCanonical, what, p.pos)
+}
+
+func (p *parser) space() {
+	for p.pos < len(p.data) {
+		switch p.data[p.pos] {
+		case ' ', '\t', '\n', '\r':
+			p.pos++
+		default:
+			return
+		}
+	}
+}
+
+func (p *parser) add(kind byte, text span) int32 {
+	p.nodes = append(p.nodes, node{kind: kind, text: text, first: -1, next: -1})
+	return int32(len(p.nodes) - 1)
+}
+
+func (p *parser) literal(word string, kind byte) (int32, error) {
+	if !bytes.HasPrefix(p.data[p.pos:], []byte(word)) {
+		return 0, p.fail("invalid literal")
+	}
+	p.pos += len(word)
+	return p.add(kind, span{}), nil
+}
+
+func (p *parser) value() (int32, error) {
+	if p.pos >= len(p.data) {
+		return 0, p.fail("unexpected end")
+	}
+	switch c := p.data[p.pos]; {
+	case c == '{':
+		return p.object()
+	case c == '[':
+		return p.array()
+	case c == '"':
+		s, err := p.string()
+		return p.add('"', s), err
+	case c == 't':
+		return p.literal("true", 't')
+	case c == 'f':
+		return p.literal("false", 'f')
+	case c == 'n':
+		return p.literal("null", 'n')
+	case c == '-' || (c >= '0' && c <= '9'):
+		s, err := p.number()
+		return p.add('0', s), err
+	}
+	return 0, p.fail("unexpected character")
+}
+
+func (p *parser) enter() error {
+	p.depth++
+	if p.depth > MaxDepth {
+		return p.fail(fmt.Sprintf("nesting deeper than %d", MaxDepth))
+	}
+	p.pos++
+	p.space()
+	return nil
+}
+
+func (p *parser) object() (int32, error) {
+	if err := p.enter(); err != nil {
+		return 0, err
+	}
+	obj := p.add('{', span{})
+	base := len(p.order)
+	err := p.items('}', "an object", func() error {
+		if p.pos >= len(p.data) || p.data[p.pos] != '"' {
+			return p.fail("expected a member name")
+		}
+		name, err := p.string()
+		if err != nil {
+			return err
+		}
+		p.space()
+		if p.pos >= len(p.data) || p.data[p.pos] != ':' {
+			return p.fail("expected ':'")
+		}
+		p.pos++
+		p.space()
+		child, err := p.value()
+		if err != nil {
+			return err
+		}
+		p.nodes[child].name = name
+		p.order = append(p.order, child)
+		return nil
+	})
+	p.depth--
+	if err != nil {
+		return 0, err
+	}
+	members := p.order[base:]
+	if len(members) == 0 {
+		return obj, nil
+	}
+	// RFC 8785: members sorted by the UTF-16 code units of their names. Equal neighbours
+	// after sorting are duplicates, which make the text ambiguous.
+	name := func(i int32) []byte { return p.bytes(p.nodes[i].name) }
+	slices.SortFunc(members, func(a, b int32) int { return compareUTF16(name(a), name(b)) })
+	for i := 1; i < len(members); i++ {
+		if bytes.Equal(name(members[i]), name(members[i-1])) {
+			return 0, fmt.Errorf("%w: duplicate member name %q", ErrNotCanonical, name(members[i]))
+		}
+	}
+	if !p.caseDup {
+		p.caseDup = foldDuplicates(members, name)
+	}
+	p.nodes[obj].first = members[0]
+	for i := 1; i < len(members); i++ {
+		p.nodes[members[i-1]].next = members[i]
+	}
+	p.nodes[members[len(members)-1]].next = -1
+	p.order = p.order[:base]
+	return obj, nil
+}
+
+func (p *parser) array() (int32, error) {
+	if err := p.enter(); err != nil {
+		return 0, err
+	}
+	arr := p.add('[', span{})
+	last := int32(-1)
+	err := p.items(']', "an array", func() error {
+		child, err := p.value()
+		if err != nil {
+			return err
+		}
+		if last < 0 {
+			p.nodes[arr].first = child
+		} else {
+			p.nodes[last].next = child
+		}
+		last = child
+		return nil
+	})
+	p.depth--
+	if err != nil {
+		return 0, err
+	}
+	return arr, nil
+}
+
+// items reads the items of an array or an object after its opening bracket, calling item
+// for each, comma-separated, up to and including the closing bracket.
+func (p *parser) items(closing byte, what string, item func() error) error {
+	if p.pos < len(p.data) && p.data[p.pos] == closing {
+		p.pos++
+		return nil
+	}
+	for {
+		if err := item(); err != nil {
+			return err
+		}
+		p.space()
+		if p.pos >= len(p.data) {
+			return p.fail("unexpected end in " + what)
+		}
+		if p.data[p.pos] == closing {
+			p.pos++
+			return nil
+		}
+		if p.data[p.pos] != ',' {
+			return p.fail("expected ',' or '" + string(closing) + "'")
+		}
+		p.pos++
+		p.space()
+	}
+}

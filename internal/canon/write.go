@@ -1,0 +1,99 @@
+package canon
+
+// writer appends the canonical text to a buffer and hands it to out in blocks.
+type writer struct {
+	out interface{ Write([]byte) (int, error) }
+	buf []byte
+}
+
+func (w *writer) flushIfFull() {
+	if len(w.buf) >= 4096 {
+		w.flush()
+	}
+}
+
+func (w *writer) flush() {
+	if len(w.buf) > 0 {
+		w.out.Write(w.buf)
+		w.buf = w.buf[:0]
+	}
+}
+
+func (w *writer) str(s []byte) {
+	const hexdigits = "0123456789abcdef"
+	w.buf = append(w.buf, '"')
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' {
+			continue
+		}
+		w.buf = append(w.buf, s[start:i]...)
+		switch c {
+		case '"':
+			w.buf = append(w.buf, '\\', '"')
+		case '\\':
+			w.buf = append(w.buf, '\\', '\\')
+		case '\b':
+			w.buf = append(w.buf, '\\', 'b')
+		case '\f':
+			w.buf = append(w.buf, '\\', 'f')
+		case '\n':
+			w.buf = append(w.buf, '\\', 'n')
+		case '\r':
+			w.buf = append(w.buf, '\\', 'r')
+		case '\t':
+			w.buf = append(w.buf, '\\', 't')
+		default:
+			w.buf = append(w.buf, '\\', 'u', '0', '0', hexdigits[c>>4], hexdigits[c&0xF])
+		}
+		start = i + 1
+		w.flushIfFull()
+	}
+	w.buf = append(w.buf, s[start:]...)
+	w.buf = append(w.buf, '"')
+	w.flushIfFull()
+}
+
+func (w *writer) value(t *tree, i int32) {
+	nodes := t.nodes
+	n := &nodes[i]
+	switch n.kind {
+	case '{', '[':
+		open, close := n.kind, byte('}')
+		if open == '[' {
+			close = ']'
+		}
+		w.buf = append(w.buf, open)
+		for c := n.first; c >= 0; c = nodes[c].next {
+			if c != n.first {
+				w.buf = append(w.buf, ',')
+			}
+			if open == '{' {
+				w.str(t.bytes(nodes[c].name))
+				w.buf = append(w.buf, ':')
+			}
+			w.value(t, c)
+		}
+		w.buf = append(w.buf, close)
+	case '"':
+		w.str(t.bytes(n.text))
+	case '0':
+		w.buf = append(w.buf, t.bytes(n.text)...)
+	case 't':
+		w.buf = append(w.buf, "true"...)
+	case 'f':
+		w.buf = append(w.buf, "false"...)
+	case 'n':
+		w.buf = append(w.buf, "null"...)
+	}
+	w.flushIfFull()
+}
+
+// write writes the canonical text of v to out.
+func write(out interface{ Write([]byte) (int, error) }, t *tree, i int32, buf []byte) []byte {
+	w := writer{out: out, buf: buf[:0]}
+	w.value(t, i)
+	w.flush()
+	return w.buf
+}
