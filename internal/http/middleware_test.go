@@ -38,9 +38,9 @@ type app struct {
 	started chan struct{}
 	// finished receives when a blocking handler of the effect route returns.
 	finished chan struct{}
-	release chan struct{}
-	once    sync.Once
-	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
+	release  chan struct{}
+	once     sync.Once
+	seen     sync.Map // X-Test-Run -> runs, for the serialization-failure test
 }
 
 type order struct {

@@ -1,0 +1,161 @@
+package dbidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// TxOptions configure RunTx. The zero value is READ COMMITTED, 3 attempts, 10ms backoff.
+type TxOptions struct {
+	// TxOptions are pgx's: isolation level, access mode. Default READ COMMITTED, the level
+	// the SQL API is designed for (it never raises 40001 there).
+	pgx.TxOptions
+	// MaxAttempts is how many times the unit of work runs when it keeps failing with a
+	// serialization failure (40001) or a deadlock (40P01). 0: DefaultMaxAttempts; 1
+	// disables retries.
+	MaxAttempts int
+	// Backoff is the base wait before a retry; the n-th retry waits a random duration in
+	// [0, Backoff·2^n). 0: DefaultBackoff.
+	Backoff time.Duration
+}
+
+// The defaults of TxOptions.
+const (
+	DefaultMaxAttempts = 3
+	DefaultBackoff     = 10 * time.Millisecond
+)
+
+// Acquirer hands out connections: *pgxpool.Pool.
+type Acquirer interface {
+	Acquire(ctx context.Context) (*pgxpool.Conn, error)
+}
+
+// RunTx runs fn in a transaction and commits it when fn returns nil (with a pending
+// completion or final answer, in the same round trip as COMMIT), or rolls it back when fn
+// returns an error, which RunTx returns. When a statement of fn or the commit fails with
+// 40001 or 40P01 (even one that fn handled), fn runs again in a new transaction, up to
+// opts.MaxAttempts times; fn must therefore not keep state from a failed run (re-read a
+// request body from its start, reset a response buffer). A fn that sends no statement costs
+// no round trip.
+func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) error) error {
+	attempts := opts.MaxAttempts
+	if attempts <= 0 {
+		attempts = DefaultMaxAttempts
+	}
+	backoff := opts.Backoff
+	if backoff <= 0 {
+		backoff = DefaultBackoff
+	}
+	var err error
+	for n := 0; n < attempts; n++ {
+		if n > 0 {
+			wait := time.Duration(rand.Int64N(int64(backoff) << min(n, 10)))
+			select {
+			case <-ctx.Done():
+				return errors.Join(err, ctx.Err())
+			case <-time.After(wait):
+			}
+		}
+		err = runOnce(ctx, db, opts.TxOptions, fn)
+		if !IsRetryable(err) {
+			return err
+		}
+	}
+	return err
+}
+
+func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx *Tx) error) error {
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
+	// transaction status when the connection comes back.
+	defer conn.Release()
+	t := &Tx{conn: conn.Conn(), opts: txOpts}
+	defer func() {
+		if r := recover(); r != nil {
+			t.rollback(ctx)
+			panic(r)
+		}
+	}()
+	ferr := fn(t)
+	if t.retry != nil {
+		// A statement hit a serialization failure or a deadlock; whatever fn made of it (a
+		// 500, an error of its own), the transaction is lost: run fn again instead.
+		ferr = t.retry
+	}
+	switch {
+	case t.tx == nil:
+		return ferr // nothing was sent
+	case ferr != nil:
+		t.rollback(ctx)
+		return ferr
+	}
+	return t.commit(ctx)
+}
+
+func (t *Tx) rollback(ctx context.Context) {
+	if t.tx != nil {
+		_ = t.tx.Rollback(context.WithoutCancel(ctx))
+	}
+}
+
+// commit sends COMMIT, with the pending completion or final answer in the same round trip.
+func (t *Tx) commit(ctx context.Context) error {
+	if t.end == nil {
+		return commitError(t.tx.Commit(ctx))
+	}
+	b := &pgx.Batch{}
+	if t.final {
+		b.Queue("ROLLBACK TO SAVEPOINT " + claimSavepoint)
+		b.Queue(saveFinalSQL, t.end...)
+	} else {
+		b.Queue(completeSQL, t.end...)
+	}
+	var tag pgconn.CommandTag
+	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
+	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && !fatal(pgErr) {
+			// A statement before COMMIT failed; the server skipped the COMMIT.
+			t.rollback(ctx)
+			return classify(err)
+		}
+		return commitError(err)
+	}
+	if tag.String() == "ROLLBACK" {
+		return pgx.ErrTxCommitRollback
+	}
+	return nil
+}
+
+// commitError tells a refused commit (an ERROR from PostgreSQL: nothing committed, or a
+// failure before anything was sent) from a connection lost after COMMIT was sent, or ended
+// by a FATAL error, whose outcome the client cannot know (ErrCommitUnknown).
+func commitError(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if (errors.As(err, &pgErr) && !fatal(pgErr)) || pgconn.SafeToRetry(err) {
+		return classify(err)
+	}
+	return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
+}
+
+// fatal tells whether a PostgreSQL error ended the session (FATAL, PANIC).
+func fatal(e *pgconn.PgError) bool {
+	s := e.SeverityUnlocalized
+	if s == "" {
+		s = e.Severity
+	}
+	return s == "FATAL" || s == "PANIC"
+}

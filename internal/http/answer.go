@@ -1,0 +1,81 @@
+package idemhttp
+
+import (
+	"errors"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// The answers the middleware writes itself: the handler's buffered response, replays, and
+// the problems that stand for a decision of the store.
+
+// answer sends the handler's response, or 500 for a panic.
+func (q *request) answer(rec *recorder) {
+	if rec == nil {
+		q.m.problem(q.w, q.r, CodeInternalError, "the request failed; nothing was changed; retrying with the same key is safe", nil)
+		return
+	}
+	rec.sendTo(q.w)
+}
+
+// storeError answers a failure of the unit of work (not of the handler).
+func (q *request) storeError(err error) State {
+	if q.r.Context().Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown) {
+		return StateStoreError // the client is gone; the transaction rolled back
+	}
+	code, detail := errorProblem(err)
+	switch code {
+	case CodeInProgress:
+		q.inProgress(0)
+		return StateBusy
+	case CodePrincipalUnknown:
+		q.m.problem(q.w, q.r, code, detail, nil)
+		return StateStoreError
+	case CodeStoreUnavailable, CodeOutcomeUnknown:
+		q.w.Header().Set("Retry-After", "1")
+	}
+	q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	q.m.problem(q.w, q.r, code, detail, nil)
+	return StateStoreError
+}
+
+// inProgress answers 409 request_in_progress with Retry-After: after, or the lock timeout.
+func (q *request) inProgress(after time.Duration) {
+	if after <= 0 {
+		after, _ = q.m.gate.LockTimeout(q.r.Context(), q.m.o.DB, dbidem.Claim{LockTimeout: q.m.o.LockTimeout})
+	}
+	secs := max(int(math.Ceil(after.Seconds())), 1)
+	q.w.Header().Set("Retry-After", strconv.Itoa(secs))
+	q.m.problem(q.w, q.r, CodeInProgress, "a request with this "+q.m.o.KeyHeader+" is still running; retry later with the same key", nil)
+}
+
+// replay sends a stored response, or the 409 that stands for a withheld body. Both carry
+// the replay header; a replay carries the current request's correlation id, a stored
+// problem its own.
+func (q *request) replay(resp dbidem.Response) {
+	q.w.Header().Set(q.m.o.ReplayHeader, "true")
+	switch resp.Withheld {
+	case dbidem.WithheldOneTimeSecret:
+		q.m.problem(q.w, q.r, CodeOneTimeSecret, "the response to this request was a one-time secret and was sent once", nil)
+		return
+	case dbidem.WithheldTooLarge:
+		id := resp.ResourceID
+		if id == "" {
+			id = resp.Header.Get("Location")
+		}
+		q.m.problem(q.w, q.r, CodeNotReplayable, "the response to this request was too large to store",
+			func(p *Problem) { p.ResourceID = id })
+		return
+	}
+	for k, v := range resp.Header {
+		q.w.Header()[k] = v
+	}
+	if id := q.r.Header.Get(q.m.o.CorrelationHeader); id != "" && q.w.Header().Get(q.m.o.CorrelationHeader) == "" {
+		q.w.Header().Set(q.m.o.CorrelationHeader, id)
+	}
+	q.w.WriteHeader(resp.Status)
+	_, _ = q.w.Write(resp.Body)
+}

@@ -1,0 +1,182 @@
+package idemhttp
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"runtime/debug"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// The unit of work: the handler runs in a transaction that, for a keyed request, also
+// holds the key's claim; its answer decides whether to commit, store a final error, or roll
+// back.
+
+// verdict is what the handler's response means for its transaction.
+type verdict int
+
+const (
+	commit   verdict = iota // 2xx: commit the work (and the key's response)
+	final                   // a final error: roll the work back, store the answer
+	rollBack                // anything else, or a panic: roll back, store nothing
+)
+
+// run calls the handler with a fresh recorder, body reader and state; a panic is recovered
+// and reported as rollBack.
+func (q *request) run(tx *dbidem.Tx, keyed bool) (rec *recorder, st *state, v verdict) {
+	st = &state{m: q.m, body: q.body}
+	if tx != nil {
+		st.tx = tx
+	}
+	rec = newRecorder()
+	r2 := q.r.WithContext(context.WithValue(q.r.Context(), stateKey{}, st))
+	r2.Body = io.NopCloser(bytes.NewReader(q.body))
+	r2.ContentLength = int64(len(q.body))
+	defer func() {
+		if p := recover(); p != nil {
+			if p == http.ErrAbortHandler {
+				panic(p)
+			}
+			q.m.o.Logger.Error("idem: handler panicked; rolled back", "panic", fmt.Sprint(p), "stack", string(debug.Stack()),
+				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+			rec, v = nil, rollBack
+		}
+	}()
+	q.next.ServeHTTP(rec, r2)
+	switch code := rec.code(); {
+	case code >= 200 && code < 300:
+		return rec, st, commit
+	case keyed && q.m.o.FinalStatus(code):
+		return rec, st, final
+	}
+	return rec, st, rollBack
+}
+
+// errRollBack ends a unit of work without committing.
+var errRollBack = errors.New("idemhttp: roll back")
+
+// unkeyed runs a declared route without idempotency: the same transaction for the handler,
+// committed only for a 2xx.
+func (q *request) unkeyed() {
+	if q.rt.Lease > 0 {
+		rec, _, _ := q.run(nil, false)
+		q.answer(rec)
+		return
+	}
+	var rec *recorder
+	err := dbidem.RunTx(q.r.Context(), q.m.o.DB, q.txOptions(), func(tx *dbidem.Tx) error {
+		var v verdict
+		rec, _, v = q.run(tx, false)
+		if v != commit {
+			return errRollBack
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, errRollBack) {
+		q.storeError(err)
+		return
+	}
+	q.answer(rec)
+}
+
+func (q *request) txOptions() dbidem.TxOptions {
+	return dbidem.TxOptions{MaxAttempts: q.m.o.MaxAttempts}
+}
+
+// stored turns the handler's response into what is stored.
+func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
+	h := http.Header{}
+	for _, name := range q.m.o.StoredHeaders {
+		if v := rec.header.Values(name); len(v) > 0 {
+			h[http.CanonicalHeaderKey(name)] = v
+		}
+	}
+	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(rec.body.Bytes()), ResourceID: st.resourceID}
+	switch {
+	case st.secret:
+		resp.Body, resp.Withheld = nil, dbidem.WithheldOneTimeSecret
+	case rec.body.Len() > q.m.o.MaxStoredBodyBytes:
+		resp.Body, resp.Withheld = nil, dbidem.WithheldTooLarge
+		return resp, true
+	}
+	return resp, false
+}
+
+// keyed runs a keyed request: claim, then the handler in the same transaction, then the
+// completion (2xx) or the final answer (a final error) with COMMIT. It returns the
+// request's main state.
+func (q *request) keyed(claim dbidem.Claim) State {
+	ctx := q.r.Context()
+	var (
+		d        dbidem.Decision
+		rec      *recorder
+		v        verdict
+		acquired bool
+		oversize bool
+	)
+	err := q.m.gate.Run(ctx, q.m.o.DB, q.txOptions(), claim, func(tx *dbidem.Tx, dec dbidem.Decision) error {
+		d, rec, oversize = dec, nil, false
+		if d.Outcome != dbidem.Claimed {
+			return nil // replay, mismatch, in progress: nothing was written
+		}
+		if !acquired {
+			acquired = true
+			q.m.o.Metrics.Count(q.action, StateAcquired)
+		}
+		if q.rt.Lease > 0 {
+			return nil // a lease claim commits on its own; the handler runs after
+		}
+		var st *state
+		rec, st, v = q.run(tx, true)
+		if v == rollBack {
+			return errRollBack
+		}
+		resp, big := q.stored(rec, st)
+		oversize = big
+		if v == commit {
+			tx.CompleteOnCommit(resp)
+		} else {
+			tx.FinalOnCommit(resp)
+		}
+		return nil
+	})
+	switch {
+	case errors.Is(err, errRollBack):
+		q.answer(rec)
+		return StateAcquired
+	case err != nil:
+		st := q.storeError(err)
+		q.m.o.Metrics.Count(q.action, st)
+		return st
+	}
+	if d.Outcome == dbidem.Claimed {
+		if q.rt.Lease > 0 {
+			return q.lease(claim, d.Attempt)
+		}
+		if oversize {
+			q.m.o.Metrics.Count(q.action, StateOversize)
+		}
+		rec.sendTo(q.w)
+		return StateAcquired
+	}
+	st := stateOfOutcome(d.Outcome)
+	q.m.o.Metrics.Count(q.action, st)
+	switch d.Outcome {
+	case dbidem.Replay:
+		q.replay(d.Response)
+	case dbidem.Mismatch:
+		changed := d.ChangedFields
+		q.m.problem(q.w, q.r, CodeKeyReuse, "this "+q.m.o.KeyHeader+" was used for another request", func(p *Problem) {
+			if changed != nil {
+				p.ChangedFields = &changed
+			}
+		})
+	default:
+		q.inProgress(d.RetryAfter)
+	}
+	return st
+}
