@@ -1,8 +1,15 @@
 package idemhttp
 
 import (
+	"context"
+	"errors"
 	"strings"
 	"testing"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
 func TestParseKey(t *testing.T) {
@@ -31,26 +38,29 @@ func TestParseKey(t *testing.T) {
 	}
 }
 
-// FuzzParseKey: never panics, and a key it accepts is what the SQL functions accept.
+// FuzzParseKey: parseKey never panics, and the key rule it applies (validKey) is the SQL
+// API's own: for every string, Go accepts it exactly when idem_release does (which refuses
+// a bad key with 22023 before looking for any row).
 func FuzzParseKey(f *testing.F) {
-	for _, s := range []string{"k1", `"k1"`, `"a\"b"`, `""`, "\x00", `"\`, strings.Repeat("x", 300)} {
+	for _, s := range []string{"k1", `"k1"`, `"a\"b"`, `""`, "\x00", `"\`, strings.Repeat("x", 300), strings.Repeat("y", 255),
+		"a b", "clé", "\x7f", "~!", "\xff\xfe"} {
 		f.Add(s)
 	}
+	pool, _ := pgtest.NewPool(f, 2)
 	f.Fuzz(func(t *testing.T, v string) {
 		key, present, valid := parseKey([]string{v})
-		if !present {
-			t.Fatal("a header value was not present")
+		if !present || (valid && key == "") || (!valid && key != "") {
+			t.Fatalf("parseKey(%q) = %q, %v, %v", v, key, present, valid)
 		}
-		if !valid {
-			return
+		var released bool
+		err := pool.QueryRow(context.Background(), `SELECT idem.idem_release('p', $1, 1)`, v).Scan(&released)
+		var pgErr *pgconn.PgError
+		sqlValid := err == nil
+		if err != nil && !(errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")) && utf8.ValidString(v) && !strings.ContainsRune(v, 0) {
+			t.Fatalf("idem_release(%q): %v", v, err)
 		}
-		if len(key) < 1 || len(key) > 255 {
-			t.Fatalf("%q gave a key of %d bytes", v, len(key))
-		}
-		for i := 0; i < len(key); i++ {
-			if key[i] < 0x21 || key[i] > 0x7e {
-				t.Fatalf("%q gave key %q with byte %#x", v, key, key[i])
-			}
+		if validKey(v) != sqlValid {
+			t.Fatalf("key %q: Go says valid=%v, the SQL API says %v (%v)", v, validKey(v), sqlValid, err)
 		}
 	})
 }
