@@ -8,7 +8,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -39,43 +38,22 @@ func begin(ctx context.Context, q querier, key, body string, lockTimeout string)
 	return d, err
 }
 
+// beginTx begins a transaction on conn and fails the test when it cannot.
+func beginTx(t *testing.T, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
+	t.Helper()
+	tx, err := conn.BeginTx(context.Background(), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
 func sqlstate(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code
 	}
 	return ""
-}
-
-func mustExec(t *testing.T, q interface {
-	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-}, sql string, args ...any) {
-	t.Helper()
-	if _, err := q.Exec(context.Background(), sql, args...); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
-func count(t *testing.T, q querier, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := q.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
-}
-
-// waitUntilBlocked returns once the backend pid waits on a lock (pg_stat_activity says so).
-func waitUntilBlocked(t *testing.T, q querier, pid uint32) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		if count(t, q, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid) == 1 {
-			return
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	t.Fatalf("backend %d never waited on a lock", pid)
 }
 
 func TestSameKeyTwoTransactions(t *testing.T) {
@@ -86,7 +64,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 			url := pgtest.NewDB(t)
 			ctx := context.Background()
 			a, b, obs := pgtest.Connect(t, url), pgtest.Connect(t, url), pgtest.Connect(t, url)
-			mustExec(t, obs, `CREATE TABLE effects (key text)`)
+			pgtest.Exec(t, obs, `CREATE TABLE effects (key text)`)
 
 			txA, err := a.Begin(ctx)
 			if err != nil {
@@ -95,7 +73,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 			if d, err := begin(ctx, txA, "k", "body", "10s"); err != nil || d.Outcome != "claimed" {
 				t.Fatalf("A: %+v %v", d, err)
 			}
-			mustExec(t, txA, `INSERT INTO effects VALUES ('k')`)
+			pgtest.Exec(t, txA, `INSERT INTO effects VALUES ('k')`)
 
 			type result struct {
 				d   decision
@@ -120,7 +98,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 				}
 				done <- result{d, err}
 			}()
-			waitUntilBlocked(t, obs, b.PgConn().PID())
+			pgtest.WaitUntilBlocked(t, obs, b.PgConn().PID())
 			select {
 			case r := <-done:
 				t.Fatalf("B answered while A held the key: %+v", r)
@@ -128,7 +106,7 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 			}
 
 			if firstCommits {
-				mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
+				pgtest.Exec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 				if err := txA.Commit(ctx); err != nil {
 					t.Fatal(err)
 				}
@@ -145,10 +123,10 @@ func TestSameKeyTwoTransactions(t *testing.T) {
 					t.Fatalf("B after A rolled back: %+v %v, want claimed", r.d, r.err)
 				}
 			}
-			if n := count(t, obs, `SELECT count(*) FROM effects`); n != 1 {
+			if n := pgtest.Count(t, obs, `SELECT count(*) FROM effects`); n != 1 {
 				t.Fatalf("%d effects, want 1", n)
 			}
-			if n := count(t, obs, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != 1 {
+			if n := pgtest.Count(t, obs, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != 1 {
 				t.Fatalf("%d completed keys, want 1", n)
 			}
 		})
@@ -160,15 +138,15 @@ func TestLockTimeout(t *testing.T) {
 	url := pgtest.NewDB(t)
 	ctx := context.Background()
 	a, b := pgtest.Connect(t, url), pgtest.Connect(t, url)
-	mustExec(t, a, `CREATE TABLE effects (who text)`)
+	pgtest.Exec(t, a, `CREATE TABLE effects (who text)`)
 
-	txA, _ := a.Begin(ctx)
+	txA := beginTx(t, a, pgx.TxOptions{})
 	if d, err := begin(ctx, txA, "k", "body", "10s"); err != nil || d.Outcome != "claimed" {
 		t.Fatalf("A: %+v %v", d, err)
 	}
-	txB, _ := b.Begin(ctx)
-	mustExec(t, txB, `INSERT INTO effects VALUES ('B before')`)
-	mustExec(t, txB, `SET LOCAL lock_timeout = '7s'`)
+	txB := beginTx(t, b, pgx.TxOptions{})
+	pgtest.Exec(t, txB, `INSERT INTO effects VALUES ('B before')`)
+	pgtest.Exec(t, txB, `SET LOCAL lock_timeout = '7s'`)
 	_, err := begin(ctx, txB, "k", "body", "200ms")
 	if got := sqlstate(err); got != "55P03" {
 		t.Fatalf("B: %v (SQLSTATE %q), want 55P03", err, got)
@@ -177,20 +155,20 @@ func TestLockTimeout(t *testing.T) {
 		t.Fatalf("B's transaction should be aborted, got %v", err)
 	}
 	_ = txB.Rollback(ctx)
-	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 200, '{}', NULL) FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
+	pgtest.Exec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 200, '{}', NULL) FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 	if err := txA.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n := count(t, a, `SELECT count(*) FROM effects`); n != 0 {
+	if n := pgtest.Count(t, a, `SELECT count(*) FROM effects`); n != 0 {
 		t.Fatalf("B's effect survived: %d rows", n)
 	}
-	if n := count(t, a, `SELECT count(*) FROM idem.idempotency_keys`); n != 1 {
+	if n := pgtest.Count(t, a, `SELECT count(*) FROM idem.idempotency_keys`); n != 1 {
 		t.Fatalf("%d key rows, want 1", n)
 	}
 
 	// p_lock_timeout holds only for the call: the caller's own setting is back afterwards.
-	txC, _ := b.Begin(ctx)
-	mustExec(t, txC, `SET LOCAL lock_timeout = '7s'`)
+	txC := beginTx(t, b, pgx.TxOptions{})
+	pgtest.Exec(t, txC, `SET LOCAL lock_timeout = '7s'`)
 	if _, err := begin(ctx, txC, "k2", "body", "200ms"); err != nil {
 		t.Fatal(err)
 	}
@@ -209,7 +187,7 @@ func TestManyCallersPerKey(t *testing.T) {
 	const keys, callers = 50, 64
 	pool, _ := pgtest.NewPool(t, 48)
 	ctx := context.Background()
-	mustExec(t, pool, `CREATE TABLE effects (key text, caller int)`)
+	pgtest.Exec(t, pool, `CREATE TABLE effects (key text, caller int)`)
 
 	var wg sync.WaitGroup
 	start := make(chan struct{})
@@ -264,13 +242,13 @@ func TestManyCallersPerKey(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM effects`); n != keys {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != keys {
 		t.Fatalf("%d effect rows, want %d", n, keys)
 	}
-	if n := count(t, pool, `SELECT count(DISTINCT key) FROM effects`); n != keys {
+	if n := pgtest.Count(t, pool, `SELECT count(DISTINCT key) FROM effects`); n != keys {
 		t.Fatalf("effects on %d distinct keys, want %d", n, keys)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != keys {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c'`); n != keys {
 		t.Fatalf("%d completed key rows, want %d", n, keys)
 	}
 	for k := range keys {
@@ -294,7 +272,7 @@ func TestRepeatableReadGets40001(t *testing.T) {
 	ctx := context.Background()
 	a, b, obs := pgtest.Connect(t, url), pgtest.Connect(t, url), pgtest.Connect(t, url)
 
-	txA, _ := a.Begin(ctx)
+	txA := beginTx(t, a, pgx.TxOptions{})
 	if d, err := begin(ctx, txA, "k", "body", "10s"); err != nil || d.Outcome != "claimed" {
 		t.Fatalf("A: %+v %v", d, err)
 	}
@@ -302,11 +280,11 @@ func TestRepeatableReadGets40001(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustExec(t, txB, `SELECT 1`) // takes B's snapshot before A commits
+	pgtest.Exec(t, txB, `SELECT 1`) // takes B's snapshot before A commits
 	done := make(chan error, 1)
 	go func() { _, err := begin(ctx, txB, "k", "body", "10s"); done <- err }()
-	waitUntilBlocked(t, obs, b.PgConn().PID())
-	mustExec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
+	pgtest.WaitUntilBlocked(t, obs, b.PgConn().PID())
+	pgtest.Exec(t, txA, `SELECT idem.idem_complete('p', 'k', attempt, 201, '{}', 'first') FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = 'k'`)
 	if err := txA.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -315,7 +293,7 @@ func TestRepeatableReadGets40001(t *testing.T) {
 	}
 	_ = txB.Rollback(ctx)
 
-	txB, _ = b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	txB = beginTx(t, b, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	d, err := begin(ctx, txB, "k", "body", "10s")
 	if err != nil || d.Outcome != "replay" || string(d.Body) != "first" {
 		t.Fatalf("retry: %+v %v, want replay of first", d, err)
@@ -328,17 +306,17 @@ func TestCommitWithoutCompletionRefused(t *testing.T) {
 	t.Parallel()
 	conn := pgtest.Connect(t, pgtest.NewDB(t))
 	ctx := context.Background()
-	mustExec(t, conn, `CREATE TABLE effects (key text)`)
-	tx, _ := conn.Begin(ctx)
+	pgtest.Exec(t, conn, `CREATE TABLE effects (key text)`)
+	tx := beginTx(t, conn, pgx.TxOptions{})
 	if d, err := begin(ctx, tx, "k", "body", "1s"); err != nil || d.Outcome != "claimed" {
 		t.Fatalf("%+v %v", d, err)
 	}
-	mustExec(t, tx, `INSERT INTO effects VALUES ('k')`)
+	pgtest.Exec(t, tx, `INSERT INTO effects VALUES ('k')`)
 	err := tx.Commit(ctx)
 	if sqlstate(err) != "23503" {
 		t.Fatalf("COMMIT of an uncompleted claim: %v, want SQLSTATE 23503", err)
 	}
-	if n := count(t, conn, `SELECT count(*) FROM effects`) + count(t, conn, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM effects`) + pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
 		t.Fatalf("%d rows survived the refused commit", n)
 	}
 }
@@ -405,10 +383,10 @@ func TestConcurrentCleanup(t *testing.T) {
 	if got := deleted.Load(); got != expired {
 		t.Fatalf("the cleaners reported %d deletions, want %d", got, expired)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'old-%'`); n != 0 {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'old-%'`); n != 0 {
 		t.Fatalf("%d expired rows left", n)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%' AND state = 'c'`); n != live {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'live-%' AND state = 'c'`); n != live {
 		t.Fatalf("%d live rows, want %d", n, live)
 	}
 }

@@ -141,7 +141,7 @@ func TestMigrateTwiceAndCustomRole(t *testing.T) {
 			t.Fatalf("migrate #%d: %v", i+1, err)
 		}
 	}
-	if n := count(t, conn, `SELECT count(*) FROM idem.schema_version`); n != 1 {
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.schema_version`); n != 1 {
 		t.Fatalf("version rows: %d", n)
 	}
 	var v int

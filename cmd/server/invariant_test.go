@@ -4,13 +4,14 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pgidem/pgidem/internal/client"
 )
 
 // TestMoneyInvariant: concurrent clients send transfers and deposits, retrying under the
@@ -31,6 +32,7 @@ func TestMoneyInvariant(t *testing.T) {
 		}
 	}
 
+	c := client.New(s.url, token)
 	var mu sync.Mutex
 	seen := map[string]string{} // key -> body of a 2xx the client saw
 	var wg sync.WaitGroup
@@ -58,10 +60,16 @@ func TestMoneyInvariant(t *testing.T) {
 					if attempt == 5 {
 						timeout = 10 * time.Second
 					}
-					status, got, err := post(s.url+path, token, key, body, timeout)
-					if err != nil || status == http.StatusConflict || status >= 500 {
-						continue // lost response, in progress, or failure: retry with the same key
+					// One attempt through the client (MaxAttempts 1): it says whether the answer
+					// is final; a lost response, 409 in progress or a 5xx is retried here with
+					// the same key and a new random timeout.
+					one := *c
+					one.AttemptTimeout, one.MaxAttempts = timeout, 1
+					res, err := one.Do(context.Background(), "POST", path, key, json.RawMessage(body))
+					if err != nil {
+						continue
 					}
+					status, got := res.Status, strings.TrimSpace(string(res.Body))
 					if status/100 == 2 {
 						mu.Lock()
 						if prev, ok := seen[key]; ok && prev != got {
@@ -122,19 +130,4 @@ func TestMoneyInvariant(t *testing.T) {
 	}
 	t.Logf("%d operations, %d answered 2xx, %d transfers and %d deposits took effect", workers*ops, len(seen),
 		s.count(`SELECT count(*) FROM ledger.transfers`), s.count(`SELECT count(*) FROM ledger.deposits`)-accounts)
-}
-
-func post(url, token, key, body string, timeout time.Duration) (int, string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", url, strings.NewReader(body))
-	req.Header.Set("Authorization", "Bearer "+token)
-	req.Header.Set("Idempotency-Key", key)
-	res, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, "", err
-	}
-	defer res.Body.Close()
-	b, err := io.ReadAll(res.Body)
-	return res.StatusCode, strings.TrimSpace(string(b)), err
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -118,32 +117,18 @@ func (r resp) json(t *testing.T) map[string]any {
 
 func (s *testServer) call(method, path, token, key, body string, headers ...string) resp {
 	s.t.Helper()
-	req, _ := http.NewRequest(method, s.url+path, strings.NewReader(body))
+	auth := ""
 	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
+		auth = "Bearer " + token
 	}
-	if key != "" {
-		req.Header.Set("Idempotency-Key", key)
-	}
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	res, err := http.DefaultClient.Do(req)
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	defer res.Body.Close()
-	b, _ := io.ReadAll(res.Body)
-	return resp{res.StatusCode, res.Header, string(b)}
+	status, header, b := pgtest.Send(s.t, context.Background(), method, s.url+path, body,
+		append([]string{"Authorization", auth, "Idempotency-Key", key}, headers...)...)
+	return resp{status, header, b}
 }
 
 func (s *testServer) count(sql string, args ...any) int {
 	s.t.Helper()
-	var n int
-	if err := s.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		s.t.Fatalf("%s: %v", sql, err)
-	}
-	return n
+	return pgtest.Count(s.t, s.pool, sql, args...)
 }
 
 func sleepBriefly() { time.Sleep(25 * time.Millisecond) }

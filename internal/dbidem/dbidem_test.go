@@ -49,15 +49,6 @@ func claim(key, body string) dbidem.Claim {
 	return dbidem.Claim{Principal: "alice", Key: key, Action: "POST /v1/transfers", Fingerprint: fp.Sum, Fields: fp.Fields}
 }
 
-func count(t *testing.T, q dbidem.Querier, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := q.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
-}
-
 func TestOutcomes(t *testing.T) {
 	t.Parallel()
 	modes(t, func(t *testing.T, pool *pgxpool.Pool) {
@@ -96,13 +87,17 @@ func TestOutcomes(t *testing.T) {
 			t.Errorf("mismatch: %+v", d)
 		}
 		other := claim("k1", `not json`)
-		d, _ = dbidem.Begin(ctx, pool, other)
+		if d, err = dbidem.Begin(ctx, pool, other); err != nil {
+			t.Fatal(err)
+		}
 		if d.Outcome != dbidem.Mismatch || d.ChangedFields != nil {
 			t.Errorf("mismatch without fields: %+v, want nil ChangedFields", d)
 		}
 		moved := claim("k1", `{"amount":100,"to":"acc_2"}`)
 		moved.Fingerprint = canon.Compute("POST", "/v1/elsewhere", []byte(`{"amount":100,"to":"acc_2"}`)).Sum
-		d, _ = dbidem.Begin(ctx, pool, moved)
+		if d, err = dbidem.Begin(ctx, pool, moved); err != nil {
+			t.Fatal(err)
+		}
 		if d.Outcome != dbidem.Mismatch || d.ChangedFields == nil || len(d.ChangedFields) != 0 {
 			t.Errorf("mismatch on the path: %+v, want empty ChangedFields", d)
 		}
@@ -153,7 +148,7 @@ func TestSaveFinalAndCleanup(t *testing.T) {
 		if n, err := dbidem.Cleanup(ctx, pool, 1000); err != nil || n != 2500 {
 			t.Fatalf("cleanup: %d %v, want 2500", n, err)
 		}
-		if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys`); n != 1 {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys`); n != 1 {
 			t.Fatalf("%d rows left, want the live one", n)
 		}
 		cancelled, cancel := context.WithCancel(ctx)
@@ -176,7 +171,7 @@ func TestErrors(t *testing.T) {
 		if !errors.Is(err, dbidem.ErrClaimNotCompleted) {
 			t.Fatalf("commit without completion: %v, want ErrClaimNotCompleted", err)
 		}
-		if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
 			t.Fatalf("%d rows after the refused commit", n)
 		}
 
@@ -246,7 +241,7 @@ func TestRunTxRetries(t *testing.T) {
 		if err != nil || runs.Load() != 3 {
 			t.Fatalf("RunTx: %v after %d runs, want success after 3", err, runs.Load())
 		}
-		if n := count(t, pool, `SELECT count(*) FROM effects`); n != 1 {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM effects`); n != 1 {
 			t.Fatalf("%d effects, want 1", n)
 		}
 		runs.Store(0)
@@ -288,7 +283,7 @@ func TestDo(t *testing.T) {
 		if _, _, err := ship(8); !errors.Is(err, dbidem.ErrMismatch) {
 			t.Fatalf("other input: %v, want ErrMismatch", err)
 		}
-		if n := count(t, pool, `SELECT count(*) FROM shipments`); n != 1 {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM shipments`); n != 1 {
 			t.Fatalf("%d shipments, want 1", n)
 		}
 		failing := dbidem.Job{Principal: "worker", Key: "msg-43", Action: "ship"}
@@ -298,7 +293,7 @@ func TestDo(t *testing.T) {
 		}); !errors.Is(err, boom) {
 			t.Fatalf("failing job: %v", err)
 		}
-		if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'msg-43'`); n != 0 {
+		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'msg-43'`); n != 0 {
 			t.Fatalf("a failed job left its key")
 		}
 	})
@@ -332,7 +327,10 @@ func TestRoundTrips(t *testing.T) {
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec} {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
-			cfg, _ := pgxpool.ParseConfig(pgtest.NewDB(t))
+			cfg, err := pgxpool.ParseConfig(pgtest.NewDB(t))
+			if err != nil {
+				t.Fatal(err)
+			}
 			tracer := &roundTrips{}
 			cfg.ConnConfig.Tracer = tracer
 			cfg.ConnConfig.DefaultQueryExecMode = mode
@@ -379,7 +377,7 @@ func TestRoundTrips(t *testing.T) {
 				t.Fatalf("round trips: %d without a key, %d with one; want as many", p, k)
 			}
 			t.Logf("%s: %d round trips without a key, %d with one", mode, p, k)
-			if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'completed'`); n != 2 {
+			if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE state = 'completed'`); n != 2 {
 				t.Fatalf("%d completed keys, want 2", n)
 			}
 		})

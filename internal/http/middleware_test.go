@@ -215,8 +215,6 @@ func (a *app) job(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, `{"job":"done","run":%d}`, n)
 }
 
-var noRedirects = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
-
 type reply struct {
 	status int
 	header http.Header
@@ -229,32 +227,14 @@ func (a *app) do(method, path, principal, key string, body string, headers ...st
 
 func (a *app) doCtx(ctx context.Context, method, path, principal, key string, body string, headers ...string) reply {
 	a.t.Helper()
-	req, _ := http.NewRequestWithContext(ctx, method, a.srv.URL+path, strings.NewReader(body))
-	if principal != "" {
-		req.Header.Set("X-Principal", principal)
-	}
-	if key != "" {
-		req.Header.Set("Idempotency-Key", key)
-	}
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Add(headers[i], headers[i+1])
-	}
-	resp, err := noRedirects.Do(req)
-	if err != nil {
-		return reply{status: -1, body: err.Error()}
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return reply{resp.StatusCode, resp.Header, string(b)}
+	status, header, b := pgtest.Send(a.t, ctx, method, a.srv.URL+path, body,
+		append([]string{"X-Principal", principal, "Idempotency-Key", key}, headers...)...)
+	return reply{status, header, b}
 }
 
 func (a *app) count(sql string, args ...any) int {
 	a.t.Helper()
-	var n int
-	if err := a.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		a.t.Fatalf("%s: %v", sql, err)
-	}
-	return n
+	return pgtest.Count(a.t, a.pool, sql, args...)
 }
 
 func (a *app) effects() int { return a.count(`SELECT count(*) FROM effects`) }

@@ -1,0 +1,142 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+)
+
+// script is a fake server that answers each attempt from a list, and records the keys.
+type script struct {
+	mu      sync.Mutex
+	answers []func(w http.ResponseWriter)
+	keys    []string
+	types   []string
+}
+
+func (s *script) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s.mu.Lock()
+	n := len(s.keys)
+	s.keys = append(s.keys, r.Header.Get("Idempotency-Key"))
+	s.types = append(s.types, r.Header.Get("Content-Type"))
+	s.mu.Unlock()
+	if n >= len(s.answers) {
+		w.WriteHeader(599)
+		return
+	}
+	s.answers[n](w)
+}
+
+func status(code int, body string, header ...string) func(w http.ResponseWriter) {
+	return func(w http.ResponseWriter) {
+		for i := 0; i+1 < len(header); i += 2 {
+			w.Header().Set(header[i], header[i+1])
+		}
+		w.WriteHeader(code)
+		fmt.Fprint(w, body)
+	}
+}
+
+// hang never answers in time: the attempt times out, its outcome unknown.
+func hang(w http.ResponseWriter) { time.Sleep(300 * time.Millisecond) }
+
+func newClient(t *testing.T, s *script) *Client {
+	srv := httptest.NewServer(s)
+	t.Cleanup(srv.Close)
+	c := New(srv.URL, "tok")
+	c.Backoff, c.MaxBackoff, c.AttemptTimeout = time.Millisecond, 5*time.Millisecond, 100*time.Millisecond
+	return c
+}
+
+// TestRetriesUntilFinal: a timeout, a 503, a 409 in progress and a 429 are retried under the
+// same key; the replayed 201 ends the operation and says it was a replay.
+func TestRetriesUntilFinal(t *testing.T) {
+	s := &script{answers: []func(http.ResponseWriter){
+		hang,
+		status(503, `{"code":"outcome_unknown"}`, "Retry-After", "0"),
+		status(409, `{"code":"request_in_progress"}`, "Retry-After", "0"),
+		status(429, ``),
+		status(201, `{"id":7}`, "Idempotent-Replayed", "true"),
+	}}
+	c := newClient(t, s)
+	res, err := c.Post(context.Background(), "/v1/transfers", map[string]int{"amount": 5})
+	if err != nil || res.Status != 201 || !res.Replayed || res.Attempts != 5 || string(res.Body) != `{"id":7}` {
+		t.Fatalf("%+v %v", res, err)
+	}
+	for _, k := range s.keys {
+		if k != s.keys[0] || k == "" || k != res.Key {
+			t.Fatalf("keys %v: one key per operation, kept across retries", s.keys)
+		}
+	}
+	if s.types[0] != "application/json" {
+		t.Fatalf("Content-Type %q", s.types[0])
+	}
+}
+
+// TestFinalAnswersAreNotRetried: a 422, a 400 and a 409 other than in-progress are answers.
+func TestFinalAnswersAreNotRetried(t *testing.T) {
+	for _, a := range []func(http.ResponseWriter){
+		status(422, `{"code":"insufficient_funds"}`),
+		status(400, `{"code":"malformed_body"}`),
+		status(409, `{"code":"one_time_secret"}`),
+	} {
+		s := &script{answers: []func(http.ResponseWriter){a}}
+		res, err := newClient(t, s).Post(context.Background(), "/x", nil)
+		if err != nil || res.Attempts != 1 || len(s.keys) != 1 {
+			t.Fatalf("%+v %v: a final answer was retried", res, err)
+		}
+	}
+}
+
+// TestTheContextBoundsTheOperation: retries stop when the context ends; MaxAttempts bounds
+// them too.
+func TestTheContextBoundsTheOperation(t *testing.T) {
+	s := &script{}
+	for range 1000 {
+		s.answers = append(s.answers, status(503, ``))
+	}
+	c := newClient(t, s)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := c.Post(ctx, "/x", nil); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("%v, want the context's error", err)
+	}
+	c.MaxAttempts = 3
+	res, err := c.Do(context.Background(), "POST", "/x", "k", nil)
+	if !errors.Is(err, ErrGaveUp) || res.Attempts != 3 || res.Status != 503 {
+		t.Fatalf("%+v %v, want ErrGaveUp after 3 attempts", res, err)
+	}
+}
+
+// TestRetryAfterIsHonoured: a 409 with Retry-After: 1 waits a second (capped by MaxBackoff).
+func TestRetryAfterIsHonoured(t *testing.T) {
+	s := &script{answers: []func(http.ResponseWriter){
+		status(409, `{"code":"request_in_progress"}`, "Retry-After", "1"),
+		status(201, `{}`),
+	}}
+	c := newClient(t, s)
+	c.MaxBackoff = 5 * time.Second
+	start := time.Now()
+	if res, err := c.Post(context.Background(), "/x", nil); err != nil || res.Status != 201 {
+		t.Fatalf("%+v %v", res, err)
+	}
+	if d := time.Since(start); d < 900*time.Millisecond || d > 3*time.Second {
+		t.Fatalf("waited %s, want about the Retry-After of 1s", d)
+	}
+}
+
+func TestNewKeyIsAUUID(t *testing.T) {
+	seen := map[string]bool{}
+	for range 100 {
+		k := NewKey()
+		if len(k) != 36 || k[14] != '4' || seen[k] {
+			t.Fatalf("key %q", k)
+		}
+		seen[k] = true
+	}
+}
