@@ -101,16 +101,48 @@ func (c *Cluster) prepare() error {
 		if d == "" {
 			continue
 		}
-		if err := os.MkdirAll(d, 0o700); err != nil {
+		// Parents it creates are searchable (the server may run as postgres); the directory
+		// itself is private.
+		if err := os.MkdirAll(filepath.Dir(d), 0o755); err != nil {
+			return fmt.Errorf("pgcluster: %w", err)
+		}
+		if err := os.Mkdir(d, 0o700); err != nil && !os.IsExist(err) {
 			return fmt.Errorf("pgcluster: %w", err)
 		}
 		if c.cred != nil {
 			if err := os.Chown(d, c.uid, c.gid); err != nil {
 				return fmt.Errorf("pgcluster: %w", err)
 			}
+			if blocked := unreachable(d, c.uid, c.gid); blocked != "" {
+				return fmt.Errorf("pgcluster: the postgres user, which runs the private cluster because initdb refuses root, "+
+					"cannot reach %s: %s is closed to it; choose a directory it can reach (IDEM_DATA_DIR for the "+
+					"server, for example /var/tmp/idem-data), or open %s with chmod o+x", d, blocked, blocked)
+			}
 		}
 	}
 	return nil
+}
+
+// unreachable returns the first directory on the way to dir (dir included) that the user
+// uid:gid cannot search, or "" when it can reach dir.
+func unreachable(dir string, uid, gid int) string {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return ""
+	}
+	for p := abs; ; p = filepath.Dir(p) {
+		var st syscall.Stat_t
+		if syscall.Stat(p, &st) == nil {
+			mode := st.Mode
+			ok := (int(st.Uid) == uid && mode&0o100 != 0) || (int(st.Gid) == gid && mode&0o010 != 0) || mode&0o001 != 0
+			if !ok {
+				return p
+			}
+		}
+		if p == filepath.Dir(p) {
+			return ""
+		}
+	}
 }
 
 func (c *Cluster) dataDir() string { return filepath.Join(c.Dir, "data") }
@@ -176,8 +208,35 @@ func (c *Cluster) Start(ctx context.Context) error {
 	for _, k := range keys {
 		opts = append(opts, "-c", k+"="+c.Settings[k])
 	}
-	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", c.LogFile(), "-w", "-t", "60",
+	err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", c.LogFile(), "-w", "-t", "60",
 		"-o", strings.Join(quoteAll(opts), " "), "start")
+	if err != nil {
+		return c.startError(err)
+	}
+	return nil
+}
+
+// startError explains a failed start from the server's log: its last FATAL or ERROR lines,
+// and for a port in use, which port.
+func (c *Cluster) startError(err error) error {
+	log, _ := os.ReadFile(c.LogFile())
+	var cause []string
+	for _, line := range strings.Split(string(log), "\n") {
+		if strings.Contains(line, "FATAL:") || strings.Contains(line, "ERROR:") || strings.Contains(line, "HINT:") {
+			cause = append(cause, strings.TrimSpace(line))
+		}
+	}
+	if len(cause) > 4 {
+		cause = cause[len(cause)-4:]
+	}
+	msg := fmt.Sprintf("pgcluster: PostgreSQL did not start in %s", c.Dir)
+	if strings.Contains(string(log), "Address already in use") || strings.Contains(string(log), "could not bind") {
+		msg += fmt.Sprintf(": port %d is in use by another program (the server's IDEM_DATA_PORT chooses another)", c.Port)
+	}
+	if len(cause) > 0 {
+		return fmt.Errorf("%s\n%s\n(log: %s)", msg, strings.Join(cause, "\n"), c.LogFile())
+	}
+	return fmt.Errorf("%s: %w (log: %s)", msg, err, c.LogFile())
 }
 
 func quoteAll(args []string) []string {
