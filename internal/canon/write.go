@@ -19,6 +19,10 @@ func (w *writer) flush() {
 	}
 }
 
+// shortEscapes are the two-character escapes RFC 8785 writes (ECMAScript's
+// JSON.stringify): the byte after the backslash, or 0 where a byte below 0x20 takes \u00XX.
+var shortEscapes = [0x60]byte{'"': '"', '\\': '\\', '\b': 'b', '\f': 'f', '\n': 'n', '\r': 'r', '\t': 't'}
+
 func (w *writer) str(s []byte) {
 	const hexdigits = "0123456789abcdef"
 	w.buf = append(w.buf, '"')
@@ -29,22 +33,9 @@ func (w *writer) str(s []byte) {
 			continue
 		}
 		w.buf = append(w.buf, s[start:i]...)
-		switch c {
-		case '"':
-			w.buf = append(w.buf, '\\', '"')
-		case '\\':
-			w.buf = append(w.buf, '\\', '\\')
-		case '\b':
-			w.buf = append(w.buf, '\\', 'b')
-		case '\f':
-			w.buf = append(w.buf, '\\', 'f')
-		case '\n':
-			w.buf = append(w.buf, '\\', 'n')
-		case '\r':
-			w.buf = append(w.buf, '\\', 'r')
-		case '\t':
-			w.buf = append(w.buf, '\\', 't')
-		default:
+		if e := shortEscapes[c]; e != 0 {
+			w.buf = append(w.buf, '\\', e)
+		} else {
 			w.buf = append(w.buf, '\\', 'u', '0', '0', hexdigits[c>>4], hexdigits[c&0xF])
 		}
 		start = i + 1
