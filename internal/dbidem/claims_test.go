@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -337,5 +338,37 @@ func TestGateBoundsLockWaits(t *testing.T) {
 	_ = holder.Rollback(ctx)
 	if err := <-waited; err != nil {
 		t.Fatalf("the waiting claim, once the holder rolled back: %v", err)
+	}
+}
+
+// TestKeyWaitIsRecognised: a lock timeout while waiting for another transaction's claim of
+// the key is a key wait (the Gate then needs a wait slot); any other lock timeout is not.
+func TestKeyWaitIsRecognised(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := dbidem.Begin(ctx, holder, claim("held", `{}`)); err != nil {
+		t.Fatal(err)
+	}
+	c := claim("held", `{}`)
+	c.LockTimeout = 20 * time.Millisecond
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error { _, err := tx.Claim(ctx, c); return err })
+	if !dbidem.IsKeyWait(err) {
+		t.Fatalf("waiting on a held key: %v, want a key wait", err)
+	}
+	pgtest.Exec(t, pool, `CREATE TABLE other (n int)`)
+	pgtest.Exec(t, holder, `LOCK TABLE other`)
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		_, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '20ms'; SELECT * FROM other`)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" || dbidem.IsKeyWait(err) {
+		t.Fatalf("a timeout on another table's lock: %v, want a 55P03 that is not a key wait", err)
 	}
 }

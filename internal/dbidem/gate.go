@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Probe is the lock timeout of a claim's first try. A request of this process never waits
@@ -165,6 +168,11 @@ func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn
 	first := c
 	first.LockTimeout = min(Probe, lockTimeout)
 	err = RunTx(ctx, db, opts, unit(first))
+	// A probe can also time out on a lock that is not the key's (the table's extension lock,
+	// under load): that says nothing about the key, so the probe runs again, a few times.
+	for again := 0; again < 3 && errors.Is(err, ErrInProgress) && !IsKeyWait(err); again++ {
+		err = RunTx(ctx, db, opts, unit(first))
+	}
 	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
 		return err
 	}
@@ -178,4 +186,17 @@ func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn
 	rest := c
 	rest.LockTimeout = lockTimeout - Probe
 	return RunTx(ctx, db, opts, unit(rest))
+}
+
+// IsKeyWait tells whether a lock timeout (55P03) came from waiting on a key's row: the wait
+// for another transaction's claim of the key, or for its row lock. PostgreSQL names the
+// relation in the error's first context line ("while inserting index tuple (0,8) in relation
+// "idempotency_keys""); a timeout on any other lock has no such line.
+func IsKeyWait(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+		return false
+	}
+	first, _, _ := strings.Cut(pgErr.Where, "\n")
+	return strings.HasPrefix(first, "while ") && strings.Contains(first, `relation "`+KeyTable)
 }
