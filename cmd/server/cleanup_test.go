@@ -3,12 +3,13 @@ package main
 import (
 	"context"
 	"fmt"
-	"github.com/pgidem/pgidem/internal/pgtest"
 	"io"
 	"log/slog"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
 func expire(t *testing.T, s *testServer, principal string, n int) {

@@ -1,0 +1,524 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/pgbouncer"
+	"github.com/pgidem/pgidem/internal/pgcluster"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// The reference server behind a real PgBouncer (internal/pgbouncer: Debian's pgbouncer 1.18
+// in transaction mode, a private port). `server migrate` goes to PostgreSQL directly (tern
+// holds a session advisory lock while it migrates, which a transaction pooler cannot keep);
+// every server process then serves through PgBouncer with the DATABASE_URL form that
+// docs/operations.md gives: ...?sslmode=disable&default_query_exec_mode=exec.
+
+// bounced is a migrated database, a PgBouncer in front of the test server, and a pool that
+// goes to the database directly (to watch pg_stat_activity and hold locks).
+type bounced struct {
+	db     string // the database, directly
+	via    string // the same database through PgBouncer, in the documented form
+	b      *pgbouncer.Bouncer
+	direct *pgxpool.Pool
+}
+
+func behindPgBouncer(t *testing.T) *bounced {
+	t.Helper()
+	db := pgtest.NewEmptyDB(t)
+	mig := NewMain(io.Discard, io.Discard)
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	_ = mig.Close()
+	b := pgtest.PgBouncer(t, nil)
+	direct, err := pgxpool.New(context.Background(), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(direct.Close)
+	return &bounced{db: db, via: pgtest.ThroughPgBouncer(t, db, b), b: b, direct: direct}
+}
+
+// waitingOnLocks waits until n backends of the database wait on a lock.
+func (bb *bounced) waitingOnLocks(t *testing.T, n int) {
+	t.Helper()
+	pgtest.WaitFor(t, bb.direct, `SELECT count(*) - $1 + 1 FROM pg_stat_activity
+		WHERE datname = current_database() AND wait_event_type = 'Lock'`, n)
+}
+
+// holdAccount locks an account's row from a direct connection until the returned release.
+func (bb *bounced) holdAccount(t *testing.T, id int) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	holder, err := bb.direct.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() { once.Do(func() { _ = holder.Rollback(ctx) }) }
+	t.Cleanup(release)
+	pgtest.Exec(t, holder, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, id)
+	return release
+}
+
+// servers counts the server connections PgBouncer holds to the test's database.
+func (bb *bounced) servers(t *testing.T) int {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(bb.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := pgtest.PgBouncerAdmin(t, bb.b).Query(context.Background(), "SHOW SERVERS")
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps, err := pgx.CollectRows(rows, pgx.RowToMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, m := range maps {
+		if m["database"] == cfg.Database {
+			n++
+		}
+	}
+	return n
+}
+
+func accountID(t *testing.T, s *testServer, token string) int {
+	t.Helper()
+	r := s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`)
+	if r.status != 201 {
+		t.Fatalf("create account: %+v", r)
+	}
+	return int(r.json(t)["id"].(float64))
+}
+
+// twoAccounts creates a principal and two accounts, the first with 1000 in it.
+func twoAccounts(t *testing.T, s *testServer) (token string, from, to int) {
+	t.Helper()
+	_, token = s.principal("bounced")
+	from, to = accountID(t, s, token), accountID(t, s, token)
+	if r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", from), token, "seed", `{"amount":1000}`); r.status != 201 {
+		t.Fatalf("deposit: %+v", r)
+	}
+	return token, from, to
+}
+
+// TestPgBouncerDuplicateWaitsThenReplays: two server processes behind PgBouncer on one
+// database. A keyed transfer R1 (process 1) claims its key and then waits on its account's
+// row, held from a direct connection; the same transfer R2 (process 2: a duplicate in
+// another process, so the Gate of process 1 cannot coalesce it) waits on the key's row in
+// the database. When the account is released R1 commits, and R2 replays R1's answer.
+func TestPgBouncerDuplicateWaitsThenReplays(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	env := map[string]string{"IDEMPOTENCY_LOCK_TIMEOUT": "20s"}
+	s1, s2 := serveOn(t, bb.via, env), serveOn(t, bb.via, env)
+	token, from, to := twoAccounts(t, s1)
+	release := bb.holdAccount(t, from)
+
+	body := fmt.Sprintf(`{"from":%d,"to":%d,"amount":100}`, from, to)
+	r1, r2 := make(chan resp, 1), make(chan resp, 1)
+	go func() { r1 <- s1.call("POST", "/v1/transfers", token, "dup", body) }()
+	bb.waitingOnLocks(t, 1) // R1 holds the key and waits on the account
+	go func() { r2 <- s2.call("POST", "/v1/transfers", token, "dup", body) }()
+	bb.waitingOnLocks(t, 2) // R2 waits on the key's row
+	release()
+	first, second := <-r1, <-r2
+	if first.status != 201 || first.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("R1: %+v", first)
+	}
+	if second.status != 201 || second.body != first.body || second.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("R2: %d %s %v, want R1's answer replayed", second.status, second.body, second.header)
+	}
+	if n := s1.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
+		t.Fatalf("%d transfers, want 1", n)
+	}
+	if n := s1.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, from); n != 900 {
+		t.Fatalf("balance %d, want 900: the money moved %d times", n, (1000-n)/100)
+	}
+	if n := bb.servers(t); n < 2 {
+		t.Fatalf("PgBouncer holds %d server connections to the database: the servers did not go through it", n)
+	}
+}
+
+// TestPgBouncerLockTimeout: the same two processes behind PgBouncer with
+// IDEMPOTENCY_LOCK_TIMEOUT=300ms. A duplicate that waits on the key's row longer than that
+// gets 409 request_in_progress with Retry-After; once the first request commits, a retry
+// replays it.
+func TestPgBouncerLockTimeout(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	env := map[string]string{"IDEMPOTENCY_LOCK_TIMEOUT": "300ms"}
+	s1, s2 := serveOn(t, bb.via, env), serveOn(t, bb.via, env)
+	token, from, to := twoAccounts(t, s1)
+	release := bb.holdAccount(t, from)
+
+	body := fmt.Sprintf(`{"from":%d,"to":%d,"amount":100}`, from, to)
+	r1 := make(chan resp, 1)
+	go func() { r1 <- s1.call("POST", "/v1/transfers", token, "slow", body) }()
+	bb.waitingOnLocks(t, 1)
+	start := time.Now()
+	busy := s2.call("POST", "/v1/transfers", token, "slow", body)
+	waited := time.Since(start)
+	if busy.status != 409 || busy.json(t)["code"] != "request_in_progress" {
+		t.Fatalf("the duplicate: %+v, want 409 request_in_progress", busy)
+	}
+	if secs, err := strconv.Atoi(busy.header.Get("Retry-After")); err != nil || secs < 1 {
+		t.Fatalf("Retry-After %q, want a number of seconds", busy.header.Get("Retry-After"))
+	}
+	if waited < 250*time.Millisecond {
+		t.Fatalf("the duplicate was answered after %v: it did not wait for the lock timeout (300ms)", waited)
+	}
+	release()
+	if first := <-r1; first.status != 201 {
+		t.Fatalf("R1: %+v", first)
+	}
+	retry := s2.call("POST", "/v1/transfers", token, "slow", body)
+	if retry.status != 201 || retry.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the retry: %+v, want a replay", retry)
+	}
+	if n := s1.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
+		t.Fatalf("%d transfers, want 1", n)
+	}
+}
+
+// TestPgBouncerOneCleaner: the cleanup's single-runner election (a transaction-scoped
+// advisory lock held on one connection while the batches run on others) works through
+// PgBouncer in transaction mode. Two cleaners, each with its own pool through PgBouncer as
+// two processes would have: while one runs a pass (its batch held back by a table lock taken
+// from a direct connection), the other skips; two at once delete every expired key exactly
+// once; and no advisory lock is left behind on a pooled server connection.
+func TestPgBouncerOneCleaner(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	pool := func() *pgxpool.Pool {
+		p, err := pgxpool.New(context.Background(), bb.via)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Close)
+		return p
+	}
+	a, b := newCleaner(pool(), 100, nil, log), newCleaner(pool(), 100, nil, log)
+	ctx := context.Background()
+	principal := func(name string) string {
+		id, _, err := createPrincipal(ctx, bb.direct, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	pgtest.InsertExpired(t, bb.direct, principal("p"), 3000)
+
+	// a runs; its first batch waits behind a SHARE lock on the key table.
+	holder, err := bb.direct.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	pgtest.Exec(t, holder, `LOCK TABLE idem.idempotency_keys IN SHARE MODE`)
+	type result struct {
+		n   int
+		ran bool
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		n, ran, err := a.pass(ctx)
+		done <- result{n, ran, err}
+	}()
+	bb.waitingOnLocks(t, 1)
+	if n, ran, err := b.pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass while another runs: %d deleted, ran %v, %v; want skipped", n, ran, err)
+	}
+	_ = holder.Rollback(ctx)
+	if r := <-done; r.err != nil || !r.ran || r.n != 3000 {
+		t.Fatalf("the running pass: %d deleted, ran %v, %v; want 3000", r.n, r.ran, r.err)
+	}
+
+	// Two at once: one runs, the other skips or (starting after it) finds nothing.
+	pgtest.InsertExpired(t, bb.direct, principal("q"), 3000)
+	var wg sync.WaitGroup
+	results := make([]result, 2)
+	for i, c := range []*cleaner{a, b} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n, ran, err := c.pass(ctx)
+			results[i] = result{n, ran, err}
+		}()
+	}
+	wg.Wait()
+	for _, r := range results {
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	if results[0].n+results[1].n != 3000 || (!results[0].ran && !results[1].ran) {
+		t.Fatalf("two passes at once: %+v, want 3000 deleted in all", results)
+	}
+	if n := pgtest.Count(t, bb.direct, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
+		t.Fatalf("%d keys left", n)
+	}
+	if n := pgtest.Count(t, bb.direct, `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`); n != 0 {
+		t.Fatalf("%d advisory locks left on pooled server connections", n)
+	}
+}
+
+// TestPgBouncerQuickstart runs the README quickstart verbatim (as TestQuickstart does) with
+// the server and the `principal create` command behind PgBouncer: DATABASE_URL is the
+// documented form through PgBouncer. Then the README's psql block, through PgBouncer too.
+func TestPgBouncerQuickstart(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	s := serveOn(t, bb.via, nil)
+	out := runQuickstart(t, s, bb.via)
+	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
+		t.Errorf("%d transfers, want 1:\n%s", n, out)
+	}
+
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "<!-- quickstart-psql:begin -->\n```sql\n")
+	session, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart-psql:end -->")
+	if !ok || !ok2 {
+		t.Fatal("README.md has no psql block between <!-- quickstart-psql:begin --> and <!-- quickstart-psql:end -->")
+	}
+	pgbin, err := pgcluster.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgx.ParseConfig(bb.via)
+	if err != nil {
+		t.Fatal(err)
+	}
+	psql := exec.Command(filepath.Join(pgbin, "psql"), "-X", "-v", "ON_ERROR_STOP=1")
+	psql.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
+		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database)
+	psql.Stdin = strings.NewReader(session)
+	printed, err := psql.CombinedOutput()
+	if err != nil {
+		t.Fatalf("the psql quickstart through PgBouncer failed: %v\n%s", err, printed)
+	}
+	if !regexp.MustCompile(`claimed with token \d+`).Match(printed) || !regexp.MustCompile(`replay +\| +201 \| \{"id":1\}`).Match(printed) {
+		t.Errorf("the psql quickstart through PgBouncer printed:\n%s", printed)
+	}
+	if n := bb.servers(t); n < 1 {
+		t.Fatal("PgBouncer holds no server connection to the database: the quickstart did not go through it")
+	}
+}
+
+// runQuickstart runs the README's quickstart block against s, with databaseURL as the
+// DATABASE_URL of its `principal create`, and checks its output as TestQuickstart does.
+func runQuickstart(t *testing.T, s *testServer, databaseURL string) string {
+	t.Helper()
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Fatal("curl is needed to run the README quickstart: apt-get install curl")
+	}
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "<!-- quickstart:begin -->\n```sh\n")
+	script, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart:end -->")
+	if !ok || !ok2 {
+		t.Fatal("README.md has no quickstart block between <!-- quickstart:begin --> and <!-- quickstart:end -->")
+	}
+	script = strings.ReplaceAll(script, "localhost:8080", strings.TrimPrefix(s.url, "http://"))
+	script = strings.ReplaceAll(script, "go run ./cmd/server", serverBinary(t))
+	cmd := exec.Command("bash", "-euo", "pipefail", "-c", script)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+databaseURL)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("the quickstart failed: %v\n%s", err, out)
+	}
+	text := string(out)
+	for _, want := range []string{
+		`"amount":10000`, "HTTP/1.1 201 Created", "Idempotent-Replayed: true",
+		`"code":"idempotency_key_reuse"`, `"changed_fields":["amount"]`, `"balance":7500`,
+	} {
+		if !strings.Contains(text, want) {
+			t.Errorf("the quickstart's output lacks %s:\n%s", want, text)
+		}
+	}
+	return text
+}
+
+// logBuffer is a server's log, safe to read while the server writes it.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// serveLogged is serveOn with the server's log kept; the test's own pool (principals,
+// counts) goes to poolURL.
+func serveLogged(t *testing.T, db, poolURL string, env map[string]string) (*testServer, *logBuffer) {
+	t.Helper()
+	log := &logBuffer{}
+	m := NewMain(io.Discard, log)
+	if err := m.ParseFlags(nil, serverEnv(db, env)); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	var addr string
+	select {
+	case addr = <-m.Addr:
+	case err := <-done:
+		cancel()
+		t.Fatalf("serve: %v\n%s", err, log)
+	}
+	var once sync.Once
+	t.Cleanup(func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+			_ = m.Close()
+		})
+	})
+	pool, err := pgxpool.New(context.Background(), poolURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return &testServer{t: t, url: "http://" + addr, db: db, pool: pool, main: m}, log
+}
+
+// keyedLoad sends 8 × 15 keyed account creations at once and counts the answers by status.
+func keyedLoad(t *testing.T, s *testServer, token string) map[int]int {
+	t.Helper()
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 15 {
+				r := s.call("POST", "/v1/accounts", token, fmt.Sprintf("acc-%d-%d", w, i), `{"name":"a","currency":"EUR"}`)
+				mu.Lock()
+				statuses[r.status]++
+				if r.status != 201 && statuses[r.status] <= 2 { // an example of each
+					t.Logf("%d %s", r.status, r.body)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return statuses
+}
+
+// withoutExecMode is a connection string through PgBouncer as an operator might first write
+// it: without default_query_exec_mode (or with the given one).
+func withoutExecMode(t *testing.T, via, mode string) string {
+	t.Helper()
+	u, err := url.Parse(via)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Del("default_query_exec_mode")
+	if mode != "" {
+		q.Set("default_query_exec_mode", mode)
+	}
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// TestPgBouncerStatementCacheOff: a DATABASE_URL through PgBouncer that does not set
+// default_query_exec_mode would leave pgx's statement cache on, which fails under
+// concurrency (tests.TestPgBouncerStatementCacheFails: SQLSTATE 26000 and 42P05). The
+// server sees the pooler at start (the connection's process id is not the backend's),
+// switches the pool to QueryExecModeExec and says so in its log, naming the setting; every
+// request of a concurrent load succeeds.
+func TestPgBouncerStatementCacheOff(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	s, log := serveLogged(t, withoutExecMode(t, bb.via, ""), bb.via, nil)
+	if mode := s.main.pool.Config().ConnConfig.DefaultQueryExecMode; mode != pgx.QueryExecModeExec {
+		t.Fatalf("the pool's mode behind PgBouncer: %v, want exec", mode)
+	}
+	if !strings.Contains(log.String(), "add default_query_exec_mode=exec to DATABASE_URL") {
+		t.Fatalf("the log does not name the setting:\n%s", log)
+	}
+	_, token := s.principal("cache")
+	if st := keyedLoad(t, s, token); st[201] != 120 {
+		t.Fatalf("statuses %v, want 120 × 201", st)
+	}
+
+	// Straight to PostgreSQL nothing changes: the statement cache stays on.
+	direct, log2 := serveLogged(t, bb.db, bb.db, nil)
+	if mode := direct.main.pool.Config().ConnConfig.DefaultQueryExecMode; mode != pgx.QueryExecModeCacheStatement {
+		t.Fatalf("the pool's mode without a pooler: %v, want cache_statement", mode)
+	}
+	if strings.Contains(log2.String(), "default_query_exec_mode") {
+		t.Fatalf("a direct connection was taken for a pooler:\n%s", log2)
+	}
+}
+
+// TestPgBouncerStatementCacheChosen: an operator who asks for the statement cache
+// explicitly (default_query_exec_mode=cache_statement) behind PgBouncer 1.18 keeps it, with a
+// warning at start; the requests that then fail (503 store_unavailable) leave an error in
+// the log that names default_query_exec_mode=exec as the fix (the token lookup before the
+// idempotency middleware answers 500 when it is the statement that fails).
+func TestPgBouncerStatementCacheChosen(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	s, log := serveLogged(t, withoutExecMode(t, bb.via, "cache_statement"), bb.via, nil)
+	if !strings.Contains(log.String(), "sets default_query_exec_mode=cache_statement") {
+		t.Fatalf("no warning at start:\n%s", log)
+	}
+	_, token := s.principal("cache")
+	st := keyedLoad(t, s, token)
+	if failed := 120 - st[201]; failed == 0 || st[500]+st[503] != failed {
+		t.Fatalf("statuses %v, want some 503 store_unavailable (or 500 from the token lookup) among the 201s", st)
+	}
+	t.Logf("default_query_exec_mode=cache_statement through PgBouncer: %v", st)
+	text := log.String()
+	if !strings.Contains(text, "pgx's statement cache fails") || !strings.Contains(text, "add default_query_exec_mode=exec to DATABASE_URL") {
+		t.Fatalf("the log does not name the fix:\n%s", text)
+	}
+}
