@@ -16,7 +16,9 @@ build: ## build the reference server into bin/server
 
 .PHONY: run
 run: ## serve on 127.0.0.1:8080 (a private PostgreSQL under .data/ when DATABASE_URL is unset)
-	$(GO) run ./cmd/server serve
+	@$(GO) build -o bin/server ./cmd/server
+	@# exec: the server gets Ctrl-C itself, stops cleanly and make exits 0 (go run would exit 1)
+	@exec bin/server serve
 
 .PHONY: migrate
 migrate: ## apply the migrations and install the SQL API into DATABASE_URL (or the .data/ cluster)
@@ -26,6 +28,10 @@ migrate: ## apply the migrations and install the SQL API into DATABASE_URL (or t
 test: ## run every test (Go and pgTAP) against a real PostgreSQL, with the race detector
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 
+.PHONY: sql
+sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migrations and sql/functions
+	$(GO) run ./internal/tools/sqlbundle
+
 .PHONY: lint
 lint: ## gofmt, go vet, staticcheck and plpgsql_check over every function
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -34,7 +40,7 @@ lint: ## gofmt, go vet, staticcheck and plpgsql_check over every function
 	$(GO) run ./internal/tools/sqllint
 
 .PHONY: bench
-bench: ## SQL benchmark (pgbench, fsync on): no key, functions, hand-written, replays, side by side
+bench: ## every benchmark figure with its target (fsync on, about 12 min; BENCH_ONLY=sql,... for parts)
 	$(GO) run ./internal/tools/bench
 
 .PHONY: clean

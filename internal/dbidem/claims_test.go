@@ -324,7 +324,12 @@ func TestGateBoundsLockWaits(t *testing.T) {
 			return nil
 		})
 	}()
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+	for deadline := time.Now().Add(10 * time.Second); gate.LockWaits() != 1; {
+		if time.Now().After(deadline) {
+			t.Fatal("the first claim never took the wait slot")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	c := claim("b", `{}`)
 	c.LockTimeout = 3 * time.Second
 	start := time.Now()

@@ -59,6 +59,10 @@ func NewGate(maxWaitingClaims int) *Gate {
 // key (a gauge).
 func (g *Gate) Waiting() int64 { return g.waiting.Load() }
 
+// LockWaits is how many claims hold a wait slot: they wait on a key's row lock held by
+// another process (a gauge).
+func (g *Gate) LockWaits() int { return len(g.slots) }
+
 // Coalesced counts the requests that found their key in flight in this process and waited.
 func (g *Gate) Coalesced() uint64 { return g.coalesced.Load() }
 
@@ -176,6 +180,13 @@ func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn
 	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
 		return err
 	}
+	rest := c
+	rest.LockTimeout = lockTimeout - Probe
+	if !IsKeyWait(err) {
+		// Still a lock that is not the key's (autovacuum truncating the table, say): wait
+		// for it with the rest of the lock timeout, as any statement would.
+		return RunTx(ctx, db, opts, unit(rest))
+	}
 	select {
 	case g.slots <- struct{}{}:
 	default:
@@ -183,8 +194,6 @@ func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn
 		return errNoSlot
 	}
 	defer func() { <-g.slots }()
-	rest := c
-	rest.LockTimeout = lockTimeout - Probe
 	return RunTx(ctx, db, opts, unit(rest))
 }
 

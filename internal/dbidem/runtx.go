@@ -118,7 +118,7 @@ func (t *Tx) commit(ctx context.Context) error {
 		b.Queue("ROLLBACK TO SAVEPOINT " + claimSavepoint)
 		b.Queue(saveFinalSQL, t.end...)
 	} else {
-		b.Queue(completeSQL, t.end...)
+		b.Queue(CompleteSQL, t.end...)
 	}
 	var tag pgconn.CommandTag
 	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })

@@ -11,15 +11,19 @@ import (
 
 // The statements. Every parameter is cast, and JSON goes as text, so the same statements
 // work without prepared-statement descriptions (PgBouncer in transaction mode,
-// QueryExecModeExec).
+// QueryExecModeExec). BeginSQL and CompleteSQL are exported for tools that must pipeline them
+// by hand (the benchmark's variant without a savepoint); their arguments are those of Begin and
+// Complete, in that order, durations as intervals, JSON as text.
 const (
-	beginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
+	// BeginSQL calls idem_begin and returns its row.
+	BeginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
        withheld, changed_fields, extract(epoch FROM retry_after)::float8
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
 
-	completeSQL = `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
+	// CompleteSQL calls idem_complete.
+	CompleteSQL = `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
        p_status => $4::integer, p_headers => $5::jsonb, p_body => $6::bytea,
        p_resource_id => $7::text, p_withheld => $8::text)`
 
@@ -144,7 +148,7 @@ func (r *decisionRow) decision() (Decision, error) {
 // RunTx prefer Tx.Claim, which saves a round trip.
 func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 	var row decisionRow
-	if err := q.QueryRow(ctx, beginSQL, c.beginArgs()...).Scan(row.dest()...); err != nil {
+	if err := q.QueryRow(ctx, BeginSQL, c.beginArgs()...).Scan(row.dest()...); err != nil {
 		return Decision{}, classify(err)
 	}
 	return row.decision()
@@ -154,7 +158,7 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 // ErrClaimLost when that claim is no longer in progress (fencing). Inside RunTx prefer
 // Tx.CompleteOnCommit, which saves a round trip.
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
-	_, err := q.Exec(ctx, completeSQL, completeArgs(principal, key, attempt, r)...)
+	_, err := q.Exec(ctx, CompleteSQL, completeArgs(principal, key, attempt, r)...)
 	return classify(err)
 }
 

@@ -68,7 +68,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		b.BeginTx(t.opts)
 	}
 	var row decisionRow
-	b.Queue(beginSQL, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest()...) })
+	b.Queue(BeginSQL, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest()...) })
 	b.Queue("SAVEPOINT " + claimSavepoint)
 	var br pgx.BatchResults
 	if t.tx == nil {

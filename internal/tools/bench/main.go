@@ -1,240 +1,344 @@
-// Command bench is `make bench`: the SQL-level benchmark of CONTRACT.md section 6.
+// Command bench is `make bench`: the performance budget of the project, every figure with
+// its target in one summary table (docs/benchmarks.md describes each part and row).
 //
-// On a private cluster with fsync and synchronous_commit on (or BENCH_DATABASE_URL's server),
-// pgbench drives 16 clients through five variants of one money transfer (an INSERT and an
-// UPDATE), interleaved round by round so that drift hits every variant alike:
+// It runs on a private PostgreSQL cluster with fsync and synchronous_commit on (or on
+// BENCH_DATABASE_URL's server), reached over TCP loopback. The parts, in order:
 //
-//	nokey        the effect alone
-//	functions    idem_begin + effect + idem_complete (transactional claim, guarded)
-//	noguard      the same without the commit guard (its foreign key dropped)
-//	handwritten  the tutorial's statements: DELETE expired, INSERT ON CONFLICT, effect, UPDATE
-//	replay       idem_begin on a completed key
+//	sql         the same money transfer without a key, through the functions (dbidem.RunTx),
+//	            without the claim savepoint, without the commit guard, as hand-written
+//	            statements on our table, as the seed tutorial's statements on its own table,
+//	            and replays: BENCH_CLIENTS goroutines on pgx v5, committed transactions/s
+//	latency     functions, seed 001 and no key through an in-process proxy that adds
+//	            0.5 ms to every round trip, 4 clients
+//	roundtrips  the round trips a keyed request adds through the idemhttp middleware
+//	rows        the bytes a key stores beyond the response, and on disk
+//	cleanup     idem_cleanup deleting 300,000 expired keys under keyed load, and its
+//	            effect on the keyed p99 latency
+//	http        the reference server's POST /v1/transfers: no key, fresh key, replay
+//	soak        the reference server under keyed deposits with a 20 s TTL: the key table's
+//	            size against its live data
 //
-// It prints the transactions per second of every run, the median per variant and the ratios
-// the contract sets targets for. Then (unless BENCH_HTTP=0) the HTTP part: the reference
-// server's POST /v1/transfers without a key, with fresh keys and replayed, with requests per
-// second, p50 and p99 latency and their ratios. Environment: BENCH_SECONDS (10),
-// BENCH_ROUNDS (3), BENCH_CLIENTS (16), BENCH_HTTP (1), BENCH_DATABASE_URL (unset: private
-// cluster in a temporary directory).
+// Measured variants run in interleaved rounds (round 1: every variant, round 2: every
+// variant, ...) so that drift hits every variant alike; figures are medians over rounds.
+//
+// Environment: BENCH_SECONDS (10) per run, BENCH_ROUNDS (3), BENCH_CLIENTS (16),
+// BENCH_SOAK_SECONDS (150), BENCH_ONLY (a comma list of parts; default all),
+// BENCH_DATABASE_URL (unset: a private cluster in a temporary directory).
 package main
 
 import (
 	"context"
-	"embed"
+	"errors"
 	"fmt"
+	"math"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"regexp"
-	"sort"
+	"os/signal"
+	"slices"
 	"strconv"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/pgidem/internal/pgcluster"
-	idemsql "github.com/pgidem/pgidem/sql"
 )
 
-//go:embed scripts/*.sql
-var scripts embed.FS
-
-type variant struct{ name, script, db string }
-
-var variants = []variant{
-	{"nokey", "nokey.sql", "bench"},
-	{"functions", "functions.sql", "bench"},
-	{"noguard", "functions.sql", "bench_noguard"},
-	{"handwritten", "handwritten.sql", "bench"},
-	{"replay", "replay.sql", "bench"},
+// parts is every part in the order they run.
+var parts = []struct {
+	name string
+	run  func(ctx context.Context, b *bench) error
+}{
+	{"sql", sqlPart},
+	{"latency", latencyPart},
+	{"roundtrips", roundTripsPart},
+	{"rows", rowsPart},
+	{"cleanup", cleanupPart},
+	{"http", httpPart},
+	{"soak", soakPart},
 }
 
+// bench is one run of the tool: its settings, the server it measures and the rows of the
+// summary.
+type bench struct {
+	seconds, rounds, clients, soakSeconds int
+	// url is a connection string to the server's maintenance database (postgres); every
+	// part connects to databases of its own on the same server.
+	url string
+	// upstream is the server's TCP address (host:port) for the latency proxy; "" when the
+	// server is reached over a Unix socket only.
+	upstream string
+	tmp      string
+	// serverBin is the reference server, built once for the http and soak parts.
+	serverBin string
+	ready     map[string]bool // databases set up
+	rows      []row
+}
+
+// row is one line of the summary: a measure, its value, its target and the verdict.
+type row struct{ measure, value, target, status string }
+
 func main() {
-	if err := run(); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
 }
 
-func envInt(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
-		return v
+func envInt(name string, def int) (int, error) {
+	v := strings.TrimSpace(os.Getenv(name))
+	if v == "" {
+		return def, nil
 	}
-	return def
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("%s=%q: want a positive integer", name, v)
+	}
+	return n, nil
 }
 
-func run() error {
-	ctx := context.Background()
-	seconds, rounds, clients := envInt("BENCH_SECONDS", 10), envInt("BENCH_ROUNDS", 3), envInt("BENCH_CLIENTS", 16)
-	bin, err := pgcluster.BinDir()
-	if err != nil {
+func run(ctx context.Context) error {
+	started := time.Now()
+	b := &bench{ready: map[string]bool{}}
+	var errs []error
+	for _, s := range []struct {
+		name string
+		dst  *int
+		def  int
+	}{{"BENCH_SECONDS", &b.seconds, 10}, {"BENCH_ROUNDS", &b.rounds, 3}, {"BENCH_CLIENTS", &b.clients, 16},
+		{"BENCH_SOAK_SECONDS", &b.soakSeconds, 150}} {
+		n, err := envInt(s.name, s.def)
+		errs = append(errs, err)
+		*s.dst = n
+	}
+	only, err := parseOnly(os.Getenv("BENCH_ONLY"))
+	errs = append(errs, err)
+	if err := errors.Join(errs...); err != nil {
 		return err
 	}
+
 	tmp, err := os.MkdirTemp("", "idem-bench-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	url := os.Getenv("BENCH_DATABASE_URL")
-	if url == "" {
+	b.tmp = tmp
+
+	b.url = os.Getenv("BENCH_DATABASE_URL")
+	if b.url == "" {
 		c, stop, err := pgcluster.StartTemp(ctx, "idem-bench-", map[string]string{
 			"max_connections": "100", "shared_buffers": "256MB", "max_wal_size": "4GB",
+			"fsync": "on", "synchronous_commit": "on",
 		})
 		if err != nil {
 			return err
 		}
 		defer stop()
-		url = c.ConnString("postgres")
-	}
-	for _, db := range []string{"bench", "bench_noguard"} {
-		if err := setup(ctx, url, db); err != nil {
-			return fmt.Errorf("setup %s: %w", db, err)
+		b.upstream = c.TCPHostPort()
+		host, port, _ := strings.Cut(b.upstream, ":")
+		b.url = fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres sslmode=disable", host, port)
+	} else {
+		cfg, err := pgx.ParseConfig(b.url)
+		if err != nil {
+			return fmt.Errorf("BENCH_DATABASE_URL: %w", err)
+		}
+		if !strings.HasPrefix(cfg.Host, "/") {
+			b.upstream = fmt.Sprintf("%s:%d", cfg.Host, cfg.Port)
 		}
 	}
-	for _, v := range variants {
-		body, _ := scripts.ReadFile("scripts/" + v.script)
-		if err := os.WriteFile(filepath.Join(tmp, v.script), body, 0o644); err != nil {
-			return err
-		}
-	}
-	fmt.Printf("bench: %d clients, %d rounds of %ds per variant, fsync on, pgbench -M prepared\n", clients, rounds, seconds)
-	tps := map[string][]float64{}
-	for r := 1; r <= rounds; r++ {
-		for _, v := range variants {
-			if err := sqlExec(ctx, url, v.db, "CHECKPOINT"); err != nil {
-				return err
-			}
-			t, err := pgbench(bin, url, v, filepath.Join(tmp, v.script), clients, seconds)
-			if err != nil {
-				return err
-			}
-			tps[v.name] = append(tps[v.name], t)
-			fmt.Printf("  round %d  %-12s %8.0f tps\n", r, v.name, t)
-		}
-	}
-	med := map[string]float64{}
-	fmt.Printf("\n%-12s %10s   %s\n", "variant", "median tps", "runs")
-	for _, v := range variants {
-		med[v.name] = median(tps[v.name])
-		fmt.Printf("%-12s %10.0f   %v\n", v.name, med[v.name], round(tps[v.name]))
-	}
-	ratio := func(label, a, b string, target float64, cmp string) {
-		x := med[a] / med[b]
-		ok := x >= target
-		fmt.Printf("%-44s %5.2f   target %s %.2f  %s\n", label, x, cmp, target, map[bool]string{true: "ok", false: "MISSED"}[ok])
-	}
-	fmt.Println()
-	ratio("functions / no key", "functions", "nokey", 0, ">=")
-	ratio("handwritten / no key", "handwritten", "nokey", 0, ">=")
-	ratio("functions / hand-written statements", "functions", "handwritten", 1.0, ">=")
-	ratio("guard / no guard (functions)", "functions", "noguard", 0.95, ">=")
-	ratio("replay / first execution (functions)", "replay", "functions", 3.0, ">=")
-	if os.Getenv("BENCH_HTTP") == "0" {
-		return nil
-	}
-	return httpBench(ctx, url, tmp, clients, seconds, rounds)
-}
-
-func setupEmpty(ctx context.Context, url, db string) error {
-	if err := sqlExec(ctx, url, "", "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
-		return err
-	}
-	return sqlExec(ctx, url, "", "CREATE DATABASE "+db)
-}
-
-func setup(ctx context.Context, url, db string) error {
-	if err := sqlExec(ctx, url, "", "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
-		return err
-	}
-	if err := sqlExec(ctx, url, "", "CREATE DATABASE "+db); err != nil {
-		return err
-	}
-	conn, err := connect(ctx, url, db)
+	settings, err := serverSettings(ctx, b.url)
 	if err != nil {
 		return err
 	}
-	defer conn.Close(ctx)
-	if err := idemsql.Migrate(ctx, conn, idemsql.Options{}); err != nil {
-		return err
-	}
-	stmts := []string{
-		`CREATE TABLE bench_accounts (id integer PRIMARY KEY, balance bigint NOT NULL)`,
-		`INSERT INTO bench_accounts SELECT i, 0 FROM generate_series(1, 100000) i`,
-		`CREATE TABLE bench_transfers (id bigserial PRIMARY KEY, from_id integer NOT NULL, to_id integer NOT NULL,
-		   amount bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())`,
-		`INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at, expires_at, action,
-		   request_sha256, completed_at, response_status, response_headers, response_body)
-		 SELECT 'bench', 'r' || i, 'completed', 1, now(), now() + interval '30 days', 'POST /v1/transfers',
-		        sha256(('r' || i)::bytea), now(), 201, '{"Content-Type": "application/json"}',
-		        '{"id":1,"from":1,"to":2,"amount":1}'
-		   FROM generate_series(1, 100000) i`,
-		`VACUUM ANALYZE`,
-	}
-	if db == "bench_noguard" {
-		stmts = append(stmts, `ALTER TABLE idem.idempotency_keys DROP CONSTRAINT idempotency_keys_claim_completed_in_its_transaction`)
-	}
-	for _, s := range stmts {
-		if _, err := conn.Exec(ctx, s); err != nil {
-			return fmt.Errorf("%s: %w", s, err)
+
+	var names []string
+	for _, p := range parts {
+		if only[p.name] {
+			names = append(names, p.name)
 		}
+	}
+	fmt.Printf("bench: %d clients, %d rounds of %ds per variant, soak %ds; parts: %s\n", b.clients, b.rounds, b.seconds,
+		b.soakSeconds, strings.Join(names, ", "))
+	est := b.estimate(only)
+	if est > 2*time.Minute {
+		est = est.Round(time.Minute)
+	} else {
+		est = est.Round(10 * time.Second)
+	}
+	fmt.Printf("bench: PostgreSQL %s; expected run time about %s\n", settings, est)
+
+	var failed []string
+	for _, p := range parts {
+		if !only[p.name] {
+			continue
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		fmt.Printf("\n=== %s\n", p.name)
+		first := len(b.rows)
+		t0 := time.Now()
+		if err := p.run(ctx, b); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: part %s failed: %v\n", p.name, err)
+			failed = append(failed, p.name)
+			b.rows = append(b.rows, row{p.name + ": FAILED (" + firstLine(err.Error()) + ")", "-", "-", "MISSED"})
+		}
+		fmt.Println()
+		printRows(b.rows[first:])
+		fmt.Printf("(%s took %s)\n", p.name, time.Since(t0).Round(time.Second))
+	}
+
+	fmt.Printf("\n=== summary (%s, %d clients, %d rounds of %ds, soak %ds, took %s)\n\n", settings, b.clients,
+		b.rounds, b.seconds, b.soakSeconds, time.Since(started).Round(time.Second))
+	printRows(b.rows)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("failed parts: %s", strings.Join(failed, ", "))
 	}
 	return nil
 }
 
-func connect(ctx context.Context, url, db string) (*pgx.Conn, error) {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		return nil, err
+func parseOnly(v string) (map[string]bool, error) {
+	only := map[string]bool{}
+	if strings.TrimSpace(v) == "" {
+		for _, p := range parts {
+			only[p.name] = true
+		}
+		return only, nil
 	}
-	if db != "" {
-		cfg.Database = db
+	var known []string
+	for _, p := range parts {
+		known = append(known, p.name)
 	}
-	return pgx.ConnectConfig(ctx, cfg)
+	for _, name := range strings.Split(v, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		if !slices.Contains(known, name) {
+			return nil, fmt.Errorf("BENCH_ONLY: unknown part %q; the parts are %s", name, strings.Join(known, ", "))
+		}
+		only[name] = true
+	}
+	if len(only) == 0 {
+		return nil, errors.New("BENCH_ONLY names no part")
+	}
+	return only, nil
 }
 
-func sqlExec(ctx context.Context, url, db, sql string) error {
-	conn, err := connect(ctx, url, db)
+// estimate is the expected duration of the selected parts (measured runs plus setup, on a
+// 2-core machine).
+func (b *bench) estimate(only map[string]bool) time.Duration {
+	s, r := float64(b.seconds), float64(b.rounds)
+	est := map[string]float64{
+		"sql":        10 + float64(len(sqlVariants))*r*(s+0.5),
+		"latency":    5 + float64(len(latencyVariants))*r*(s+0.3),
+		"roundtrips": 2,
+		"rows":       15,
+		"cleanup":    5 + r*(2*s+7),
+		"http":       15 + 3*r*s,
+		"soak":       10 + float64(b.soakSeconds),
+	}
+	total := 0.0
+	for name, sec := range est {
+		if only[name] {
+			total += sec
+		}
+	}
+	return time.Duration(total * float64(time.Second))
+}
+
+// serverSettings describes the server: version, fsync, synchronous_commit.
+func serverSettings(ctx context.Context, url string) (string, error) {
+	conn, err := connect(ctx, url, "")
 	if err != nil {
-		return err
+		return "", err
 	}
 	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, sql)
-	return err
+	var version, fsync, sync string
+	err = conn.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'),
+		current_setting('synchronous_commit')`).Scan(&version, &fsync, &sync)
+	return fmt.Sprintf("%s, fsync %s, synchronous_commit %s", version, fsync, sync), err
 }
 
-var tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+// ratio adds a row for a ratio with a target (op ">=" or "<="; op "" for information).
+func (b *bench) ratio(measure string, x float64, op string, target float64) {
+	b.check(measure, fmt.Sprintf("%.2f", x), x, op, target, "%.2f")
+}
 
-func pgbench(bin, url string, v variant, script string, clients, seconds int) (float64, error) {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		return 0, err
+// check adds a row for value x shown as value, against target (op "" for information).
+func (b *bench) check(measure, value string, x float64, op string, target float64, targetFormat string) {
+	r := row{measure: measure, value: value, target: "-", status: "-"}
+	if math.IsNaN(x) || math.IsInf(x, 0) {
+		r.value = "n/a"
 	}
-	cmd := exec.Command(filepath.Join(bin, "pgbench"), "-n", "-M", "prepared", "-c", strconv.Itoa(clients),
-		"-j", "2", "-T", strconv.Itoa(seconds), "-f", script,
-		"-h", cfg.Host, "-p", strconv.Itoa(int(cfg.Port)), "-U", cfg.User, v.db)
-	cmd.Env = append(os.Environ(), "PGPASSWORD="+cfg.Password)
-	start := time.Now()
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return 0, fmt.Errorf("pgbench %s: %w\n%s", v.name, err, out)
+	if op != "" {
+		r.target = op + " " + fmt.Sprintf(targetFormat, target)
+		ok := false
+		switch op {
+		case ">=":
+			ok = x >= target
+		case "<=":
+			ok = x <= target
+		case "=":
+			ok = x == target
+			r.target = fmt.Sprintf(targetFormat, target)
+		}
+		r.status = map[bool]string{true: "ok", false: "MISSED"}[ok]
 	}
-	m := tpsLine.FindSubmatch(out)
-	if m == nil {
-		return 0, fmt.Errorf("pgbench %s after %s: no tps in\n%s", v.name, time.Since(start), out)
+	b.rows = append(b.rows, r)
+}
+
+// info adds a row without a target.
+func (b *bench) info(measure, value string) {
+	b.rows = append(b.rows, row{measure, value, "-", "-"})
+}
+
+func printRows(rows []row) {
+	width := len("measure")
+	for _, r := range rows {
+		width = max(width, len(r.measure))
 	}
-	return strconv.ParseFloat(string(m[1]), 64)
+	fmt.Printf("%-*s  %12s  %10s  %s\n", width, "measure", "value", "target", "ok/MISSED")
+	for _, r := range rows {
+		fmt.Printf("%-*s  %12s  %10s  %s\n", width, r.measure, r.value, r.target, r.status)
+	}
+}
+
+func firstLine(s string) string {
+	s, _, _ = strings.Cut(s, "\n")
+	if len(s) > 120 {
+		s = s[:120] + "..."
+	}
+	return s
 }
 
 func median(xs []float64) float64 {
-	s := append([]float64(nil), xs...)
-	sort.Float64s(s)
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
 	if len(s)%2 == 1 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-func round(xs []float64) []int {
+// percentile is the p-th quantile (0..1) of sorted durations, in milliseconds.
+func percentile(sorted []time.Duration, p float64) float64 {
+	if len(sorted) == 0 {
+		return math.NaN()
+	}
+	return float64(sorted[int(p*float64(len(sorted)-1)+0.5)]) / float64(time.Millisecond)
+}
+
+func rounded(xs []float64) []int {
 	out := make([]int, len(xs))
 	for i, x := range xs {
 		out[i] = int(x + 0.5)
