@@ -40,7 +40,11 @@ CREATE TABLE idem.idempotency_keys_v3 (
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_vacuum_insert_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.05,
-    toast.autovacuum_vacuum_scale_factor = 0.02
+    toast.autovacuum_vacuum_scale_factor = 0.02,
+    -- Freed pages are reused by the next claims; truncating them would take the table's
+    -- ACCESS EXCLUSIVE lock at the end of every vacuum, and every claim would wait for it.
+    vacuum_truncate = false,
+    toast.vacuum_truncate = false
 );
 
 -- The old rows. request_fields was {"name": "hex sha256"}; it becomes name, NUL, the first 8
