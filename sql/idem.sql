@@ -309,6 +309,7 @@ DECLARE
     v_guard   boolean;
     v_action  bigint;
     v_fields  bytea;
+    v_ok      boolean;
     v_token   bigint;
     v_row     idem.idempotency_keys%ROWTYPE;
     v_lock    boolean;
@@ -318,9 +319,14 @@ DECLARE
     v_pos     integer;
     v_nul     integer;
 BEGIN
-    -- One expression validates everything: PL/pgSQL prepares each expression once per
-    -- session, so on the hot path one CASE is cheaper than many small IFs.
-    v_problem := CASE
+    -- Validation. PL/pgSQL compiles an expression the first time a transaction evaluates it,
+    -- and a claim is usually the only call of its transaction, so what costs is what gets
+    -- compiled: a valid call compiles one small test; the CASE that names the problem, and
+    -- the checks of optional arguments, are compiled only when they are needed.
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
+, false) THEN
+        v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
             THEN '22004 p_principal and p_key must not be NULL'
         WHEN length(p_principal) NOT BETWEEN 1 AND 255
@@ -337,32 +343,53 @@ WHEN p_action IS NULL OR p_request_sha256 IS NULL
             THEN '22023 p_action must be 1 to 1000 characters'
         WHEN octet_length(p_request_sha256) <> 32
             THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
-        WHEN p_ttl IS NOT NULL AND (p_ttl <= interval '0' OR extract(year FROM p_ttl) < 0 OR extract(month FROM p_ttl) < 0
-             OR extract(day FROM p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
 
-            THEN format('22023 p_ttl must be positive in every part, got %s', p_ttl)
-        WHEN jsonb_typeof(p_request_fields) <> 'object'
-             OR jsonb_path_exists(p_request_fields, 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))')
-            THEN '22023 p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-
-        WHEN p_lease IS NOT NULL AND ((p_lease <= interval '0' OR extract(year FROM p_lease) < 0 OR extract(month FROM p_lease) < 0
-             OR extract(day FROM p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
-
-                                      OR p_lease > coalesce(p_ttl, interval '24 hours'))
-            THEN format('22023 p_lease must be positive in every part and at most p_ttl, got %s', p_lease)
-        WHEN p_lock_timeout IS NOT NULL AND (p_lock_timeout <= interval '0' OR extract(year FROM p_lock_timeout) < 0 OR extract(month FROM p_lock_timeout) < 0
-             OR extract(day FROM p_lock_timeout) < 0 OR p_lock_timeout - date_trunc('day', p_lock_timeout) < interval '0')
-
-            THEN format('22023 p_lock_timeout must be positive in every part, got %s', p_lock_timeout)
-    END;
+        END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_begin: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
+    END IF;
+IF p_ttl IS NOT NULL THEN
+        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
+             OR date_part('day', p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
+ THEN
+            RAISE EXCEPTION 'idem_begin: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+        END IF;
+    END IF;
+
+    IF p_lease IS NOT NULL THEN
+        IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
+             OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
+ OR p_lease > coalesce(p_ttl, interval '24 hours') THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part and at most p_ttl, got %', p_lease
+                USING ERRCODE = '22023';
+        END IF;
+    END IF;
     IF p_lock_timeout IS NOT NULL THEN
+        IF (p_lock_timeout <= interval '0' OR date_part('year', p_lock_timeout) < 0 OR date_part('month', p_lock_timeout) < 0
+             OR date_part('day', p_lock_timeout) < 0 OR p_lock_timeout - date_trunc('day', p_lock_timeout) < interval '0')
+ THEN
+            RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive in every part, got %', p_lock_timeout
+                USING ERRCODE = '22023';
+        END IF;
         -- Local to this call: the SET clause above restores the caller's value on return.
         PERFORM set_config('lock_timeout',
-            greatest(ceil(extract(epoch FROM p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
+            greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
+    END IF;
+IF p_request_fields IS NOT NULL THEN
+        IF jsonb_typeof(p_request_fields) <> 'object' THEN
+            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                USING ERRCODE = '22023';
+        END IF;
+        SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
+               bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
+          INTO v_fields, v_ok
+          FROM jsonb_each(p_request_fields) AS f;
+        IF NOT v_ok THEN
+            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
+                USING ERRCODE = '22023';
+        END IF;
     END IF;
 
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
@@ -372,11 +399,6 @@ IF v_problem IS NOT NULL THEN
     v_lease := v_now + p_lease;
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
-    IF p_request_fields IS NOT NULL THEN
-        v_fields := (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea)
-   FROM jsonb_each_text(p_request_fields) AS f)
-;
-    END IF;
     -- The fencing token: no holder of any key ever had it.
     v_token := nextval('idem.attempt_seq');
 
@@ -522,7 +544,14 @@ AS $$
 DECLARE
     v_problem text;
 BEGIN
-    v_problem := CASE
+    -- Validation: one small test on the fast path; see idem_begin.
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND p_attempt IS NOT NULL
+                    AND (p_status BETWEEN 100 AND 599 AND jsonb_typeof(p_headers) = 'object'
+ AND NOT jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
+ AND (p_withheld IS NULL OR (p_withheld IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
+, false) THEN
+        v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
             THEN '22004 p_principal and p_key must not be NULL'
         WHEN length(p_principal) NOT BETWEEN 1 AND 255
@@ -544,11 +573,12 @@ WHEN p_status IS NULL OR p_headers IS NULL
         WHEN p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
             THEN '22023 p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
 
-    END;
+        END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_complete: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
+    END IF;
     UPDATE idem.idempotency_keys AS k
        SET state = 'c', lease_expires_at = NULL, uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
@@ -601,10 +631,19 @@ DECLARE
     v_expires timestamptz;
     v_action  bigint;
     v_fields  bytea;
+    v_ok      boolean;
     v_token   bigint;
     v_stored  boolean;
 BEGIN
-    v_problem := CASE
+    -- Validation: one small test on the fast path; see idem_begin.
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
+
+                    AND (p_status BETWEEN 100 AND 599 AND jsonb_typeof(p_headers) = 'object'
+ AND NOT jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
+ AND (p_withheld IS NULL OR (p_withheld IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
+, false) THEN
+        v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
             THEN '22004 p_principal and p_key must not be NULL'
         WHEN length(p_principal) NOT BETWEEN 1 AND 255
@@ -621,13 +660,6 @@ WHEN p_action IS NULL OR p_request_sha256 IS NULL
             THEN '22023 p_action must be 1 to 1000 characters'
         WHEN octet_length(p_request_sha256) <> 32
             THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
-        WHEN p_ttl IS NOT NULL AND (p_ttl <= interval '0' OR extract(year FROM p_ttl) < 0 OR extract(month FROM p_ttl) < 0
-             OR extract(day FROM p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
-
-            THEN format('22023 p_ttl must be positive in every part, got %s', p_ttl)
-        WHEN jsonb_typeof(p_request_fields) <> 'object'
-             OR jsonb_path_exists(p_request_fields, 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))')
-            THEN '22023 p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
 
 WHEN p_status IS NULL OR p_headers IS NULL
             THEN '22004 p_status and p_headers must not be NULL'
@@ -638,19 +670,38 @@ WHEN p_status IS NULL OR p_headers IS NULL
         WHEN p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
             THEN '22023 p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
 
-    END;
+        END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_save_final: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    END IF;
+IF p_ttl IS NOT NULL THEN
+        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
+             OR date_part('day', p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
+ THEN
+            RAISE EXCEPTION 'idem_save_final: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+        END IF;
+    END IF;
+
+IF p_request_fields IS NOT NULL THEN
+        IF jsonb_typeof(p_request_fields) <> 'object' THEN
+            RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                USING ERRCODE = '22023';
+        END IF;
+        SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
+               bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
+          INTO v_fields, v_ok
+          FROM jsonb_each(p_request_fields) AS f;
+        IF NOT v_ok THEN
+            RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
+                USING ERRCODE = '22023';
+        END IF;
     END IF;
 
     v_now := clock_timestamp();
     v_expires := v_now + coalesce(p_ttl, interval '24 hours');
     v_action := hashtextextended(p_action, 0);
-    IF p_request_fields IS NOT NULL THEN
-        v_fields := (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea)
-   FROM jsonb_each_text(p_request_fields) AS f)
-;
-    END IF;
     v_token := nextval('idem.attempt_seq');
 
     -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
@@ -700,7 +751,9 @@ AS $$
 DECLARE
     v_problem text;
 BEGIN
-    v_problem := CASE
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND p_attempt IS NOT NULL, false) THEN
+        v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
             THEN '22004 p_principal and p_key must not be NULL'
         WHEN length(p_principal) NOT BETWEEN 1 AND 255
@@ -711,13 +764,14 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
-        WHEN p_attempt IS NULL
-            THEN '22004 p_attempt must not be NULL'
-    END;
+            WHEN p_attempt IS NULL
+                THEN '22004 p_attempt must not be NULL'
+        END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_release: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
+    END IF;
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key

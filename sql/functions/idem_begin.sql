@@ -36,6 +36,7 @@ DECLARE
     v_guard   boolean;
     v_action  bigint;
     v_fields  bytea;
+    v_ok      boolean;
     v_token   bigint;
     v_row     idem.idempotency_keys%ROWTYPE;
     v_lock    boolean;
@@ -45,24 +46,34 @@ DECLARE
     v_pos     integer;
     v_nul     integer;
 BEGIN
-    -- One expression validates everything: PL/pgSQL prepares each expression once per
-    -- session, so on the hot path one CASE is cheaper than many small IFs.
-    v_problem := CASE
+    -- Validation. PL/pgSQL compiles an expression the first time a transaction evaluates it,
+    -- and a claim is usually the only call of its transaction, so what costs is what gets
+    -- compiled: a valid call compiles one small test; the CASE that names the problem, and
+    -- the checks of optional arguments, are compiled only when they are needed.
+    IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}, false) THEN
+        v_problem := CASE
 {{ template "include/check_key.sql" . }}
 {{ template "include/check_request.sql" . }}
-        WHEN p_lease IS NOT NULL AND ({{ template "include/not_positive.sql" "p_lease" }}
-                                      OR p_lease > coalesce(p_ttl, {{ template "default_ttl" }}))
-            THEN format('22023 p_lease must be positive in every part and at most p_ttl, got %s', p_lease)
-        WHEN p_lock_timeout IS NOT NULL AND {{ template "include/not_positive.sql" "p_lock_timeout" }}
-            THEN format('22023 p_lock_timeout must be positive in every part, got %s', p_lock_timeout)
-    END;
+        END;
 {{ template "include/raise.sql" "idem_begin" }}
+    END IF;
+{{ template "include/check_ttl.sql" "idem_begin" }}
+    IF p_lease IS NOT NULL THEN
+        IF {{ template "include/not_positive.sql" "p_lease" }} OR p_lease > coalesce(p_ttl, {{ template "default_ttl" }}) THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part and at most p_ttl, got %', p_lease
+                USING ERRCODE = '22023';
+        END IF;
+    END IF;
     IF p_lock_timeout IS NOT NULL THEN
+        IF {{ template "include/not_positive.sql" "p_lock_timeout" }} THEN
+            RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive in every part, got %', p_lock_timeout
+                USING ERRCODE = '22023';
+        END IF;
         -- Local to this call: the SET clause above restores the caller's value on return.
         PERFORM set_config('lock_timeout',
-            greatest(ceil(extract(epoch FROM p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
+            greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
-
+{{ template "include/fields_blob.sql" "idem_begin" }}
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
     -- decisions after a wait use clock_timestamp().
     v_now := statement_timestamp();
@@ -70,9 +81,6 @@ BEGIN
     v_lease := v_now + p_lease;
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
-    IF p_request_fields IS NOT NULL THEN
-        v_fields := {{ template "include/fields_blob.sql" }};
-    END IF;
     -- The fencing token: no holder of any key ever had it.
     v_token := nextval('idem.attempt_seq');
 

@@ -17,13 +17,17 @@ AS $$
 DECLARE
     v_problem text;
 BEGIN
-    v_problem := CASE
+    -- Validation: one small test on the fast path; see idem_begin.
+    IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL
+                    AND {{ template "include/valid_response.sql" }}, false) THEN
+        v_problem := CASE
 {{ template "include/check_key.sql" . }}
         WHEN p_attempt IS NULL
             THEN '22004 p_attempt must not be NULL'
 {{ template "include/check_response.sql" . }}
-    END;
+        END;
 {{ template "include/raise.sql" "idem_complete" }}
+    END IF;
     UPDATE idem.idempotency_keys AS k
        SET state = 'c', lease_expires_at = NULL, uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,

@@ -11,12 +11,14 @@ AS $$
 DECLARE
     v_problem text;
 BEGIN
-    v_problem := CASE
+    IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL, false) THEN
+        v_problem := CASE
 {{ template "include/check_key.sql" . }}
-        WHEN p_attempt IS NULL
-            THEN '22004 p_attempt must not be NULL'
-    END;
+            WHEN p_attempt IS NULL
+                THEN '22004 p_attempt must not be NULL'
+        END;
 {{ template "include/raise.sql" "idem_release" }}
+    END IF;
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key

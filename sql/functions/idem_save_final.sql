@@ -28,21 +28,25 @@ DECLARE
     v_expires timestamptz;
     v_action  bigint;
     v_fields  bytea;
+    v_ok      boolean;
     v_token   bigint;
     v_stored  boolean;
 BEGIN
-    v_problem := CASE
+    -- Validation: one small test on the fast path; see idem_begin.
+    IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}
+                    AND {{ template "include/valid_response.sql" }}, false) THEN
+        v_problem := CASE
 {{ template "include/check_key.sql" . }}
 {{ template "include/check_request.sql" . }}
 {{ template "include/check_response.sql" . }}
-    END;
+        END;
 {{ template "include/raise.sql" "idem_save_final" }}
+    END IF;
+{{ template "include/check_ttl.sql" "idem_save_final" }}
+{{ template "include/fields_blob.sql" "idem_save_final" }}
     v_now := clock_timestamp();
     v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
     v_action := hashtextextended(p_action, 0);
-    IF p_request_fields IS NOT NULL THEN
-        v_fields := {{ template "include/fields_blob.sql" }};
-    END IF;
     v_token := nextval('idem.attempt_seq');
 
     -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
