@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-co-op/gocron/v2"
@@ -17,27 +18,35 @@ import (
 // server processes on a database ("idem" in ASCII, then "clean").
 const cleanupLockID int64 = 0x6964656d636c6e
 
-// cleaner deletes expired idempotency keys in batches.
+// cleaner deletes expired idempotency keys in batches, and vacuums the key table after a
+// pass that deleted some (when its role may: on PostgreSQL 15 only the table's owner can).
 type cleaner struct {
 	pool      *pgxpool.Pool
 	batchSize int
+	vacuum    bool
 	log       *slog.Logger
 	deleted   prometheus.Counter
 	passes    *prometheus.CounterVec
 	duration  prometheus.Histogram
+	vacuums   prometheus.Counter
+
+	mayVacuum     atomic.Int32 // 0 unknown, 1 yes, -1 no (not the owner)
+	vacuumRefused sync.Once
 }
 
-func newCleaner(pool *pgxpool.Pool, batchSize int, reg prometheus.Registerer, log *slog.Logger) *cleaner {
-	c := &cleaner{pool: pool, batchSize: batchSize, log: log,
+func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.Registerer, log *slog.Logger) *cleaner {
+	c := &cleaner{pool: pool, batchSize: batchSize, vacuum: vacuum, log: log,
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",
 			Help: "Expired idempotency keys deleted by this process."}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_cleanup_passes_total",
 			Help: "Cleanup passes by result: done, skipped (another process held the lock), failed."}, []string{"result"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "idem_cleanup_pass_duration_seconds",
 			Help: "Duration of the cleanup passes this process ran.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}),
+		vacuums: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_vacuums_total",
+			Help: "VACUUMs of the key table this process ran after a cleanup pass."}),
 	}
 	if reg != nil {
-		reg.MustRegister(c.deleted, c.passes, c.duration)
+		reg.MustRegister(c.deleted, c.passes, c.duration, c.vacuums)
 	}
 	return c
 }
@@ -65,6 +74,10 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	}
 	n, err := dbidem.Cleanup(ctx, c.pool, c.batchSize)
 	c.deleted.Add(float64(n))
+	if err == nil && n > 0 && c.vacuum {
+		// Still under the pass's lock, so one process vacuums at a time.
+		err = c.vacuumKeys(ctx)
+	}
 	c.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
 		c.passes.WithLabelValues("failed").Inc()
@@ -72,6 +85,33 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	}
 	c.passes.WithLabelValues("done").Inc()
 	return n, true, nil
+}
+
+// vacuumKeys vacuums the key table, so that the space of the rows just deleted is reused by
+// the next claims instead of the table growing until autovacuum comes by (its naptime is a
+// minute by default). VACUUM cannot run in a transaction or a function, and on PostgreSQL 15
+// only the table's owner (or a member of its role) may run it: a server that connects as
+// another role logs that once and leaves the table to autovacuum.
+func (c *cleaner) vacuumKeys(ctx context.Context) error {
+	if c.mayVacuum.Load() == 0 {
+		var owner bool
+		if err := c.pool.QueryRow(ctx, `SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
+			WHERE oid = 'idem.idempotency_keys'::regclass`).Scan(&owner); err != nil {
+			return err
+		}
+		c.mayVacuum.Store(map[bool]int32{true: 1, false: -1}[owner])
+	}
+	if c.mayVacuum.Load() < 0 {
+		c.vacuumRefused.Do(func() {
+			c.log.Info("cleanup does not vacuum the key table: the server's role does not own it (autovacuum does; see docs/operations.md)")
+		})
+		return nil
+	}
+	if _, err := c.pool.Exec(ctx, `VACUUM (SKIP_LOCKED) idem.idempotency_keys`); err != nil {
+		return err
+	}
+	c.vacuums.Inc()
+	return nil
 }
 
 // schedule runs a pass every interval (never two at once in this process) until the

@@ -5,11 +5,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgidem/pgidem/internal/pgtest"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 func expire(t *testing.T, s *testServer, principal string, n int) {
@@ -56,7 +60,7 @@ func TestCleanupWhileRequestsRun(t *testing.T) {
 			statuses = append(statuses, r.status)
 		}
 	}()
-	c := newCleaner(s.pool, 100, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	n, ran, err := c.pass(ctx)
 	close(stop)
 	wg.Wait()
@@ -91,7 +95,7 @@ func TestTwoInstancesOneCleaner(t *testing.T) {
 	id, _ := s.principal("c")
 	expire(t, s, id, 3000)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	a, b := newCleaner(s.pool, 100, nil, log), newCleaner(s.pool, 100, nil, log)
+	a, b := newCleaner(s.pool, 100, true, nil, log), newCleaner(s.pool, 100, true, nil, log)
 
 	ctx := context.Background()
 	holder, err := s.pool.Begin(ctx)
@@ -142,7 +146,7 @@ func TestScheduledCleanupStopsWithTheServer(t *testing.T) {
 	s := startServer(t, nil)
 	id, _ := s.principal("c")
 	expire(t, s, id, 500)
-	c := newCleaner(s.pool, 100, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	stop, err := c.schedule(context.Background(), 1e9/20) // every 50 ms
 	if err != nil {
 		t.Fatal(err)
@@ -159,5 +163,56 @@ func TestScheduledCleanupStopsWithTheServer(t *testing.T) {
 	time.Sleep(300 * time.Millisecond) // six intervals
 	if k := s.count(`SELECT count(*) FROM idem.idempotency_keys`); k != 10 {
 		t.Fatalf("a pass ran after stop: %d of 10 expired keys left", k)
+	}
+}
+
+// TestCleanupVacuumsTheKeyTable: a pass that deleted keys vacuums the key table when the
+// server's role owns it; a role that does not own it (here idem_app) still deletes, does
+// not try to vacuum, and says so once in the log.
+func TestCleanupVacuumsTheKeyTable(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	id, _ := s.principal("c")
+	ctx := context.Background()
+	vacuumCount := func() int {
+		return s.count(`SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idem.idempotency_keys'::regclass`)
+	}
+
+	expire(t, s, id, 300)
+	before := vacuumCount()
+	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if n, _, err := c.pass(ctx); err != nil || n != 300 {
+		t.Fatalf("owner pass: deleted %d, %v", n, err)
+	}
+	if got := testutil.ToFloat64(c.vacuums); got != 1 || vacuumCount() != before+1 {
+		t.Fatalf("owner pass: %v vacuums counted, vacuum_count %d -> %d", got, before, vacuumCount())
+	}
+	if n, _, err := c.pass(ctx); err != nil || n != 0 || testutil.ToFloat64(c.vacuums) != 1 {
+		t.Fatalf("a pass that deleted nothing: deleted %d, %v, %v vacuums", n, err, testutil.ToFloat64(c.vacuums))
+	}
+
+	cfg := s.pool.Config()
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SET ROLE idem_app`)
+		return err
+	}
+	app, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Close()
+	var log strings.Builder
+	c = newCleaner(app, 100, true, nil, slog.New(slog.NewTextHandler(&log, nil)))
+	for i := 0; i < 2; i++ {
+		expire(t, s, id, 50)
+		if n, _, err := c.pass(ctx); err != nil || n != 50 {
+			t.Fatalf("idem_app pass %d: deleted %d, %v", i, n, err)
+		}
+	}
+	if got := testutil.ToFloat64(c.vacuums); got != 0 || vacuumCount() != before+1 {
+		t.Fatalf("idem_app passes: %v vacuums counted, vacuum_count %d -> %d", got, before, vacuumCount())
+	}
+	if k := strings.Count(log.String(), "does not vacuum"); k != 1 {
+		t.Fatalf("want the refusal logged once, got %d times:\n%s", k, log.String())
 	}
 }

@@ -74,7 +74,7 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	switch m.Command {
 	case "cleanup":
-		n, _, err := newCleaner(m.pool, m.Config.CleanupBatchSize, nil, m.log).pass(ctx)
+		n, _, err := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, nil, m.log).pass(ctx)
 		if err == nil {
 			fmt.Fprintf(m.stdout, "deleted %d expired keys\n", n)
 		}
@@ -289,7 +289,7 @@ func (m *Main) serve(ctx context.Context) error {
 
 	var stopCleanup func()
 	if m.Config.CleanupInterval > 0 {
-		c := newCleaner(m.pool, m.Config.CleanupBatchSize, m.registry, m.log)
+		c := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, m.registry, m.log)
 		if stopCleanup, err = c.schedule(ctx, m.Config.CleanupInterval); err != nil {
 			return err
 		}

@@ -50,6 +50,9 @@ type Config struct {
 	CleanupInterval time.Duration
 	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Default 1000.
 	CleanupBatchSize int
+	// CleanupVacuum (CLEANUP_VACUUM): whether a cleanup pass that deleted keys vacuums the key
+	// table (when the server's role owns it). Default true.
+	CleanupVacuum bool
 	// ShutdownTimeout (SHUTDOWN_TIMEOUT): how long in-flight requests may finish. Default 10s.
 	ShutdownTimeout time.Duration
 	// TransfersRequireKey (TRANSFERS_REQUIRE_KEY): whether POST /v1/transfers needs an
@@ -64,7 +67,7 @@ func defaultConfig() Config {
 	return Config{
 		PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
 		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
-		CleanupInterval: time.Minute, CleanupBatchSize: 1000, ShutdownTimeout: 10 * time.Second,
+		CleanupInterval: time.Minute, CleanupBatchSize: 1000, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
 }
@@ -94,6 +97,7 @@ environment (docs/operations.md):
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
   CLEANUP_BATCH_SIZE              rows per cleanup batch (1000)
+  CLEANUP_VACUUM                  vacuum the key table after a pass that deleted keys, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
   LOG_LEVEL                       debug, info, warn or error (info)`
@@ -156,13 +160,8 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	}
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	p.duration("SHUTDOWN_TIMEOUT", &c.ShutdownTimeout, time.Millisecond)
-	if v := getenv("TRANSFERS_REQUIRE_KEY"); v != "" {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			p.fail("TRANSFERS_REQUIRE_KEY", v, "want true or false")
-		}
-		c.TransfersRequireKey = b
-	}
+	p.boolean("CLEANUP_VACUUM", &c.CleanupVacuum)
+	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
 	if v := getenv("LOG_LEVEL"); v != "" {
 		if err := c.LogLevel.UnmarshalText([]byte(v)); err != nil {
 			p.fail("LOG_LEVEL", v, "want debug, info, warn or error")
@@ -217,6 +216,19 @@ func (p *envParser) integer(name string, dst *int, lo, hi int) {
 		return
 	}
 	*dst = n
+}
+
+func (p *envParser) boolean(name string, dst *bool) {
+	v := strings.TrimSpace(p.getenv(name))
+	if v == "" {
+		return
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		p.fail(name, v, "want true or false")
+		return
+	}
+	*dst = b
 }
 
 func (p *envParser) duration(name string, dst *time.Duration, min time.Duration) {

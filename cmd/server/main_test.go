@@ -31,6 +31,7 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"MAX_STORED_RESPONSE_BYTES", "-1"},
 		{"CLEANUP_INTERVAL", "10ms"},
 		{"CLEANUP_BATCH_SIZE", "0"},
+		{"CLEANUP_VACUUM", "sometimes"},
 		{"TRANSFERS_REQUIRE_KEY", "maybe"},
 		{"LOG_LEVEL", "loud"},
 	} {
@@ -71,7 +72,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
-		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupBatchSize: 1000,
+		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupBatchSize: 1000, CleanupVacuum: true,
 		ShutdownTimeout: 10 * time.Second, TransfersRequireKey: true, LogLevel: slog.LevelInfo}
 	if m.Config != want {
 		t.Fatalf("defaults:\n got %+v\nwant %+v", m.Config, want)
@@ -80,7 +81,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		"DATABASE_URL": "postgres://u@h:5/d", "DATABASE_POOL_SIZE": "9", "LISTEN_ADDR": "0.0.0.0:9",
 		"IDEM_DATA_DIR": "/x", "IDEM_DATA_PORT": "7", "IDEM_APP_ROLE": "app_x", "IDEMPOTENCY_TTL": "1h",
 		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "MAX_BODY_BYTES": "100",
-		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "SHUTDOWN_TIMEOUT": "3s",
+		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "CLEANUP_VACUUM": "false", "SHUTDOWN_TIMEOUT": "3s",
 		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug",
 	}
 	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
@@ -88,7 +89,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	}
 	want = Config{DatabaseURL: "postgres://u@h:5/d", PoolSize: 9, ListenAddr: "0.0.0.0:9", DataDir: "/x", DataPort: 7,
 		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxBodyBytes: 100,
-		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, ShutdownTimeout: 3 * time.Second,
+		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, CleanupVacuum: false, ShutdownTimeout: 3 * time.Second,
 		TransfersRequireKey: false, LogLevel: slog.LevelDebug}
 	if m.Config != want {
 		t.Fatalf("every variable:\n got %+v\nwant %+v", m.Config, want)

@@ -223,7 +223,7 @@ func TestPgBouncerOneCleaner(t *testing.T) {
 		t.Cleanup(p.Close)
 		return p
 	}
-	a, b := newCleaner(pool(), 100, nil, log), newCleaner(pool(), 100, nil, log)
+	a, b := newCleaner(pool(), 100, true, nil, log), newCleaner(pool(), 100, true, nil, log)
 	ctx := context.Background()
 	principal := func(name string) string {
 		id, _, err := createPrincipal(ctx, bb.direct, name)
