@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -110,4 +111,31 @@ func TestPgCronSnippetMatchesDocs(t *testing.T) {
 		}
 	}
 	checkDocBlock(t, "../docs/sql-api.md", "<!-- pg_cron:begin", "<!-- pg_cron:end -->", "```sql\n"+strings.Join(stmts, "\n")+"\n```\n")
+}
+
+// TestOperationsSQLRuns runs every sql block of docs/operations.md, in order, with psql on a
+// migrated database (stopping at the first error), and checks what the fillfactor block does:
+// the table's fillfactor is the one it sets.
+func TestOperationsSQLRuns(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocks := regexp.MustCompile("(?ms)^ *```sql\n(.*?)^ *```").FindAllStringSubmatch(string(raw), -1)
+	if len(blocks) == 0 {
+		t.Fatal("no sql block in docs/operations.md")
+	}
+	url := pgtest.NewDB(t)
+	for _, b := range blocks {
+		psql(t, url, []byte(b[1]), "-v", "ON_ERROR_STOP=1")
+	}
+	conn := pgtest.Connect(t, url)
+	var opts []string
+	if err := conn.QueryRow(context.Background(), `SELECT reloptions FROM pg_class WHERE oid = 'idem.idempotency_keys'::regclass`).Scan(&opts); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(opts, "fillfactor=85") {
+		t.Fatalf("reloptions after the documented ALTER TABLE: %v", opts)
+	}
 }

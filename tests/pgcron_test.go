@@ -22,7 +22,8 @@ const pgCronSnippet = "../docs/snippets/pg_cron.sql"
 // on a private cluster of its own with pg_cron loaded, and shows that one scheduled run of
 // CALL idem.idem_cleanup_all(5000) deletes every expired key (12,000: three batches) and no
 // live one, each batch in a transaction of its own (a statement trigger records the
-// transaction of every DELETE). pg_cron 1.4 schedules by the minute, so the run starts at
+// transaction of every DELETE); and that the vacuum job scheduled beside it vacuums the key
+// table (pg_cron runs VACUUM outside a transaction block). pg_cron 1.4 schedules by the minute, so the run starts at
 // the next full minute: this test waits up to 70 seconds.
 //
 // The cluster settings pg_cron needs: shared_preload_libraries = 'pg_cron' (its launcher is a
@@ -85,31 +86,39 @@ func TestPgCronCleanup(t *testing.T) {
 	if _, err := conn.Exec(ctx, string(snippet)); err != nil {
 		t.Fatalf("%s: %v", pgCronSnippet, err)
 	}
-	var status, message string
-	for deadline := scheduled.Add(70 * time.Second); ; {
-		err := conn.QueryRow(ctx, `SELECT d.status, coalesce(d.return_message, '') FROM cron.job_run_details AS d
-			JOIN cron.job AS j USING (jobid) WHERE j.jobname = 'idem-cleanup' AND d.status IN ('succeeded', 'failed')
-			ORDER BY d.runid LIMIT 1`).Scan(&status, &message)
-		if err == nil {
-			break
+	finished := func(job string) {
+		t.Helper()
+		var status, message string
+		for deadline := scheduled.Add(70 * time.Second); ; {
+			err := conn.QueryRow(ctx, `SELECT d.status, coalesce(d.return_message, '') FROM cron.job_run_details AS d
+				JOIN cron.job AS j USING (jobid) WHERE j.jobname = $1 AND d.status IN ('succeeded', 'failed')
+				ORDER BY d.runid LIMIT 1`, job).Scan(&status, &message)
+			if err == nil {
+				break
+			}
+			if err != pgx.ErrNoRows {
+				t.Fatal(err)
+			}
+			if time.Now().After(deadline) {
+				var runs []string
+				rows, _ := conn.Query(ctx, `SELECT format('%s %s %s', status, start_time, return_message) FROM cron.job_run_details`)
+				runs, _ = pgx.CollectRows(rows, pgx.RowTo[string])
+				t.Fatalf("no finished run of job %s %v after scheduling it (runs: %v; server log %s)",
+					job, time.Since(scheduled).Round(time.Second), runs, c.LogFile())
+			}
+			time.Sleep(250 * time.Millisecond)
 		}
-		if err != pgx.ErrNoRows {
-			t.Fatal(err)
+		pgtest.Exec(t, conn, `SELECT cron.unschedule($1)`, job) // no second run while we count
+		t.Logf("the first run of %s finished %v after the schedule call: %s, %q",
+			job, time.Since(scheduled).Round(time.Second), status, message)
+		if status != "succeeded" {
+			t.Fatalf("the job %s failed: %s", job, message)
 		}
-		if time.Now().After(deadline) {
-			var runs []string
-			rows, _ := conn.Query(ctx, `SELECT format('%s %s %s', status, start_time, return_message) FROM cron.job_run_details`)
-			runs, _ = pgx.CollectRows(rows, pgx.RowTo[string])
-			t.Fatalf("no finished run of job idem-cleanup %v after scheduling it (runs: %v; server log %s)",
-				time.Since(scheduled).Round(time.Second), runs, c.LogFile())
-		}
-		time.Sleep(250 * time.Millisecond)
 	}
-	pgtest.Exec(t, conn, `SELECT cron.unschedule('idem-cleanup')`) // no second run while we count
-	t.Logf("the job's first run finished %v after the schedule call: %s, %q",
-		time.Since(scheduled).Round(time.Second), status, message)
-	if status != "succeeded" {
-		t.Fatalf("the job failed: %s", message)
+	finished("idem-cleanup")
+	finished("idem-vacuum")
+	if n := pgtest.Count(t, conn, `SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idem.idempotency_keys'::regclass`); n < 1 {
+		t.Fatalf("the key table was vacuumed %d times, want the job's vacuum", n)
 	}
 	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'old-%'`); n != 0 {
 		t.Fatalf("%d expired keys left after one run", n)
