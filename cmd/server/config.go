@@ -48,7 +48,8 @@ type Config struct {
 	// CleanupInterval (CLEANUP_INTERVAL): how often expired keys are deleted; 0 disables.
 	// Default 1m.
 	CleanupInterval time.Duration
-	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Default 1000.
+	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Zero (the default) means
+	// the SQL API's default (idem.idem_defaults(), 1000).
 	CleanupBatchSize int
 	// CleanupVacuum (CLEANUP_VACUUM): whether a cleanup pass that deleted keys vacuums the key
 	// table (when the server's role owns it). Default true.
@@ -67,7 +68,7 @@ func defaultConfig() Config {
 	return Config{
 		PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
 		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
-		CleanupInterval: time.Minute, CleanupBatchSize: 1000, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
+		CleanupInterval: time.Minute, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
 }
@@ -96,7 +97,7 @@ environment (docs/operations.md):
   MAX_BODY_BYTES                  the largest request body (1048576)
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
-  CLEANUP_BATCH_SIZE              rows per cleanup batch (1000)
+  CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
   CLEANUP_VACUUM                  vacuum the key table after a pass that deleted keys, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)

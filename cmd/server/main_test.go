@@ -2,14 +2,17 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -72,7 +75,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
-		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupBatchSize: 1000, CleanupVacuum: true,
+		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupVacuum: true,
 		ShutdownTimeout: 10 * time.Second, TransfersRequireKey: true, LogLevel: slog.LevelInfo}
 	if m.Config != want {
 		t.Fatalf("defaults:\n got %+v\nwant %+v", m.Config, want)
@@ -113,4 +116,45 @@ func TestHelp(t *testing.T) {
 			t.Fatalf("%s: %v\n%s", arg, err, out.String())
 		}
 	}
+}
+
+// TestHelpStatesTheSQLDefaults: the defaults that `server help` names for the variables left
+// to the SQL API are the ones the functions of a migrated database use.
+func TestHelpStatesTheSQLDefaults(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	conn := pgtest.Connect(t, pgtest.NewDB(t))
+	d, err := dbidem.ReadDefaults(ctx, conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	m := NewMain(&out, io.Discard)
+	if err := m.ParseFlags([]string{"help"}, func(string) string { return "" }); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{
+		"IDEMPOTENCY_TTL":          shortDuration(d.TTL),
+		"IDEMPOTENCY_LOCK_TIMEOUT": shortDuration(d.LockTimeout),
+		"CLEANUP_BATCH_SIZE":       fmt.Sprint(d.BatchSize),
+	} {
+		line := regexp.MustCompile(`(?m)^  ` + name + ` .*\(the SQL default, ([^)]+)\)$`).FindStringSubmatch(out.String())
+		if line == nil || line[1] != want {
+			t.Errorf("%s: help says %v, the SQL default is %s\n%s", name, line, want, out.String())
+		}
+	}
+}
+
+// shortDuration writes 24h0m0s as 24h and 2s as 2s.
+func shortDuration(d time.Duration) string {
+	s := d.String()
+	for _, z := range []string{"0s", "0m"} {
+		if strings.HasSuffix(s, z) && len(s) > len(z) {
+			s = strings.TrimSuffix(s, z)
+		}
+	}
+	return s
 }

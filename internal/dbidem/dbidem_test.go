@@ -151,6 +151,10 @@ func TestSaveFinalAndCleanup(t *testing.T) {
 		if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys`); n != 1 {
 			t.Fatalf("%d rows left, want the live one", n)
 		}
+		pgtest.InsertExpired(t, pool, "p", 1500)
+		if n, err := dbidem.Cleanup(ctx, pool, 0); err != nil || n != 1500 { // 0: the SQL default, 1000
+			t.Fatalf("cleanup with the default batch size: %d %v, want 1500", n, err)
+		}
 		cancelled, cancel := context.WithCancel(ctx)
 		cancel()
 		if _, err := dbidem.Cleanup(cancelled, pool, 1000); !errors.Is(err, context.Canceled) {

@@ -181,10 +181,18 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 }
 
 // Cleanup deletes expired keys in batches of batchSize (idem_cleanup) until a batch comes
-// back short, and returns how many it deleted. Pass a pool or a connection outside any
-// transaction, so that each batch is its own short transaction. When ctx ends first it
-// returns the count so far and ctx.Err(). Safe to run from several processes at once.
+// back short, and returns how many it deleted; a batchSize of zero or less means the SQL
+// API's default (Defaults.BatchSize). Pass a pool or a connection outside any transaction,
+// so that each batch is its own short transaction. When ctx ends first it returns the count
+// so far and ctx.Err(). Safe to run from several processes at once.
 func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
+	if batchSize <= 0 {
+		d, err := ReadDefaults(ctx, q)
+		if err != nil {
+			return 0, err
+		}
+		batchSize = d.BatchSize
+	}
 	total := 0
 	for {
 		if err := ctx.Err(); err != nil {
@@ -204,8 +212,8 @@ func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 	}
 }
 
-// Defaults are the SQL API's defaults, which a zero Claim.TTL or Claim.LockTimeout stands
-// for. They have one home, the functions (idem.idem_defaults()).
+// Defaults are the SQL API's defaults, which a zero Claim.TTL, Claim.LockTimeout or
+// Cleanup batch size stands for. They have one home, the functions (idem.idem_defaults()).
 type Defaults struct {
 	// TTL is how long a key stays valid.
 	TTL time.Duration
