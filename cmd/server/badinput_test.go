@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -249,5 +251,28 @@ func TestNotMigrated(t *testing.T) {
 	r := s.call("GET", "/healthz", "", "", "")
 	if r.status != 503 || !strings.Contains(r.body, "database not migrated") {
 		t.Fatalf("healthz on a database behind this server: %+v", r)
+	}
+}
+
+// TestConnectErrorIsTheServersAnswer: when PostgreSQL refuses the connection (here: a role
+// that does not exist, with sslmode left to its default, prefer), the error is the server's
+// answer and where it came from, not the list of pgx's attempts with a TLS error first.
+func TestConnectErrorIsTheServersAnswer(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgconn.ParseConfig(pgtest.NewEmptyDB(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := fmt.Sprintf("host=%s port=%d user=no_such_role dbname=%s", cfg.Host, cfg.Port, cfg.Database)
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags([]string{"migrate"}, func(k string) string { return map[string]string{"DATABASE_URL": url}[k] }); err != nil {
+		t.Fatal(err)
+	}
+	err = m.Run(context.Background())
+	_ = m.Close()
+	want := fmt.Sprintf(`connect to PostgreSQL at %s:%d as "no_such_role", database %q: role "no_such_role" does not exist (SQLSTATE 28000)`,
+		cfg.Host, cfg.Port, cfg.Database)
+	if err == nil || err.Error() != want {
+		t.Fatalf("got  %v\nwant %s", err, want)
 	}
 }

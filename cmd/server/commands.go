@@ -90,6 +90,19 @@ func (m *Main) Run(ctx context.Context) error {
 	return m.serve(ctx)
 }
 
+// connectError says why a connection failed. When the server answered with an error (a wrong
+// password, an unknown role or database), that answer is the reason, and it is all the
+// message says besides where: pgx's own error also lists every attempt it made, a refused TLS
+// attempt of sslmode=prefer first.
+func connectError(cfg *pgx.ConnConfig, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return fmt.Errorf("connect to PostgreSQL at %s:%d as %q, database %q: %s (SQLSTATE %s)",
+			cfg.Host, cfg.Port, cfg.User, cfg.Database, pgErr.Message, pgErr.Code)
+	}
+	return fmt.Errorf("connect to PostgreSQL: %w", err)
+}
+
 func (m *Main) openDatabase(ctx context.Context) error {
 	url := m.Config.DatabaseURL
 	if url == "" {
@@ -118,7 +131,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 	cfg.MaxConns = int32(m.Config.PoolSize)
 	if m.cluster == nil {
 		if err := m.statementCacheMode(ctx, cfg, url); err != nil {
-			return fmt.Errorf("connect to PostgreSQL: %w", err)
+			return connectError(cfg.ConnConfig, err)
 		}
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -127,7 +140,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 	}
 	m.pool = pool
 	if err := pool.Ping(ctx); err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return connectError(cfg.ConnConfig, err)
 	}
 	if m.cluster != nil && m.Command != "migrate" {
 		return m.migrate(ctx) // the embedded default is always up to date
