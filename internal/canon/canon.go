@@ -89,7 +89,7 @@ func Compute(method, escapedPath string, body []byte) Fingerprint {
 			case t.caseDup:
 				fp.Ambiguous = AmbiguousCase
 			}
-			buf := write(h, t, 0, make([]byte, 0, 4096+64))
+			write(h, t, 0)
 			n := 0
 			for c := t.nodes[0].first; t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
 				n++
@@ -100,7 +100,7 @@ func Compute(method, escapedPath string, body []byte) Fingerprint {
 				var sum [sha256.Size]byte
 				for c := t.nodes[0].first; c >= 0; c = t.nodes[c].next {
 					fh.Reset()
-					buf = write(fh, t, c, buf)
+					write(fh, t, c)
 					fp.Fields[string(t.bytes(t.nodes[c].name))] = hex.EncodeToString(fh.Sum(sum[:0]))
 				}
 			}
@@ -121,7 +121,7 @@ func Canonicalize(data []byte) ([]byte, error) {
 	}
 	var out bytes.Buffer
 	out.Grow(len(data))
-	write(&out, t, 0, make([]byte, 0, 4096+64))
+	write(&out, t, 0)
 	return out.Bytes(), nil
 }
 

@@ -163,3 +163,14 @@ func BenchmarkJCS(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkComputeTransfer is the common case: a small object of three members, as the
+// reference server's POST /v1/transfers receives it.
+func BenchmarkComputeTransfer(b *testing.B) {
+	body := []byte(`{"from":12,"to":34,"amount":1}`)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		Compute("POST", "/v1/transfers", body)
+	}
+}

@@ -1,5 +1,14 @@
 package canon
 
+import "sync"
+
+// blockSize is how much canonical text the writer gathers before it hands it to out.
+const blockSize = 4096
+
+// buffers keeps the writers' blocks between calls: a fingerprint is computed for every keyed
+// request, and a fresh block each time was most of the bytes the middleware allocated.
+var buffers = sync.Pool{New: func() any { b := make([]byte, 0, blockSize+64); return &b }}
+
 // writer appends the canonical text to a buffer and hands it to out in blocks.
 type writer struct {
 	out interface{ Write([]byte) (int, error) }
@@ -7,7 +16,7 @@ type writer struct {
 }
 
 func (w *writer) flushIfFull() {
-	if len(w.buf) >= 4096 {
+	if len(w.buf) >= blockSize {
 		w.flush()
 	}
 }
@@ -81,10 +90,12 @@ func (w *writer) value(t *tree, i int32) {
 	w.flushIfFull()
 }
 
-// write writes the canonical text of v to out.
-func write(out interface{ Write([]byte) (int, error) }, t *tree, i int32, buf []byte) []byte {
-	w := writer{out: out, buf: buf[:0]}
+// write writes the canonical text of node i of t to out, through a block from buffers.
+func write(out interface{ Write([]byte) (int, error) }, t *tree, i int32) {
+	b := buffers.Get().(*[]byte)
+	w := writer{out: out, buf: (*b)[:0]}
 	w.value(t, i)
 	w.flush()
-	return w.buf
+	*b = w.buf[:0]
+	buffers.Put(b)
 }
