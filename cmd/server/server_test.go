@@ -17,7 +17,7 @@ import (
 
 // testServer is the real program serving on a free port against a fresh database.
 type testServer struct {
-	t    *testing.T
+	t    testing.TB
 	url  string
 	db   string
 	pool *pgxpool.Pool
@@ -26,7 +26,7 @@ type testServer struct {
 	shutdown func() error
 }
 
-func startServer(t *testing.T, env map[string]string) *testServer {
+func startServer(t testing.TB, env map[string]string) *testServer {
 	t.Helper()
 	db := pgtest.NewEmptyDB(t)
 	mig := NewMain(io.Discard, io.Discard)
@@ -52,7 +52,7 @@ func serverEnv(db string, env map[string]string) func(string) string {
 
 // serveOn starts the real program serving the (migrated) database db: a second process of
 // the same service when db is another test server's.
-func serveOn(t *testing.T, db string, env map[string]string) *testServer {
+func serveOn(t testing.TB, db string, env map[string]string) *testServer {
 	t.Helper()
 	m := NewMain(io.Discard, io.Discard)
 	if err := m.ParseFlags(nil, serverEnv(db, env)); err != nil {
