@@ -13,12 +13,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -112,16 +112,9 @@ func Start(ctx context.Context, cfg Config) (*Bouncer, error) {
 	if cfg.Host == "" || cfg.Port == 0 {
 		return nil, errors.New("pgbouncer: Config needs the server's Host and Port")
 	}
-	var cred *syscall.Credential
-	uid, gid := -1, -1
-	if os.Geteuid() == 0 {
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			return nil, fmt.Errorf("pgbouncer: running as root needs the user postgres to run pgbouncer (it refuses root): %w", err)
-		}
-		uid, _ = strconv.Atoi(u.Uid)
-		gid, _ = strconv.Atoi(u.Gid)
-		cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	cred, uid, gid, err := pgcluster.PostgresUser("pgbouncer (it refuses root)")
+	if err != nil {
+		return nil, fmt.Errorf("pgbouncer: %w", err)
 	}
 	// The port is free a moment before PgBouncer binds it; another process may take it in
 	// between, so a start that fails to bind is tried again on another port.
@@ -257,12 +250,7 @@ func (b *Bouncer) ini(cfg Config) string {
 		why[d.Name] = d.Why
 	}
 	settings := cfg.settings()
-	names := make([]string, 0, len(settings))
-	for k := range settings {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	for _, k := range names {
+	for _, k := range slices.Sorted(maps.Keys(settings)) {
 		v, ok := settings[k]
 		if !ok || v == "" {
 			continue
@@ -280,14 +268,9 @@ func userlist(users map[string]string) string {
 	if len(users) == 0 {
 		users = map[string]string{"postgres": ""}
 	}
-	names := make([]string, 0, len(users))
-	for k := range users {
-		names = append(names, k)
-	}
-	sort.Strings(names)
 	var w strings.Builder
 	quote := func(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
-	for _, n := range names {
+	for _, n := range slices.Sorted(maps.Keys(users)) {
 		fmt.Fprintf(&w, "%s %s\n", quote(n), quote(users[n]))
 	}
 	return w.String()

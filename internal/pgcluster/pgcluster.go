@@ -87,15 +87,8 @@ func (c *Cluster) prepare() error {
 	if c.Port == 0 {
 		c.Port = 5432
 	}
-	c.uid, c.gid = -1, -1
-	if os.Geteuid() == 0 {
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			return fmt.Errorf("pgcluster: running as root needs the user postgres to run the server (initdb refuses root): %w", err)
-		}
-		c.uid, _ = strconv.Atoi(u.Uid)
-		c.gid, _ = strconv.Atoi(u.Gid)
-		c.cred = &syscall.Credential{Uid: uint32(c.uid), Gid: uint32(c.gid)}
+	if c.cred, c.uid, c.gid, err = PostgresUser("the server (initdb refuses root)"); err != nil {
+		return fmt.Errorf("pgcluster: %w", err)
 	}
 	for _, d := range []string{c.Dir, c.SocketDir} {
 		if d == "" {
@@ -121,6 +114,23 @@ func (c *Cluster) prepare() error {
 		}
 	}
 	return nil
+}
+
+// PostgresUser is who a private PostgreSQL program runs as: nobody else (nil, -1, -1) when
+// this process is not root; otherwise the operating-system user "postgres" (created by the
+// Debian package), because initdb and pgbouncer refuse to run as root. program names what
+// needs it, for the error.
+func PostgresUser(program string) (cred *syscall.Credential, uid, gid int, err error) {
+	if os.Geteuid() != 0 {
+		return nil, -1, -1, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, -1, -1, fmt.Errorf("running as root needs the user postgres to run %s: %w", program, err)
+	}
+	uid, _ = strconv.Atoi(u.Uid)
+	gid, _ = strconv.Atoi(u.Gid)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, uid, gid, nil
 }
 
 // unreachable returns the first directory on the way to dir (dir included) that the user

@@ -124,19 +124,24 @@ func moduleRoot() (string, error) {
 	return filepath.Dir(gomod), nil
 }
 
-// post sends a JSON body (with the bearer token, and the key unless it is "") and returns
-// the status and the body.
-func (s *server) post(ctx context.Context, path, key, body string) (int, []byte, error) {
+// do POSTs a JSON body with the bearer token, and the key unless it is "".
+func (s *server) do(ctx context.Context, path, key, body string) (*http.Response, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+path, strings.NewReader(body))
 	if err != nil {
-		return 0, nil, err
+		return nil, err
 	}
 	req.Header.Set("Authorization", "Bearer "+s.token)
 	req.Header.Set("Content-Type", "application/json")
 	if key != "" {
 		req.Header.Set("Idempotency-Key", key)
 	}
-	res, err := s.http.Do(req)
+	return s.http.Do(req)
+}
+
+// post sends a JSON body (with the bearer token, and the key unless it is "") and returns
+// the status and the body.
+func (s *server) post(ctx context.Context, path, key, body string) (int, []byte, error) {
+	res, err := s.do(ctx, path, key, body)
 	if err != nil {
 		return 0, nil, err
 	}
@@ -148,16 +153,7 @@ func (s *server) post(ctx context.Context, path, key, body string) (int, []byte,
 // send is post for the load: the body is discarded, except for a status other than want,
 // which is returned as an error with the start of the body.
 func (s *server) send(ctx context.Context, path, key, body string, want int) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+path, strings.NewReader(body))
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Authorization", "Bearer "+s.token)
-	req.Header.Set("Content-Type", "application/json")
-	if key != "" {
-		req.Header.Set("Idempotency-Key", key)
-	}
-	res, err := s.http.Do(req)
+	res, err := s.do(ctx, path, key, body)
 	if err != nil {
 		return err
 	}

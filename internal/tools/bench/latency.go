@@ -183,12 +183,7 @@ func latencyPart(ctx context.Context, b *bench) error {
 	if err != nil {
 		return err
 	}
-	med := map[string]float64{}
-	fmt.Printf("\n%-12s %10s   %s\n", "variant", "median tps", "runs")
-	for _, v := range latencyVariants {
-		med[v.name] = median(tps[v.name])
-		fmt.Printf("%-12s %10.0f   %v\n", v.name, med[v.name], rounded(tps[v.name]))
-	}
+	med := printMedians(latencyVariants, tps)
 	b.info("SQL +0.5 ms/round trip: SELECT 1 round trip, direct / proxied (ms)",
 		fmt.Sprintf("%.3f / %.3f", rtDirect.Seconds()*1000, rtProxied.Seconds()*1000))
 	b.ratio("SQL +0.5 ms/round trip, 4 clients: functions / seed 001", med["functions"]/med["seed001"], ">=", 1.50)

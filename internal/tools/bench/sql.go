@@ -34,6 +34,12 @@ var sqlVariants = []sqlVariant{
 // noKeyTx: BEGIN, the effect, COMMIT, as an application without keys sends them.
 func noKeyTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	from, to := w.transfer()
+	return inTx(ctx, pool, func(tx pgx.Tx) error { return effect(ctx, tx, from, to) })
+}
+
+// inTx runs fn in a transaction on a connection of pool, as an application sends it: BEGIN,
+// fn's statements, COMMIT, each its own round trip.
+func inTx(ctx context.Context, pool *pgxpool.Pool, fn func(tx pgx.Tx) error) error {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		return err
@@ -44,7 +50,7 @@ func noKeyTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 		return err
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if err := effect(ctx, tx, from, to); err != nil {
+	if err := fn(tx); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
@@ -151,22 +157,16 @@ func (d *decision) dest() []any {
 // handwrittenTx: our table, statements written by hand, each its own round trip.
 func handwrittenTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	r := w.request()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{})
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	return inTx(ctx, pool, func(tx pgx.Tx) error { return handwritten(ctx, tx, r) })
+}
+
+func handwritten(ctx context.Context, tx pgx.Tx, r request) error {
 	if _, err := tx.Exec(ctx, `DELETE FROM idem.idempotency_keys WHERE principal_id = $1 AND key = $2 AND expires_at <= now()`,
 		principal, r.key); err != nil {
 		return err
 	}
 	var attempt int64
-	err = tx.QueryRow(ctx, `INSERT INTO idem.idempotency_keys
+	err := tx.QueryRow(ctx, `INSERT INTO idem.idempotency_keys
 		  (expires_at, attempt, action_hash, state, uncompleted, principal_id, key, request_sha256, request_fields)
 		VALUES (now() + interval '24 hours', nextval('idem.attempt_seq'), hashtextextended('POST /v1/transfers', 0), 'p', true,
 		        $1, $2, $3, $4)
@@ -178,29 +178,21 @@ func handwrittenTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	if err := effect(ctx, tx, r.from, r.to); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, `UPDATE idem.idempotency_keys
+	_, err = tx.Exec(ctx, `UPDATE idem.idempotency_keys
 		   SET state = 'c', uncompleted = NULL, response_status = $3, response_headers = $4, response_body = $5
 		 WHERE principal_id = $1 AND key = $2`,
-		principal, r.key, response.Status, responseHeaderJSON, response.Body); err != nil {
-		return err
-	}
-	return tx.Commit(ctx)
+		principal, r.key, response.Status, responseHeaderJSON, response.Body)
+	return err
 }
 
 // seed001Tx: the seed tutorial's table and statements, each its own round trip.
 func seed001Tx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	r := w.request()
+	return inTx(ctx, pool, func(tx pgx.Tx) error { return seed001(ctx, tx, r) })
+}
+
+func seed001(ctx context.Context, tx pgx.Tx, r request) error {
 	const userID = 1
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{})
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
 	if _, err := tx.Exec(ctx, `DELETE FROM seed_keys WHERE user_id = $1 AND key = $2 AND created_at < now() - interval '24 hours'`,
 		userID, r.key); err != nil {
 		return err
@@ -212,11 +204,9 @@ func seed001Tx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	if err := effect(ctx, tx, r.from, r.to); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, `UPDATE seed_keys SET response_status = $3, response_body = $4 WHERE user_id = $1 AND key = $2`,
-		userID, r.key, response.Status, response.Body); err != nil {
-		return err
-	}
-	return tx.Commit(ctx)
+	_, err := tx.Exec(ctx, `UPDATE seed_keys SET response_status = $3, response_body = $4 WHERE user_id = $1 AND key = $2`,
+		userID, r.key, response.Status, response.Body)
+	return err
 }
 
 // replayTx: the driver's Claim on one of the completed keys; RunTx then commits the
@@ -263,12 +253,7 @@ func sqlPart(ctx context.Context, b *bench) error {
 	if err != nil {
 		return err
 	}
-	med := map[string]float64{}
-	fmt.Printf("\n%-12s %10s   %s\n", "variant", "median tps", "runs")
-	for _, v := range sqlVariants {
-		med[v.name] = median(tps[v.name])
-		fmt.Printf("%-12s %10.0f   %v\n", v.name, med[v.name], rounded(tps[v.name]))
-	}
+	med := printMedians(sqlVariants, tps)
 	b.ratio("SQL: functions / seed 001 statements (loopback)", med["functions"]/med["seed001"], ">=", 1.00)
 	b.ratio("SQL: functions / hand-written on our table", med["functions"]/med["handwritten"], ">=", 1.05)
 	b.ratio("SQL: guard / no guard", med["functions"]/med["noguard"], ">=", 0.95)
@@ -323,4 +308,15 @@ func (f *failures) err() error {
 		return nil
 	}
 	return fmt.Errorf("%d transactions or requests failed; the first: %s", f.n, f.first)
+}
+
+// printMedians prints each variant's median and its runs, and returns the medians.
+func printMedians(variants []sqlVariant, tps map[string][]float64) map[string]float64 {
+	med := map[string]float64{}
+	fmt.Printf("\n%-12s %10s   %s\n", "variant", "median tps", "runs")
+	for _, v := range variants {
+		med[v.name] = median(tps[v.name])
+		fmt.Printf("%-12s %10.0f   %v\n", v.name, med[v.name], rounded(tps[v.name]))
+	}
+	return med
 }
