@@ -7,10 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"net/url"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -21,7 +17,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/pgbouncer"
-	"github.com/pgidem/pgidem/internal/pgcluster"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -302,73 +297,10 @@ func TestPgBouncerQuickstart(t *testing.T) {
 		t.Errorf("%d transfers, want 1:\n%s", n, out)
 	}
 
-	readme, err := os.ReadFile("../../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, rest, ok := strings.Cut(string(readme), "<!-- quickstart-psql:begin -->\n```sql\n")
-	session, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart-psql:end -->")
-	if !ok || !ok2 {
-		t.Fatal("README.md has no psql block between <!-- quickstart-psql:begin --> and <!-- quickstart-psql:end -->")
-	}
-	pgbin, err := pgcluster.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := pgx.ParseConfig(bb.via)
-	if err != nil {
-		t.Fatal(err)
-	}
-	psql := exec.Command(filepath.Join(pgbin, "psql"), "-X", "-v", "ON_ERROR_STOP=1")
-	psql.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
-		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database)
-	psql.Stdin = strings.NewReader(session)
-	printed, err := psql.CombinedOutput()
-	if err != nil {
-		t.Fatalf("the psql quickstart through PgBouncer failed: %v\n%s", err, printed)
-	}
-	if !regexp.MustCompile(`claimed with token \d+`).Match(printed) || !regexp.MustCompile(`replay +\| +201 \| \{"id":1\}`).Match(printed) {
-		t.Errorf("the psql quickstart through PgBouncer printed:\n%s", printed)
-	}
+	runQuickstartPsql(t, bb.via)
 	if n := bb.servers(t); n < 1 {
 		t.Fatal("PgBouncer holds no server connection to the database: the quickstart did not go through it")
 	}
-}
-
-// runQuickstart runs the README's quickstart block against s, with databaseURL as the
-// DATABASE_URL of its `principal create`, and checks its output as TestQuickstart does.
-func runQuickstart(t *testing.T, s *testServer, databaseURL string) string {
-	t.Helper()
-	if _, err := exec.LookPath("curl"); err != nil {
-		t.Fatal("curl is needed to run the README quickstart: apt-get install curl")
-	}
-	readme, err := os.ReadFile("../../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, rest, ok := strings.Cut(string(readme), "<!-- quickstart:begin -->\n```sh\n")
-	script, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart:end -->")
-	if !ok || !ok2 {
-		t.Fatal("README.md has no quickstart block between <!-- quickstart:begin --> and <!-- quickstart:end -->")
-	}
-	script = strings.ReplaceAll(script, "localhost:8080", strings.TrimPrefix(s.url, "http://"))
-	script = strings.ReplaceAll(script, "go run ./cmd/server", serverBinary(t))
-	cmd := exec.Command("bash", "-euo", "pipefail", "-c", script)
-	cmd.Env = append(os.Environ(), "DATABASE_URL="+databaseURL)
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("the quickstart failed: %v\n%s", err, out)
-	}
-	text := string(out)
-	for _, want := range []string{
-		`"amount":10000`, "HTTP/1.1 201 Created", "Idempotent-Replayed: true",
-		`"code":"idempotency_key_reuse"`, `"changed_fields":["amount"]`, `"balance":7500`,
-	} {
-		if !strings.Contains(text, want) {
-			t.Errorf("the quickstart's output lacks %s:\n%s", want, text)
-		}
-	}
-	return text
 }
 
 // logBuffer is a server's log, safe to read while the server writes it.
@@ -389,41 +321,11 @@ func (l *logBuffer) String() string {
 	return l.b.String()
 }
 
-// serveLogged is serveOn with the server's log kept; the test's own pool (principals,
-// counts) goes to poolURL.
+// serveLogged is serveWith with the server's log kept in a logBuffer.
 func serveLogged(t *testing.T, db, poolURL string, env map[string]string) (*testServer, *logBuffer) {
 	t.Helper()
 	log := &logBuffer{}
-	m := NewMain(io.Discard, log)
-	if err := m.ParseFlags(nil, serverEnv(db, env)); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- m.Run(ctx) }()
-	var addr string
-	select {
-	case addr = <-m.Addr:
-	case err := <-done:
-		cancel()
-		t.Fatalf("serve: %v\n%s", err, log)
-	}
-	var once sync.Once
-	t.Cleanup(func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("serve: %v", err)
-			}
-			_ = m.Close()
-		})
-	})
-	pool, err := pgxpool.New(context.Background(), poolURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return &testServer{t: t, url: "http://" + addr, db: db, pool: pool, main: m}, log
+	return serveWith(t, db, poolURL, env, log), log
 }
 
 // keyedLoad sends 8 × 15 keyed account creations at once and counts the answers by status.

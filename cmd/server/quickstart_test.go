@@ -19,26 +19,42 @@ import (
 // program (`go run ./cmd/server` becomes a binary built once) are substituted.
 func TestQuickstart(t *testing.T) {
 	t.Parallel()
-	if _, err := exec.LookPath("curl"); err != nil {
-		t.Fatal("curl is needed to run the README quickstart: apt-get install curl")
+	s := startServer(t, nil)
+	out := runQuickstart(t, s, s.db)
+	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
+		t.Errorf("%d transfers, want 1:\n%s", n, out)
 	}
+	runQuickstartPsql(t, s.db) // against the same database
+}
+
+// readmeBlock returns the README's block between <!-- name:begin --> plus the opening fence
+// and the closing fence plus <!-- name:end -->.
+func readmeBlock(t *testing.T, name, fence string) string {
+	t.Helper()
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, rest, ok := strings.Cut(string(readme), "<!-- quickstart:begin -->\n```sh\n")
-	script, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart:end -->")
+	_, rest, ok := strings.Cut(string(readme), "<!-- "+name+":begin -->\n```"+fence+"\n")
+	block, _, ok2 := strings.Cut(rest, "```\n<!-- "+name+":end -->")
 	if !ok || !ok2 {
-		t.Fatal("README.md has no quickstart block between <!-- quickstart:begin --> and <!-- quickstart:end -->")
+		t.Fatalf("README.md has no %s block between <!-- %s:begin --> and <!-- %s:end -->", fence, name, name)
 	}
-	bin := serverBinary(t)
-	s := startServer(t, nil)
-	host := strings.TrimPrefix(s.url, "http://")
-	script = strings.ReplaceAll(script, "localhost:8080", host)
-	script = strings.ReplaceAll(script, "go run ./cmd/server", bin)
+	return block
+}
 
+// runQuickstart runs the README's curl quickstart against s, with databaseURL as the
+// DATABASE_URL of its `principal create`, checks what it printed, and returns it.
+func runQuickstart(t *testing.T, s *testServer, databaseURL string) string {
+	t.Helper()
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Fatal("curl is needed to run the README quickstart: apt-get install curl")
+	}
+	script := readmeBlock(t, "quickstart", "sh")
+	script = strings.ReplaceAll(script, "localhost:8080", strings.TrimPrefix(s.url, "http://"))
+	script = strings.ReplaceAll(script, "go run ./cmd/server", serverBinary(t))
 	cmd := exec.Command("bash", "-euo", "pipefail", "-c", script)
-	cmd.Env = append(os.Environ(), "DATABASE_URL="+s.db)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+databaseURL)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("the quickstart failed: %v\n%s", err, out)
@@ -56,29 +72,26 @@ func TestQuickstart(t *testing.T) {
 			t.Errorf("the quickstart's output lacks %s:\n%s", want, text)
 		}
 	}
-	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
-		t.Errorf("%d transfers, want 1", n)
-	}
+	return text
+}
 
-	// The psql part, against the same database.
-	_, rest, ok = strings.Cut(string(readme), "<!-- quickstart-psql:begin -->\n```sql\n")
-	session, _, ok2 := strings.Cut(rest, "```\n<!-- quickstart-psql:end -->")
-	if !ok || !ok2 {
-		t.Fatal("README.md has no psql block between <!-- quickstart-psql:begin --> and <!-- quickstart-psql:end -->")
-	}
+// runQuickstartPsql runs the README's psql quickstart with psql against url and checks what
+// it printed: a claim with its token, then the replay of the stored answer.
+func runQuickstartPsql(t *testing.T, url string) {
+	t.Helper()
 	pgbin, err := pgcluster.BinDir()
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := pgx.ParseConfig(s.db)
+	cfg, err := pgx.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	psql := exec.Command(filepath.Join(pgbin, "psql"), "-X", "-v", "ON_ERROR_STOP=1")
 	psql.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
 		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database)
-	psql.Stdin = strings.NewReader(session)
-	out, err = psql.CombinedOutput()
+	psql.Stdin = strings.NewReader(readmeBlock(t, "quickstart-psql", "sql"))
+	out, err := psql.CombinedOutput()
 	if err != nil {
 		t.Fatalf("the psql quickstart failed: %v\n%s", err, out)
 	}

@@ -54,7 +54,14 @@ func serverEnv(db string, env map[string]string) func(string) string {
 // the same service when db is another test server's.
 func serveOn(t testing.TB, db string, env map[string]string) *testServer {
 	t.Helper()
-	m := NewMain(io.Discard, io.Discard)
+	return serveWith(t, db, db, env, io.Discard)
+}
+
+// serveWith is serveOn with the server's log written to log, and the test's own pool
+// (principals, counts) on poolURL.
+func serveWith(t testing.TB, db, poolURL string, env map[string]string, log io.Writer) *testServer {
+	t.Helper()
+	m := NewMain(io.Discard, log)
 	if err := m.ParseFlags(nil, serverEnv(db, env)); err != nil {
 		t.Fatal(err)
 	}
@@ -66,7 +73,7 @@ func serveOn(t testing.TB, db string, env map[string]string) *testServer {
 	case addr = <-m.Addr:
 	case err := <-done:
 		cancel()
-		t.Fatalf("serve: %v", err)
+		t.Fatalf("serve: %v\n%s", err, log)
 	}
 	var once sync.Once
 	var runErr error
@@ -83,7 +90,7 @@ func serveOn(t testing.TB, db string, env map[string]string) *testServer {
 			t.Errorf("serve: %v", err)
 		}
 	})
-	pool, err := pgxpool.New(context.Background(), db)
+	pool, err := pgxpool.New(context.Background(), poolURL)
 	if err != nil {
 		t.Fatal(err)
 	}
