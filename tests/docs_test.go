@@ -55,8 +55,9 @@ func checkDocBlock(t *testing.T, path, begin, end, block string) {
 	}
 }
 
-// psql runs psql with the script on standard input against url and returns what it printed.
-func psql(t *testing.T, url string, script []byte, args ...string) string {
+// psqlCommand is psql (next to the local initdb) with args, connected to url through the PG*
+// variables, in UTC and a UTF-8 locale, reading no psqlrc.
+func psqlCommand(t *testing.T, url string, args ...string) *exec.Cmd {
 	t.Helper()
 	bin, err := pgcluster.BinDir()
 	if err != nil {
@@ -66,9 +67,21 @@ func psql(t *testing.T, url string, script []byte, args ...string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(filepath.Join(bin, "psql"), append([]string{"-X", "-q"}, args...)...)
+	path := filepath.Join(bin, "psql")
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("psql not found next to initdb in %s: apt-get install postgresql-client-15 (%v)", bin, err)
+	}
+	cmd := exec.Command(path, append([]string{"-X"}, args...)...)
 	cmd.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
 		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database, "PGOPTIONS=-c timezone=UTC", "LC_ALL=C.UTF-8")
+	return cmd
+}
+
+// psql runs psql quietly with the script on standard input against url and returns what it
+// printed.
+func psql(t *testing.T, url string, script []byte, args ...string) string {
+	t.Helper()
+	cmd := psqlCommand(t, url, append([]string{"-q"}, args...)...)
 	cmd.Stdin = bytes.NewReader(script)
 	out, err := cmd.CombinedOutput()
 	if err != nil {

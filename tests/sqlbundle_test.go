@@ -3,8 +3,6 @@ package tests
 import (
 	"context"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/tern/v2/migrate"
 
-	"github.com/pgidem/pgidem/internal/pgcluster"
 	"github.com/pgidem/pgidem/internal/pgtest"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
@@ -24,22 +21,7 @@ const bundle = "../sql/idem.sql"
 // DBA to, and returns psql's output and error.
 func installBundle(t *testing.T, url string) (string, error) {
 	t.Helper()
-	bin, err := pgcluster.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	psql := filepath.Join(bin, "psql")
-	if _, err := os.Stat(psql); err != nil {
-		t.Fatalf("psql not found next to initdb in %s: apt-get install postgresql-client-15 (%v)", bin, err)
-	}
-	cmd := exec.Command(psql, "-X", "-v", "ON_ERROR_STOP=1", "-f", bundle)
-	cmd.Env = append(os.Environ(), "PGHOST="+cfg.Host, "PGPORT="+strconv.Itoa(int(cfg.Port)), "PGUSER="+cfg.User,
-		"PGPASSWORD="+cfg.Password, "PGDATABASE="+cfg.Database, "LC_ALL=C.UTF-8")
-	out, err := cmd.CombinedOutput()
+	out, err := psqlCommand(t, url, "-v", "ON_ERROR_STOP=1", "-f", bundle).CombinedOutput()
 	return string(out), err
 }
 
