@@ -40,27 +40,6 @@ func bouncerPool(t *testing.T, url string, b *pgbouncer.Bouncer, mode pgx.QueryE
 	return pool
 }
 
-// bouncerServers is how many server connections PgBouncer b holds to database db (SHOW
-// SERVERS): proof that the clients went through it.
-func bouncerServers(t *testing.T, b *pgbouncer.Bouncer, db string) int {
-	t.Helper()
-	rows, err := pgtest.PgBouncerAdmin(t, b).Query(context.Background(), "SHOW SERVERS")
-	if err != nil {
-		t.Fatal(err)
-	}
-	maps, err := pgx.CollectRows(rows, pgx.RowToMap)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, m := range maps {
-		if m["database"] == db {
-			n++
-		}
-	}
-	return n
-}
-
 func dbName(t *testing.T, url string) string {
 	t.Helper()
 	cfg, err := pgx.ParseConfig(url)
@@ -137,7 +116,7 @@ func TestPgBouncerRunTxRetriesSerializationFailure(t *testing.T) {
 	if final.Outcome != dbidem.Replay || string(final.Response.Body) != "first" {
 		t.Fatalf("the retry: %+v, want a replay of first", final)
 	}
-	if n := bouncerServers(t, b, dbName(t, url)); n < 2 {
+	if n := pgtest.PgBouncerServers(t, b, dbName(t, url)); n < 2 {
 		t.Fatalf("PgBouncer holds %d server connections to the database, want 2 (one per client at once)", n)
 	}
 }

@@ -84,21 +84,7 @@ func (bb *bounced) servers(t *testing.T) int {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rows, err := pgtest.PgBouncerAdmin(t, bb.b).Query(context.Background(), "SHOW SERVERS")
-	if err != nil {
-		t.Fatal(err)
-	}
-	maps, err := pgx.CollectRows(rows, pgx.RowToMap)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, m := range maps {
-		if m["database"] == cfg.Database {
-			n++
-		}
-	}
-	return n
+	return pgtest.PgBouncerServers(t, bb.b, cfg.Database)
 }
 
 func accountID(t *testing.T, s *testServer, token string) int {

@@ -621,23 +621,7 @@ func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	a.do("POST", "/transfers", "alice", key, `{"amount":1,"memo":"`+secret+`"}`)
 	a.do("POST", "/transfers", "alice", key, `{"amount":2,"memo":"`+secret+`"}`)
 	a.do("POST", "/transfers", "alice", "k-500", `{"status":500,"memo":"`+secret+`"}`)
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() != "idempotency_requests_total" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "state" {
-					got[l.GetValue()] += m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
+	got := stateCounts(t, reg)
 	want := map[string]float64{"acquired": 2, "replayed": 1, "key_reused": 1}
 	for k, v := range want {
 		if got[k] != v {

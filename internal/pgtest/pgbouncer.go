@@ -83,3 +83,24 @@ func PgBouncerAdmin(t testing.TB, b *pgbouncer.Bouncer) *pgx.Conn {
 	t.Cleanup(func() { conn.Close(context.Background()) })
 	return conn
 }
+
+// PgBouncerServers is how many server connections PgBouncer b holds to database db (SHOW
+// SERVERS): proof that clients went through it.
+func PgBouncerServers(t testing.TB, b *pgbouncer.Bouncer, db string) int {
+	t.Helper()
+	rows, err := PgBouncerAdmin(t, b).Query(context.Background(), "SHOW SERVERS")
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps, err := pgx.CollectRows(rows, pgx.RowToMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, m := range maps {
+		if m["database"] == db {
+			n++
+		}
+	}
+	return n
+}
