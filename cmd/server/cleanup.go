@@ -18,8 +18,9 @@ import (
 // server processes on a database ("idem" in ASCII, then "clean").
 const cleanupLockID int64 = 0x6964656d636c6e
 
-// cleaner deletes expired idempotency keys in batches, and vacuums the key table after a
-// pass that deleted some (when its role may: on PostgreSQL 15 only the table's owner can).
+// cleaner deletes expired idempotency keys in batches, and vacuums the key table once its
+// passes have deleted more rows than autovacuum's threshold for the table (when its role
+// may: on PostgreSQL 15 only the table's owner can).
 type cleaner struct {
 	pool      *pgxpool.Pool
 	batchSize int
@@ -30,7 +31,7 @@ type cleaner struct {
 	duration  prometheus.Histogram
 	vacuums   prometheus.Counter
 
-	mayVacuum     atomic.Int32 // 0 unknown, 1 yes, -1 no (not the owner)
+	unvacuumed    atomic.Int64 // rows this process deleted since its last vacuum
 	vacuumRefused sync.Once
 }
 
@@ -76,7 +77,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	c.deleted.Add(float64(n))
 	if err == nil && n > 0 && c.vacuum {
 		// Still under the pass's lock, so one process vacuums at a time.
-		err = c.vacuumKeys(ctx)
+		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(n)))
 	}
 	c.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
@@ -87,29 +88,44 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	return n, true, nil
 }
 
-// vacuumKeys vacuums the key table, so that the space of the rows just deleted is reused by
-// the next claims instead of the table growing until autovacuum comes by (its naptime is a
-// minute by default). VACUUM cannot run in a transaction or a function, and on PostgreSQL 15
-// only the table's owner (or a member of its role) may run it: a server that connects as
-// another role logs that once and leaves the table to autovacuum.
-func (c *cleaner) vacuumKeys(ctx context.Context) error {
-	if c.mayVacuum.Load() == 0 {
-		var owner bool
-		if err := c.pool.QueryRow(ctx, `SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
-			WHERE oid = 'idem.idempotency_keys'::regclass`).Scan(&owner); err != nil {
-			return err
-		}
-		c.mayVacuum.Store(map[bool]int32{true: 1, false: -1}[owner])
+// vacuumKeys vacuums the key table when deleted, the rows deleted since the last vacuum,
+// passes autovacuum's own threshold for the table (autovacuum_vacuum_threshold plus
+// autovacuum_vacuum_scale_factor times its rows, the table's settings first). Autovacuum
+// applies the same rule, but only when it next looks at the database (autovacuum_naptime, a
+// minute by default); vacuuming at the moment the rows are deleted lets the next claims
+// reuse their space instead of growing the table, and on a large table with a long TTL it
+// rarely happens, since each vacuum reads the whole of both indexes. VACUUM cannot run in a
+// transaction or a function, and on PostgreSQL 15 only the table's owner (or a member of its
+// role) may run it: a server that connects as another role logs that once and leaves the
+// table to autovacuum.
+func (c *cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
+	var owner bool
+	var threshold float64
+	if err := c.pool.QueryRow(ctx, `
+		SELECT pg_has_role(c.relowner, 'USAGE'),
+		       coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
+		                  WHERE option_name = 'autovacuum_vacuum_threshold'),
+		                current_setting('autovacuum_vacuum_threshold'))::float8
+		     + coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
+		                  WHERE option_name = 'autovacuum_vacuum_scale_factor'),
+		                current_setting('autovacuum_vacuum_scale_factor'))::float8 * greatest(c.reltuples, 0)
+		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`).Scan(&owner, &threshold); err != nil {
+		return err
 	}
-	if c.mayVacuum.Load() < 0 {
+	if !owner {
+		c.unvacuumed.Store(0)
 		c.vacuumRefused.Do(func() {
 			c.log.Info("cleanup does not vacuum the key table: the server's role does not own it (autovacuum does; see docs/operations.md)")
 		})
 		return nil
 	}
+	if float64(deleted) <= threshold {
+		return nil
+	}
 	if _, err := c.pool.Exec(ctx, `VACUUM (SKIP_LOCKED) idem.idempotency_keys`); err != nil {
 		return err
 	}
+	c.unvacuumed.Store(0)
 	c.vacuums.Inc()
 	return nil
 }

@@ -166,9 +166,10 @@ func TestScheduledCleanupStopsWithTheServer(t *testing.T) {
 	}
 }
 
-// TestCleanupVacuumsTheKeyTable: a pass that deleted keys vacuums the key table when the
-// server's role owns it; a role that does not own it (here idem_app) still deletes, does
-// not try to vacuum, and says so once in the log.
+// TestCleanupVacuumsTheKeyTable: once passes have deleted more keys than autovacuum's
+// threshold for the table (50 + 2% of its rows), the cleaner vacuums it, when the server's
+// role owns it; fewer deletions wait for the next passes; a role that does not own the table
+// (here idem_app) still deletes, does not try to vacuum, and says so once in the log.
 func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
@@ -189,6 +190,26 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 	}
 	if n, _, err := c.pass(ctx); err != nil || n != 0 || testutil.ToFloat64(c.vacuums) != 1 {
 		t.Fatalf("a pass that deleted nothing: deleted %d, %v, %v vacuums", n, err, testutil.ToFloat64(c.vacuums))
+	}
+
+	// 20,000 live keys: the threshold becomes 50 + 400 rows.
+	pgtest.Exec(t, s.pool, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
+		request_sha256, response_status, response_headers)
+		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'c', $1, 'live-' || i, sha256(i::text::bytea), 200, '{}'
+		  FROM generate_series(1, 20000) AS i`, id)
+	pgtest.Exec(t, s.pool, `ANALYZE idem.idempotency_keys`)
+	before = vacuumCount()
+	for i, step := range []struct{ deleted, vacuums int }{{300, 1}, {200, 2}} {
+		expire(t, s, id, step.deleted)
+		if n, _, err := c.pass(ctx); err != nil || n != step.deleted {
+			t.Fatalf("pass %d: deleted %d, %v", i, n, err)
+		}
+		if got := testutil.ToFloat64(c.vacuums); got != float64(step.vacuums) {
+			t.Fatalf("after deleting %d of 20,000 rows: %v vacuums counted, want %d", step.deleted, got, step.vacuums)
+		}
+	}
+	if vacuumCount() != before+1 {
+		t.Fatalf("vacuum_count %d -> %d, want one vacuum for 500 deletions", before, vacuumCount())
 	}
 
 	cfg := s.pool.Config()

@@ -51,8 +51,9 @@ type Config struct {
 	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Zero (the default) means
 	// the SQL API's default (idem.idem_defaults(), 1000).
 	CleanupBatchSize int
-	// CleanupVacuum (CLEANUP_VACUUM): whether a cleanup pass that deleted keys vacuums the key
-	// table (when the server's role owns it). Default true.
+	// CleanupVacuum (CLEANUP_VACUUM): whether cleanup vacuums the key table once its passes
+	// have deleted more rows than autovacuum's threshold for the table (when the server's role
+	// owns it). Default true.
 	CleanupVacuum bool
 	// ShutdownTimeout (SHUTDOWN_TIMEOUT): how long in-flight requests may finish. Default 10s.
 	ShutdownTimeout time.Duration
@@ -98,7 +99,7 @@ environment (docs/operations.md):
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
   CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
-  CLEANUP_VACUUM                  vacuum the key table after a pass that deleted keys, when the role owns it (true)
+  CLEANUP_VACUUM                  vacuum the key table once cleanup deleted more than autovacuum's threshold, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
   LOG_LEVEL                       debug, info, warn or error (info)`
