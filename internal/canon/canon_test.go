@@ -233,3 +233,17 @@ func TestUTF16Order(t *testing.T) {
 		t.Errorf("order %q, want %q", order, want)
 	}
 }
+
+// TestPoolKeepsNoLargeBlock: a body with a string far longer than a block grows the writer's
+// block; the pool must not keep that body-sized block for every later request.
+func TestPoolKeepsNoLargeBlock(t *testing.T) {
+	body := []byte(`{"memo":"` + strings.Repeat("x", 1<<20) + `"}`)
+	for range 20 {
+		Compute("POST", "/x", body)
+		b := buffers.Get().(*[]byte)
+		if cap(*b) > maxPooled {
+			t.Fatalf("the pool holds a block of %d bytes after a 1 MiB string", cap(*b))
+		}
+		buffers.Put(b)
+	}
+}

@@ -5,6 +5,9 @@ import "sync"
 // blockSize is how much canonical text the writer gathers before it hands it to out.
 const blockSize = 4096
 
+// maxPooled is the largest block the pool keeps; a string longer than a block grows it.
+const maxPooled = 4 * blockSize
+
 // buffers keeps the writers' blocks between calls: a fingerprint is computed for every keyed
 // request, and a fresh block each time was most of the bytes the middleware allocated.
 var buffers = sync.Pool{New: func() any { b := make([]byte, 0, blockSize+64); return &b }}
@@ -96,6 +99,8 @@ func write(out interface{ Write([]byte) (int, error) }, t *tree, i int32) {
 	w := writer{out: out, buf: (*b)[:0]}
 	w.value(t, i)
 	w.flush()
-	*b = w.buf[:0]
+	if cap(w.buf) <= maxPooled {
+		*b = w.buf[:0]
+	} // else a long string grew the block: the pool keeps the old one, not a body-sized one
 	buffers.Put(b)
 }
