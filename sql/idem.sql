@@ -142,14 +142,23 @@ SELECT version < 3 AS idem_migration_due FROM idem.schema_version \gset
 --   - state is a one-byte "char" ('p' in progress, 'c' completed, 'r' released);
 --   - the action is kept as a 64-bit hash (action_hash), the per-field hashes as 8 bytes each in
 --     binary (request_fields bytea), the status as smallint; created_at and completed_at go;
---   - a lease never outlives its key: expires_at covers lease_expires_at;
+--   - a lease never outlives its key: a lease claim's key expires the TTL after the lease's
+--     end (0.1.0: the TTL after the claim, or the lease's end if later);
 --   - no CHECK constraints: the SECURITY DEFINER functions are the only writers (no other role
 --     has a privilege on the table), and the pgTAP suite proves the invariants they keep.
 --
 -- Rows stored by 0.1.0 are copied over, so their keys still replay. Foreign keys that others
 -- added to the old table (the reference server's principal reference, or your own) are added
--- again to the new one as NOT VALID. The copy takes the old table's ACCESS EXCLUSIVE lock for
--- its duration. There is no way down: going back to 0.1.0 means restoring a backup.
+-- again to the new one as NOT VALID. There is no way down: going back to 0.1.0 means
+-- restoring a backup.
+--
+-- The first statement locks the old table against every other use until this migration
+-- commits: a claim that committed before the lock is copied; one that comes after waits for
+-- the lock (its function's lock_timeout, 2 s by default), fails with 55P03 and is answered
+-- 409 request_in_progress, retryable. Without the lock, keys committed to the old table while
+-- the copy ran were dropped with it (docs/operations.md, "Upgrades"; TestUpgradeUnderTraffic).
+LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+
 CREATE SEQUENCE idem.attempt_seq AS bigint;
 
 COMMENT ON SEQUENCE idem.attempt_seq IS
@@ -186,12 +195,13 @@ CREATE TABLE idem.idempotency_keys_v3 (
 );
 
 -- The old rows. request_fields was {"name": "hex sha256"}; it becomes name, NUL, the first 8
--- bytes of the hash, for each field. A lease that outlived its key's expiry extends it.
+-- bytes of the hash, for each field. A lease in progress keeps its key the TTL past its end.
 INSERT INTO idem.idempotency_keys_v3
     (expires_at, attempt, action_hash, lease_expires_at, response_status, state, uncompleted,
      principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
      response_body)
-SELECT greatest(k.expires_at, k.lease_expires_at), k.attempt, hashtextextended(k.action, 0),
+SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
+            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END, k.attempt, hashtextextended(k.action, 0),
        k.lease_expires_at, k.response_status,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
@@ -267,6 +277,38 @@ $$;
 DROP FUNCTION IF EXISTS idem.idem_complete(text, text, integer, integer, jsonb, bytea, text, text);
 DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
+
+-- answer_expires_at: until when a key whose answer is stored at p_now is kept at least: the
+-- TTL after p_now. idem_complete and idem_save_final store it in lease_expires_at (which
+-- idem_begin and cleanup already honour: a row is expired only once expires_at and
+-- lease_expires_at have both passed), so an answer stays replayable for the TTL after it was
+-- given, however long the work took (docs/sql-api.md, "The life of a key"). expires_at itself
+-- never changes at completion: it is indexed, and the completion must stay a HOT update.
+--
+--   - a transactional claim is written with expires_at = its claim + TTL, and p_anchor is the
+--     start of its transaction (at or before the claim): the result is expires_at moved on by
+--     the time the transaction has run;
+--   - a lease claim is written with expires_at = its lease's end + TTL, and p_anchor is the
+--     lease's end: the result is p_now + TTL.
+--
+-- The arithmetic is done in UTC (timestamp without time zone), where adding an interval does
+-- not depend on the session's TimeZone, so the function is truly IMMUTABLE: Citus accepts it
+-- inside a write to the distributed key table, where timestamptz + interval (STABLE) is
+-- refused. A plain SQL expression without SET clauses, it is inlined by the planner (no call
+-- at run time); every name in it is qualified, so no search_path can change it. Not granted:
+-- only the functions that run as the owner use it.
+CREATE OR REPLACE FUNCTION idem.answer_expires_at(p_expires_at timestamptz, p_anchor timestamptz, p_now timestamptz)
+RETURNS timestamptz
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.timezone(interval '0',
+               pg_catalog.timezone(interval '0', p_expires_at) OPERATOR(pg_catalog.+) (p_now OPERATOR(pg_catalog.-) p_anchor))
+$$;
+
+COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz) IS
+    'Internal: until when a key whose answer is stored at p_now is kept (its claim''s expiry moved on by p_now - p_anchor). Used by idem_complete and idem_save_final.';
 
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
@@ -363,8 +405,8 @@ IF p_ttl IS NOT NULL THEN
     IF p_lease IS NOT NULL THEN
         IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
              OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
- OR p_lease > coalesce(p_ttl, interval '24 hours') THEN
-            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part and at most p_ttl, got %', p_lease
+ THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
                 USING ERRCODE = '22023';
         END IF;
     END IF;
@@ -395,10 +437,12 @@ IF p_request_fields IS NOT NULL THEN
     END IF;
 
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
-    -- decisions after a wait use clock_timestamp().
+    -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
+    -- (a transactional claim) or after the end of its lease (a lease claim); the completion
+    -- keeps the key the TTL after the answer (answer_expires_at).
     v_now := statement_timestamp();
-    v_expires := v_now + coalesce(p_ttl, interval '24 hours');
     v_lease := v_now + p_lease;
+    v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
     -- The fencing token: no holder of any key ever had it.
@@ -444,8 +488,8 @@ IF p_request_fields IS NOT NULL THEN
             -- An expired key is absent, a released one free: claim it again, with a new
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
-                v_expires := v_now + coalesce(p_ttl, interval '24 hours');
                 v_lease := v_now + p_lease;
+                v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
@@ -499,10 +543,10 @@ IF p_request_fields IS NOT NULL THEN
             retry_after := v_row.lease_expires_at - v_now;
             RETURN;
         ELSIF v_lock THEN
-            -- The lease ran out: take it over with a new token. The key lives at least as
-            -- long as the new lease, so no other request can claim it while this one works.
+            -- The lease ran out: take it over with a new token. The key lives the TTL past
+            -- the new lease, so no other request can claim it while this one works.
             v_lease := v_now + p_lease;
-            v_expires := greatest(v_row.expires_at, v_lease);
+            v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, interval '24 hours'));
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
                    expires_at = v_expires
@@ -525,7 +569,8 @@ COMMENT ON FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval,
 -- idem_complete: store the response of a claim and mark it completed.
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
--- and stores nothing. Updates no indexed column, so the row is updated in place (HOT).
+-- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
+-- answer_expires_at). Updates no indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -545,6 +590,8 @@ SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_problem text;
+    v_now     timestamptz;
+    v_since   timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
@@ -581,8 +628,11 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     END IF;
+    v_now := clock_timestamp();
+    v_since := transaction_timestamp();
     UPDATE idem.idempotency_keys AS k
-       SET state = 'c', lease_expires_at = NULL, uncompleted = NULL, response_status = p_status,
+       SET state = 'c', lease_expires_at = idem.answer_expires_at(k.expires_at, coalesce(k.lease_expires_at, v_since), v_now),
+           uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld
      WHERE k.principal_id = p_principal AND k.key = p_key
@@ -636,6 +686,7 @@ DECLARE
     v_ok      boolean;
     v_token   bigint;
     v_stored  boolean;
+    v_since   timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
@@ -702,6 +753,7 @@ IF p_request_fields IS NOT NULL THEN
     END IF;
 
     v_now := clock_timestamp();
+    v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, interval '24 hours');
     v_action := hashtextextended(p_action, 0);
     v_token := nextval('idem.attempt_seq');
@@ -719,7 +771,10 @@ IF p_request_fields IS NOT NULL THEN
        SET state = 'c',
            attempt = CASE WHEN k.uncompleted THEN k.attempt ELSE excluded.attempt END,
            expires_at = CASE WHEN k.uncompleted THEN k.expires_at ELSE excluded.expires_at END,
-           lease_expires_at = NULL, uncompleted = NULL, action_hash = excluded.action_hash,
+           -- This transaction's own claim is kept the TTL after now (answer_expires_at); a
+           -- row inserted now expires the TTL after now already.
+           lease_expires_at = CASE WHEN k.uncompleted THEN idem.answer_expires_at(k.expires_at, v_since, v_now) END,
+           uncompleted = NULL, action_hash = excluded.action_hash,
            request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
            response_status = excluded.response_status, response_headers = excluded.response_headers,
            response_body = excluded.response_body, resource_id = excluded.resource_id,
@@ -946,13 +1001,33 @@ $$;
 COMMENT ON FUNCTION idem.idem_defaults() IS
     'The defaults of the SQL API: the TTL of a key, the lock timeout of every function, the cleanup batch size. See docs/sql-api.md.';
 
+-- idem_version: the schema version the installed functions were written for, and the one the
+-- database is at (tern's idem.schema_version). A server checks both at start and in its health
+-- check: they differ only when functions of another release sit beside this schema (an install
+-- that stopped half way, with an installer older than idemsql.Migrate's one transaction), and
+-- then it refuses to serve until the next migrate. SECURITY DEFINER: the application role
+-- reads the version without a privilege on the version table.
+CREATE OR REPLACE FUNCTION idem.idem_version(
+    OUT functions_version integer,
+    OUT schema_version    integer)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT 3, (SELECT v.version FROM idem.schema_version AS v)
+$$;
+
+COMMENT ON FUNCTION idem.idem_version() IS
+    'The schema version the installed functions belong to, and the version of the schema (idem.schema_version): equal after a complete install. See docs/sql-api.md.';
+
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_cleanup,
-    idem.idem_defaults
+    idem.idem_defaults, idem.idem_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 

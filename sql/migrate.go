@@ -58,10 +58,22 @@ func Functions() fs.FS {
 	return sub
 }
 
-// Migrate applies every pending migration and then (re)installs the SQL API functions.
-// It is safe to run any number of times and from several processes at once: tern serializes
-// both steps with an advisory lock. The connection's role becomes the owner of the schema
-// objects, and the SECURITY DEFINER functions run as that role.
+// TernLock is tern's advisory lock number (github.com/jackc/tern/v2/migrate): Migrate, tern
+// and the psql bundle (sql/idem.sql) all take it, so no two of them ever install at once.
+const TernLock int64 = 9628173550095224
+
+// Migrate applies every pending migration and then (re)installs the SQL API functions, all in
+// one transaction: an interruption (a lost connection, a killed process, an error) leaves
+// the database as it was, never a new schema beside old functions, and a run that commits
+// leaves idem.idem_version() reporting the same version for both. It is safe to run any
+// number of times and from several processes at once (they take turns on tern's advisory
+// lock). The connection's role becomes the owner of the schema objects, and the SECURITY
+// DEFINER functions run as that role. conn must not be in a transaction.
+//
+// A migration that rewrites the key table locks it first (LOCK TABLE ... IN ACCESS
+// EXCLUSIVE MODE), so the servers of the previous release, still serving, wait and are told
+// to retry instead of writing keys into a table that is being replaced; docs/operations.md
+// ("Upgrades") says how long that lasts.
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	role := opts.AppRole
 	if role == "" {
@@ -70,13 +82,33 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	if !roleName.MatchString(role) {
 		return fmt.Errorf("idem migrate: app role %q is not a lower-case SQL identifier", role)
 	}
-	data := map[string]any{"app_role": role}
+	data := TemplateData(role)
+	code, err := migrate.LoadCodePackage(Functions())
+	if err != nil {
+		return fmt.Errorf("idem migrate: load functions: %w", err)
+	}
+	install, err := code.Eval(data)
+	if err != nil {
+		return fmt.Errorf("idem migrate: render functions: %w", err)
+	}
 
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("idem migrate: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// First the lock, then everything else: a second migrate waits here until the first has
+	// committed, and then finds nothing to do but the (idempotent) function install.
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", TernLock); err != nil {
+		return fmt.Errorf("idem migrate: lock: %w", err)
+	}
 	// tern keeps its version table inside the schema, so the schema comes first.
-	if _, err := conn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS idem"); err != nil {
+	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS idem"); err != nil {
 		return fmt.Errorf("idem migrate: create schema: %w", err)
 	}
-	m, err := migrate.NewMigrator(ctx, conn, VersionTable)
+	// DisableTx: tern runs the migrations in the transaction opened above instead of one
+	// each, so they commit together with the functions.
+	m, err := migrate.NewMigratorEx(ctx, conn, VersionTable, &migrate.MigratorOptions{DisableTx: true})
 	if err != nil {
 		return fmt.Errorf("idem migrate: %w", err)
 	}
@@ -84,15 +116,33 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	if err := m.LoadMigrations(Migrations()); err != nil {
 		return fmt.Errorf("idem migrate: load migrations: %w", err)
 	}
+	for _, mig := range m.Migrations {
+		if DisablesTx(mig) {
+			return fmt.Errorf("idem migrate: migration %s disables its transaction, which Migrate does not support", mig.Name)
+		}
+	}
 	if err := m.Migrate(ctx); err != nil {
 		return fmt.Errorf("idem migrate: %w", err)
 	}
-	code, err := migrate.LoadCodePackage(Functions())
-	if err != nil {
-		return fmt.Errorf("idem migrate: load functions: %w", err)
-	}
-	if err := migrate.InstallCodePackage(ctx, conn, data, code); err != nil {
+	if _, err := tx.Exec(ctx, install); err != nil {
 		return fmt.Errorf("idem migrate: install functions: %w", err)
 	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("idem migrate: commit: %w", err)
+	}
 	return nil
+}
+
+var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)
+
+// DisablesTx tells whether a migration asks tern to run it outside a transaction (a line
+// "---- tern: disable-tx ----"). None of idem's may: Migrate and sql/idem.sql each install
+// in one transaction.
+func DisablesTx(m *migrate.Migration) bool { return disableTx.MatchString(m.UpSQL) }
+
+// TemplateData is the data the migrations and the functions are rendered with: the
+// application role's name (app_role) and the schema version the functions belong to
+// (schema_version, which idem.idem_version() reports).
+func TemplateData(appRole string) map[string]any {
+	return map[string]any{"app_role": appRole, "schema_version": Version()}
 }

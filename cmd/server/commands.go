@@ -250,33 +250,48 @@ func (m *Main) migrate(ctx context.Context) error {
 }
 
 // errNotMigrated is what serve, cleanup and principal create say on a database that lacks
-// the migrations of this version.
+// the migrations of this version, or whose SQL API functions are not those of its schema.
 var errNotMigrated = errors.New("database not migrated: run `server migrate`")
 
-// checkMigrated compares the versions of the idem schema and the ledger with the migrations
-// this binary carries.
+// errNewer is what they say on a database migrated by a newer release.
+var errNewer = errors.New("the database is newer than this server: run the newer server")
+
+// checkMigrated compares the database with the migrations and functions this binary carries:
+// idem through idem.idem_version() (the schema's version and the version its installed
+// functions belong to, which the application role may call), the ledger through its version
+// table. A schema whose functions belong to another version (an install that stopped half
+// way) is not migrated.
 func checkMigrated(ctx context.Context, db interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }) error {
-	want := map[string]int{idemsql.VersionTable: idemsql.Version(), ledgerVersionTable: countMigrations(ledgerFS())}
-	for _, table := range []string{idemsql.VersionTable, ledgerVersionTable} {
-		var exists bool
-		var have int32
-		if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
-			return fmt.Errorf("check the migrations: %w", err)
-		}
-		if exists {
-			// table is one of two constants: safe to splice.
-			if err := db.QueryRow(ctx, `SELECT version FROM `+table).Scan(&have); err != nil {
-				return fmt.Errorf("check the migrations: %w", err)
-			}
-		}
-		switch {
-		case int(have) < want[table]:
-			return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, table, have, want[table])
-		case int(have) > want[table]:
-			return fmt.Errorf("the database is newer than this server (%s is at version %d, this server knows %d): run the newer server", table, have, want[table])
-		}
+	want := idemsql.Version()
+	var functions, schema int32
+	err := db.QueryRow(ctx, `SELECT functions_version, schema_version FROM idem.idem_version()`).Scan(&functions, &schema)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "3F000" || pgErr.Code == "42P01"):
+		// No idem_version() (nothing installed, or a release before 0.2.0).
+		return fmt.Errorf("%w (the idem SQL API is missing or older than this server's, which needs schema version %d)", errNotMigrated, want)
+	case err != nil:
+		return fmt.Errorf("check the migrations: %w", err)
+	case int(schema) > want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server knows %d)", errNewer, schema, want)
+	case int(schema) < want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server needs %d)", errNotMigrated, schema, want)
+	case functions != schema:
+		return fmt.Errorf("%w (idem's functions belong to schema version %d, the schema is at %d)", errNotMigrated, functions, schema)
+	}
+	wantLedger := countMigrations(ledgerFS())
+	var have int32
+	if err := db.QueryRow(ctx, `SELECT CASE WHEN to_regclass('`+ledgerVersionTable+`') IS NULL THEN 0
+		ELSE (SELECT version FROM `+ledgerVersionTable+`) END`).Scan(&have); err != nil {
+		return fmt.Errorf("check the migrations: %w", err)
+	}
+	switch {
+	case int(have) < wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, ledgerVersionTable, have, wantLedger)
+	case int(have) > wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
 	}
 	return nil
 }

@@ -174,9 +174,6 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 			p.errs = append(p.errs, fmt.Errorf("DATABASE_URL: %v", err))
 		}
 	}
-	if c.TTL > 0 && c.LockTimeout >= c.TTL {
-		p.errs = append(p.errs, errors.New("IDEMPOTENCY_LOCK_TIMEOUT must be shorter than IDEMPOTENCY_TTL"))
-	}
 	if c.MaxWaitingClaims >= c.PoolSize {
 		p.errs = append(p.errs, errors.New("IDEMPOTENCY_MAX_WAITING_CLAIMS must be smaller than DATABASE_POOL_SIZE"))
 	}

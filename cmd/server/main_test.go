@@ -62,8 +62,8 @@ func TestServeHealthz(t *testing.T) {
 			t.Errorf("GET %s: %d %s", path, r.status, r.body)
 		}
 	}
-	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace AND proname LIKE 'idem\_%'`); n != 7 {
-		t.Fatalf("%d API functions in schema idem, want 7", n)
+	if n := s.count(`SELECT count(*) FROM pg_proc WHERE pronamespace = 'idem'::regnamespace AND proname LIKE 'idem\_%'`); n != 8 {
+		t.Fatalf("%d API functions in schema idem, want 8", n)
 	}
 }
 

@@ -148,7 +148,7 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	if err := checkMigrated(ctx, s.pool); err != nil {
 		reason := "the database does not answer"
-		if errors.Is(err, errNotMigrated) || strings.Contains(err.Error(), "newer than this server") {
+		if errors.Is(err, errNotMigrated) || errors.Is(err, errNewer) {
 			reason = err.Error()
 		}
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable", "reason": reason})

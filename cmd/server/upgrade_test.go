@@ -1,20 +1,32 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"embed"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/tern/v2/migrate"
 
+	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/pgtest"
+	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 //go:embed testdata/release-0.1.0
@@ -170,4 +182,323 @@ func TestUpgradeFrom010(t *testing.T) {
 func hexSum(s string) string {
 	h := sha256.Sum256([]byte(s))
 	return hex.EncodeToString(h[:])
+}
+
+// release010Deposit is the keyed deposit of release 0.1.0's server, as that release served it
+// (cmd/server and internal/http at commit 281238e): one transaction with BEGIN, idem_begin
+// (0.1.0's signature, the fingerprint of canon), the deposit, idem_complete (an integer
+// attempt) and COMMIT; a replay answers the stored response; a lock timeout is 409, any
+// other failure 503. It runs against the database while this release's migrate runs, as the
+// servers of the previous release do during a rolling upgrade.
+func release010Deposit(pool *pgxpool.Pool, principal string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		body, _ := io.ReadAll(r.Body)
+		key := r.Header.Get("Idempotency-Key")
+		fp := canon.Compute(r.Method, r.URL.EscapedPath(), body)
+		fields, _ := json.Marshal(fp.Fields)
+		fail := func(err error) {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+				http.Error(w, "request_in_progress", http.StatusConflict)
+				return
+			}
+			http.Error(w, "store_unavailable: "+err.Error(), http.StatusServiceUnavailable)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			fail(err)
+			return
+		}
+		defer tx.Rollback(context.WithoutCancel(ctx))
+		var outcome string
+		var attempt int32
+		var status *int32
+		var stored []byte
+		if err := tx.QueryRow(ctx, `SELECT outcome, attempt::integer, response_status, response_body
+			FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
+			                     p_request_sha256 => $4::bytea, p_request_fields => $5::jsonb)`,
+			principal, key, "POST /v1/accounts/{id}/deposits", fp.Sum[:], string(fields)).Scan(&outcome, &attempt, &status, &stored); err != nil {
+			fail(err)
+			return
+		}
+		switch outcome {
+		case "replay":
+			w.Header().Set("Idempotent-Replayed", "true")
+			w.WriteHeader(int(*status))
+			_, _ = w.Write(stored)
+			return
+		case "claimed":
+		default:
+			http.Error(w, outcome, http.StatusConflict)
+			return
+		}
+		var in struct{ Amount int64 }
+		_ = json.Unmarshal(body, &in)
+		var out struct {
+			ID        int64     `json:"id"`
+			AccountID int64     `json:"account_id"`
+			Amount    int64     `json:"amount"`
+			Balance   int64     `json:"balance"`
+			CreatedAt time.Time `json:"created_at"`
+		}
+		if err := tx.QueryRow(ctx, `UPDATE accounts SET balance = balance + $1, version = version + 1 WHERE id = 1
+			RETURNING balance`, in.Amount).Scan(&out.Balance); err != nil {
+			fail(err)
+			return
+		}
+		if err := tx.QueryRow(ctx, `INSERT INTO deposits (account_id, amount, idempotency_key) VALUES (1, $1, $2)
+			RETURNING id, account_id, amount, created_at`, in.Amount, key).Scan(&out.ID, &out.AccountID, &out.Amount, &out.CreatedAt); err != nil {
+			fail(err)
+			return
+		}
+		resp, _ := json.Marshal(out)
+		resp = append(resp, '\n')
+		if _, err := tx.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::integer,
+			p_status => 201, p_headers => $4::jsonb, p_body => $5::bytea)`, principal, key, attempt,
+			`{"Content-Type": "application/json"}`, resp); err != nil {
+			fail(err)
+			return
+		}
+		if err := tx.Commit(ctx); err != nil {
+			fail(err)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write(resp)
+	}
+}
+
+// TestUpgradeUnderTraffic: release 0.1.0's server keeps serving keyed deposits from several
+// clients while this release's `server migrate` rebuilds a key table large enough that the
+// copy takes seconds. Afterwards every deposit the old server answered 2xx replays byte for
+// byte through this release's server, the others run once when retried, and the balance
+// equals the deposits, one per key. Migration 003 locks the old table before it copies it:
+// without the lock, keys committed to the old table during the copy were dropped with it and
+// their retries deposited again.
+func TestUpgradeUnderTraffic(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	install010(t, conn)
+	token, sum := newToken()
+	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_alice', 'alice');
+		INSERT INTO accounts (principal_id, name, currency) VALUES ('p_alice', 'main', 'EUR')`)
+	pgtest.Exec(t, conn, `INSERT INTO api_tokens (principal_id, name, token_sha256) VALUES ('p_alice', 'initial', $1)`, sum)
+	// A key table of 0.1.0 holding 120,000 completed keys of another principal.
+	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_fill', 'fill')`)
+	pgtest.Exec(t, conn, `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at, expires_at,
+		action, request_sha256, request_fields, completed_at, response_status, response_headers, response_body, resource_id)
+		SELECT 'p_fill', 'fill-' || g, 'completed', 1, now(), now() + interval '1 day', 'POST /v1/accounts/{id}/deposits',
+		       sha256(g::text::bytea), jsonb_build_object('amount', encode(sha256(g::text::bytea), 'hex')), now(), 201,
+		       '{"Content-Type": "application/json", "Location": "/v1/accounts/9/deposits/1"}',
+		       convert_to('{"id":' || g || ',"account_id":9,"amount":1}', 'UTF8'), g::text
+		  FROM generate_series(1, 120000) AS g`)
+
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 8
+	oldPool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oldPool.Close()
+	oldMux := http.NewServeMux()
+	oldMux.Handle("POST /v1/accounts/1/deposits", release010Deposit(oldPool, "p_alice"))
+	old := httptest.NewServer(oldMux)
+	defer old.Close()
+
+	type answer struct {
+		status int
+		body   string
+	}
+	var (
+		mu       sync.Mutex
+		answers  = map[string]answer{} // key -> what the old server answered
+		stop     = make(chan struct{})
+		wg       sync.WaitGroup
+		ok2xx    atomic.Int64
+		migrated atomic.Bool
+		during   atomic.Int64 // 2xx answers while the migrate ran
+	)
+	const clients = 6
+	for c := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				key := fmt.Sprintf("old-%d-%d", c, i)
+				status, _, body := pgtest.Send(t, ctx, "POST", old.URL+"/v1/accounts/1/deposits", `{"amount":1}`,
+					"Idempotency-Key", key, "Content-Type", "application/json")
+				mu.Lock()
+				answers[key] = answer{status, body}
+				mu.Unlock()
+				if status/100 == 2 {
+					ok2xx.Add(1)
+					if !migrated.Load() {
+						during.Add(1)
+					}
+				}
+			}
+		}()
+	}
+	for ok2xx.Load() < 50 {
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	start := time.Now()
+	var migrateLog bytes.Buffer
+	m := NewMain(io.Discard, &migrateLog)
+	if err := m.ParseFlags([]string{"migrate"}, serverEnv(url, nil)); err != nil {
+		t.Fatal(err)
+	}
+	err = m.Run(ctx)
+	_ = m.Close()
+	took := time.Since(start)
+	migrated.Store(true)
+	time.Sleep(300 * time.Millisecond) // the old server keeps answering after the switch
+	close(stop)
+	wg.Wait()
+	if err != nil {
+		t.Fatalf("migrate under traffic: %v\n%s", err, migrateLog.String())
+	}
+	t.Logf("migrate took %v over 120,000 keys; the old server answered %d requests, %d of them 2xx (%d while the migrate ran)",
+		took.Round(time.Millisecond), len(answers), ok2xx.Load(), during.Load())
+
+	s := serveOn(t, url, nil)
+	replayed, fresh := 0, 0
+	for key, a := range answers {
+		r := s.call("POST", "/v1/accounts/1/deposits", token, key, `{"amount":1}`, "Content-Type", "application/json")
+		switch {
+		case a.status/100 == 2:
+			if r.status != a.status || r.body != a.body || r.header.Get("Idempotent-Replayed") != "true" {
+				t.Errorf("key %s: the old server answered %d %s; the retry through the new server got %d %s (replayed %q)",
+					key, a.status, a.body, r.status, r.body, r.header.Get("Idempotent-Replayed"))
+			}
+			replayed++
+		case r.status != http.StatusCreated:
+			t.Errorf("key %s: the old server answered %d; the retry got %d %s", key, a.status, r.status, r.body)
+		default:
+			fresh++
+		}
+	}
+	var balance, deposits, keys int
+	if err := conn.QueryRow(ctx, `SELECT (SELECT balance FROM ledger.accounts WHERE id = 1),
+		(SELECT count(*) FROM ledger.deposits), (SELECT count(DISTINCT idempotency_key) FROM ledger.deposits)`).
+		Scan(&balance, &deposits, &keys); err != nil {
+		t.Fatal(err)
+	}
+	if balance != deposits || deposits != keys || keys != len(answers) {
+		t.Fatalf("balance %d, %d deposits under %d distinct keys, %d keys sent: every key must take effect exactly once",
+			balance, deposits, keys, len(answers))
+	}
+	t.Logf("%d replays of the old server's 2xx, %d retries that ran for the first time", replayed, fresh)
+}
+
+// migrateDB runs this release's `server migrate` against url.
+func migrateDB(t *testing.T, url string) error {
+	t.Helper()
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags([]string{"migrate"}, serverEnv(url, nil)); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	return m.Run(context.Background())
+}
+
+// TestMigrateIsAllOrNothing: the migrations and the function install commit together. A
+// migrate that fails in the function install leaves a 0.1.0 database exactly as it was (its
+// schema version, its table, its functions); the next migrate, once the cause is gone, does
+// the whole upgrade.
+func TestMigrateIsAllOrNothing(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	install010(t, conn)
+	// A function in the way: the install cannot replace it (another result type).
+	pgtest.Exec(t, conn, `CREATE FUNCTION idem.idem_version() RETURNS integer LANGUAGE sql AS 'SELECT 1'`)
+	if err := migrateDB(t, url); err == nil {
+		t.Fatal("migrate succeeded over a function it cannot replace")
+	}
+	if v := pgtest.Count(t, conn, `SELECT version FROM idem.schema_version`); v != 2 {
+		t.Fatalf("after a failed migrate idem.schema_version is %d, want 0.1.0's 2", v)
+	}
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM information_schema.columns
+		WHERE table_schema = 'idem' AND table_name = 'idempotency_keys' AND column_name = 'created_at'`); n != 1 {
+		t.Fatal("after a failed migrate the key table is no longer 0.1.0's")
+	}
+	pgtest.Exec(t, conn, `DROP FUNCTION idem.idem_version()`)
+	if err := migrateDB(t, url); err != nil {
+		t.Fatalf("migrate once the cause is gone: %v", err)
+	}
+	if err := checkMigrated(context.Background(), conn); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestHalfInstalledIsRefused: a database whose schema is at this release's version beside the
+// functions of 0.1.0 (what an installer that committed the migrations and the functions
+// separately left when it stopped in between) is refused by serve, and by /healthz of a
+// server already running; the next migrate repairs it and the stored key replays.
+func TestHalfInstalledIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	install010(t, conn)
+	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_x', 'x')`)
+	pgtest.Exec(t, conn, `SELECT idem.idem_save_final('p_x', 'k-old', 'POST /t', sha256('old'), '1 day', 422, '{}', 'no')`)
+	m, err := migrate.NewMigrator(ctx, conn, idemsql.VersionTable)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Data = idemsql.TemplateData(idemsql.DefaultAppRole)
+	if err := m.LoadMigrations(idemsql.Migrations()); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Migrate(ctx); err != nil { // the migrations only: 0.1.0's functions stay
+		t.Fatal(err)
+	}
+	serve := NewMain(io.Discard, io.Discard)
+	if err := serve.ParseFlags(nil, serverEnv(url, nil)); err != nil {
+		t.Fatal(err)
+	}
+	err = serve.Run(ctx)
+	_ = serve.Close()
+	if !errors.Is(err, errNotMigrated) {
+		t.Fatalf("serve on a schema beside 0.1.0's functions: %v, want %v", err, errNotMigrated)
+	}
+	if err := migrateDB(t, url); err != nil {
+		t.Fatal(err)
+	}
+	s := serveOn(t, url, nil)
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
+		t.Fatalf("/healthz after the repair: %d %s", r.status, r.body)
+	}
+	var outcome string
+	if err := conn.QueryRow(ctx, `SELECT outcome FROM idem.idem_begin('p_x', 'k-old', 'POST /t', sha256('old'))`).Scan(&outcome); err != nil || outcome != "replay" {
+		t.Fatalf("the key stored before: %q, %v", outcome, err)
+	}
+
+	// Functions of another version appear under the running server: /healthz says so.
+	pgtest.Exec(t, conn, `CREATE OR REPLACE FUNCTION idem.idem_version(OUT functions_version integer, OUT schema_version integer)
+		LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS 'SELECT 2, (SELECT version FROM idem.schema_version)'`)
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 503 || !strings.Contains(r.body, "functions belong to schema version 2") {
+		t.Fatalf("/healthz beside functions of another version: %d %s", r.status, r.body)
+	}
+	if err := migrateDB(t, url); err != nil {
+		t.Fatal(err)
+	}
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
+		t.Fatalf("/healthz after migrate: %d %s", r.status, r.body)
+	}
 }

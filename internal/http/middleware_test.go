@@ -56,6 +56,7 @@ type order struct {
 	FK       bool   `json:"fk_violation"`
 	ETag     string `json:"etag"`
 	Problem  bool   `json:"problem"`
+	SleepMS  int    `json:"sleep_ms"`
 }
 
 func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
@@ -121,6 +122,7 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprint(err), 500)
 		return
 	}
+	time.Sleep(time.Duration(o.SleepMS) * time.Millisecond)
 	if o.Block {
 		defer func() { a.finished <- struct{}{} }()
 		a.started <- struct{}{}
@@ -203,6 +205,7 @@ func (a *app) job(w http.ResponseWriter, r *http.Request) {
 	var o order
 	body, _ := io.ReadAll(r.Body)
 	_ = json.Unmarshal(body, &o)
+	time.Sleep(time.Duration(o.SleepMS) * time.Millisecond)
 	if o.Block {
 		a.started <- struct{}{}
 		<-a.release
@@ -467,11 +470,36 @@ func TestOversizeResponse(t *testing.T) {
 	}
 }
 
+// TestAnswerOutlivesAShortTTL: the TTL counts from the answer. With a TTL of one second and
+// work that takes 1.2 seconds, the answer is stored after the claim's TTL has run out; the
+// retry right after the answer still replays it (transactional and lease routes), and
+// another request under the key is still refused.
+func TestAnswerOutlivesAShortTTL(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, func(o *idemhttp.Options) { o.TTL = time.Second; o.LockTimeout = 500 * time.Millisecond })
+	for _, path := range []string{"/transfers", "/jobs"} {
+		first := a.do("POST", path, "alice", "slow"+path, `{"amount":1,"sleep_ms":1200}`)
+		if first.status/100 != 2 {
+			t.Fatalf("%s first: %+v", path, first)
+		}
+		again := a.do("POST", path, "alice", "slow"+path, `{"amount":1,"sleep_ms":1200}`)
+		if again.status != first.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("%s: the retry right after a late answer got %+v, want the replay of %+v", path, again, first)
+		}
+		if other := a.do("POST", path, "alice", "slow"+path, `{"amount":2}`); other.status != 422 {
+			t.Fatalf("%s: another request under the key: %+v", path, other)
+		}
+	}
+	if n := a.runs.Load(); n != 2 {
+		t.Fatalf("the handlers ran %d times, want 2", n)
+	}
+}
+
 func TestExpiredKeyRunsAgain(t *testing.T) {
 	t.Parallel()
 	a := newApp(t, nil)
 	a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)
-	if _, err := a.pool.Exec(context.Background(), `UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day'`); err != nil {
+	if _, err := a.pool.Exec(context.Background(), `UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day', lease_expires_at = now() - interval '1 day'`); err != nil {
 		t.Fatal(err)
 	}
 	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`)

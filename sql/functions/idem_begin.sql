@@ -59,8 +59,8 @@ BEGIN
     END IF;
 {{ template "include/check_ttl.sql" "idem_begin" }}
     IF p_lease IS NOT NULL THEN
-        IF {{ template "include/not_positive.sql" "p_lease" }} OR p_lease > coalesce(p_ttl, {{ template "default_ttl" }}) THEN
-            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part and at most p_ttl, got %', p_lease
+        IF {{ template "include/not_positive.sql" "p_lease" }} THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
                 USING ERRCODE = '22023';
         END IF;
     END IF;
@@ -75,10 +75,12 @@ BEGIN
     END IF;
 {{ template "include/fields_blob.sql" "idem_begin" }}
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
-    -- decisions after a wait use clock_timestamp().
+    -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
+    -- (a transactional claim) or after the end of its lease (a lease claim); the completion
+    -- keeps the key the TTL after the answer (answer_expires_at).
     v_now := statement_timestamp();
-    v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
     v_lease := v_now + p_lease;
+    v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
     -- The fencing token: no holder of any key ever had it.
@@ -124,8 +126,8 @@ BEGIN
             -- An expired key is absent, a released one free: claim it again, with a new
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
-                v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
                 v_lease := v_now + p_lease;
+                v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
@@ -179,10 +181,10 @@ BEGIN
             retry_after := v_row.lease_expires_at - v_now;
             RETURN;
         ELSIF v_lock THEN
-            -- The lease ran out: take it over with a new token. The key lives at least as
-            -- long as the new lease, so no other request can claim it while this one works.
+            -- The lease ran out: take it over with a new token. The key lives the TTL past
+            -- the new lease, so no other request can claim it while this one works.
             v_lease := v_now + p_lease;
-            v_expires := greatest(v_row.expires_at, v_lease);
+            v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, {{ template "default_ttl" }}));
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
                    expires_at = v_expires

@@ -1,7 +1,8 @@
 -- idem_complete: store the response of a claim and mark it completed.
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
--- and stores nothing. Updates no indexed column, so the row is updated in place (HOT).
+-- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
+-- answer_expires_at). Updates no indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -16,6 +17,8 @@ RETURNS void
 AS $$
 DECLARE
     v_problem text;
+    v_now     timestamptz;
+    v_since   timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL
@@ -28,8 +31,11 @@ BEGIN
         END;
 {{ template "include/raise.sql" "idem_complete" }}
     END IF;
+    v_now := clock_timestamp();
+    v_since := transaction_timestamp();
     UPDATE idem.idempotency_keys AS k
-       SET state = 'c', lease_expires_at = NULL, uncompleted = NULL, response_status = p_status,
+       SET state = 'c', lease_expires_at = idem.answer_expires_at(k.expires_at, coalesce(k.lease_expires_at, v_since), v_now),
+           uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld
      WHERE k.principal_id = p_principal AND k.key = p_key

@@ -31,6 +31,7 @@ DECLARE
     v_ok      boolean;
     v_token   bigint;
     v_stored  boolean;
+    v_since   timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}
@@ -45,6 +46,7 @@ BEGIN
 {{ template "include/check_ttl.sql" "idem_save_final" }}
 {{ template "include/fields_blob.sql" "idem_save_final" }}
     v_now := clock_timestamp();
+    v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
     v_action := hashtextextended(p_action, 0);
     v_token := nextval('idem.attempt_seq');
@@ -62,7 +64,10 @@ BEGIN
        SET state = 'c',
            attempt = CASE WHEN k.uncompleted THEN k.attempt ELSE excluded.attempt END,
            expires_at = CASE WHEN k.uncompleted THEN k.expires_at ELSE excluded.expires_at END,
-           lease_expires_at = NULL, uncompleted = NULL, action_hash = excluded.action_hash,
+           -- This transaction's own claim is kept the TTL after now (answer_expires_at); a
+           -- row inserted now expires the TTL after now already.
+           lease_expires_at = CASE WHEN k.uncompleted THEN idem.answer_expires_at(k.expires_at, v_since, v_now) END,
+           uncompleted = NULL, action_hash = excluded.action_hash,
            request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
            response_status = excluded.response_status, response_headers = excluded.response_headers,
            response_body = excluded.response_body, resource_id = excluded.resource_id,

@@ -6,14 +6,23 @@
 --   - state is a one-byte "char" ('p' in progress, 'c' completed, 'r' released);
 --   - the action is kept as a 64-bit hash (action_hash), the per-field hashes as 8 bytes each in
 --     binary (request_fields bytea), the status as smallint; created_at and completed_at go;
---   - a lease never outlives its key: expires_at covers lease_expires_at;
+--   - a lease never outlives its key: a lease claim's key expires the TTL after the lease's
+--     end (0.1.0: the TTL after the claim, or the lease's end if later);
 --   - no CHECK constraints: the SECURITY DEFINER functions are the only writers (no other role
 --     has a privilege on the table), and the pgTAP suite proves the invariants they keep.
 --
 -- Rows stored by 0.1.0 are copied over, so their keys still replay. Foreign keys that others
 -- added to the old table (the reference server's principal reference, or your own) are added
--- again to the new one as NOT VALID. The copy takes the old table's ACCESS EXCLUSIVE lock for
--- its duration. There is no way down: going back to 0.1.0 means restoring a backup.
+-- again to the new one as NOT VALID. There is no way down: going back to 0.1.0 means
+-- restoring a backup.
+--
+-- The first statement locks the old table against every other use until this migration
+-- commits: a claim that committed before the lock is copied; one that comes after waits for
+-- the lock (its function's lock_timeout, 2 s by default), fails with 55P03 and is answered
+-- 409 request_in_progress, retryable. Without the lock, keys committed to the old table while
+-- the copy ran were dropped with it (docs/operations.md, "Upgrades"; TestUpgradeUnderTraffic).
+LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+
 CREATE SEQUENCE idem.attempt_seq AS bigint;
 
 COMMENT ON SEQUENCE idem.attempt_seq IS
@@ -50,12 +59,13 @@ CREATE TABLE idem.idempotency_keys_v3 (
 );
 
 -- The old rows. request_fields was {"name": "hex sha256"}; it becomes name, NUL, the first 8
--- bytes of the hash, for each field. A lease that outlived its key's expiry extends it.
+-- bytes of the hash, for each field. A lease in progress keeps its key the TTL past its end.
 INSERT INTO idem.idempotency_keys_v3
     (expires_at, attempt, action_hash, lease_expires_at, response_status, state, uncompleted,
      principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
      response_body)
-SELECT greatest(k.expires_at, k.lease_expires_at), k.attempt, hashtextextended(k.action, 0),
+SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
+            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END, k.attempt, hashtextextended(k.action, 0),
        k.lease_expires_at, k.response_status,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,

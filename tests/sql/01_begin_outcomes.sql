@@ -53,7 +53,7 @@ SELECT isnt(:bob_attempt::bigint, :k1_attempt::bigint, 'every claim gets its own
 SELECT is(idem.idem_release('bob', 'k1', :bob_attempt), true, 'release of a transactional claim');
 
 -- an expired key behaves as absent
-UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day' WHERE principal_id = 'alice' AND key = 'k1';
+UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day', lease_expires_at = now() - interval '1 day' WHERE principal_id = 'alice' AND key = 'k1';
 SELECT pg_temp.b('alice', 'k1', 'POST /v1/other', sha256('body-9'));
 SELECT is(outcome, 'claimed', 'an expired key is claimed again, whatever the request') FROM r;
 SELECT ok(attempt > :k1_attempt, 'with a new token (fencing)') FROM r;
@@ -103,7 +103,7 @@ SELECT is(idem.idem_save_final('alice', 'final', 'POST /v1/transfers', sha256('f
 SELECT is((SELECT response_status FROM idem.idempotency_keys WHERE key = 'final'), 422::smallint, 'the first final response stays');
 SELECT is(idem.idem_save_final('alice', 'lease', 'POST /v1/jobs', sha256('another job'), '1 hour', 404, '{}', 'x'), false,
     'save_final leaves a completed key alone, even for the same request');
-UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day' WHERE key = 'final';
+UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day', lease_expires_at = NULL WHERE key = 'final';
 SELECT is(idem.idem_save_final('alice', 'final', 'POST /v1/transfers', sha256('g'), NULL, 404, '{}', NULL,
     p_withheld => 'too_large', p_resource_id => '/v1/things/9'), true, 'save_final replaces an expired row (default TTL)');
 SELECT pg_temp.b('alice', 'final', 'POST /v1/transfers', sha256('g'));

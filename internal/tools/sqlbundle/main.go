@@ -18,7 +18,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strings"
 
 	"github.com/jackc/tern/v2/migrate"
@@ -29,14 +28,8 @@ import (
 // Path is where the bundle goes, from the module's root.
 const Path = "sql/idem.sql"
 
-// ternLock is tern's advisory lock number (migrate.lockNum in github.com/jackc/tern/v2): the
-// bundle takes the same lock, so it never runs at the same time as idemsql.Migrate.
-const ternLock = 9628173550095224
-
 // psqlVar is the psql variable that says whether the next migration is due.
 const psqlVar = "idem_migration_due"
-
-var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)
 
 func main() {
 	out := flag.String("o", "", "where to write the file (default: "+Path+" in the module's root)")
@@ -82,7 +75,7 @@ func moduleRoot() (string, error) {
 
 // Render returns the text of sql/idem.sql.
 func Render() (string, error) {
-	data := map[string]any{"app_role": idemsql.DefaultAppRole}
+	data := idemsql.TemplateData(idemsql.DefaultAppRole)
 	m, err := migrate.NewMigrator(context.Background(), nil, idemsql.VersionTable) // nil: render only
 	if err != nil {
 		return "", err
@@ -136,10 +129,10 @@ BEGIN
     END IF;
 END
 $idem_bundle$;
-`, last, idemsql.DefaultAppRole, table, last, ternLock, table, table, table, table, last, last, table)
+`, last, idemsql.DefaultAppRole, table, last, idemsql.TernLock, table, table, table, table, last, last, table)
 
 	for _, mig := range m.Migrations {
-		if disableTx.MatchString(mig.UpSQL) {
+		if idemsql.DisablesTx(mig) {
 			return "", fmt.Errorf("%s disables tern's transaction: it cannot run inside the bundle's one transaction", mig.Name)
 		}
 		if strings.Contains(mig.UpSQL, ":"+psqlVar) {
