@@ -1,0 +1,100 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+var loginRoles atomic.Int64
+
+// loginRole creates a login role that is only a member of the application role idem_app (not
+// the owner of anything, not a superuser), as docs/operations.md recommends, and returns the
+// connection string of db as that role. The role is dropped when the test ends.
+func loginRole(t *testing.T, db string) string {
+	t.Helper()
+	owner := pgtest.Connect(t, db)
+	name := fmt.Sprintf("idem_login_%d", loginRoles.Add(1))
+	pgtest.Exec(t, owner, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE IN ROLE idem_app`, name))
+	t.Cleanup(func() {
+		ctx := context.Background()
+		c, err := pgx.Connect(ctx, db)
+		if err != nil {
+			return
+		}
+		defer c.Close(ctx)
+		_, _ = c.Exec(ctx, `DROP OWNED BY `+name+`; DROP ROLE `+name)
+	})
+	cfg, err := pgx.ParseConfig(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprintf("host=%s port=%d dbname=%s user=%s password=app-secret sslmode=disable", cfg.Host, cfg.Port, cfg.Database, name)
+}
+
+// TestLeastPrivilegeRole: the server, the README quickstart and the cleaner run as a login
+// role that is only a member of idem_app, after `server migrate` ran as the owner. The
+// cleaner deletes expired keys but cannot vacuum the key table (PostgreSQL 15 lets only its
+// owner): it says so once, and the documented alternative (the pg_cron vacuum job, run as
+// the owner: TestPgCronCleanup) takes over.
+func TestLeastPrivilegeRole(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmptyDB(t)
+	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate as the owner: %v", err)
+	}
+	_ = mig.Close()
+	app := loginRole(t, db)
+
+	var log logBuffer
+	s := serveWith(t, app, db, map[string]string{"CLEANUP_INTERVAL": "1s"}, &log)
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
+		t.Fatalf("/healthz as the application role: %d %s", r.status, r.body)
+	}
+	out := runQuickstart(t, s, app) // principal create, too, as the application role
+	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
+		t.Fatalf("%d transfers after the quickstart, want 1:\n%s", n, out)
+	}
+
+	// The scheduled cleaner, as the application role.
+	id, _ := s.principal("expired")
+	pgtest.InsertExpired(t, s.pool, id, 200)
+	pgtest.WaitFor(t, s.pool, `SELECT (count(*) = 0)::int FROM idem.idempotency_keys WHERE principal_id = $1`, id)
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(log.String(), "does not vacuum") && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := strings.Count(log.String(), "does not vacuum the key table"); n != 1 {
+		t.Fatalf("the cleaner's refusal to vacuum was logged %d times, want once:\n%s", n, log.String())
+	}
+	if strings.Contains(log.String(), `"level":"ERROR"`) {
+		t.Fatalf("the server logged an error as the application role:\n%s", log.String())
+	}
+
+	// `server cleanup`, as the application role.
+	pgtest.InsertExpired(t, s.pool, id, 50)
+	var stdout bytes.Buffer
+	c := NewMain(&stdout, &bytes.Buffer{})
+	if err := c.ParseFlags([]string{"cleanup"}, serverEnv(app, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(context.Background()); err != nil {
+		t.Fatalf("server cleanup as the application role: %v", err)
+	}
+	_ = c.Close()
+	if !strings.Contains(stdout.String(), "deleted 50 expired keys") {
+		t.Fatalf("server cleanup printed %q", stdout.String())
+	}
+}
