@@ -76,6 +76,13 @@ func (r *notedRows) Err() error {
 	return err
 }
 
+// Close closes the rows and notes the error that ended them: a handler that reads its rows
+// to the end and never asks Err still has its serialization failure rerun.
+func (r *notedRows) Close() {
+	r.Rows.Close()
+	r.owner.note(r.Rows.Err())
+}
+
 // notedRow behaves as pgx's Row: the first row, pgx.ErrNoRows when there is none.
 type notedRow struct {
 	rows pgx.Rows

@@ -40,10 +40,10 @@ type Acquirer interface {
 // RunTx runs fn in a transaction and commits it when fn returns nil (with a pending
 // completion or final answer, in the same round trip as COMMIT), or rolls it back when fn
 // returns an error, which RunTx returns. When a statement of fn or the commit fails with
-// 40001 or 40P01 (even one that fn handled), fn runs again in a new transaction, up to
-// opts.MaxAttempts times; fn must therefore not keep state from a failed run (re-read a
-// request body from its start, reset a response buffer). A fn that sends no statement costs
-// no round trip.
+// 40001 or 40P01, or a statement of fn with a lock timeout (55P03), even one that fn handled,
+// fn runs again in a new transaction, up to opts.MaxAttempts times; fn must therefore not
+// keep state from a failed run (re-read a request body from its start, reset a response
+// buffer). A fn that sends no statement costs no round trip.
 func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) error) error {
 	attempts := opts.MaxAttempts
 	if attempts <= 0 {
@@ -63,18 +63,21 @@ func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) err
 			case <-time.After(wait):
 			}
 		}
-		err = runOnce(ctx, db, opts.TxOptions, fn)
-		if !IsRetryable(err) {
+		var again bool
+		again, err = runOnce(ctx, db, opts.TxOptions, fn)
+		if !again {
 			return err
 		}
 	}
 	return err
 }
 
-func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx *Tx) error) error {
+// runOnce runs fn in one transaction; again tells whether the unit of work may run again (a
+// statement of the work or the commit failed in a way a new transaction may not).
+func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx *Tx) error) (again bool, err error) {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
 	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
 	// transaction status when the connection comes back.
@@ -88,18 +91,19 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx 
 	}()
 	ferr := fn(t)
 	if t.retry != nil {
-		// A statement hit a serialization failure or a deadlock; whatever fn made of it (a
-		// 500, an error of its own), the transaction is lost: run fn again instead.
+		// A statement hit a serialization failure, a deadlock or a lock timeout; whatever fn
+		// made of it (a 500, an error of its own), the transaction is lost: run fn again.
 		ferr = t.retry
 	}
 	switch {
 	case t.tx == nil:
-		return ferr // nothing was sent
+		return false, ferr // nothing was sent
 	case ferr != nil:
 		t.rollback(ctx)
-		return ferr
+		return t.retry != nil, ferr
 	}
-	return t.commit(ctx)
+	err = t.commit(ctx)
+	return IsRetryable(err), err
 }
 
 func (t *Tx) rollback(ctx context.Context) {
@@ -115,7 +119,7 @@ func (t *Tx) commit(ctx context.Context) error {
 	}
 	b := &pgx.Batch{}
 	if t.final {
-		b.Queue("ROLLBACK TO SAVEPOINT " + claimSavepoint)
+		b.Queue(rollbackToClaimSQL)
 		b.Queue(saveFinalSQL, t.end...)
 	} else {
 		b.Queue(CompleteSQL, t.end...)

@@ -2,6 +2,8 @@ package dbidem
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 
 	"github.com/jackc/pgx/v5"
@@ -10,7 +12,21 @@ import (
 
 // claimSavepoint is taken right after idem_begin, in the same round trip: a final error rolls
 // the work back to it and keeps the claim, so the answer is stored in the same transaction.
-const claimSavepoint = "idem_claim"
+// Its name ends in 64 random bits drawn when the process starts, so no savepoint of a
+// handler can share it: ROLLBACK TO SAVEPOINT goes to the newest savepoint of a name, and a
+// handler's own "idem_claim" would otherwise have kept the work before it under a stored
+// final answer.
+var (
+	claimSavepoint     = "idem_claim_" + randomHex(8)
+	savepointSQL       = "SAVEPOINT " + claimSavepoint
+	rollbackToClaimSQL = "ROLLBACK TO SAVEPOINT " + claimSavepoint
+)
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
 
 // ErrTxOwned is returned by Tx.Commit and Tx.Rollback: RunTx ends the transaction when the
 // function returns (nil commits, an error rolls back). Nested transactions (Tx.Begin) are
@@ -47,12 +63,19 @@ func (t *Tx) begin(ctx context.Context) error {
 	return nil
 }
 
-// note remembers a retryable error: the work's code usually answers it with a failure of
-// its own, but the unit of work should run again instead.
+// note remembers an error of the work after which the unit of work runs again: a
+// serialization failure or a deadlock (IsRetryable), or a lock timeout (55P03) of one of the
+// work's own statements. The work's code usually answers it with a failure of its own (a
+// 500), but the transaction is lost and a new one may well succeed.
 func (t *Tx) note(err error) {
-	if err != nil && t.retry == nil && IsRetryable(err) {
+	if err != nil && t.retry == nil && (IsRetryable(err) || isLockTimeout(err)) {
 		t.retry = err
 	}
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
 }
 
 // Claim calls idem_begin for c in this transaction, sending BEGIN (if not sent yet),
@@ -69,7 +92,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	}
 	var row decisionRow
 	b.Queue(BeginSQL, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest()...) })
-	b.Queue("SAVEPOINT " + claimSavepoint)
+	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {
 		br = t.conn.SendBatch(ctx, b)
@@ -78,7 +101,9 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		br = t.tx.SendBatch(ctx, b)
 	}
 	if err := br.Close(); err != nil {
-		t.note(err)
+		if IsRetryable(err) { // not its lock timeout: that is ErrInProgress, the Gate's to answer
+			t.note(err)
+		}
 		return Decision{}, classify(err)
 	}
 	d, err := row.decision()

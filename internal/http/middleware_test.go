@@ -57,6 +57,13 @@ type order struct {
 	ETag     string `json:"etag"`
 	Problem  bool   `json:"problem"`
 	SleepMS  int    `json:"sleep_ms"`
+	// Savepoint makes the handler take a savepoint named as the middleware's once was
+	// (idem_claim), after its write.
+	Savepoint bool `json:"savepoint"`
+	// Code is the SQLSTATE of a conflict (default 40001); InRows raises it while the handler
+	// reads rows, which it closes without asking Err.
+	Code   string `json:"code"`
+	InRows bool   `json:"in_rows"`
 }
 
 func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
@@ -65,7 +72,12 @@ func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
 	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), finished: make(chan struct{}, 100),
 		release: make(chan struct{})}
 	t.Cleanup(a.unblock) // a failing test must not leave a handler blocked until the timeout
-	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int)`); err != nil {
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int);
+		CREATE FUNCTION conflict_on(n int, code text) RETURNS int LANGUAGE plpgsql AS $$
+		BEGIN
+			IF n = 2 THEN RAISE EXCEPTION 'conflict' USING ERRCODE = code; END IF;
+			RETURN n;
+		END $$`); err != nil {
 		t.Fatal(err)
 	}
 	opts := idemhttp.Options{
@@ -132,13 +144,31 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 		run := r.Header.Get("X-Test-Run")
 		prev, _ := a.seen.LoadOrStore(run, new(atomic.Int32))
 		if prev.(*atomic.Int32).Add(1) == 1 {
-			const raise = `DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$`
+			code := o.Code
+			if code == "" {
+				code = "40001"
+			}
+			raise := `DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '` + code + `'; END $$`
 			var err error
-			if o.InBatch {
+			switch {
+			case o.InRows:
+				// The error comes with the second row: the handler reads to the end and
+				// closes, as many do, and never calls Err.
+				rows, qerr := tx.(interface {
+					Query(context.Context, string, ...any) (pgx.Rows, error)
+				}).Query(r.Context(), `SELECT conflict_on(g, $1) FROM generate_series(1, 3) AS g`, code)
+				if qerr == nil {
+					for rows.Next() {
+					}
+					rows.Close()
+				}
+				http.Error(w, "could not read", 500)
+				return
+			case o.InBatch:
 				b := &pgx.Batch{}
 				b.Queue(raise)
 				err = idemhttp.Tx(r.Context()).SendBatch(r.Context(), b).Close()
-			} else {
+			default:
 				_, err = tx.Exec(r.Context(), raise)
 			}
 			if err != nil {
@@ -151,6 +181,12 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 	if err := tx.QueryRow(r.Context(), `INSERT INTO effects (path, amount) VALUES ($1, $2) RETURNING id`, r.URL.Path, o.Amount).Scan(&id); err != nil {
 		http.Error(w, err.Error(), 500)
 		return
+	}
+	if o.Savepoint {
+		if _, err := tx.Exec(r.Context(), `SAVEPOINT idem_claim`); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
 	}
 	if o.Flush {
 		fmt.Fprint(w, `{"partial":`)
@@ -420,6 +456,23 @@ func TestFinalErrorsAreStoredWithoutEffect(t *testing.T) {
 	}
 }
 
+// TestHandlerSavepointCannotKeepAFinalErrorsWork: a handler that writes and then takes a
+// savepoint of its own, named as the middleware's once was, and answers 422: its write is
+// rolled back with the rest of the work (the middleware's savepoint has a name no handler
+// can take), and the 422 is stored.
+func TestHandlerSavepointCannotKeepAFinalErrorsWork(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	first := a.do("POST", "/transfers", "alice", "sp", `{"status":422,"savepoint":true}`)
+	again := a.do("POST", "/transfers", "alice", "sp", `{"status":422,"savepoint":true}`)
+	if first.status != 422 || again.status != 422 || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("first %+v, again %+v", first, again)
+	}
+	if n := a.effects(); n != 0 {
+		t.Fatalf("%d effects committed under a stored 422, want 0", n)
+	}
+}
+
 func TestPrincipalsAreIndependent(t *testing.T) {
 	t.Parallel()
 	a := newApp(t, nil)
@@ -568,6 +621,24 @@ func TestSerializationFailureInABatchReruns(t *testing.T) {
 	r := a.do("POST", "/transfers", "alice", "k1", `{"amount":77,"conflict":true,"in_batch":true}`, "X-Test-Run", "batch-1")
 	if r.status != 201 || a.runs.Load() != 2 || a.effects() != 1 {
 		t.Fatalf("%+v after %d runs, %d effects; want 201 after 2 runs, 1 effect", r, a.runs.Load(), a.effects())
+	}
+}
+
+// TestRetryableErrorsRerun: a serialization failure that surfaces only when the handler
+// closes its rows (it never asks Err), and a lock timeout of the handler's own statement,
+// make the unit of work run again instead of answering the handler's 500.
+func TestRetryableErrorsRerun(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	for i, body := range []string{`{"amount":5,"conflict":true,"in_rows":true}`, `{"amount":6,"conflict":true,"code":"55P03"}`} {
+		before := a.runs.Load()
+		r := a.do("POST", "/transfers", "alice", fmt.Sprintf("rerun-%d", i), body, "X-Test-Run", fmt.Sprintf("rerun-%d", i))
+		if r.status != 201 || a.runs.Load()-before != 2 {
+			t.Fatalf("%s: %+v after %d runs; want 201 after 2", body, r, a.runs.Load()-before)
+		}
+	}
+	if a.effects() != 2 {
+		t.Fatalf("%d effects, want 2", a.effects())
 	}
 }
 
