@@ -14,7 +14,7 @@ import (
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
-// cleanupLockID is the advisory lock that makes one cleanup pass run at a time across all
+// cleanupLockID is the advisory lock that makes one cleanup batch run at a time across all
 // server processes on a database ("idem" in ASCII, then "clean").
 const cleanupLockID int64 = 0x6964656d636c6e
 
@@ -52,40 +52,61 @@ func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.R
 	return c
 }
 
-// pass runs one full cleanup pass unless another process is running one: it holds a
-// transaction-scoped advisory lock (so it also works behind PgBouncer in transaction mode)
-// on one connection while the batches run, each in its own transaction, on others. It
-// returns how many keys it deleted and whether it ran.
+// batchSQL is one cleanup batch as one statement, in a transaction of its own: under the
+// cleanup lock (transaction-scoped, so it also works behind PgBouncer in transaction mode),
+// idem_cleanup deletes up to $2 expired keys and returns how many; NULL when a batch of
+// another process holds the lock.
+const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
+
+// pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
+// many it deleted and whether it ran. Each batch takes the cleanup lock for its own
+// transaction: a pass whose first batch finds another process's batch running is skipped,
+// and a pass that finds one later stops there (the other process goes on), so one process
+// cleans at a time. The pass holds at most one connection, and only while a statement runs:
+// with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
 func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	start := time.Now()
-	lock, err := c.pool.Begin(ctx)
-	if err != nil {
-		c.passes.WithLabelValues("failed").Inc()
-		return 0, false, err
+	batch := c.batchSize
+	if batch <= 0 {
+		d, err := dbidem.ReadDefaults(ctx, c.pool)
+		if err != nil {
+			c.passes.WithLabelValues("failed").Inc()
+			return 0, false, err
+		}
+		batch = d.BatchSize
 	}
-	defer lock.Rollback(context.WithoutCancel(ctx))
-	var mine bool
-	if err := lock.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1)`, cleanupLockID).Scan(&mine); err != nil {
-		c.passes.WithLabelValues("failed").Inc()
-		return 0, false, err
+	total := 0
+	for {
+		var n *int
+		if err := c.pool.QueryRow(ctx, batchSQL, cleanupLockID, batch).Scan(&n); err != nil {
+			c.deleted.Add(float64(total))
+			c.passes.WithLabelValues("failed").Inc()
+			return total, true, err
+		}
+		if n == nil {
+			if total == 0 {
+				c.passes.WithLabelValues("skipped").Inc()
+				return 0, false, nil
+			}
+			break // another process's batch took over
+		}
+		total += *n
+		if *n < batch {
+			break
+		}
 	}
-	if !mine {
-		c.passes.WithLabelValues("skipped").Inc()
-		return 0, false, nil
-	}
-	n, err := dbidem.Cleanup(ctx, c.pool, c.batchSize)
-	c.deleted.Add(float64(n))
-	if err == nil && n > 0 && c.vacuum {
-		// Still under the pass's lock, so one process vacuums at a time.
-		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(n)))
+	c.deleted.Add(float64(total))
+	var err error
+	if total > 0 && c.vacuum {
+		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)))
 	}
 	c.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
 		c.passes.WithLabelValues("failed").Inc()
-		return n, true, err
+		return total, true, err
 	}
 	c.passes.WithLabelValues("done").Inc()
-	return n, true, nil
+	return total, true, nil
 }
 
 // vacuumKeys vacuums the key table when deleted, the rows deleted since the last vacuum,

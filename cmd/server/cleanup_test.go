@@ -139,6 +139,42 @@ func TestTwoInstancesOneCleaner(t *testing.T) {
 	}
 }
 
+// TestCleanerHoldsOneConnection: a pass holds at most one connection, and only while a
+// statement runs. With a pool of two, one of them held by a request for the whole pass, the
+// pass deletes every expired key and vacuums; it used to need two at once (its lock
+// transaction and its batches), and waited for the held one.
+func TestCleanerHoldsOneConnection(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	id, _ := s.principal("c")
+	expire(t, s, id, 3000)
+	cfg, err := pgxpool.ParseConfig(s.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 2
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	request, err := pool.Acquire(ctx) // a request holds one connection throughout
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer request.Release()
+	c := newCleaner(pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	n, ran, err := c.pass(ctx)
+	if err != nil || !ran || n != 3000 {
+		t.Fatalf("a pass with one connection free: deleted %d, ran %v, %v; want 3000", n, ran, err)
+	}
+	if v := testutil.ToFloat64(c.vacuums); v != 1 {
+		t.Fatalf("%v vacuums after deleting 3000 keys, want 1", v)
+	}
+}
+
 // TestScheduledCleanupStopsWithTheServer: the gocron job runs passes on its interval, and
 // once stop has returned no pass runs any more.
 func TestScheduledCleanupStopsWithTheServer(t *testing.T) {

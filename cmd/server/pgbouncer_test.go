@@ -271,6 +271,42 @@ func TestPgBouncerOneCleaner(t *testing.T) {
 	}
 }
 
+// TestPgBouncerPoolOfOneCleans: behind a PgBouncer whose pool has one server connection, a
+// cleanup pass deletes every expired key (it used to wait on itself: its lock transaction
+// held the one connection its batches needed).
+func TestPgBouncerPoolOfOneCleans(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmptyDB(t)
+	if err := migrateDB(t, db); err != nil {
+		t.Fatal(err)
+	}
+	b := pgtest.PgBouncer(t, map[string]string{"default_pool_size": "1", "query_wait_timeout": "5"})
+	pool, err := pgxpool.New(context.Background(), pgtest.ThroughPgBouncer(t, db, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	direct := pgtest.Connect(t, db)
+	id, _, err := createPrincipal(context.Background(), pool, "p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgtest.InsertExpired(t, direct, id, 1500)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c := newCleaner(pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if n, ran, err := c.pass(ctx); err != nil || !ran || n != 1500 {
+		t.Fatalf("a pass through a pool of one server connection: deleted %d, ran %v, %v; want 1500", n, ran, err)
+	}
+	cfg, err := pgx.ParseConfig(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.PgBouncerServers(t, b, cfg.Database); n != 1 {
+		t.Fatalf("PgBouncer holds %d server connections to the database, want the one of its pool", n)
+	}
+}
+
 // TestPgBouncerQuickstart runs the README quickstart verbatim (as TestQuickstart does) with
 // the server and the `principal create` command behind PgBouncer: DATABASE_URL is the
 // documented form through PgBouncer. Then the README's psql block, through PgBouncer too.

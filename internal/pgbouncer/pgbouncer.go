@@ -48,7 +48,7 @@ type Config struct {
 // pidfile), with why each is there. Config.Settings overrides them.
 var DefaultSettings = []Setting{
 	{"pool_mode", "transaction", "a server connection belongs to a client for one transaction only: what the idem SQL API is built for (no session state, no named prepared statements)"},
-	{"default_pool_size", "20", "server connections per database and user: room for several servers' pools and the cleanup's two connections at once (a pass holds its lock transaction on one and deletes on another)"},
+	{"default_pool_size", "20", "server connections per database and user: room for several servers' pools (a cleanup pass needs one, only while a batch runs)"},
 	{"max_client_conn", "500", "client connections PgBouncer accepts in all: every process's whole pool (DATABASE_POOL_SIZE each) and the tests' own connections"},
 	{"max_db_connections", "0", "no cap per database beyond default_pool_size"},
 	{"auth_type", "trust", "the test clusters trust every local connection; the user must still be listed in auth_file"},
