@@ -40,6 +40,9 @@ type Config struct {
 	// MaxWaitingClaims (IDEMPOTENCY_MAX_WAITING_CLAIMS): how many requests may wait on a
 	// key's row lock at once. 0: a quarter of PoolSize.
 	MaxWaitingClaims int
+	// MaxWaitingBytes (IDEMPOTENCY_MAX_WAITING_BYTES): what duplicates waiting in this process
+	// may hold at once (their bodies plus 4 KiB each). 0: 16 times MaxBodyBytes, at least 16 MiB.
+	MaxWaitingBytes int64
 	// MaxBodyBytes (MAX_BODY_BYTES): the largest request body. Default 1048576.
 	MaxBodyBytes int64
 	// MaxStoredBytes (MAX_STORED_RESPONSE_BYTES): the largest response body stored for
@@ -95,6 +98,7 @@ environment (docs/operations.md):
   IDEMPOTENCY_TTL                 how long a key stays valid (the SQL default, 24h)
   IDEMPOTENCY_LOCK_TIMEOUT        how long a repeat waits for the first request (the SQL default, 2s)
   IDEMPOTENCY_MAX_WAITING_CLAIMS  requests that may wait on a key's row lock at once (a quarter of the pool)
+  IDEMPOTENCY_MAX_WAITING_BYTES   what duplicates waiting for a request of this process may hold (16 x MAX_BODY_BYTES, at least 16 MiB)
   MAX_BODY_BYTES                  the largest request body (1048576)
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
@@ -154,6 +158,9 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	maxBody := int(c.MaxBodyBytes)
 	p.integer("MAX_BODY_BYTES", &maxBody, 1, 1<<30)
 	c.MaxBodyBytes = int64(maxBody)
+	maxWaiting := int(c.MaxWaitingBytes)
+	p.integer("IDEMPOTENCY_MAX_WAITING_BYTES", &maxWaiting, 1, 1<<40)
+	c.MaxWaitingBytes = int64(maxWaiting)
 	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 0, 1<<30)
 	if v := getenv("CLEANUP_INTERVAL"); v == "0" {
 		c.CleanupInterval = 0

@@ -83,7 +83,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	env := map[string]string{
 		"DATABASE_URL": "postgres://u@h:5/d", "DATABASE_POOL_SIZE": "9", "LISTEN_ADDR": "0.0.0.0:9",
 		"IDEM_DATA_DIR": "/x", "IDEM_DATA_PORT": "7", "IDEM_APP_ROLE": "app_x", "IDEMPOTENCY_TTL": "1h",
-		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "MAX_BODY_BYTES": "100",
+		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "IDEMPOTENCY_MAX_WAITING_BYTES": "5000", "MAX_BODY_BYTES": "100",
 		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "CLEANUP_VACUUM": "false", "SHUTDOWN_TIMEOUT": "3s",
 		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug",
 	}
@@ -91,7 +91,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		t.Fatal(err)
 	}
 	want = Config{DatabaseURL: "postgres://u@h:5/d", PoolSize: 9, ListenAddr: "0.0.0.0:9", DataDir: "/x", DataPort: 7,
-		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxBodyBytes: 100,
+		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxWaitingBytes: 5000, MaxBodyBytes: 100,
 		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, CleanupVacuum: false, ShutdownTimeout: 3 * time.Second,
 		TransfersRequireKey: false, LogLevel: slog.LevelDebug}
 	if m.Config != want {

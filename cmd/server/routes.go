@@ -39,6 +39,7 @@ func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
 		TTL:                m.Config.TTL,
 		LockTimeout:        m.Config.LockTimeout,
 		MaxWaitingClaims:   m.Config.MaxWaitingClaims,
+		MaxWaitingBytes:    m.Config.MaxWaitingBytes,
 		MaxBodyBytes:       m.Config.MaxBodyBytes,
 		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
 		Logger:             m.log,

@@ -222,7 +222,7 @@ func TestGateCoalescesDuplicates(t *testing.T) {
 	pool, _ := pgtest.NewPool(t, 3)
 	ctx := context.Background()
 	pgtest.Exec(t, pool, `CREATE TABLE effects (n int)`)
-	gate := dbidem.NewGate(1)
+	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: 1})
 	inside, release := make(chan struct{}), make(chan struct{})
 	t.Cleanup(func() {
 		select {
@@ -314,7 +314,7 @@ func TestGateBoundsLockWaits(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	gate := dbidem.NewGate(1)
+	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: 1})
 	waited := make(chan error, 1)
 	go func() {
 		c := claim("a", `{}`)

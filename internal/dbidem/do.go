@@ -13,7 +13,7 @@ import (
 )
 
 // doGate coalesces the Do calls of this process that carry the same key.
-var doGate = NewGate(0)
+var doGate = NewGate(GateOptions{})
 
 // Job describes work that must run at most once per key, outside HTTP: a queue consumer
 // handling a message id, a cron command.
@@ -51,7 +51,7 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 	if gate == nil {
 		gate = doGate
 	}
-	err = gate.Run(ctx, db, opts, claim, func(tx *Tx, d Decision) error {
+	err = gate.RunHolding(ctx, db, opts, claim, int64(len(input)), func(tx *Tx, d Decision) error {
 		var zero T
 		result, replayed = zero, false
 		switch d.Outcome {

@@ -18,9 +18,28 @@ import (
 // takes one of the Gate's wait slots and claims again with the rest of its lock timeout.
 const Probe = 5 * time.Millisecond
 
-// DefaultMaxWaitingClaims is the number of claims that may wait on a key's row lock at once
-// when NewGate is given 0.
-const DefaultMaxWaitingClaims = 4
+// The defaults of GateOptions.
+const (
+	// DefaultMaxWaitingClaims is how many claims may wait on a key's row lock at once.
+	DefaultMaxWaitingClaims = 4
+	// DefaultMaxWaitingBytes is how many bytes duplicates waiting in Go may hold at once.
+	DefaultMaxWaitingBytes = 64 << 20
+	// WaitOverhead is what a waiting duplicate counts beyond the bytes it holds: its
+	// goroutine, its request and its connection's buffers.
+	WaitOverhead = 4 << 10
+)
+
+// GateOptions configure a Gate. The zero value has the defaults.
+type GateOptions struct {
+	// MaxWaitingClaims bounds the claims that wait on a key's row lock (held by another
+	// process) at once. 0: DefaultMaxWaitingClaims.
+	MaxWaitingClaims int
+	// MaxWaitingBytes bounds what the duplicates waiting in Go hold at once: each counts the
+	// bytes it holds (RunHolding's held, its request body) plus WaitOverhead. A duplicate
+	// that would take the total past it gets ErrInProgress at once, so a storm of large
+	// duplicates cannot make the process hold more. 0: DefaultMaxWaitingBytes.
+	MaxWaitingBytes int64
+}
 
 // Gate keeps a retry storm on one key from holding the connection pool:
 //
@@ -34,30 +53,39 @@ const DefaultMaxWaitingClaims = 4
 // The database stays the arbiter across processes. A Gate is safe for concurrent use; use
 // one per pool.
 type Gate struct {
-	mu      sync.Mutex
-	flights map[flightKey]chan struct{}
-	slots   chan struct{}
-	lock    atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
+	mu       sync.Mutex
+	flights  map[flightKey]chan struct{}
+	slots    chan struct{}
+	maxBytes int64
+	lock     atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
 
-	waiting   atomic.Int64
-	coalesced atomic.Uint64
-	refused   atomic.Uint64
+	waiting      atomic.Int64
+	waitingBytes atomic.Int64
+	coalesced    atomic.Uint64
+	refused      atomic.Uint64
 }
 
 type flightKey struct{ principal, key string }
 
-// NewGate returns a Gate that lets at most maxWaitingClaims claims wait on a key's row lock
-// at once (0: DefaultMaxWaitingClaims).
-func NewGate(maxWaitingClaims int) *Gate {
-	if maxWaitingClaims <= 0 {
-		maxWaitingClaims = DefaultMaxWaitingClaims
+// NewGate returns a Gate with these options.
+func NewGate(o GateOptions) *Gate {
+	if o.MaxWaitingClaims <= 0 {
+		o.MaxWaitingClaims = DefaultMaxWaitingClaims
 	}
-	return &Gate{flights: map[flightKey]chan struct{}{}, slots: make(chan struct{}, maxWaitingClaims)}
+	if o.MaxWaitingBytes <= 0 {
+		o.MaxWaitingBytes = DefaultMaxWaitingBytes
+	}
+	return &Gate{flights: map[flightKey]chan struct{}{}, slots: make(chan struct{}, o.MaxWaitingClaims),
+		maxBytes: o.MaxWaitingBytes}
 }
 
 // Waiting is how many requests wait in Go for another request of this process with the same
 // key (a gauge).
 func (g *Gate) Waiting() int64 { return g.waiting.Load() }
+
+// WaitingBytes is what the requests counted by Waiting hold, as MaxWaitingBytes counts it (a
+// gauge).
+func (g *Gate) WaitingBytes() int64 { return g.waitingBytes.Load() }
 
 // LockWaits is how many claims hold a wait slot: they wait on a key's row lock held by
 // another process (a gauge).
@@ -67,24 +95,34 @@ func (g *Gate) LockWaits() int { return len(g.slots) }
 func (g *Gate) Coalesced() uint64 { return g.coalesced.Load() }
 
 // Refused counts the requests answered ErrInProgress without waiting on the database: their
-// wait in Go ran out, or every wait slot was taken.
+// wait in Go ran out, the duplicates waiting in Go already held MaxWaitingBytes, or every
+// wait slot was taken.
 func (g *Gate) Refused() uint64 { return g.refused.Load() }
 
 // errBusyHere and errNoSlot are the two ErrInProgress a Gate gives without the database.
 var (
 	errBusyHere = fmt.Errorf("%w: another request of this process holds the key", ErrInProgress)
+	errFull     = fmt.Errorf("%w: the duplicates waiting in this process hold too much already", ErrInProgress)
 	errNoSlot   = fmt.Errorf("%w: every wait slot is taken", ErrInProgress)
 )
 
 // IsRefusedByGate tells whether err is an ErrInProgress that a Gate gave without asking the
 // database.
-func IsRefusedByGate(err error) bool { return errors.Is(err, errBusyHere) || errors.Is(err, errNoSlot) }
+func IsRefusedByGate(err error) bool {
+	return errors.Is(err, errBusyHere) || errors.Is(err, errFull) || errors.Is(err, errNoSlot)
+}
 
 // enter makes the caller the one request of this process that works on (principal, key),
-// waiting at most bound for another to leave.
-func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration) (leave func(), err error) {
+// waiting at most bound for another to leave. While it waits it counts held + WaitOverhead
+// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait.
+func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (leave func(), err error) {
 	id := flightKey{principal, key}
 	var deadline <-chan time.Time
+	weight := held + WaitOverhead
+	stopWaiting := func() {
+		g.waiting.Add(-1)
+		g.waitingBytes.Add(-weight)
+	}
 	for {
 		g.mu.Lock()
 		done, busy := g.flights[id]
@@ -95,7 +133,7 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		g.mu.Unlock()
 		if !busy {
 			if deadline != nil {
-				g.waiting.Add(-1)
+				stopWaiting()
 			}
 			return func() {
 				g.mu.Lock()
@@ -105,6 +143,11 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			}, nil
 		}
 		if deadline == nil {
+			if g.waitingBytes.Add(weight) > g.maxBytes {
+				g.waitingBytes.Add(-weight)
+				g.refused.Add(1)
+				return nil, errFull
+			}
 			g.waiting.Add(1)
 			g.coalesced.Add(1)
 			timer := time.NewTimer(bound)
@@ -114,11 +157,11 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		select {
 		case <-done:
 		case <-deadline:
-			g.waiting.Add(-1)
+			stopWaiting()
 			g.refused.Add(1)
 			return nil, errBusyHere
 		case <-ctx.Done():
-			g.waiting.Add(-1)
+			stopWaiting()
 			return nil, ctx.Err()
 		}
 	}
@@ -151,11 +194,17 @@ func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Dura
 // timeout); a claim that finds the key held by another process waits on the database only
 // with a wait slot. Past the lock timeout, or without a slot, Run returns ErrInProgress.
 func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn func(tx *Tx, d Decision) error) error {
+	return g.RunHolding(ctx, db, opts, c, 0, fn)
+}
+
+// RunHolding is Run for a caller that holds held bytes (a request body) while it waits in
+// Go: they count toward GateOptions.MaxWaitingBytes.
+func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
 	if err != nil {
 		return err
 	}
-	leave, err := g.enter(ctx, c.Principal, c.Key, lockTimeout)
+	leave, err := g.enter(ctx, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}

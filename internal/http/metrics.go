@@ -97,19 +97,22 @@ func (o *PrometheusObserver) Done(state State, elapsed time.Duration) {
 }
 
 // RegisterGateMetrics registers the metrics of the middleware's Gate with reg:
-// idempotency_waiting_duplicates (gauge), idempotency_coalesced_total and
-// idempotency_refused_total (counters).
+// idempotency_waiting_duplicates and idempotency_waiting_duplicate_bytes (gauges),
+// idempotency_coalesced_total and idempotency_refused_total (counters).
 func (m *Middleware) RegisterGateMetrics(reg prometheus.Registerer) {
 	g := m.gate
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicates",
 			Help: "Requests waiting, without a database connection, for a request of this process with the same key."},
 			func() float64 { return float64(g.Waiting()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicate_bytes",
+			Help: "What the waiting duplicates hold (their bodies plus 4 KiB each), bounded by MaxWaitingBytes."},
+			func() float64 { return float64(g.WaitingBytes()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_coalesced_total",
 			Help: "Requests that found their key in flight in this process and waited for it."},
 			func() float64 { return float64(g.Coalesced()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_refused_total",
-			Help: "Requests answered 409 without waiting on the database: their wait ran out, or every wait slot was taken."},
+			Help: "Requests answered 409 without waiting on the database: their wait ran out, the waiting duplicates held too much, or every wait slot was taken."},
 			func() float64 { return float64(g.Refused()) }),
 	)
 }

@@ -37,15 +37,16 @@ func New(o Options) (*Middleware, error) {
 	if o.Principal == nil {
 		return nil, errors.New("idemhttp: Options.Principal is required")
 	}
-	if o.TTL < 0 || o.LockTimeout < 0 || o.MaxBodyBytes < 0 || o.MaxStoredBodyBytes < 0 || o.MaxWaitingClaims < 0 {
-		return nil, errors.New("idemhttp: TTL, LockTimeout, MaxBodyBytes, MaxStoredBodyBytes and MaxWaitingClaims must not be negative")
+	if o.TTL < 0 || o.LockTimeout < 0 || o.MaxBodyBytes < 0 || o.MaxStoredBodyBytes < 0 || o.MaxWaitingClaims < 0 || o.MaxWaitingBytes < 0 {
+		return nil, errors.New("idemhttp: TTL, LockTimeout, MaxBodyBytes, MaxStoredBodyBytes, MaxWaitingClaims and MaxWaitingBytes must not be negative")
 	}
 	o.defaults()
 	waiting := o.MaxWaitingClaims
 	if waiting == 0 {
 		waiting = max(1, int(o.DB.Config().MaxConns)/4)
 	}
-	return &Middleware{o: o, gate: dbidem.NewGate(waiting), declared: map[string]Route{}}, nil
+	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
+	return &Middleware{o: o, gate: gate, declared: map[string]Route{}}, nil
 }
 
 // Options returns the options in effect, defaults filled in (a zero TTL or LockTimeout

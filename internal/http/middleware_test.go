@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,6 +33,7 @@ func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 // through the ambient transaction and answer as the request body says.
 type app struct {
 	t       *testing.T
+	m       *idemhttp.Middleware
 	pool    *pgxpool.Pool
 	srv     *httptest.Server
 	runs    atomic.Int32
@@ -98,6 +100,7 @@ func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
 	if err != nil {
 		t.Fatal(err)
 	}
+	a.m = m
 	r := mux.NewRouter()
 	r.Handle("/transfers", m.Route(idemhttp.Route{Required: true})(http.HandlerFunc(a.effect))).Methods("POST")
 	r.HandleFunc("/accounts/{id}/deposits", a.effect).Methods("POST")
@@ -107,7 +110,7 @@ func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
 	r.HandleFunc("/undeclared", a.effect).Methods("POST")
 	r.Use(m.Handler)
 	a.srv = httptest.NewServer(r)
-	t.Cleanup(a.srv.Close)
+	t.Cleanup(func() { a.unblock(); a.srv.Close() }) // a blocked handler would keep Close waiting
 	return a
 }
 
@@ -749,4 +752,94 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
+}
+
+// TestStormOfLargeDuplicatesHoldsBoundedMemory: while the first request with a key runs, 64
+// duplicates of its 1 MiB body arrive at once. The duplicates that wait for it in Go hold at
+// most MaxWaitingBytes (8 MiB here); the rest are answered 409 request_in_progress with
+// Retry-After at once and let go of their bodies, so the heap stays within a few MiB of
+// the bound instead of growing by the 64 bodies. Not parallel: it reads the process's heap.
+func TestStormOfLargeDuplicatesHoldsBoundedMemory(t *testing.T) {
+	const bound, storm = 8 << 20, 64
+	reg := prometheus.NewRegistry()
+	a := newApp(t, func(o *idemhttp.Options) {
+		o.MaxBodyBytes, o.MaxWaitingBytes = 2<<20, bound
+		o.Metrics = idemhttp.NewPrometheusObserver(reg)
+	})
+	body := `{"amount":1,"block":true,"pad":"` + strings.Repeat("x", 1<<20) + `"}`
+	first := make(chan reply, 1)
+	go func() { first <- a.do("POST", "/transfers", "alice", "storm", body) }()
+	<-a.started
+
+	gauge := func(name string) float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == name {
+				return mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		t.Fatalf("no metric %s", name)
+		return 0
+	}
+	a.m.RegisterGateMetrics(reg)
+	runtime.GC()
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+
+	var refused atomic.Int32
+	var wg sync.WaitGroup
+	replies := make(chan reply, storm)
+	for range storm {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := a.do("POST", "/transfers", "alice", "storm", body)
+			if r.status == http.StatusConflict {
+				refused.Add(1)
+			}
+			replies <- r
+		}()
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for int(refused.Load())+int(gauge("idempotency_waiting_duplicates")) < storm {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 30 s: %d refused, %v waiting", refused.Load(), gauge("idempotency_waiting_duplicates"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	waiting, held := gauge("idempotency_waiting_duplicates"), gauge("idempotency_waiting_duplicate_bytes")
+	runtime.GC()
+	var during runtime.MemStats
+	runtime.ReadMemStats(&during)
+	grown := int64(during.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("%d duplicates refused at once, %v waiting holding %v bytes; the heap grew by %d KiB", refused.Load(), waiting, held, grown>>10)
+	if held > bound || waiting < 1 || refused.Load() < storm/2 {
+		t.Fatalf("%v waiting duplicates hold %v bytes (bound %d), %d refused", waiting, held, bound, refused.Load())
+	}
+	if grown > 3*bound {
+		t.Fatalf("the heap grew by %d MiB under the storm, want about the %d MiB bound", grown>>20, bound>>20)
+	}
+
+	a.unblock()
+	if r := <-first; r.status != http.StatusCreated {
+		t.Fatalf("the first request: %+v", r)
+	}
+	wg.Wait()
+	close(replies)
+	for r := range replies {
+		switch {
+		case r.status == http.StatusConflict:
+			if r.header.Get("Retry-After") == "" || problemCode(t, r) != idemhttp.CodeInProgress {
+				t.Fatalf("a refused duplicate: %+v", r)
+			}
+		case r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true":
+			t.Fatalf("a waiting duplicate: %+v, want the replay", r)
+		}
+	}
+	if n := a.effects(); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
 }

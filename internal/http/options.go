@@ -54,6 +54,11 @@ type Options struct {
 	// requests for other keys always find a connection. 0: a quarter of DB's maximum
 	// connections, at least 1.
 	MaxWaitingClaims int
+	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
+	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass
+	// it gets 409 request_in_progress with Retry-After at once, so a storm of large
+	// duplicates cannot grow the process's memory. 0: 16 times MaxBodyBytes, at least 16 MiB.
+	MaxWaitingBytes int64
 	// MaxBodyBytes is the largest request body read; a larger one gets 413 before any
 	// fingerprint or database work. Default 1 MiB.
 	MaxBodyBytes int64
@@ -113,6 +118,9 @@ func (o *Options) defaults() {
 	}
 	if o.MaxBodyBytes == 0 {
 		o.MaxBodyBytes = 1 << 20
+	}
+	if o.MaxWaitingBytes == 0 {
+		o.MaxWaitingBytes = max(16*o.MaxBodyBytes, 16<<20)
 	}
 	if o.MaxStoredBodyBytes == 0 {
 		o.MaxStoredBodyBytes = 256 << 10

@@ -118,7 +118,7 @@ func (q *request) keyed(claim dbidem.Claim) State {
 		acquired bool
 		oversize bool
 	)
-	err := q.m.gate.Run(ctx, q.m.o.DB, q.txOptions(), claim, func(tx *dbidem.Tx, dec dbidem.Decision) error {
+	err := q.m.gate.RunHolding(ctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		if d.Outcome != dbidem.Claimed {
 			return nil // replay, mismatch, in progress: nothing was written
