@@ -234,10 +234,12 @@ func (s *ledger) getDeposit(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, d)
 }
 
-// nullKey records which key a request carried, for audits (and the money-invariant test).
+// nullKey records which key a request carried, for audits (and the money-invariant test):
+// the key as the middleware parsed it, so the audit column and the key row agree ("k1" sent
+// as a quoted sf-string is k1 in both).
 func nullKey(r *http.Request) *string {
-	if k := r.Header.Get("Idempotency-Key"); k != "" {
-		return &k
+	if c, ok := idemhttp.ClaimOf(r.Context()); ok {
+		return &c.Key
 	}
 	return nil
 }

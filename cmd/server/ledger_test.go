@@ -307,3 +307,50 @@ func TestAccountETagIsItsVersion(t *testing.T) {
 		t.Fatalf("after a deposit: ETag %q, version %v", after.header.Get("ETag"), v)
 	}
 }
+
+// TestWhatIsHashedIsWhatIsExecuted: bodies that share a fingerprint are one request. 1e2 and
+// 100 canonicalize alike, so the handler reads both as 100: the first deposits 100, the
+// second replays it (it used to refuse 1e2 with a stored 422 and replay that 422 to 100). A
+// body that is not strictly valid JSON is refused before the claim with or without a
+// Content-Type (DecodeJSON takes none as JSON), so nothing is stored. The ledger's audit
+// column holds the key as the key row does, also when the client quotes it.
+func TestWhatIsHashedIsWhatIsExecuted(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("alice")
+	id := int(s.call("POST", "/v1/accounts", token, "", `{"name":"main","currency":"EUR"}`).json(t)["id"].(float64))
+	path := fmt.Sprintf("/v1/accounts/%d/deposits", id)
+
+	first := s.call("POST", path, token, "n1", `{"amount":1e2}`)
+	if first.status != 201 || first.json(t)["amount"] != float64(100) {
+		t.Fatalf("a deposit of 1e2: %+v", first)
+	}
+	for _, same := range []string{`{"amount":100}`, `{"amount":100.0}`, `{ "amount" : 1E+2 }`} {
+		if again := s.call("POST", path, token, "n1", same); again.status != 201 || again.body != first.body ||
+			again.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("%s under the key of 1e2: %+v, want the replay of %s", same, again, first.body)
+		}
+	}
+	if n := s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, id); n != 100 {
+		t.Fatalf("balance %d, want 100", n)
+	}
+
+	for _, ct := range []string{"", "application/json"} {
+		key := "dup-" + ct
+		r := s.call("POST", path, token, key, `{"amount":1,"amount":2}`, "Content-Type", ct)
+		if r.status != 400 || !strings.Contains(r.body, `"malformed_body"`) {
+			t.Fatalf("duplicate members, Content-Type %q: %+v", ct, r)
+		}
+		if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = $1`, key); n != 0 {
+			t.Fatalf("duplicate members, Content-Type %q: the key was stored", ct)
+		}
+	}
+
+	if r := s.call("POST", path, token, `"q1"`, `{"amount":5}`); r.status != 201 {
+		t.Fatalf("a quoted key: %+v", r)
+	}
+	if n := s.count(`SELECT count(*) FROM ledger.deposits d JOIN idem.idempotency_keys k ON k.key = d.idempotency_key
+		WHERE d.idempotency_key = 'q1'`); n != 1 {
+		t.Fatalf("the audit column of a deposit under the quoted key \"q1\" does not hold the stored key q1")
+	}
+}

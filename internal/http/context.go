@@ -11,8 +11,30 @@ type state struct {
 	m          *Middleware
 	tx         pgx.Tx
 	body       []byte // the request body, as read (and fingerprinted) by the middleware
+	canonical  []byte // the canonical form of body when it is strictly valid JSON (nil: not yet known)
+	claim      *ClaimInfo
 	secret     bool
 	resourceID string
+}
+
+// ClaimInfo is what a handler knows about the key its request works under.
+type ClaimInfo struct {
+	// Principal owns the key.
+	Principal string
+	// Key is the client's idempotency key as the middleware read it from the header: a
+	// quoted sf-string ("k1") is unquoted, so it is the key the database stores.
+	Key string
+	// Attempt is the fencing token of this claim: no earlier claim of the key had it.
+	Attempt int64
+}
+
+// ClaimOf returns the claim of the request's unit of work, or false for a request that runs
+// without a key.
+func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
+	if s := stateOf(ctx); s != nil && s.claim != nil {
+		return *s.claim, true
+	}
+	return ClaimInfo{}, false
 }
 
 type stateKey struct{}

@@ -7,6 +7,8 @@ import (
 	"strings"
 
 	"github.com/go-json-experiment/json"
+
+	"github.com/pgidem/pgidem/internal/canon"
 )
 
 // DecodeJSON reads the request's JSON body into v, strictly, so that what a handler acts on
@@ -14,6 +16,9 @@ import (
 //
 //   - a Content-Type other than application/json or application/*+json (parameters allowed;
 //     none at all is taken as JSON) is 415 unsupported_media_type;
+//   - it decodes the canonical form of the body (RFC 8785, as the fingerprint hashes it), so
+//     bodies that share a fingerprint decode alike: 1e2, 100.0 and 100 are all the number
+//     100, and "\u0041" is "A";
 //   - member names match struct fields by exact case (the field's json tag, or its name);
 //     an unknown member, a duplicate member, invalid UTF-8 and data after the value are 400
 //     malformed_body, as is any body that does not decode into v.
@@ -28,7 +33,8 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		return false
 	}
 	var body []byte
-	if s := stateOf(r.Context()); s != nil && s.body != nil {
+	s := stateOf(r.Context())
+	if s != nil && s.body != nil {
 		body = s.body
 	} else {
 		b, err := io.ReadAll(r.Body)
@@ -37,6 +43,20 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 			return false
 		}
 		body = b
+	}
+	switch {
+	case s != nil && s.canonical != nil:
+		body = s.canonical
+	default:
+		// Not canonicalized yet (a request without a key): the same text the fingerprint
+		// would hash. A body that is not strictly valid JSON is hashed as its bytes, and
+		// decoded as them (and refused, below).
+		if c, err := canon.Canonicalize(body); err == nil {
+			body = c
+			if s != nil && s.body != nil {
+				s.canonical = c
+			}
+		}
 	}
 	if err := json.Unmarshal(body, v, json.RejectUnknownMembers(true), json.MatchCaseInsensitiveNames(false)); err != nil {
 		problemFor(r.Context(), w, r, CodeMalformedBody, "the body must be one JSON object with exactly the documented members (names are case-sensitive)")

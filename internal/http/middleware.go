@@ -108,6 +108,7 @@ type request struct {
 	next   http.Handler
 	body   []byte
 	action string
+	claim  *ClaimInfo // the claim the handler works under (keyed requests)
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {
@@ -155,9 +156,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		// Refused before any claim: a handler could not be sure to act on what was hashed.
 		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous, nil)
 		return
-	case !fp.JSON && len(body) > 0 && jsonContent(r):
-		// Sent as JSON but not strictly valid JSON (duplicate members, data after the value,
-		// invalid UTF-8...): no handler may act on it, so nothing is claimed or stored.
+	case !fp.JSON && len(body) > 0 && (jsonContent(r) || r.Header.Get("Content-Type") == ""):
+		// Sent as JSON (or without a Content-Type, which DecodeJSON takes as JSON) but not
+		// strictly valid JSON (duplicate members, data after the value, invalid UTF-8...): no
+		// handler may act on it, so nothing is claimed or stored.
 		m.problem(w, r, CodeMalformedBody, "the body is not strictly valid JSON (one value, no duplicate member names, valid UTF-8)", nil)
 		return
 	}

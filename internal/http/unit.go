@@ -28,7 +28,7 @@ const (
 // run calls the handler with a fresh recorder, body reader and state; a panic is recovered
 // and reported as rollBack.
 func (q *request) run(tx *dbidem.Tx, keyed bool) (rec *recorder, st *state, v verdict) {
-	st = &state{m: q.m, body: q.body}
+	st = &state{m: q.m, body: q.body, claim: q.claim}
 	if tx != nil {
 		st.tx = tx
 	}
@@ -127,6 +127,7 @@ func (q *request) keyed(claim dbidem.Claim) State {
 			acquired = true
 			q.m.o.Metrics.Count(q.action, StateAcquired)
 		}
+		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt}
 		if q.rt.Lease > 0 {
 			return nil // a lease claim commits on its own; the handler runs after
 		}
