@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -35,13 +36,18 @@ func TestLedgerRoutes(t *testing.T) {
 	for _, c := range []struct {
 		body   string
 		status int
-	}{{`{"name":"x","currency":"euro"}`, 422}, {`{"name":"","currency":"EUR"}`, 422}, {`{"name":"x"`, 400}, {`{"name":"x","currency":"EUR","extra":1}`, 400}} {
+	}{{`{"name":"x","currency":"euro"}`, 422}, {`{"name":"","currency":"EUR"}`, 422}, {`{"name":"x","currency":"EUR","extra":1}`, 400}} {
 		key := "bad-" + c.body
 		first := s.call("POST", "/v1/accounts", alice, key, c.body)
 		again := s.call("POST", "/v1/accounts", alice, key, c.body)
 		if first.status != c.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
 			t.Errorf("%s: %+v then %+v, want a stored %d", c.body, first, again, c.status)
 		}
+	}
+	// JSON that is not strictly valid is refused before the claim: 400, nothing stored.
+	if r := s.call("POST", "/v1/accounts", alice, "bad-truncated", `{"name":"x"`); r.status != 400 ||
+		s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'bad-truncated'`) != 0 {
+		t.Errorf("truncated JSON: %+v, want 400 and no key stored", r)
 	}
 
 	// GET with ETag; another principal sees nothing.
@@ -115,8 +121,10 @@ func TestLedgerRoutes(t *testing.T) {
 	if r := s.call("GET", fmt.Sprintf("/v1/accounts/%d", main), token, "", ""); r.status != 200 {
 		t.Fatalf("the new token does not authenticate: %+v", r)
 	}
-	if r := s.call("POST", "/v1/api-tokens", alice, "tok-1", `{"name":"ci"}`); r.status != 409 || strings.Contains(r.body, token) {
-		t.Fatalf("token repeat: %+v", r)
+	r = s.call("POST", "/v1/api-tokens", alice, "tok-1", `{"name":"ci"}`)
+	if p := r.json(t); r.status != 409 || strings.Contains(r.body, token) || p["code"] != "one_time_secret" ||
+		p["resource_id"] != fmt.Sprint(tok.json(t)["id"]) || !strings.Contains(p["detail"].(string), "new key") {
+		t.Fatalf("token repeat: %+v, want 409 one_time_secret naming token %v and how to get another", r, tok.json(t)["id"])
 	}
 	if n := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'tok-1' AND response_body IS NULL`); n != 1 {
 		t.Fatal("the token was stored")
@@ -223,68 +231,135 @@ func TestMetricsAfterRequests(t *testing.T) {
 	}
 }
 
-// TestKeyedRoutesAreSafeToReplay reads /openapi.json and the router: a keyed operation's
-// fingerprint covers method, path and JSON body, not the query string, so no keyed
-// operation may take query parameters or a body that is not JSON; and an ETag must be
-// derived from a version the response carries, so that a replayed ETag and a fresh GET of
-// the same version agree.
-func TestKeyedRoutesAreSafeToReplay(t *testing.T) {
-	t.Parallel()
-	var doc map[string]any
-	if err := json.Unmarshal(openAPI, &doc); err != nil {
-		t.Fatal(err)
-	}
+// replaySafety checks an OpenAPI document against the rules a keyed operation must follow
+// to be safe to replay, and returns one line per breach, each naming the operation:
+//
+//   - the fingerprint covers method, path and JSON body, not the query string: a keyed
+//     operation takes no query parameter and no body that is not JSON;
+//   - a replay sends the stored body: a keyed operation's 2xx is JSON or empty;
+//   - an ETag must be derived from a version the response always carries, so that a
+//     replayed ETag and a fresh GET of the same version agree: a response with an ETag has a
+//     JSON schema with a required integer version.
+//
+// keyed names the keyed operations as "METHOD path"; every operation is checked for ETags.
+func replaySafety(doc map[string]any, keyed map[string]bool) []string {
 	resolve := func(v any) map[string]any {
 		m, _ := v.(map[string]any)
 		for m != nil && m["$ref"] != nil {
 			ref := strings.TrimPrefix(m["$ref"].(string), "#/")
 			var cur any = doc
 			for _, part := range strings.Split(ref, "/") {
-				cur = cur.(map[string]any)[part]
+				c, _ := cur.(map[string]any)
+				cur = c[part]
 			}
 			m, _ = cur.(map[string]any)
 		}
 		return m
 	}
-	keyed := 0
-	for _, rt := range ledgerRoutes(&ledger{}, true) {
-		op := resolve(resolve(doc["paths"])[rt.path])[strings.ToLower(rt.method)]
-		if op == nil {
-			t.Fatalf("%s %s is not in openapi.json", rt.method, rt.path)
-		}
-		o := op.(map[string]any)
-		if rt.idem != nil {
-			keyed++
-			params, _ := o["parameters"].([]any)
-			for _, p := range params {
-				if resolve(p)["in"] == "query" {
-					t.Errorf("keyed %s %s takes query parameter %v, which the fingerprint does not cover", rt.method, rt.path, resolve(p)["name"])
-				}
+	isJSON := func(ct string) bool { return ct == "application/json" || strings.HasSuffix(ct, "+json") }
+	var breaches []string
+	paths := resolve(doc["paths"])
+	for path, item := range paths {
+		for method, op := range resolve(item) {
+			o, ok := op.(map[string]any)
+			if !ok || method == "parameters" {
+				continue
 			}
-			if body := resolve(o["requestBody"]); body != nil {
-				for ct := range body["content"].(map[string]any) {
-					if ct != "application/json" && !strings.HasSuffix(ct, "+json") {
-						t.Errorf("keyed %s %s takes a %s body, which is fingerprinted as raw bytes", rt.method, rt.path, ct)
+			name := strings.ToUpper(method) + " " + path
+			if keyed[name] {
+				params, _ := o["parameters"].([]any)
+				for _, p := range params {
+					if resolve(p)["in"] == "query" {
+						breaches = append(breaches, fmt.Sprintf("keyed %s takes query parameter %v, which the fingerprint does not cover", name, resolve(p)["name"]))
+					}
+				}
+				if body := resolve(o["requestBody"]); body != nil {
+					content, _ := body["content"].(map[string]any)
+					for ct := range content {
+						if !isJSON(ct) {
+							breaches = append(breaches, fmt.Sprintf("keyed %s takes a %s body, which is fingerprinted as raw bytes", name, ct))
+						}
 					}
 				}
 			}
-		}
-		for status, r := range o["responses"].(map[string]any) {
-			res := resolve(r)
-			headers, _ := res["headers"].(map[string]any)
-			if headers["ETag"] == nil {
-				continue
-			}
-			content, _ := res["content"].(map[string]any)
-			schema := resolve(resolve(content["application/json"])["schema"])
-			props, _ := schema["properties"].(map[string]any)
-			if props["version"] == nil {
-				t.Errorf("%s %s %s answers an ETag without a version to derive it from", rt.method, rt.path, status)
+			responses, _ := o["responses"].(map[string]any)
+			for status, r := range responses {
+				res := resolve(r)
+				content, _ := res["content"].(map[string]any)
+				if keyed[name] && strings.HasPrefix(status, "2") {
+					for ct := range content {
+						if !isJSON(ct) {
+							breaches = append(breaches, fmt.Sprintf("keyed %s answers %s with a %s body: a keyed 2xx is JSON or empty", name, status, ct))
+						}
+					}
+				}
+				headers, _ := res["headers"].(map[string]any)
+				if headers["ETag"] == nil {
+					continue
+				}
+				schema := resolve(resolve(content["application/json"])["schema"])
+				props, _ := schema["properties"].(map[string]any)
+				required, _ := schema["required"].([]any)
+				switch version := resolve(props["version"]); {
+				case version == nil:
+					breaches = append(breaches, fmt.Sprintf("%s %s answers an ETag without a version to derive it from", name, status))
+				case version["type"] != "integer":
+					breaches = append(breaches, fmt.Sprintf("%s %s answers an ETag whose version is not an integer", name, status))
+				case !slices.Contains(required, any("version")):
+					breaches = append(breaches, fmt.Sprintf("%s %s answers an ETag whose version is not required", name, status))
+				}
 			}
 		}
 	}
-	if keyed < 4 {
-		t.Fatalf("only %d keyed routes found", keyed)
+	sort.Strings(breaches)
+	return breaches
+}
+
+// TestKeyedRoutesAreSafeToReplay reads /openapi.json and the router: every keyed operation
+// follows the rules of replaySafety.
+func TestKeyedRoutesAreSafeToReplay(t *testing.T) {
+	t.Parallel()
+	var doc map[string]any
+	if err := json.Unmarshal(openAPI, &doc); err != nil {
+		t.Fatal(err)
+	}
+	keyed := map[string]bool{}
+	for _, rt := range ledgerRoutes(&ledger{}, true) {
+		if rt.idem != nil {
+			keyed[rt.method+" "+rt.path] = true
+		}
+	}
+	if len(keyed) < 4 {
+		t.Fatalf("only %d keyed routes found", len(keyed))
+	}
+	for _, b := range replaySafety(doc, keyed) {
+		t.Error(b)
+	}
+}
+
+// TestReplaySafetyRefusesBadSpecs: small documents that break each rule of replaySafety are
+// refused with a line that names the operation, so the check above cannot pass by reading
+// nothing.
+func TestReplaySafetyRefusesBadSpecs(t *testing.T) {
+	t.Parallel()
+	const etag = `"headers": {"ETag": {"schema": {"type": "string"}}}`
+	for _, c := range []struct{ name, op, want string }{
+		{"query parameter", `{"parameters": [{"name": "dry_run", "in": "query"}], "responses": {}}`, "takes query parameter dry_run"},
+		{"form body", `{"requestBody": {"content": {"application/x-www-form-urlencoded": {}}}, "responses": {}}`, "fingerprinted as raw bytes"},
+		{"text 2xx", `{"responses": {"201": {"content": {"text/plain": {}}}}}`, "a keyed 2xx is JSON or empty"},
+		{"ETag, no version", `{"responses": {"201": {` + etag + `, "content": {"application/json": {"schema": {"type": "object", "properties": {"id": {"type": "integer"}}}}}}}}`, "without a version"},
+		{"ETag, string version", `{"responses": {"201": {` + etag + `, "content": {"application/json": {"schema": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}}}`, "version is not an integer"},
+		{"ETag, optional version", `{"responses": {"201": {` + etag + `, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Thing"}}}}}}`, "version is not required"},
+	} {
+		var doc map[string]any
+		spec := `{"paths": {"/x": {"post": ` + c.op + `}}, "components": {"schemas": {"Thing": {"type": "object", "properties": {"version": {"type": "integer"}}}}}}`
+		if err := json.Unmarshal([]byte(spec), &doc); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		got := replaySafety(doc, map[string]bool{"POST /x": true})
+		if len(got) != 1 || !strings.Contains(got[0], "POST /x") || !strings.Contains(got[0], c.want) {
+			t.Errorf("%s: %q, want one line naming POST /x and %q", c.name, got, c.want)
+		}
 	}
 }
 

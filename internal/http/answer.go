@@ -57,15 +57,16 @@ func (q *request) inProgress(after time.Duration) {
 // problem its own.
 func (q *request) replay(resp dbidem.Response) {
 	q.w.Header().Set(q.m.o.ReplayHeader, "true")
+	id := resp.ResourceID
+	if id == "" {
+		id = resp.Header.Get("Location")
+	}
 	switch resp.Withheld {
 	case dbidem.WithheldOneTimeSecret:
-		q.m.problem(q.w, q.r, CodeOneTimeSecret, "the response to this request was a one-time secret and was sent once", nil)
+		q.m.problem(q.w, q.r, CodeOneTimeSecret, "the response to this request was a one-time secret and was sent once: "+
+			"it cannot be sent again; to get a secret, send a new request with a new key", func(p *Problem) { p.ResourceID = id })
 		return
 	case dbidem.WithheldTooLarge:
-		id := resp.ResourceID
-		if id == "" {
-			id = resp.Header.Get("Location")
-		}
 		q.m.problem(q.w, q.r, CodeNotReplayable, "the response to this request was too large to store",
 			func(p *Problem) { p.ResourceID = id })
 		return

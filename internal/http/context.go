@@ -62,8 +62,9 @@ func MarkOneTimeSecret(ctx context.Context) {
 	}
 }
 
-// SetResourceID records the id of what the request created; a repeat of a response that
-// cannot be replayed names it. Default: the response's Location header.
+// SetResourceID records the id of what the request created; a repeat of a response whose
+// body is not stored (a one-time secret, a body too large) names it. Default: the body's
+// top-level "id" member (a string or a number), else the response's Location header.
 func SetResourceID(ctx context.Context, id string) {
 	if s := stateOf(ctx); s != nil {
 		s.resourceID = id

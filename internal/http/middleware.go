@@ -122,10 +122,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	keyed := authenticated && present
 	switch {
 	case keyed && !valid:
-		m.problem(w, r, CodeKeyInvalid, m.o.KeyHeader+" must be 1 to 255 visible ASCII characters, as a bare value or a quoted string", nil)
+		m.problem(w, r, CodeKeyInvalid, m.o.KeyHeader+" must be 1 to 255 visible ASCII characters, as a bare value or a quoted string",
+			func(p *Problem) { p.Header = m.o.KeyHeader })
 		return
 	case authenticated && !present && rt.Required:
-		m.problem(w, r, CodeKeyMissing, "this request needs an "+m.o.KeyHeader+" header", nil)
+		m.problem(w, r, CodeKeyMissing, "this request needs an "+m.o.KeyHeader+" header",
+			func(p *Problem) { p.Header = m.o.KeyHeader })
 		return
 	case r.ContentLength > m.o.MaxBodyBytes:
 		m.tooLarge(w, r)

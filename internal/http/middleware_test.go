@@ -581,6 +581,12 @@ func TestKeyValidation(t *testing.T) {
 	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyMissing {
 		t.Errorf("missing key on a required route: %+v", r)
 	}
+	for _, key := range []string{"", "a b"} {
+		var p idemhttp.Problem
+		if r := a.do("POST", "/transfers", "alice", key, `{"amount":1}`); json.Unmarshal([]byte(r.body), &p) != nil || p.Header != "Idempotency-Key" {
+			t.Errorf("key %q: the problem does not name the header: %s", key, r.body)
+		}
+	}
 	if r := a.do("POST", "/transfers", "alice", strings.Repeat("k", 255), `{"amount":1}`); r.status != 201 {
 		t.Errorf("a 255-byte key: %+v", r)
 	}

@@ -91,8 +91,13 @@ type Problem struct {
 	// ChangedFields names the top-level request fields that differ (idempotency_key_reuse):
 	// empty when only the method, path or action changed; absent when unknown.
 	ChangedFields *[]string `json:"changed_fields,omitempty"`
-	// ResourceID is the id of what the first request created (response_not_replayable).
+	// ResourceID is the id of what the first request created (response_not_replayable,
+	// one_time_secret), when it is known.
 	ResourceID string `json:"resource_id,omitempty"`
+	// Header names the request header the problem is about (idempotency_key_missing,
+	// idempotency_key_invalid). A JSON pointer cannot point into a request's headers, which
+	// are not a JSON document; the member names the header as the request had to send it.
+	Header string `json:"header,omitempty"`
 }
 
 // WriteProblem writes an RFC 9457 problem: application/problem+json, nosniff, the status,

@@ -9,6 +9,9 @@ import (
 	"net/http"
 	"runtime/debug"
 
+	"github.com/go-json-experiment/json"
+	"github.com/go-json-experiment/json/jsontext"
+
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
@@ -96,14 +99,55 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 		}
 	}
 	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(rec.body.Bytes()), ResourceID: st.resourceID}
+	big := false
 	switch {
 	case st.secret:
 		resp.Body, resp.Withheld = nil, dbidem.WithheldOneTimeSecret
 	case rec.body.Len() > q.m.o.MaxStoredBodyBytes:
-		resp.Body, resp.Withheld = nil, dbidem.WithheldTooLarge
-		return resp, true
+		resp.Body, resp.Withheld, big = nil, dbidem.WithheldTooLarge, true
 	}
-	return resp, false
+	if resp.Withheld != "" && resp.ResourceID == "" {
+		// A repeat cannot get the body: it gets the id of what was created instead, taken
+		// from the body's top-level "id" (the Location header is the fallback at replay).
+		resp.ResourceID = topLevelID(rec.body.Bytes())
+	}
+	return resp, big
+}
+
+// topLevelID is the top-level "id" member of a JSON object body, a string or a number as
+// written, or "".
+func topLevelID(body []byte) string {
+	dec := jsontext.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.ReadToken(); err != nil || tok.Kind() != '{' {
+		return ""
+	}
+	for dec.PeekKind() == '"' {
+		name, err := dec.ReadToken()
+		if err != nil {
+			return ""
+		}
+		if name.String() != "id" {
+			if err := dec.SkipValue(); err != nil {
+				return ""
+			}
+			continue
+		}
+		v, err := dec.ReadValue()
+		switch {
+		case err != nil:
+			return ""
+		case v.Kind() == '"':
+			var s string
+			if json.Unmarshal(v, &s) != nil {
+				return ""
+			}
+			return s
+		case v.Kind() == '0':
+			return string(v)
+		}
+		return ""
+	}
+	return ""
 }
 
 // keyed runs a keyed request: claim, then the handler in the same transaction, then the
