@@ -32,7 +32,8 @@ type Config struct {
 	DataPort int
 	// AppRole (IDEM_APP_ROLE): the role granted the SQL API by migrate. Default idem_app.
 	AppRole string
-	// TTL (IDEMPOTENCY_TTL): how long a key stays valid. 0: the SQL API's default, 24h.
+	// TTL (IDEMPOTENCY_TTL): how long a key's answer stays replayable after it was given. 0:
+	// the SQL API's default, 24h.
 	TTL time.Duration
 	// LockTimeout (IDEMPOTENCY_LOCK_TIMEOUT): how long a repeat waits for the first
 	// request. 0: the SQL API's default, 2s.
@@ -95,7 +96,7 @@ environment (docs/operations.md):
   IDEM_DATA_DIR                   the private cluster's directory (.data)
   IDEM_DATA_PORT                  the private cluster's port on 127.0.0.1 (54329)
   IDEM_APP_ROLE                   the role migrate grants the API to (idem_app)
-  IDEMPOTENCY_TTL                 how long a key stays valid (the SQL default, 24h)
+  IDEMPOTENCY_TTL                 how long an answer stays replayable after it was given (the SQL default, 24h)
   IDEMPOTENCY_LOCK_TIMEOUT        how long a repeat waits for the first request (the SQL default, 2s)
   IDEMPOTENCY_MAX_WAITING_CLAIMS  requests that may wait on a key's row lock at once (a quarter of the pool)
   IDEMPOTENCY_MAX_WAITING_BYTES   what duplicates waiting for a request of this process may hold (16 x MAX_BODY_BYTES, at least 16 MiB)

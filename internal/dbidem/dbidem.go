@@ -76,7 +76,8 @@ type Claim struct {
 	// (canon.Fingerprint.Fields; 16 hex digits are enough); nil when unknown. They let a
 	// mismatch name what changed.
 	Fields map[string]string
-	// TTL is how long the key stays valid from its creation. 0: the SQL default (24 hours).
+	// TTL is how long the key's answer stays replayable after it is stored. 0: the SQL default
+	// (24 hours).
 	// Sent with microsecond precision.
 	TTL time.Duration
 	// Lease makes a lease claim that may be committed on its own, for work outside the

@@ -215,7 +215,7 @@ func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 // Defaults are the SQL API's defaults, which a zero Claim.TTL, Claim.LockTimeout or
 // Cleanup batch size stands for. They have one home, the functions (idem.idem_defaults()).
 type Defaults struct {
-	// TTL is how long a key stays valid.
+	// TTL is how long a key's answer stays replayable after it was given.
 	TTL time.Duration
 	// LockTimeout is how long a function waits for a concurrent holder of a key.
 	LockTimeout time.Duration

@@ -43,7 +43,8 @@ type Options struct {
 	// CorrelationHeader names the request's correlation id; a replay carries the current
 	// request's value, not the stored one. Default "X-Request-Id".
 	CorrelationHeader string
-	// TTL is how long a key stays valid. 0: the SQL API's default (24 hours).
+	// TTL is how long a key's answer stays replayable after it was given. 0: the SQL API's
+	// default (24 hours).
 	TTL time.Duration
 	// LockTimeout bounds the wait for a concurrent request with the same key, in this
 	// process (in Go, without a connection) and on the database; past it the answer is 409
