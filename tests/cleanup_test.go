@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -130,5 +131,47 @@ func TestLockTimeoutArgument(t *testing.T) {
 	d, err := <-done, <-errs
 	if err != nil || d.Outcome != "replay" || string(d.Body) != "first" {
 		t.Fatalf("5s: %+v %v, want the replay after 3 s", d, err)
+	}
+}
+
+// TestCleanupFansOutOnACoordinator: on a Citus coordinator (here a stand-in with two workers,
+// pgtest.CitusStandIn), idem_cleanup deletes from the workers: at most one batch per call,
+// shared between them and taken from the one that has more when the other is drained, a count
+// below the batch size only once both are drained, and no live key touched. CALL
+// idem_cleanup_all cleans the whole cluster.
+func TestCleanupFansOutOnACoordinator(t *testing.T) {
+	t.Parallel()
+	conn := pgtest.Connect(t, pgtest.NewDB(t))
+	pgtest.CitusStandIn(t, conn)
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 2000, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 700, true)
+	for _, rel := range []string{"idem.keys_w1", "idem.keys_w2"} {
+		pgtest.InsertKeys(t, conn, rel, "live", "live", 300, false)
+	}
+	var batches []int
+	for {
+		n := pgtest.Count(t, conn, `SELECT idem.idem_cleanup(1000)`)
+		batches = append(batches, n)
+		if n < 1000 || len(batches) > 5 {
+			break
+		}
+	}
+	if fmt.Sprint(batches) != "[1000 1000 700]" {
+		t.Fatalf("batches %v, want [1000 1000 700]: one batch per call until both workers are drained", batches)
+	}
+	for _, rel := range []string{"idem.keys_w1", "idem.keys_w2"} {
+		if n := pgtest.Count(t, conn, `SELECT count(*) FROM `+rel+` WHERE expires_at <= now()`); n != 0 {
+			t.Fatalf("%s: %d expired keys left", rel, n)
+		}
+		if n := pgtest.Count(t, conn, `SELECT count(*) FROM `+rel+` WHERE principal_id = 'live'`); n != 300 {
+			t.Fatalf("%s: %d live keys, want 300", rel, n)
+		}
+	}
+
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "again", 1234, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "again", 56, true)
+	var deleted int
+	if err := conn.QueryRow(context.Background(), `CALL idem.idem_cleanup_all(100, NULL)`).Scan(&deleted); err != nil || deleted != 1290 {
+		t.Fatalf("CALL idem.idem_cleanup_all on the coordinator: %d deleted, %v; want 1290", deleted, err)
 	}
 }

@@ -175,6 +175,24 @@ func TestCleanerHoldsOneConnection(t *testing.T) {
 	}
 }
 
+// TestCleanerCleansACoordinator: the server's cleaner, unchanged, empties the workers of a
+// Citus coordinator (a stand-in with two workers, pgtest.CitusStandIn): idem_cleanup fans out.
+func TestCleanerCleansACoordinator(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	pgtest.CitusStandIn(t, s.pool)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "old", 1700, true)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "old", 450, true)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "live", 30, false)
+	c := newCleaner(s.pool, 0, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if n, ran, err := c.pass(context.Background()); err != nil || !ran || n != 2150 {
+		t.Fatalf("a pass on the coordinator: deleted %d, ran %v, %v; want 2150", n, ran, err)
+	}
+	if n := s.count(`SELECT (SELECT count(*) FROM idem.keys_w1) + (SELECT count(*) FROM idem.keys_w2)`); n != 30 {
+		t.Fatalf("%d keys left on the workers, want the 30 live ones", n)
+	}
+}
+
 // TestScheduledCleanupStopsWithTheServer: the gocron job runs passes on its interval, and
 // once stop has returned no pass runs any more.
 func TestScheduledCleanupStopsWithTheServer(t *testing.T) {

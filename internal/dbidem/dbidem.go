@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -168,9 +169,9 @@ func classify(err error) error {
 		return fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 	case "23503":
 		switch {
-		case pgErr.ConstraintName == GuardConstraint:
+		case isGuardViolation(pgErr):
 			return fmt.Errorf("%w: %w", ErrClaimNotCompleted, err)
-		case pgErr.TableName == KeyTable && pgErr.SchemaName == "idem":
+		case isKeyTableViolation(pgErr):
 			return fmt.Errorf("%w: %w", ErrUnknownPrincipal, err)
 		}
 	case "42883", "3F000", "42P01":
@@ -178,6 +179,40 @@ func classify(err error) error {
 		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 	}
 	return err
+}
+
+// The forms of a foreign-key violation (23503) on the key table. PostgreSQL names the schema,
+// table and constraint in the error's fields. A Citus worker's error reaches the client
+// through the coordinator without them (only the code, message, detail and where survive),
+// and names the shard: constraint "idempotency_keys_claim_completed_in_its_transaction_102017"
+// on table "idempotency_keys_102017". So the fields decide where they are set, and where they
+// are empty the identifiers in the message (which are not translated) and the function the
+// error came from (the where field) do.
+
+// isGuardViolation: the commit guard refused a transactional claim without its completion.
+func isGuardViolation(e *pgconn.PgError) bool {
+	if e.ConstraintName != "" {
+		return e.ConstraintName == GuardConstraint
+	}
+	return strings.Contains(e.Message, `"`+GuardConstraint+`"`) || strings.Contains(e.Message, `"`+GuardConstraint+`_`)
+}
+
+// isKeyTableViolation: another foreign key of the key table (the application's reference to
+// its principals) refused a claim or a final answer.
+func isKeyTableViolation(e *pgconn.PgError) bool {
+	if e.TableName != "" {
+		return e.TableName == KeyTable && e.SchemaName == "idem"
+	}
+	return strings.Contains(e.Where, "PL/pgSQL function idem.idem_begin(") ||
+		strings.Contains(e.Where, "PL/pgSQL function idem.idem_save_final(")
+}
+
+// isCitusCommitFailure: Citus could not commit a shard's part of a transaction that ran on
+// one worker: the worker's COMMIT failed (its deferred constraints, the commit guard among
+// them, are checked there), and nothing was committed. The error carries Citus' own routine
+// name; the worker's reason arrives before it as a WARNING.
+func isCitusCommitFailure(e *pgconn.PgError) bool {
+	return e.Code == "XX000" && e.Routine == "ErrorIfPostCommitFailedShardPlacements"
 }
 
 // IsRetryable tells whether err is a serialization failure (40001) or a deadlock (40P01):

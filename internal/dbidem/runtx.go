@@ -115,7 +115,7 @@ func (t *Tx) rollback(ctx context.Context) {
 // commit sends COMMIT, with the pending completion or final answer in the same round trip.
 func (t *Tx) commit(ctx context.Context) error {
 	if t.end == nil {
-		return commitError(t.tx.Commit(ctx))
+		return uncompletedCommitError(commitError(t.tx.Commit(ctx)), t.attempt != 0 && t.claim.Lease == 0)
 	}
 	b := &pgx.Batch{}
 	if t.final {
@@ -139,6 +139,18 @@ func (t *Tx) commit(ctx context.Context) error {
 		return pgx.ErrTxCommitRollback
 	}
 	return nil
+}
+
+// uncompletedCommitError classifies the failure of a COMMIT that carried no completion. When
+// the transaction holds a transactional claim (uncompleted), Citus' report that a worker could
+// not commit its shard is the commit guard's refusal: on one worker the coordinator commits
+// with one phase, and the worker's 23503 arrives only as a WARNING before the error.
+func uncompletedCommitError(err error, uncompleted bool) error {
+	var pgErr *pgconn.PgError
+	if uncompleted && errors.As(err, &pgErr) && isCitusCommitFailure(pgErr) {
+		return fmt.Errorf("%w: %w", ErrClaimNotCompleted, err)
+	}
+	return err
 }
 
 // commitError tells a refused commit (an ERROR from PostgreSQL: nothing committed, or a

@@ -65,3 +65,49 @@ func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 	}
 	t.Fatalf("never true: %s %v", sql, args)
 }
+
+// CitusStandIn makes the test's database behave, for cleanup, as a Citus coordinator with two
+// workers (groups 1 and 2) whose key relations are idem.keys_w1 and idem.keys_w2 (created here,
+// of the key table's shape): it replaces the four functions that read Citus' catalog or reach
+// the workers (idem.node_group, idem.worker_groups, idem.key_relations, idem.on_workers) with
+// stand-ins, which run a "worker's" command in the same session with idem.test_group set to
+// its group. Everything else, the fan-out of idem_cleanup included, is the real code.
+func CitusStandIn(t testing.TB, q Querier) {
+	t.Helper()
+	Exec(t, q, `CREATE TABLE idem.keys_w1 (LIKE idem.idempotency_keys INCLUDING ALL);
+		CREATE TABLE idem.keys_w2 (LIKE idem.idempotency_keys INCLUDING ALL);
+		CREATE OR REPLACE FUNCTION idem.node_group() RETURNS integer LANGUAGE sql STABLE
+			AS $$ SELECT coalesce(nullif(current_setting('idem.test_group', true), ''), '0')::integer $$;
+		CREATE OR REPLACE FUNCTION idem.worker_groups() RETURNS integer[] LANGUAGE sql STABLE
+			AS $$ SELECT CASE WHEN idem.node_group() = 0 THEN '{1,2}'::integer[] ELSE '{}' END $$;
+		CREATE OR REPLACE FUNCTION idem.key_relations() RETURNS regclass[] LANGUAGE sql STABLE
+			AS $$ SELECT CASE idem.node_group() WHEN 1 THEN ARRAY['idem.keys_w1'::regclass]
+			                                     WHEN 2 THEN ARRAY['idem.keys_w2'::regclass] ELSE '{}' END $$;
+		CREATE OR REPLACE FUNCTION idem.on_workers(p_command text) RETURNS SETOF text LANGUAGE plpgsql AS $$
+		DECLARE
+			v_group integer;
+			v_result text;
+		BEGIN
+			FOREACH v_group IN ARRAY ARRAY[1, 2] LOOP
+				PERFORM set_config('idem.test_group', v_group::text, true);
+				EXECUTE p_command INTO v_result;
+				RETURN NEXT v_result;
+			END LOOP;
+			PERFORM set_config('idem.test_group', '0', true);
+		END $$`)
+}
+
+// InsertKeys writes n completed keys of principal into rel (idem.idempotency_keys or a
+// relation of its shape), named prefix-1 to prefix-n, expired a day ago when expired, else
+// live for a day.
+func InsertKeys(t testing.TB, q Querier, rel, principal, prefix string, n int, expired bool) {
+	t.Helper()
+	at := "now() + interval '1 day'"
+	if expired {
+		at = "now() - interval '1 day' + i * interval '1 ms'"
+	}
+	Exec(t, q, `INSERT INTO `+rel+` (expires_at, attempt, action_hash, state, principal_id, key,
+		request_sha256, response_status, response_headers)
+		SELECT `+at+`, nextval('idem.attempt_seq'), 0, 'c', $1, $2 || '-' || i, sha256(i::text::bytea), 200, '{}'
+		  FROM generate_series(1, $3) AS i`, principal, prefix, n)
+}

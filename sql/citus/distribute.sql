@@ -1,31 +1,41 @@
 -- Distribute the idem SQL API over a Citus cluster, by principal.
 --
--- Run once, on the coordinator, as the role that owns schema idem (a superuser on a test
--- cluster), after the API is installed there (psql -f sql/idem.sql, or server migrate) and
--- the workers are added (citus_add_node):
+-- Run on the coordinator, as the role that owns schema idem (a superuser on a test cluster),
+-- after the workers are added (citus_add_node) and the API is installed there (psql -f
+-- sql/idem.sql, or server migrate):
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/citus/distribute.sql
 --
--- docs/scale-out.md explains every step. Nothing here changes the API: callers keep calling
--- idem.idem_begin and the others on the coordinator; Citus runs each call on the worker that
--- holds the principal's shard.
+-- It can be run again, and must be after a worker is added, after sql/idem.sql is run again
+-- and after a Citus upgrade: every step checks what is already done, and no step hands out a
+-- fencing token twice. docs/scale-out.md explains every step. Nothing here changes the API:
+-- callers keep calling idem.idem_begin and the others on the coordinator; Citus runs each call
+-- on the worker that holds the principal's shard.
 \set ON_ERROR_STOP 1
 
 -- 1. The commit guard's always-empty table, on every node (a reference table), so that the
 --    deferred foreign key from every shard of the key table finds it locally.
-SELECT create_reference_table('idem.claim_guard');
+SELECT create_reference_table('idem.claim_guard')
+ WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'idem.claim_guard'::regclass);
 
 -- 2. The key table, distributed by principal: all keys of a principal live on one shard.
-SELECT create_distributed_table('idem.idempotency_keys', 'principal_id', shard_count => 32);
+SELECT create_distributed_table('idem.idempotency_keys', 'principal_id', shard_count => 32)
+ WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'idem.idempotency_keys'::regclass);
+
+-- Reference tables on every node, a worker added since included (a shard cannot move to a
+-- node without them).
+SELECT replicate_reference_tables();
 
 -- 3. Distribution keeps the table's own storage settings on the shards but drops the TOAST
---    one; set it again on every shard.
+--    ones; set them again on every shard.
 SELECT run_command_on_shards('idem.idempotency_keys',
-    $$ALTER TABLE %s SET (toast.autovacuum_vacuum_scale_factor = 0.02)$$);
+    $$ALTER TABLE %s SET (toast.autovacuum_vacuum_scale_factor = 0.02, toast.vacuum_truncate = false)$$);
 
 -- 4. Fencing tokens come from idem.attempt_seq on the node that runs the call. Every worker
 --    gets its own range (its group id in the top 16 bits), so no two nodes ever hand out the
---    same token, and a shard that moves to another worker still never sees a token again.
+--    same token, and a shard that moves to another worker still never sees a token again. A
+--    worker whose sequence is already in its range keeps it where it is: moving it back would
+--    hand out tokens again.
 SELECT run_command_on_workers($cmd$
 DO $do$
 DECLARE
@@ -33,7 +43,7 @@ DECLARE
 BEGIN
     IF to_regclass('idem.attempt_seq') IS NULL THEN
         EXECUTE format('CREATE SEQUENCE idem.attempt_seq AS bigint MINVALUE %s START %s', v_start, v_start);
-    ELSE
+    ELSIF (SELECT last_value FROM idem.attempt_seq) < v_start THEN
         EXECUTE format('ALTER SEQUENCE idem.attempt_seq MINVALUE %s RESTART %s', v_start, v_start);
     END IF;
 END
@@ -51,14 +61,61 @@ SELECT create_distributed_function('idem.idem_save_final(text,text,text,bytea,in
 SELECT create_distributed_function('idem.idem_release(text,text,bigint)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 
--- 6. Cleanup and the defaults exist on every worker too; cleanup runs there, per worker, on
---    the shards stored there (idem.key_relations() reads them from Citus' metadata).
-SELECT create_distributed_function('idem.key_relations()');
-SELECT create_distributed_function('idem.cleanup_relations(regclass[],integer)');
-SELECT create_distributed_function('idem.idem_cleanup(integer)');
-SELECT create_distributed_function('idem.idem_cleanup_all(integer,bigint)');
-SELECT create_distributed_function('idem.idem_defaults()');
+-- 6. The privileges, again, on every worker. Citus creates the API's functions on the workers
+--    (on a worker added after the install, when it is added) without the REVOKE FROM PUBLIC
+--    of sql/idem.sql: without this step, any role could call them there.
+SELECT run_command_on_workers($cmd$
+DO $do$
+BEGIN
+    REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
+    REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
+    REVOKE ALL ON SCHEMA idem FROM PUBLIC;
+END
+$do$
+$cmd$);
+SELECT run_command_on_workers(format($cmd$
+DO $do$
+BEGIN
+    GRANT USAGE ON SCHEMA idem TO %1$I;
+    GRANT EXECUTE ON FUNCTION idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release,
+        idem.idem_cleanup, idem.idem_defaults, idem.idem_version TO %1$I;
+    GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO %1$I;
+END
+$do$
+$cmd$, r.rolname))
+  FROM pg_proc AS p, aclexplode(p.proacl) AS a, pg_roles AS r
+ WHERE p.oid = 'idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)'::regprocedure
+   AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND r.oid = a.grantee;
 
--- 7. Check: every worker has the functions, the sequence and the shards it should.
+-- The functions that are not delegated run on the node they are called on: cleanup (on the
+-- coordinator it asks every worker for its share, idem.cleanup_share), the defaults and the
+-- version. Citus creates them on every worker with the others; this makes sure of it (a
+-- NOTICE says when one is distributed already).
+SELECT create_distributed_function(f)
+  FROM unnest(ARRAY['idem.key_relations()', 'idem.cleanup_relations(regclass[],integer)', 'idem.node_group()',
+                    'idem.worker_groups()', 'idem.on_workers(text)', 'idem.cleanup_share(jsonb)',
+                    'idem.cleanup_workers(integer[],integer)', 'idem.idem_cleanup(integer)',
+                    'idem.idem_cleanup_all(integer,bigint)', 'idem.idem_defaults()', 'idem.idem_version()',
+                    'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)']) AS f;
+
+-- 7. Citus 13.2.1 and 13.2.2 leak the cached plans of statements that a delegated function
+--    runs on a worker's shard (about 45 kB per call, never freed while the session lasts:
+--    upstream PR #8371, fixed by #8824). On those versions every worker plans custom plans in
+--    this database; that costs no throughput there (more, in the measurement of
+--    docs/scale-out.md). Other versions are left alone: see docs/scale-out.md to check yours.
+SELECT run_command_on_workers(format($cmd$
+DO $do$
+BEGIN
+    IF substring(citus_version() FROM 'Citus ([0-9.]+)') IN ('13.2.1', '13.2.2') THEN
+        SET LOCAL citus.enable_ddl_propagation = off;
+        ALTER DATABASE %I SET plan_cache_mode = force_custom_plan;
+    END IF;
+END
+$do$
+$cmd$, current_database()));
+
+-- 8. Check: every worker has the functions, the sequence and the shards it should.
 SELECT nodename, nodeport, success, result
-  FROM run_command_on_workers($$SELECT count(*) || ' local shards' FROM unnest(idem.key_relations())$$);
+  FROM run_command_on_workers($$SELECT count(*) || ' local shards, tokens from ' || (SELECT min_value FROM pg_sequences
+       WHERE schemaname = 'idem' AND sequencename = 'attempt_seq') || ', plan_cache_mode ' || current_setting('plan_cache_mode')
+       FROM unnest(idem.key_relations())$$);

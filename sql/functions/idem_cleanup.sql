@@ -2,8 +2,10 @@
 --
 -- idem.key_relations() names the relations that hold keys on this node: the table itself on
 -- plain PostgreSQL; on a Citus node, each shard of it stored here. idem.cleanup_relations()
--- is the one code path that deletes from them; idem_cleanup() runs it on key_relations().
--- A row is expired when its TTL has run out and no lease on it still runs.
+-- is the one code path that deletes from them; idem_cleanup() runs it on key_relations(),
+-- and on a Citus coordinator also asks every worker for its share of the batch
+-- (cleanup_workers), so the same call cleans a whole cluster. A row is expired when its TTL
+-- has run out and no lease on it still runs (nor the time an answer is kept, D45).
 
 -- key_relations: the key table, or its local shards when Citus distributes it. Not granted
 -- to anyone: the functions that need it run as its owner.
@@ -88,20 +90,188 @@ $$;
 COMMENT ON FUNCTION idem.cleanup_relations(regclass[], integer) IS
     'Internal: deletes at most p_batch_size expired keys from these tables of schema idem. Use idem_cleanup.';
 
--- idem_cleanup: one batch from the relations that hold keys on this node. Returns how many
--- rows it deleted; call it again until the count is smaller than the batch size. Safe to run
--- from several sessions at once.
+-- node_group: this node's Citus group (0 on the coordinator); NULL without Citus. Internal.
+CREATE OR REPLACE FUNCTION idem.node_group()
+RETURNS integer
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_group integer;
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'citus') THEN
+        EXECUTE format('SELECT groupid FROM pg_catalog.%I', 'pg_dist_local_group') INTO v_group;
+    END IF;
+    RETURN v_group;
+END
+$$;
+
+COMMENT ON FUNCTION idem.node_group() IS
+    'Internal: this node''s Citus group (0 on the coordinator), NULL without Citus. Used by cleanup.';
+
+-- worker_groups: on a Citus coordinator where the key table is distributed, the groups of the
+-- active primary workers, which hold its shards; '{}' on plain PostgreSQL and on a worker.
+-- Internal.
+CREATE OR REPLACE FUNCTION idem.worker_groups()
+RETURNS integer[]
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_groups integer[] := '{}'::integer[];
+    v_group  integer;
+BEGIN
+    IF idem.node_group() IS DISTINCT FROM 0 THEN
+        RETURN v_groups;
+    END IF;
+    FOR v_group IN EXECUTE format($q$
+        SELECT DISTINCT n.groupid::integer
+          FROM pg_catalog.%I AS n
+         WHERE n.isactive AND n.noderole = 'primary' AND n.groupid <> 0
+           AND EXISTS (SELECT FROM pg_catalog.%I AS p WHERE p.logicalrelid = 'idem.idempotency_keys'::regclass)
+         ORDER BY 1
+    $q$, 'pg_dist_node', 'pg_dist_partition') LOOP
+        v_groups := v_groups || v_group;
+    END LOOP;
+    RETURN v_groups;
+END
+$$;
+
+COMMENT ON FUNCTION idem.worker_groups() IS
+    'Internal: on a Citus coordinator, the groups of the workers that hold the key table''s shards; {} elsewhere. Used by cleanup.';
+
+-- on_workers: runs p_command on every active primary worker (Citus' run_command_on_workers:
+-- a connection and a transaction of its own on each) and returns their results; raises when
+-- one of them failed. Internal.
+CREATE OR REPLACE FUNCTION idem.on_workers(p_command text)
+RETURNS SETOF text
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- @plpgsql_check_options: performance_warnings = false
+-- (it runs commands that write on the workers: VOLATILE, which the dynamic SQL hides)
+DECLARE
+    v_node    text;
+    v_port    integer;
+    v_success boolean;
+    v_result  text;
+BEGIN
+    FOR v_node, v_port, v_success, v_result IN
+        EXECUTE format('SELECT nodename::text, nodeport::integer, success, result FROM %I($1)', 'run_command_on_workers')
+        USING p_command LOOP
+        IF NOT v_success THEN
+            RAISE EXCEPTION 'idem cleanup: the worker %:% failed: %', v_node, v_port, v_result
+                USING ERRCODE = '58000';
+        END IF;
+        RETURN NEXT v_result;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idem.on_workers(text) IS
+    'Internal: runs a command on every Citus worker and returns the results; raises when one fails. Used by cleanup.';
+
+-- cleanup_share: on a worker, deletes up to its share of a batch (p_shares: {"group": rows})
+-- from the key relations it holds, and returns 'group:deleted'. Internal.
+CREATE OR REPLACE FUNCTION idem.cleanup_share(p_shares jsonb)
+RETURNS text
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_group integer;
+    v_share integer;
+BEGIN
+    v_group := coalesce(idem.node_group(), 0);
+    v_share := coalesce((p_shares ->> v_group::text)::integer, 0);
+    IF v_share < 1 THEN
+        RETURN v_group || ':0';
+    END IF;
+    RETURN v_group || ':' || idem.cleanup_relations(idem.key_relations(), v_share);
+END
+$$;
+
+COMMENT ON FUNCTION idem.cleanup_share(jsonb) IS
+    'Internal: on a Citus worker, deletes up to its share of a cleanup batch and returns group:deleted. Used by cleanup.';
+
+-- cleanup_workers: deletes at most p_batch_size expired keys across the workers p_groups,
+-- round by round: each round asks every worker that may still have some for an equal share
+-- of what is left (the first ones one more), and a worker that deletes fewer than it was
+-- asked for is drained. So the result is below p_batch_size only when every worker is
+-- drained, as idem_cleanup promises. Each worker deletes in a transaction of its own. Internal.
+CREATE OR REPLACE FUNCTION idem.cleanup_workers(p_groups integer[], p_batch_size integer)
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_active  integer[] := p_groups;
+    v_next    integer[];
+    v_deleted integer := 0;
+    v_left    integer;
+    v_shares  jsonb;
+    v_result  text;
+    v_group   integer;
+    v_n       integer;
+BEGIN
+    WHILE v_deleted < p_batch_size AND cardinality(v_active) > 0 LOOP
+        v_left := p_batch_size - v_deleted;
+        SELECT jsonb_object_agg(g.group_id::text, v_left / cardinality(v_active) + (g.pos <= v_left % cardinality(v_active))::integer)
+          INTO v_shares
+          FROM unnest(v_active) WITH ORDINALITY AS g(group_id, pos);
+        v_next := '{}';
+        FOR v_result IN SELECT r FROM idem.on_workers(format('SELECT idem.cleanup_share(%L)', v_shares)) AS r LOOP
+            v_group := split_part(v_result, ':', 1)::integer;
+            v_n := split_part(v_result, ':', 2)::integer;
+            v_deleted := v_deleted + v_n;
+            IF v_group = ANY (v_active) AND v_n >= (v_shares ->> v_group::text)::integer THEN
+                v_next := v_next || v_group;
+            END IF;
+        END LOOP;
+        v_active := v_next;
+    END LOOP;
+    RETURN v_deleted;
+END
+$$;
+
+COMMENT ON FUNCTION idem.cleanup_workers(integer[], integer) IS
+    'Internal: deletes at most p_batch_size expired keys across these Citus workers, in rounds of equal shares. Used by idem_cleanup.';
+
+-- idem_cleanup: one batch: from the relations that hold keys on this node and, on a Citus
+-- coordinator, from the workers' (cleanup_workers). Returns how many rows it deleted; call it
+-- again until the count is smaller than the batch size. Safe to run from several sessions at
+-- once.
 CREATE OR REPLACE FUNCTION idem.idem_cleanup(p_batch_size integer DEFAULT {{ template "default_batch_size" }})
 RETURNS integer
 {{ template "include/attributes.sql" . }}
 AS $$
+DECLARE
+    v_deleted integer;
+    v_groups  integer[];
 BEGIN
-    RETURN idem.cleanup_relations(idem.key_relations(), p_batch_size);
+    v_deleted := idem.cleanup_relations(idem.key_relations(), p_batch_size);
+    IF v_deleted < p_batch_size THEN
+        v_groups := idem.worker_groups();
+        IF cardinality(v_groups) > 0 THEN
+            v_deleted := v_deleted + idem.cleanup_workers(v_groups, p_batch_size - v_deleted);
+        END IF;
+    END IF;
+    RETURN v_deleted;
 END
 $$;
 
 COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
-    'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
+    'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED; on a Citus coordinator, from every worker) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
 
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
 -- procedure that commits). For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
