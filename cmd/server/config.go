@@ -61,6 +61,12 @@ type Config struct {
 	CleanupVacuum bool
 	// ShutdownTimeout (SHUTDOWN_TIMEOUT): how long in-flight requests may finish. Default 10s.
 	ShutdownTimeout time.Duration
+	// PayoutsLease (PAYOUTS_LEASE): the lease of POST /v1/payouts, a lease route; the
+	// heartbeat extends it every third of it while a payout runs. Default 5s.
+	PayoutsLease time.Duration
+	// PayoutProviderDelay (PAYOUT_PROVIDER_DELAY): how long the simulated payment provider
+	// takes to answer a new payout. Default 200ms.
+	PayoutProviderDelay time.Duration
 	// TransfersRequireKey (TRANSFERS_REQUIRE_KEY): whether POST /v1/transfers needs an
 	// Idempotency-Key. Default true; false only to benchmark the route without keys.
 	TransfersRequireKey bool
@@ -74,6 +80,7 @@ func defaultConfig() Config {
 		PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
 		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
 		CleanupInterval: time.Minute, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
+		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
 }
@@ -106,6 +113,8 @@ environment (docs/operations.md):
   CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
   CLEANUP_VACUUM                  vacuum the key table once cleanup deleted more than autovacuum's threshold, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
+  PAYOUTS_LEASE                   the lease of POST /v1/payouts, extended while a payout runs (5s)
+  PAYOUT_PROVIDER_DELAY           how long the simulated payment provider takes to answer (200ms)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
   LOG_LEVEL                       debug, info, warn or error (info)`
 
@@ -171,6 +180,12 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	p.duration("SHUTDOWN_TIMEOUT", &c.ShutdownTimeout, time.Millisecond)
 	p.boolean("CLEANUP_VACUUM", &c.CleanupVacuum)
+	p.duration("PAYOUTS_LEASE", &c.PayoutsLease, time.Second)
+	if v := strings.TrimSpace(getenv("PAYOUT_PROVIDER_DELAY")); v == "0" {
+		c.PayoutProviderDelay = 0
+	} else {
+		p.duration("PAYOUT_PROVIDER_DELAY", &c.PayoutProviderDelay, time.Millisecond)
+	}
 	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
 	if v := getenv("LOG_LEVEL"); v != "" {
 		if err := c.LogLevel.UnmarshalText([]byte(v)); err != nil {

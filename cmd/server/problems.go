@@ -16,6 +16,7 @@ var ledgerProblems = map[string]string{
 	"account_not_found":  "Account not found",
 	"transfer_not_found": "Transfer not found",
 	"deposit_not_found":  "Deposit not found",
+	"payout_not_found":   "Payout not found",
 	"currency_mismatch":  "Currency mismatch",
 	"insufficient_funds": "Insufficient funds",
 	"balance_limit":      "Balance limit",

@@ -32,7 +32,7 @@ func (m *Main) routes() (http.Handler, error) {
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
 func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
-	s := &ledger{pool: m.pool, log: m.log}
+	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
 	idem, err := idemhttp.New(idemhttp.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
@@ -109,6 +109,9 @@ func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
 		{http.MethodPost, "/v1/transfers", s.createTransfer, keyed("POST /v1/transfers", transfersRequireKey)},
 		{http.MethodGet, "/v1/transfers/{id}", s.getTransfer, nil},
 		{http.MethodPost, "/v1/api-tokens", s.createToken, keyed("POST /v1/api-tokens", false)},
+		{http.MethodPost, "/v1/payouts", s.createPayout, &idemhttp.Route{Action: "POST /v1/payouts", Required: true, Lease: s.payoutLease}},
+		{http.MethodGet, "/v1/payouts/{id}", s.getPayout, nil},
+		{http.MethodGet, "/v1/provider/calls/{key}", s.providerCalls, nil},
 	}
 }
 
@@ -165,4 +168,6 @@ type ledger struct {
 	log  interface {
 		Error(msg string, args ...any)
 	}
+	provider    *provider     // the simulated payment provider of the payouts route
+	payoutLease time.Duration // the payouts route's lease
 }

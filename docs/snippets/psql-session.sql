@@ -40,6 +40,10 @@ SELECT outcome, attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'j
 SELECT outcome, attempt, retry_after > interval '4 minutes' AS lease_runs
   FROM idem.idem_begin(p_principal => 'alice', p_key => 'job-7', p_action => 'POST /v1/exports',
                        p_request_sha256 => sha256('export'), p_lease => '5 minutes');
+-- While the work runs, its holder extends the lease (a heartbeat); a stale token cannot.
+SELECT idem.idem_extend(p_principal => 'alice', p_key => 'job-7', p_attempt => :job_attempt, p_lease => '5 minutes')
+       > clock_timestamp() + interval '4 minutes' AS extended;
+SELECT idem.idem_extend(p_principal => 'alice', p_key => 'job-7', p_attempt => 2, p_lease => '5 minutes');
 -- A stale holder cannot complete (fencing); the holder can.
 SELECT idem.idem_complete(p_principal => 'alice', p_key => 'job-7', p_attempt => 2, p_status => 200, p_headers => '{}', p_body => NULL);
 SELECT idem.idem_complete(p_principal => 'alice', p_key => 'job-7', p_attempt => :job_attempt, p_status => 200, p_headers => '{}', p_body => 'done');

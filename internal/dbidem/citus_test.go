@@ -12,10 +12,10 @@ import (
 // with the same SQL API; docs/sql-api.md ("On Citus") lists them.
 var (
 	plainGuard = &pgconn.PgError{Severity: "ERROR", Code: "23503",
-		Message:        `insert or update on table "idempotency_keys" violates foreign key constraint "idempotency_keys_claim_completed_in_its_transaction"`,
-		Detail:         `Key (uncompleted)=(t) is not present in table "claim_guard".`,
-		SchemaName:     "idem", TableName: "idempotency_keys", ConstraintName: GuardConstraint,
-		File:           "ri_triggers.c", Routine: "ri_ReportViolation"}
+		Message:    `insert or update on table "idempotency_keys" violates foreign key constraint "idempotency_keys_claim_completed_in_its_transaction"`,
+		Detail:     `Key (uncompleted)=(t) is not present in table "claim_guard".`,
+		SchemaName: "idem", TableName: "idempotency_keys", ConstraintName: GuardConstraint,
+		File: "ri_triggers.c", Routine: "ri_ReportViolation"}
 	// A claim committed without its completion, its transaction on one worker: one-phase
 	// commit, the worker's 23503 only a WARNING before this.
 	citusGuardOnePhase = &pgconn.PgError{Severity: "ERROR", Code: "XX000",
@@ -33,7 +33,7 @@ var (
 		Detail:     `Key (principal_id)=(no-such-principal) is not present in table "principals".`,
 		Where:      "SQL statement \"INSERT INTO idem.idempotency_keys AS k ...\"\nPL/pgSQL function idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval) line 109 at SQL statement",
 		SchemaName: "idem", TableName: "idempotency_keys", ConstraintName: "idempotency_keys_principal_fkey",
-		File:       "ri_triggers.c", Routine: "ri_ReportViolation"}
+		File: "ri_triggers.c", Routine: "ri_ReportViolation"}
 	citusPrincipal = &pgconn.PgError{Severity: "ERROR", Code: "23503",
 		Message: `insert or update on table "idempotency_keys_102039" violates foreign key constraint "idempotency_keys_principal_fkey_102039"`,
 		Detail:  `Key (principal_id)=(no-such-principal) is not present in table "principals_102042".`,

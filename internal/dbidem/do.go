@@ -3,6 +3,7 @@ package dbidem
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -28,6 +29,26 @@ type Job struct {
 	// Gate coalesces concurrent Do calls of this process with the same key. Nil: one Gate
 	// shared by every Do of the process.
 	Gate *Gate
+	// Lease is the lease of a DoLease job (at least a second): the claim is held that long
+	// past its last extension. Do ignores it.
+	Lease time.Duration
+	// Timeout bounds a DoLease job's work (its context ends then). 0: DefaultLeaseTimeout.
+	Timeout time.Duration
+}
+
+// DefaultLeaseTimeout bounds the work of a lease (DoLease, and a lease route of the
+// middleware) when its caller sets no bound.
+const DefaultLeaseTimeout = 5 * time.Minute
+
+// LeaseClaim is what work under a lease knows of its claim.
+type LeaseClaim struct {
+	// Principal and Key are the job's.
+	Principal, Key string
+	// Attempt is the claim's fencing token: no earlier attempt of the key had it.
+	Attempt int64
+	// ProviderKey is the key to give an outside provider that deduplicates by its own
+	// idempotency key: the same for every attempt of (Principal, Key) (see ProviderKey).
+	ProviderKey string
 }
 
 // Do runs fn at most once for job.Key: it claims the key, runs fn in the same transaction,
@@ -38,31 +59,15 @@ type Job struct {
 // Concurrent calls of this process with the same key wait for each other without holding a
 // connection (see Gate).
 func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (result T, replayed bool, err error) {
-	var input []byte
-	if job.Input != nil {
-		if input, err = json.Marshal(job.Input); err != nil {
-			return result, false, fmt.Errorf("dbidem: encode input: %w", err)
-		}
+	claim, input, err := job.claim(0)
+	if err != nil {
+		return result, false, err
 	}
-	fp := canon.Compute("DO", job.Action, input)
-	claim := Claim{Principal: job.Principal, Key: job.Key, Action: job.Action, Fingerprint: fp.Sum,
-		Fields: fp.Fields, TTL: job.TTL, LockTimeout: job.LockTimeout}
-	gate := job.Gate
-	if gate == nil {
-		gate = doGate
-	}
-	err = gate.RunHolding(ctx, db, opts, claim, int64(len(input)), func(tx *Tx, d Decision) error {
+	err = job.gate().RunHolding(ctx, db, opts, claim, int64(len(input)), func(tx *Tx, d Decision) error {
 		var zero T
 		result, replayed = zero, false
-		switch d.Outcome {
-		case Replay:
-			replayed = true
-			return json.Unmarshal(d.Response.Body, &result)
-		case Mismatch:
-			return fmt.Errorf("%w (changed fields %v)", ErrMismatch, d.ChangedFields)
-		case Claimed:
-		default:
-			return fmt.Errorf("%w: %s", ErrInProgress, d.Outcome)
+		if done, err := decided(d, &result, &replayed); done || err != nil {
+			return err
 		}
 		var err error
 		if result, err = fn(ctx, tx); err != nil {
@@ -76,4 +81,111 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 		return nil
 	})
 	return result, replayed, err
+}
+
+// claim is the job's claim, with this lease (0: a transactional claim), and its input as JSON.
+func (job Job) claim(lease time.Duration) (Claim, []byte, error) {
+	var input []byte
+	if job.Input != nil {
+		var err error
+		if input, err = json.Marshal(job.Input); err != nil {
+			return Claim{}, nil, fmt.Errorf("dbidem: encode input: %w", err)
+		}
+	}
+	fp := canon.Compute("DO", job.Action, input)
+	return Claim{Principal: job.Principal, Key: job.Key, Action: job.Action, Fingerprint: fp.Sum,
+		Fields: fp.Fields, TTL: job.TTL, Lease: lease, LockTimeout: job.LockTimeout}, input, nil
+}
+
+func (job Job) gate() *Gate {
+	if job.Gate != nil {
+		return job.Gate
+	}
+	return doGate
+}
+
+// decided handles every decision but Claimed: a replay decodes the stored result, a mismatch
+// and work in progress are errors. done is false for Claimed.
+func decided[T any](d Decision, result *T, replayed *bool) (done bool, err error) {
+	switch d.Outcome {
+	case Replay:
+		*replayed = true
+		return true, json.Unmarshal(d.Response.Body, result)
+	case Mismatch:
+		return true, fmt.Errorf("%w (changed fields %v)", ErrMismatch, d.ChangedFields)
+	case Claimed:
+		return false, nil
+	}
+	return true, fmt.Errorf("%w: %s", ErrInProgress, d.Outcome)
+}
+
+// Pool is what DoLease needs: *pgxpool.Pool.
+type Pool interface {
+	Acquirer
+	Querier
+}
+
+// DoLease runs fn at most once for job.Key, as Do does, for work outside the database (a long
+// job, a call to a provider that the database cannot roll back): it commits a lease claim of
+// job.Lease on its own, runs fn outside any transaction while a heartbeat extends the lease
+// (KeepAlive: every third of the lease), and stores fn's result as JSON, fenced by the
+// claim's token. A repeat while fn runs gets ErrInProgress; after, the stored result with
+// replayed true.
+//
+// fn's context ends with cause ErrLeaseLost (context.Cause) when the lease is lost: another
+// attempt may have taken the key over, so fn should stop; DoLease then returns ErrLeaseLost
+// and stores nothing. It also ends at job.Timeout (DefaultLeaseTimeout) or when ctx ends. When
+// fn fails, the claim is released (a later DoLease runs fn again) and its error returned.
+// Give an outside provider claim.ProviderKey, so that a takeover cannot repeat the effect.
+func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
+	if job.Lease < time.Second {
+		return result, false, fmt.Errorf("dbidem: DoLease needs a Lease of at least a second, got %s", job.Lease)
+	}
+	claim, input, err := job.claim(job.Lease)
+	if err != nil {
+		return result, false, err
+	}
+	var attempt int64
+	err = job.gate().RunHolding(ctx, db, TxOptions{}, claim, int64(len(input)), func(tx *Tx, d Decision) error {
+		var zero T
+		result, replayed, attempt = zero, false, 0
+		if done, err := decided(d, &result, &replayed); done || err != nil {
+			return err
+		}
+		attempt = d.Attempt
+		return nil // the lease claim commits on its own
+	})
+	if err != nil || attempt == 0 {
+		return result, replayed, err
+	}
+	timeout := job.Timeout
+	if timeout <= 0 {
+		timeout = DefaultLeaseTimeout
+	}
+	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout})
+	result, err = fn(lease.Context(), LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt,
+		ProviderKey: ProviderKey(job.Principal, job.Key)})
+	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
+	done, cancel := context.WithTimeout(context.WithoutCancel(ctx), job.Lease)
+	defer cancel()
+	switch {
+	case lost:
+		var zero T
+		return zero, false, ErrLeaseLost
+	case err != nil:
+		_, _ = Release(done, db, job.Principal, job.Key, attempt)
+		return result, false, err
+	}
+	body, err := json.Marshal(result)
+	if err != nil {
+		_, _ = Release(done, db, job.Principal, job.Key, attempt)
+		return result, false, fmt.Errorf("dbidem: encode result: %w", err)
+	}
+	err = Complete(done, db, job.Principal, job.Key, attempt,
+		Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
+	if errors.Is(err, ErrClaimLost) {
+		var zero T
+		return zero, false, ErrLeaseLost
+	}
+	return result, false, err
 }

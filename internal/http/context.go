@@ -4,6 +4,8 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
 // state travels in the request's context to the handler.
@@ -26,7 +28,17 @@ type ClaimInfo struct {
 	Key string
 	// Attempt is the fencing token of this claim: no earlier claim of the key had it.
 	Attempt int64
+	// ProviderKey is the key to give an outside provider that deduplicates by its own
+	// idempotency key (a payment provider's Idempotency-Key): the same for every attempt of
+	// this principal's key, a lease taken over included, and different for every other
+	// principal or key. It is derived from both, not the client's key itself.
+	ProviderKey string
 }
+
+// ErrLeaseLost is the cause (context.Cause) of a lease route's handler context when its lease
+// was lost: another attempt may have taken the key over, so the handler should stop. Its
+// answer is then not recorded, and not sent as if it were.
+var ErrLeaseLost = dbidem.ErrLeaseLost
 
 // ClaimOf returns the claim of the request's unit of work, or false for a request that runs
 // without a key.

@@ -55,21 +55,34 @@ type Observer interface {
 	Count(action string, state State)
 	// Done times a keyed request from the key check to its answer, by its main state.
 	Done(state State, elapsed time.Duration)
+	// LeaseExtended counts one extension of a lease route's lease (the heartbeat).
+	LeaseExtended(action string)
+	// LeaseEnded is called once the work of a lease route has ended and its answer is
+	// recorded (or not): lost tells whether the lease was lost, worked is how long the
+	// handler and the recording took.
+	LeaseEnded(action string, lost bool, worked time.Duration)
 }
 
 type nopObserver struct{}
 
-func (nopObserver) Count(string, State)       {}
-func (nopObserver) Done(State, time.Duration) {}
+func (nopObserver) Count(string, State)                    {}
+func (nopObserver) Done(State, time.Duration)              {}
+func (nopObserver) LeaseExtended(string)                   {}
+func (nopObserver) LeaseEnded(string, bool, time.Duration) {}
 
-// PrometheusObserver counts states per action (idempotency_requests_total{action,state}) and
-// times requests (idempotency_request_duration_seconds{state}).
+// PrometheusObserver counts states per action (idempotency_requests_total{action,state}),
+// times requests (idempotency_request_duration_seconds{state}), and follows lease routes:
+// idempotency_lease_extensions_total{action}, idempotency_leases_lost_total{action} and
+// idempotency_lease_work_seconds{action}.
 type PrometheusObserver struct {
-	requests *prometheus.CounterVec
-	duration *prometheus.HistogramVec
+	requests   *prometheus.CounterVec
+	duration   *prometheus.HistogramVec
+	extensions *prometheus.CounterVec
+	lost       *prometheus.CounterVec
+	work       *prometheus.HistogramVec
 }
 
-// NewPrometheusObserver registers the two metrics with reg and returns the observer.
+// NewPrometheusObserver registers the metrics with reg and returns the observer.
 func NewPrometheusObserver(reg prometheus.Registerer) *PrometheusObserver {
 	o := &PrometheusObserver{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -81,9 +94,33 @@ func NewPrometheusObserver(reg prometheus.Registerer) *PrometheusObserver {
 			Help:    "Time from the key check to the answer of keyed requests, by state.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}, []string{"state"}),
+		extensions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_lease_extensions_total",
+			Help: "Extensions of the leases of lease routes (a heartbeat every third of the lease while the work runs).",
+		}, []string{"action"}),
+		lost: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_leases_lost_total",
+			Help: "Lease routes' work whose lease was lost (taken over, or not extended in time): its answer was not recorded.",
+		}, []string{"action"}),
+		work: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idempotency_lease_work_seconds",
+			Help:    "How long the work of lease routes ran, its answer recorded.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
+		}, []string{"action"}),
 	}
-	reg.MustRegister(o.requests, o.duration)
+	reg.MustRegister(o.requests, o.duration, o.extensions, o.lost, o.work)
 	return o
+}
+
+// LeaseExtended implements Observer.
+func (o *PrometheusObserver) LeaseExtended(action string) { o.extensions.WithLabelValues(action).Inc() }
+
+// LeaseEnded implements Observer.
+func (o *PrometheusObserver) LeaseEnded(action string, lost bool, worked time.Duration) {
+	if lost {
+		o.lost.WithLabelValues(action).Inc()
+	}
+	o.work.WithLabelValues(action).Observe(worked.Seconds())
 }
 
 // Count implements Observer.

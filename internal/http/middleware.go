@@ -58,6 +58,7 @@ func (m *Middleware) Options() Options { return m.o }
 //
 //	r.Handle("/v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers)).Methods("POST")
 func (m *Middleware) Route(rt Route) mux.MiddlewareFunc {
+	rt.check()
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, rt, next) })
 	}
@@ -66,6 +67,7 @@ func (m *Middleware) Route(rt Route) mux.MiddlewareFunc {
 // Declare declares the route with this method and gorilla/mux path template for Handler.
 // Not safe to call once requests are being served.
 func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
+	rt.check()
 	m.declared[strings.ToUpper(method)+" "+pathTemplate] = rt
 }
 
@@ -101,14 +103,15 @@ func template(r *http.Request) string {
 
 // request is one request to a declared route on its way through the middleware.
 type request struct {
-	m      *Middleware
-	w      http.ResponseWriter
-	r      *http.Request
-	rt     Route
-	next   http.Handler
-	body   []byte
-	action string
-	claim  *ClaimInfo // the claim the handler works under (keyed requests)
+	m         *Middleware
+	w         http.ResponseWriter
+	r         *http.Request
+	rt        Route
+	next      http.Handler
+	body      []byte
+	canonical []byte // the canonical body (strictly valid JSON), when the fingerprint computed it
+	action    string
+	claim     *ClaimInfo // the claim the handler works under (keyed requests)
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {

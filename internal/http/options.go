@@ -19,6 +19,7 @@
 package idemhttp
 
 import (
+	"fmt"
 	"log/slog"
 	"net/http"
 	"time"
@@ -97,11 +98,16 @@ type Route struct {
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing.
 	Required bool
-	// Lease makes the route a lease claim for work outside the database: the claim is
-	// committed on its own before the handler runs, the handler gets no transaction, and the
-	// response is stored afterwards, fenced by the claim's attempt. 0: a transactional claim,
-	// the handler's writes commit with the key.
+	// Lease makes the route a lease claim for work outside the database (at least a
+	// second): the claim is committed on its own before the handler runs, the handler gets no
+	// transaction, and the response is stored afterwards, fenced by the claim's attempt. While
+	// the handler runs, the lease is extended every third of it; the handler's context does
+	// not end when the client disconnects, and ends with cause ErrLeaseLost when the lease is
+	// lost. 0: a transactional claim, the handler's writes commit with the key.
 	Lease time.Duration
+	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
+	// gives up answers 5xx, which releases the key. 0: dbidem.DefaultLeaseTimeout (5 minutes).
+	LeaseTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body) for a
 	// route whose meaning is narrower than its body.
 	Fingerprint func(r *http.Request, body []byte) canon.Fingerprint
@@ -151,4 +157,13 @@ func DefaultFinalStatus(status int) bool {
 		return true
 	}
 	return false
+}
+
+// check panics on a declaration that cannot work, as http.Handle does on a bad pattern: it is
+// a programming error, found when the routes are declared.
+func (rt Route) check() {
+	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.LeaseTimeout < 0 {
+		panic(fmt.Sprintf("idemhttp: Route.Lease must be 0 (a transactional route) or at least a second, and LeaseTimeout not negative: got %s, %s",
+			rt.Lease, rt.LeaseTimeout))
+	}
 }

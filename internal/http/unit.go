@@ -28,15 +28,15 @@ const (
 	rollBack                // anything else, or a panic: roll back, store nothing
 )
 
-// run calls the handler with a fresh recorder, body reader and state; a panic is recovered
-// and reported as rollBack.
-func (q *request) run(tx *dbidem.Tx, keyed bool) (rec *recorder, st *state, v verdict) {
-	st = &state{m: q.m, body: q.body, claim: q.claim}
+// run calls the handler with a fresh recorder, body reader and state, on ctx; a panic is
+// recovered and reported as rollBack.
+func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *recorder, st *state, v verdict) {
+	st = &state{m: q.m, body: q.body, canonical: q.canonical, claim: q.claim}
 	if tx != nil {
 		st.tx = tx
 	}
 	rec = newRecorder()
-	r2 := q.r.WithContext(context.WithValue(q.r.Context(), stateKey{}, st))
+	r2 := q.r.WithContext(context.WithValue(ctx, stateKey{}, st))
 	r2.Body = io.NopCloser(bytes.NewReader(q.body))
 	r2.ContentLength = int64(len(q.body))
 	defer func() {
@@ -66,14 +66,14 @@ var errRollBack = errors.New("idemhttp: roll back")
 // committed only for a 2xx.
 func (q *request) unkeyed() {
 	if q.rt.Lease > 0 {
-		rec, _, _ := q.run(nil, false)
+		rec, _, _ := q.run(q.r.Context(), nil, false)
 		q.answer(rec)
 		return
 	}
 	var rec *recorder
 	err := dbidem.RunTx(q.r.Context(), q.m.o.DB, q.txOptions(), func(tx *dbidem.Tx) error {
 		var v verdict
-		rec, _, v = q.run(tx, false)
+		rec, _, v = q.run(q.r.Context(), tx, false)
 		if v != commit {
 			return errRollBack
 		}
@@ -171,12 +171,13 @@ func (q *request) keyed(claim dbidem.Claim) State {
 			acquired = true
 			q.m.o.Metrics.Count(q.action, StateAcquired)
 		}
-		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt}
+		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
+			ProviderKey: dbidem.ProviderKey(claim.Principal, claim.Key)}
 		if q.rt.Lease > 0 {
 			return nil // a lease claim commits on its own; the handler runs after
 		}
 		var st *state
-		rec, st, v = q.run(tx, true)
+		rec, st, v = q.run(q.r.Context(), tx, true)
 		if v == rollBack {
 			return errRollBack
 		}

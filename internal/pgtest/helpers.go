@@ -69,9 +69,9 @@ func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 // CitusStandIn makes the test's database behave, for cleanup, as a Citus coordinator with two
 // workers (groups 1 and 2) whose key relations are idem.keys_w1 and idem.keys_w2 (created here,
 // of the key table's shape): it replaces the four functions that read Citus' catalog or reach
-// the workers (idem.node_group, idem.worker_groups, idem.key_relations, idem.on_workers) with
-// stand-ins, which run a "worker's" command in the same session with idem.test_group set to
-// its group. Everything else, the fan-out of idem_cleanup included, is the real code.
+// the workers (idem.node_group, idem.worker_groups, idem.key_relations,
+// idem.cleanup_on_workers) with stand-ins, which run a "worker's" cleanup_share in the same
+// session with idem.test_group set to its group. Everything else, the fan-out of idem_cleanup included, is the real code.
 func CitusStandIn(t testing.TB, q Querier) {
 	t.Helper()
 	Exec(t, q, `CREATE TABLE idem.keys_w1 (LIKE idem.idempotency_keys INCLUDING ALL);
@@ -83,14 +83,14 @@ func CitusStandIn(t testing.TB, q Querier) {
 		CREATE OR REPLACE FUNCTION idem.key_relations() RETURNS regclass[] LANGUAGE sql STABLE
 			AS $$ SELECT CASE idem.node_group() WHEN 1 THEN ARRAY['idem.keys_w1'::regclass]
 			                                     WHEN 2 THEN ARRAY['idem.keys_w2'::regclass] ELSE '{}' END $$;
-		CREATE OR REPLACE FUNCTION idem.on_workers(p_command text) RETURNS SETOF text LANGUAGE plpgsql AS $$
+		CREATE OR REPLACE FUNCTION idem.cleanup_on_workers(p_shares jsonb) RETURNS SETOF text LANGUAGE plpgsql AS $$
 		DECLARE
 			v_group integer;
 			v_result text;
 		BEGIN
 			FOREACH v_group IN ARRAY ARRAY[1, 2] LOOP
 				PERFORM set_config('idem.test_group', v_group::text, true);
-				EXECUTE p_command INTO v_result;
+				v_result := idem.cleanup_share(p_shares);
 				RETURN NEXT v_result;
 			END LOOP;
 			PERFORM set_config('idem.test_group', '0', true);

@@ -6,28 +6,35 @@
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/citus/distribute.sql
 --
--- It can be run again, and must be after a worker is added, after sql/idem.sql is run again
--- and after a Citus upgrade: every step checks what is already done, and no step hands out a
--- fencing token twice. docs/scale-out.md explains every step. Nothing here changes the API:
+-- It can be run again, and must be: right after a worker is added (until then the worker's copies
+-- of the functions are executable by every role), after shards are moved or rebalanced, after
+-- sql/idem.sql is run again and after a Citus upgrade. Every step checks what is already done,
+-- and no step hands out a fencing token twice. docs/scale-out.md explains every step. Nothing here changes the API:
 -- callers keep calling idem.idem_begin and the others on the coordinator; Citus runs each call
 -- on the worker that holds the principal's shard.
 \set ON_ERROR_STOP 1
 
 -- 1. The commit guard's always-empty table, on every node (a reference table), so that the
 --    deferred foreign key from every shard of the key table finds it locally.
+-- (Citus may have added a table to its metadata as a "local table" already, because of a foreign
+-- key: only a reference table counts as done.)
 SELECT create_reference_table('idem.claim_guard')
- WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'idem.claim_guard'::regclass);
+ WHERE NOT EXISTS (SELECT FROM pg_dist_partition
+                    WHERE logicalrelid = 'idem.claim_guard'::regclass AND partmethod = 'n' AND repmodel = 't');
 
 -- 2. The key table, distributed by principal: all keys of a principal live on one shard.
+--    (Step 1 makes it a Citus "local table", because of its foreign key to claim_guard: only a
+--    hash-distributed table counts as done.)
 SELECT create_distributed_table('idem.idempotency_keys', 'principal_id', shard_count => 32)
- WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'idem.idempotency_keys'::regclass);
+ WHERE NOT EXISTS (SELECT FROM pg_dist_partition
+                    WHERE logicalrelid = 'idem.idempotency_keys'::regclass AND partmethod = 'h');
 
 -- Reference tables on every node, a worker added since included (a shard cannot move to a
--- node without them).
-SELECT replicate_reference_tables();
+-- node without them). block_writes: the default mode needs wal_level = logical.
+SELECT replicate_reference_tables('block_writes');
 
 -- 3. Distribution keeps the table's own storage settings on the shards but drops the TOAST
---    ones; set them again on every shard.
+--    ones, and so does moving a shard; set them again on every shard.
 SELECT run_command_on_shards('idem.idempotency_keys',
     $$ALTER TABLE %s SET (toast.autovacuum_vacuum_scale_factor = 0.02, toast.vacuum_truncate = false)$$);
 
@@ -50,7 +57,7 @@ END
 $do$
 $cmd$);
 
--- 5. The API: each claim, completion, final answer and release runs on the worker that holds
+-- 5. The API: each claim, completion, final answer, release and lease extension runs on the worker that holds
 --    p_principal's shard, in the caller's transaction (force_delegation).
 SELECT create_distributed_function('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
@@ -60,13 +67,17 @@ SELECT create_distributed_function('idem.idem_save_final(text,text,text,bytea,in
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 SELECT create_distributed_function('idem.idem_release(text,text,bigint)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
+SELECT create_distributed_function('idem.idem_extend(text,text,bigint,interval)',
+    distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 
 -- 6. The privileges, again, on every worker. Citus creates the API's functions on the workers
 --    (on a worker added after the install, when it is added) without the REVOKE FROM PUBLIC
 --    of sql/idem.sql: without this step, any role could call them there.
+--    (A worker refuses these statements as "not allowed on this node" unless they stay local.)
 SELECT run_command_on_workers($cmd$
 DO $do$
 BEGIN
+    SET LOCAL citus.enable_ddl_propagation = off;
     REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
     REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
     REVOKE ALL ON SCHEMA idem FROM PUBLIC;
@@ -76,9 +87,10 @@ $cmd$);
 SELECT run_command_on_workers(format($cmd$
 DO $do$
 BEGIN
+    SET LOCAL citus.enable_ddl_propagation = off;
     GRANT USAGE ON SCHEMA idem TO %1$I;
     GRANT EXECUTE ON FUNCTION idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release,
-        idem.idem_cleanup, idem.idem_defaults, idem.idem_version TO %1$I;
+        idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version TO %1$I;
     GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO %1$I;
 END
 $do$
@@ -91,9 +103,9 @@ $cmd$, r.rolname))
 -- coordinator it asks every worker for its share, idem.cleanup_share), the defaults and the
 -- version. Citus creates them on every worker with the others; this makes sure of it (a
 -- NOTICE says when one is distributed already).
-SELECT create_distributed_function(f)
+SELECT create_distributed_function(f::regprocedure)
   FROM unnest(ARRAY['idem.key_relations()', 'idem.cleanup_relations(regclass[],integer)', 'idem.node_group()',
-                    'idem.worker_groups()', 'idem.on_workers(text)', 'idem.cleanup_share(jsonb)',
+                    'idem.worker_groups()', 'idem.cleanup_on_workers(jsonb)', 'idem.cleanup_share(jsonb)',
                     'idem.cleanup_workers(integer[],integer)', 'idem.idem_cleanup(integer)',
                     'idem.idem_cleanup_all(integer,bigint)', 'idem.idem_defaults()', 'idem.idem_version()',
                     'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)']) AS f;

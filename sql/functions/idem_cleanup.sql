@@ -144,10 +144,12 @@ $$;
 COMMENT ON FUNCTION idem.worker_groups() IS
     'Internal: on a Citus coordinator, the groups of the workers that hold the key table''s shards; {} elsewhere. Used by cleanup.';
 
--- on_workers: runs p_command on every active primary worker (Citus' run_command_on_workers:
--- a connection and a transaction of its own on each) and returns their results; raises when
--- one of them failed. Internal.
-CREATE OR REPLACE FUNCTION idem.on_workers(p_command text)
+-- cleanup_on_workers: asks every active primary worker (Citus' run_command_on_workers: a
+-- connection and a transaction of its own on each) to delete its share of a batch (p_shares,
+-- cleanup_share) and returns their 'group:deleted' answers; raises when one of them failed.
+-- It runs nothing else: on a worker where it is callable by mistake (a worker added and not
+-- yet set up by sql/citus/distribute.sql), it can only clean up. Internal.
+CREATE OR REPLACE FUNCTION idem.cleanup_on_workers(p_shares jsonb)
 RETURNS SETOF text
 LANGUAGE plpgsql
 VOLATILE
@@ -164,7 +166,7 @@ DECLARE
 BEGIN
     FOR v_node, v_port, v_success, v_result IN
         EXECUTE format('SELECT nodename::text, nodeport::integer, success, result FROM %I($1)', 'run_command_on_workers')
-        USING p_command LOOP
+        USING format('SELECT idem.cleanup_share(%L::jsonb)', p_shares) LOOP
         IF NOT v_success THEN
             RAISE EXCEPTION 'idem cleanup: the worker %:% failed: %', v_node, v_port, v_result
                 USING ERRCODE = '58000';
@@ -174,8 +176,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION idem.on_workers(text) IS
-    'Internal: runs a command on every Citus worker and returns the results; raises when one fails. Used by cleanup.';
+COMMENT ON FUNCTION idem.cleanup_on_workers(jsonb) IS
+    'Internal: asks every Citus worker to delete its share of a cleanup batch and returns their answers; raises when one fails. Used by cleanup.';
 
 -- cleanup_share: on a worker, deletes up to its share of a batch (p_shares: {"group": rows})
 -- from the key relations it holds, and returns 'group:deleted'. Internal.
@@ -230,7 +232,7 @@ BEGIN
           INTO v_shares
           FROM unnest(v_active) WITH ORDINALITY AS g(group_id, pos);
         v_next := '{}';
-        FOR v_result IN SELECT r FROM idem.on_workers(format('SELECT idem.cleanup_share(%L)', v_shares)) AS r LOOP
+        FOR v_result IN SELECT r FROM idem.cleanup_on_workers(v_shares) AS r LOOP
             v_group := split_part(v_result, ':', 1)::integer;
             v_n := split_part(v_result, ':', 2)::integer;
             v_deleted := v_deleted + v_n;

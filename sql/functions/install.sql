@@ -18,12 +18,15 @@ $$;
 DROP FUNCTION IF EXISTS idem.idem_complete(text, text, integer, integer, jsonb, bytea, text, text);
 DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
+-- A pre-release of 0.2.0 had a cleanup helper that ran any command on the Citus workers.
+DROP FUNCTION IF EXISTS idem.on_workers(text);
 
 {{ template "answer_expires_at.sql" . }}
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}
 {{ template "idem_release.sql" . }}
+{{ template "idem_extend.sql" . }}
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
 {{ template "idem_version.sql" . }}
@@ -32,7 +35,7 @@ DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, 
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
-    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_cleanup,
-    idem.idem_defaults, idem.idem_version
+    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_extend,
+    idem.idem_cleanup, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";

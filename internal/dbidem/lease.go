@@ -1,0 +1,161 @@
+package dbidem
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Leases: work outside the database (a call to a payment provider, an e-mail) runs under a
+// lease claim, committed on its own before the work starts. While the work runs, a heartbeat
+// extends the lease (idem_extend), so a duplicate keeps being told the work is in progress for
+// as long as it runs; when an extension finds the claim gone (taken over, the key cleaned up) or
+// none succeeds before the lease runs out, the work's context ends with ErrLeaseLost.
+
+// ErrLeaseLost is the cause (context.Cause) of a lease's context when the lease was lost: an
+// extension found the claim no longer in progress with its token, or the lease ran out before
+// an extension succeeded (the database could not be reached), so another attempt may have
+// taken the key over. The work should stop; its answer is not recorded.
+var ErrLeaseLost = errors.New("dbidem: lease lost")
+
+const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
+
+// Extend moves the lease of the in-progress lease claim with this attempt to lease from now
+// (never earlier), and the key's expiry with it, and returns the lease's new end as the
+// database's clock has it. It returns ErrClaimLost when no lease claim with this attempt is in
+// progress: it was taken over by a later attempt, completed, released, or the key expired and
+// was cleaned up.
+func Extend(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (time.Time, error) {
+	var end time.Time
+	err := q.QueryRow(ctx, extendSQL, principal, key, attempt, interval(lease)).Scan(&end)
+	return end, classify(err)
+}
+
+// ProviderKey is a key to hand to an outside provider (a payment provider's own idempotency
+// key) for the work of (principal, key): the same for every attempt of it, takeovers
+// included, and different for every other principal or key, so one principal's key never
+// collides with another's at the provider. It is 64 hex digits of a SHA-256 over both, not the
+// client's key itself.
+func ProviderKey(principal, key string) string {
+	h := sha256.New()
+	h.Write([]byte("pgidem provider key v1\x00"))
+	h.Write([]byte(principal))
+	h.Write([]byte{0})
+	h.Write([]byte(key))
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// LeaseOptions configure KeepAlive.
+type LeaseOptions struct {
+	// Lease is what each extension asks for: the lease then runs until this long after it.
+	// Required; the claim's Lease as a rule.
+	Lease time.Duration
+	// Interval is the time between extensions. 0: a third of Lease, so that two extensions in
+	// a row may fail before the lease runs out.
+	Interval time.Duration
+	// Timeout bounds the work: the context ends then (cause context.DeadlineExceeded), whether
+	// the lease holds or not. 0: no bound.
+	Timeout time.Duration
+	// OnExtend, if set, is called after each extension that succeeded (for metrics).
+	OnExtend func()
+}
+
+// Lease is the heartbeat of one lease claim. Its context is the work's: it ends when the lease
+// is lost (cause ErrLeaseLost), at LeaseOptions.Timeout, when the parent ends, or at Stop.
+type Lease struct {
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	stop   chan struct{}
+	done   chan struct{}
+	once   sync.Once
+	lost   atomic.Bool
+	beats  atomic.Int64
+}
+
+// KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
+// (or last extended) just now with opts.Lease, and returns it. Every opts.Interval it extends
+// the lease on q (a pool: a connection is held only while the statement runs). An extension
+// that fails for another reason (the database cannot be reached) is tried again at the next
+// beat; the lease counts as lost when it runs out, by this process's clock, without one having
+// succeeded. The work runs on Lease.Context; call Stop when it is done (and its answer
+// recorded, which Complete fences by the same attempt).
+func KeepAlive(parent context.Context, q Querier, principal, key string, attempt int64, opts LeaseOptions) *Lease {
+	interval := opts.Interval
+	if interval <= 0 {
+		interval = opts.Lease / 3
+	}
+	ctx, cancel := context.WithCancelCause(parent)
+	l := &Lease{ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{})}
+	if opts.Timeout > 0 {
+		var stopTimer context.CancelFunc
+		l.ctx, stopTimer = context.WithTimeout(ctx, opts.Timeout)
+		go func() { <-l.done; stopTimer() }()
+	}
+	go l.beat(q, principal, key, attempt, opts.Lease, interval, opts.OnExtend)
+	return l
+}
+
+func (l *Lease) beat(q Querier, principal, key string, attempt int64, lease, interval time.Duration, onExtend func()) {
+	defer close(l.done)
+	end := time.Now().Add(lease) // the claim was made at or before now
+	ticker := time.NewTicker(interval)
+	defer ticker.Stop()
+	expiry := time.NewTimer(lease)
+	defer expiry.Stop()
+	for {
+		select {
+		case <-l.stop:
+			return
+		case <-l.ctx.Done():
+			return
+		case <-expiry.C:
+			l.lose()
+			return
+		case <-ticker.C:
+		}
+		began := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), min(interval, time.Until(end)))
+		_, err := Extend(ctx, q, principal, key, attempt, lease)
+		cancel()
+		switch {
+		case err == nil:
+			end = began.Add(lease) // by this process's clock, never later than the database's end
+			expiry.Reset(time.Until(end))
+			l.beats.Add(1)
+			if onExtend != nil {
+				onExtend()
+			}
+		case errors.Is(err, ErrClaimLost):
+			l.lose()
+			return
+		}
+	}
+}
+
+func (l *Lease) lose() {
+	l.lost.Store(true)
+	l.cancel(ErrLeaseLost)
+}
+
+// Context is the work's context: it carries the parent's values and ends with cause
+// ErrLeaseLost when the lease is lost.
+func (l *Lease) Context() context.Context { return l.ctx }
+
+// Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
+func (l *Lease) Lost() bool { return l.lost.Load() }
+
+// Extensions is how many extensions succeeded.
+func (l *Lease) Extensions() int64 { return l.beats.Load() }
+
+// Stop ends the heartbeat and the context, and waits for the heartbeat to finish. It reports
+// whether the lease was lost. Safe to call more than once.
+func (l *Lease) Stop() (lost bool) {
+	l.once.Do(func() { close(l.stop) })
+	<-l.done
+	l.cancel(context.Canceled)
+	return l.Lost()
+}

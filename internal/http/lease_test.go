@@ -1,0 +1,296 @@
+package idemhttp_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
+	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// provider is a payment provider outside the database: it deduplicates by its own idempotency
+// key (the first call with a key creates a payout and takes as long as the work takes; a
+// later call with the key answers that payout at once) and counts the calls it received.
+type provider struct {
+	mu      sync.Mutex
+	calls   map[string]int
+	payouts map[string]int
+}
+
+func newProvider() *provider { return &provider{calls: map[string]int{}, payouts: map[string]int{}} }
+
+func (p *provider) pay(ctx context.Context, key string, work time.Duration) (int, error) {
+	p.mu.Lock()
+	p.calls[key]++
+	id, known := p.payouts[key]
+	if !known {
+		id = len(p.payouts) + 1
+		p.payouts[key] = id
+	}
+	p.mu.Unlock()
+	if known {
+		return id, nil
+	}
+	select {
+	case <-time.After(work):
+		return id, nil
+	case <-ctx.Done():
+		return 0, context.Cause(ctx)
+	}
+}
+
+func (p *provider) counts() (calls, keys, payouts int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, n := range p.calls {
+		calls += n
+	}
+	return calls, len(p.calls), len(p.payouts)
+}
+
+// payouts is a lease route (a one-second lease) whose handler calls the provider with the
+// claim's provider key, for as long as the body's work_ms says.
+type payouts struct {
+	t    *testing.T
+	srv  *httptest.Server
+	reg  *prometheus.Registry
+	runs atomic.Int32
+	// causes receives, for every handler run that did not finish its work, its context's cause.
+	causes chan error
+	// finished receives, for every handler run that finished its work, its context's error.
+	finished chan error
+}
+
+func servePayouts(t *testing.T, pool *pgxpool.Pool, prov *provider) *payouts {
+	t.Helper()
+	p := &payouts{t: t, reg: prometheus.NewRegistry(), causes: make(chan error, 10), finished: make(chan error, 10)}
+	m, err := idemhttp.New(idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Metrics:   idemhttp.NewPrometheusObserver(p.reg)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := mux.NewRouter()
+	r.Handle("/payouts", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.runs.Add(1)
+		var in struct {
+			WorkMS int `json:"work_ms"`
+		}
+		if !idemhttp.DecodeJSON(w, r, &in) {
+			return
+		}
+		c, _ := idemhttp.ClaimOf(r.Context())
+		id, err := prov.pay(r.Context(), c.ProviderKey, time.Duration(in.WorkMS)*time.Millisecond)
+		if err != nil {
+			p.causes <- context.Cause(r.Context())
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		p.finished <- r.Context().Err()
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"payout":%d,"attempt":%d}`, id, c.Attempt)
+	}))).Methods("POST")
+	p.srv = httptest.NewServer(r)
+	t.Cleanup(p.srv.Close)
+	return p
+}
+
+func (p *payouts) post(ctx context.Context, key string, workMS int) reply {
+	p.t.Helper()
+	status, header, body := pgtest.Send(p.t, ctx, "POST", p.srv.URL+"/payouts", fmt.Sprintf(`{"work_ms":%d}`, workMS),
+		"Idempotency-Key", key, "Content-Type", "application/json")
+	return reply{status, header, body}
+}
+
+// TestLeaseOutlastsTheWork: work that takes three times its lease, with a duplicate every half
+// second the whole time. The heartbeat keeps the lease: every duplicate gets 409 with
+// Retry-After until the work is done, and the recorded answer after; the work and the
+// provider call happen once. (Without the heartbeat, the duplicate after the first second took
+// the key over and paid again.)
+func TestLeaseOutlastsTheWork(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 10)
+	prov := newProvider()
+	p := servePayouts(t, pool, prov)
+	first := make(chan reply, 1)
+	go func() { first <- p.post(context.Background(), "long", 3000) }()
+	var answer reply
+	dups := 0
+wait:
+	for {
+		select {
+		case answer = <-first:
+			break wait
+		case <-time.After(500 * time.Millisecond):
+		}
+		if p.runs.Load() == 0 {
+			continue
+		}
+		dups++
+		r := p.post(context.Background(), "long", 3000)
+		if r.status != http.StatusConflict || r.header.Get("Retry-After") == "" || problemCode(t, r) != idemhttp.CodeInProgress {
+			t.Fatalf("duplicate %d during the work: %+v, want 409 request_in_progress with Retry-After", dups, r)
+		}
+	}
+	if answer.status != http.StatusCreated || dups < 4 {
+		t.Fatalf("the work: %+v after %d duplicates", answer, dups)
+	}
+	again := p.post(context.Background(), "long", 3000)
+	if again.status != http.StatusCreated || again.body != answer.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("after the work: %+v, want the replay of %s", again, answer.body)
+	}
+	if calls, _, payouts := prov.counts(); calls != 1 || payouts != 1 || p.runs.Load() != 1 {
+		t.Fatalf("%d provider calls, %d payouts, %d runs; want one of each", calls, payouts, p.runs.Load())
+	}
+	if n := testutil.ToFloat64(mustCounter(t, p.reg, "idempotency_lease_extensions_total")); n < 6 {
+		t.Fatalf("%v lease extensions in 3 s of a 1 s lease, want about 9", n)
+	}
+}
+
+// TestLeaseWorkOutlivesTheClient: the client goes away while the work runs. The work is not
+// cancelled, its answer is recorded, and the client's retry replays it: one provider call.
+func TestLeaseWorkOutlivesTheClient(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 10)
+	prov := newProvider()
+	p := servePayouts(t, pool, prov)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if r := p.post(ctx, "gone", 1500); r.status != -1 {
+		t.Fatalf("the client that went away got %+v", r)
+	}
+	select {
+	case err := <-p.finished:
+		if err != nil {
+			t.Fatalf("the work's context ended when the client left: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the work never finished")
+	}
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'gone' AND state = 'c'`)
+	r := p.post(context.Background(), "gone", 1500)
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the retry: %+v, want the recorded answer", r)
+	}
+	if calls, _, _ := prov.counts(); calls != 1 || p.runs.Load() != 1 {
+		t.Fatalf("%d provider calls, %d runs; want 1 and 1", calls, p.runs.Load())
+	}
+}
+
+// TestLeaseLostToATakeover: the first attempt's heartbeat cannot reach the database (a stall
+// between its server and PostgreSQL) for longer than the lease. A duplicate at another server
+// takes the key over; the first attempt's context ends with the lease-lost cause, its client
+// gets 409 (not an answer that was never recorded), and the provider sees one key for both
+// attempts and pays once. The client's retry gets the second attempt's answer.
+func TestLeaseLostToATakeover(t *testing.T) {
+	t.Parallel()
+	direct, url := pgtest.NewPool(t, 10)
+	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
+		"postgres-"+t.Name(), "127.0.0.1:0", pgtest.TCPAddr(t))
+	if err := proxy.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Stop()
+	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, url, proxy.Listen))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stalled, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stalled.Close()
+	prov := newProvider()
+	a, b := servePayouts(t, stalled, prov), servePayouts(t, direct, prov)
+
+	first := make(chan reply, 1)
+	go func() { first <- a.post(context.Background(), "taken", 6000) }()
+	pgtest.WaitFor(t, direct, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'taken'`)
+	for a.runs.Load() == 0 {
+		time.Sleep(5 * time.Millisecond)
+	}
+	for _, stream := range []string{"upstream", "downstream"} {
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(
+			`{"name":"stall-` + stream + `","type":"timeout","stream":"` + stream + `","toxicity":1,"attributes":{"timeout":0}}`)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The lease runs out at most a second after its last extension; the duplicate takes over.
+	var second reply
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		second = b.post(context.Background(), "taken", 6000)
+		if second.status != http.StatusConflict || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if second.status != http.StatusCreated {
+		t.Fatalf("the takeover: %+v", second)
+	}
+	select {
+	case cause := <-a.causes:
+		if !errors.Is(cause, idemhttp.ErrLeaseLost) {
+			t.Fatalf("the first attempt's context ended with %v, want ErrLeaseLost", cause)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first attempt's work was not stopped")
+	}
+	for _, stream := range []string{"upstream", "downstream"} {
+		_ = proxy.Toxics.RemoveToxic(context.Background(), "stall-"+stream)
+	}
+	if r := <-first; r.status != http.StatusConflict || problemCode(t, r) != idemhttp.CodeInProgress {
+		t.Fatalf("the first attempt's client got %+v, want 409 request_in_progress", r)
+	}
+	if again := b.post(context.Background(), "taken", 6000); again.status != http.StatusCreated || again.body != second.body {
+		t.Fatalf("the retry: %+v, want the takeover's answer %s", again, second.body)
+	}
+	var ans struct{ Payout int }
+	_ = json.Unmarshal([]byte(second.body), &ans)
+	if calls, keys, payouts := prov.counts(); keys != 1 || payouts != 1 || calls != 2 || ans.Payout != 1 {
+		t.Fatalf("the provider saw %d calls under %d keys and made %d payouts (answer %s); want 2 calls, 1 key, 1 payout",
+			calls, keys, payouts, second.body)
+	}
+	if n := testutil.ToFloat64(mustCounter(t, a.reg, "idempotency_leases_lost_total")); n != 1 {
+		t.Fatalf("leases lost: %v, want 1", n)
+	}
+}
+
+// mustCounter returns the counter family's sum as a collector testutil can read.
+func mustCounter(t *testing.T, reg *prometheus.Registry, name string) prometheus.Collector {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: name})
+	c.Add(sum)
+	return c
+}
