@@ -169,7 +169,7 @@ func TestFaults(t *testing.T) {
 	var ops, replays, retries atomic.Int64
 	ctx, cancel := context.WithTimeout(context.Background(), chaos+40*time.Second)
 	defer cancel()
-	c := client.New("http://"+p.addr, token)
+	c := client.NewLedger("http://"+p.addr, token)
 	c.AttemptTimeout, c.Backoff, c.MaxBackoff = 3*time.Second, 20*time.Millisecond, 300*time.Millisecond
 	var wg sync.WaitGroup
 	for w := range 6 {

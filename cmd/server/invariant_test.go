@@ -32,7 +32,7 @@ func TestMoneyInvariant(t *testing.T) {
 		}
 	}
 
-	c := client.New(s.url, token)
+	c := client.NewLedger(s.url, token)
 	var mu sync.Mutex
 	seen := map[string]string{} // key -> body of a 2xx the client saw
 	var wg sync.WaitGroup
@@ -65,7 +65,7 @@ func TestMoneyInvariant(t *testing.T) {
 					// the same key and a new random timeout.
 					one := *c
 					one.AttemptTimeout, one.MaxAttempts = timeout, 1
-					res, err := one.Do(context.Background(), "POST", path, key, json.RawMessage(body))
+					res, err := one.Send(context.Background(), "POST", path, key, json.RawMessage(body))
 					if err != nil {
 						continue
 					}

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/idem"
 )
 
 // amount reads a positive integer amount in minor units from a JSON number: ok false (a
@@ -94,7 +94,7 @@ func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
 		Name     *string `json:"name"`
 		Currency *string `json:"currency"`
 	}
-	if !idemhttp.DecodeJSON(w, r, &in) {
+	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
 	switch {
@@ -110,7 +110,7 @@ func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
 	}
 	principal, _ := principalOf(r.Context())
 	var a account
-	err := idemhttp.Tx(r.Context()).QueryRow(r.Context(), `INSERT INTO ledger.accounts (principal_id, name, currency)
+	err := idem.TxFrom(r.Context()).QueryRow(r.Context(), `INSERT INTO ledger.accounts (principal_id, name, currency)
 		VALUES ($1, $2, $3) RETURNING id, name, currency, balance, version, created_at`, principal, *in.Name, *in.Currency).
 		Scan(&a.ID, &a.Name, &a.Currency, &a.Balance, &a.Version, &a.CreatedAt)
 	if err != nil {
@@ -122,7 +122,7 @@ func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
 
 // missing answers a body that lacks a required member: it is not the documented object.
 func missing(w http.ResponseWriter, r *http.Request, members string) {
-	idemhttp.Refuse(w, r, idemhttp.CodeMalformedBody, "the body must have the members "+members)
+	idem.Refuse(w, r, idem.CodeMalformedBody, "the body must have the members "+members)
 }
 
 func pathID(r *http.Request, name string) (int64, bool) {
@@ -169,7 +169,7 @@ func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 	var in struct {
 		Amount *jsontext.Value `json:"amount"`
 	}
-	if !idemhttp.DecodeJSON(w, r, &in) {
+	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
 	if !isNumber(in.Amount) {
@@ -183,7 +183,7 @@ func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 	}
 	id, ok := pathID(r, "id")
 	principal, _ := principalOf(ctx)
-	tx := idemhttp.Tx(ctx)
+	tx := idem.TxFrom(ctx)
 	var out deposit
 	err := pgx.ErrNoRows
 	if ok {
@@ -238,7 +238,7 @@ func (s *ledger) getDeposit(w http.ResponseWriter, r *http.Request) {
 // the key as the middleware parsed it, so the audit column and the key row agree ("k1" sent
 // as a quoted sf-string is k1 in both).
 func nullKey(r *http.Request) *string {
-	if c, ok := idemhttp.ClaimOf(r.Context()); ok {
+	if c, ok := idem.ClaimOf(r.Context()); ok {
 		return &c.Key
 	}
 	return nil
@@ -259,7 +259,7 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 		To     *int64          `json:"to"`
 		Amount *jsontext.Value `json:"amount"`
 	}
-	if !idemhttp.DecodeJSON(w, r, &in) {
+	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
 	if in.From == nil || in.To == nil || !isNumber(in.Amount) {
@@ -280,7 +280,7 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	principal, _ := principalOf(ctx)
-	tx := idemhttp.Tx(ctx)
+	tx := idem.TxFrom(ctx)
 	// Lock both accounts in id order, so two opposite transfers cannot deadlock.
 	rows, err := tx.Query(ctx, `SELECT id, currency, balance FROM ledger.accounts
 		WHERE id IN ($1, $2) AND principal_id = $3 ORDER BY id FOR UPDATE`, from, to, principal)
@@ -366,7 +366,7 @@ func (s *ledger) createToken(w http.ResponseWriter, r *http.Request) {
 	var in struct {
 		Name *string `json:"name"`
 	}
-	if !idemhttp.DecodeJSON(w, r, &in) {
+	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
 	if in.Name == nil {
@@ -380,12 +380,12 @@ func (s *ledger) createToken(w http.ResponseWriter, r *http.Request) {
 	principal, _ := principalOf(ctx)
 	token, sum := newToken()
 	var id int64
-	if err := idemhttp.Tx(ctx).QueryRow(ctx, `INSERT INTO ledger.api_tokens (principal_id, name, token_sha256)
+	if err := idem.TxFrom(ctx).QueryRow(ctx, `INSERT INTO ledger.api_tokens (principal_id, name, token_sha256)
 		VALUES ($1, $2, $3) RETURNING id`, principal, *in.Name, sum).Scan(&id); err != nil {
 		s.serverError(w, r, err)
 		return
 	}
-	idemhttp.MarkOneTimeSecret(ctx) // the token is shown once; a repeat gets 409 one_time_secret
-	idemhttp.SetResourceID(ctx, strconv.FormatInt(id, 10))
+	idem.MarkOneTimeSecret(ctx) // the token is shown once; a repeat gets 409 one_time_secret
+	idem.SetResourceID(ctx, strconv.FormatInt(id, 10))
 	writeJSON(w, http.StatusCreated, map[string]any{"id": id, "token": token})
 }

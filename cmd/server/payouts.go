@@ -10,7 +10,7 @@ import (
 	"github.com/gorilla/mux"
 	"github.com/jackc/pgx/v5"
 
-	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/idem"
 )
 
 // Payouts: a lease route (work outside the database). The handler checks the account, calls the
@@ -33,7 +33,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		Account *int64          `json:"account"`
 		Amount  *jsontext.Value `json:"amount"`
 	}
-	if !idemhttp.DecodeJSON(w, r, &in) {
+	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
 	if in.Account == nil || !isNumber(in.Amount) {
@@ -56,7 +56,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		accountNotFound(w, r)
 		return
 	}
-	claim, _ := idemhttp.ClaimOf(ctx)
+	claim, _ := idem.ClaimOf(ctx)
 	ref, err := s.provider.pay(ctx, claim.ProviderKey, amt)
 	if err != nil {
 		// The lease was lost or the work ran out of time: the middleware answers for the

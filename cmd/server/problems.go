@@ -3,10 +3,10 @@ package main
 import (
 	"net/http"
 
-	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/idem"
 )
 
-// problemBase prefixes the ledger's own problem types; idempotency problems use idemhttp's.
+// problemBase prefixes the ledger's own problem types; idempotency problems use idem's.
 const problemBase = "https://github.com/pgidem/pgidem/blob/main/docs/ledger.md#"
 
 // ledgerProblems is the title of every problem code the ledger answers (docs/ledger.md).
@@ -25,9 +25,9 @@ var ledgerProblems = map[string]string{
 	"method_not_allowed": "Method not allowed",
 }
 
-// problem writes one of the ledger's problems, through the one problem writer of idemhttp.
+// problem writes one of the ledger's problems, through the one problem writer of idem.
 func problem(w http.ResponseWriter, r *http.Request, status int, code, detail string) {
-	idemhttp.WriteProblem(w, status, problemBase, code, ledgerProblems[code], detail, requestIDOf(r.Context()))
+	idem.WriteProblem(w, status, problemBase, code, ledgerProblems[code], detail, requestIDOf(r.Context()))
 }
 
 func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {

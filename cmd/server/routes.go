@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/idem"
 )
 
 //go:embed openapi.json
@@ -31,9 +31,9 @@ func (m *Main) routes() (http.Handler, error) {
 
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
-func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
+func (m *Main) router() (*mux.Router, *idem.Middleware, error) {
 	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
-	idem, err := idemhttp.New(idemhttp.Options{
+	idem, err := idem.New(idem.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
 		TTL:                m.Config.TTL,
@@ -43,7 +43,7 @@ func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
 		MaxBodyBytes:       m.Config.MaxBodyBytes,
 		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
 		Logger:             m.log,
-		Metrics:            idemhttp.NewPrometheusObserver(m.registry),
+		Metrics:            idem.NewPrometheusObserver(m.registry),
 	})
 	if err != nil {
 		return nil, nil, err
@@ -92,14 +92,14 @@ func (m *Main) router() (*mux.Router, *idemhttp.Middleware, error) {
 type route struct {
 	method, path string
 	handler      http.HandlerFunc
-	idem         *idemhttp.Route
+	idem         *idem.Route
 }
 
 // ledgerRoutes lists the ledger's routes. /openapi.json describes the same list
 // (TestOpenAPIMatchesRoutes).
 func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
-	keyed := func(action string, required bool) *idemhttp.Route {
-		return &idemhttp.Route{Action: action, Required: required}
+	keyed := func(action string, required bool) *idem.Route {
+		return &idem.Route{Action: action, Required: required}
 	}
 	return []route{
 		{http.MethodPost, "/v1/accounts", s.createAccount, keyed("POST /v1/accounts", false)},
@@ -109,7 +109,7 @@ func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
 		{http.MethodPost, "/v1/transfers", s.createTransfer, keyed("POST /v1/transfers", transfersRequireKey)},
 		{http.MethodGet, "/v1/transfers/{id}", s.getTransfer, nil},
 		{http.MethodPost, "/v1/api-tokens", s.createToken, keyed("POST /v1/api-tokens", false)},
-		{http.MethodPost, "/v1/payouts", s.createPayout, &idemhttp.Route{Action: "POST /v1/payouts", Required: true, Lease: s.payoutLease}},
+		{http.MethodPost, "/v1/payouts", s.createPayout, &idem.Route{Action: "POST /v1/payouts", Required: true, Lease: s.payoutLease}},
 		{http.MethodGet, "/v1/payouts/{id}", s.getPayout, nil},
 		{http.MethodGet, "/v1/provider/calls/{key}", s.providerCalls, nil},
 	}
@@ -162,7 +162,7 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 }
 
 // ledger is the reference API: a deliberately small money API whose handlers write through
-// the transaction of idemhttp's unit of work.
+// the transaction of idem's unit of work.
 type ledger struct {
 	pool *pgxpool.Pool
 	log  interface {

@@ -1,17 +1,20 @@
-// Package client is a small Go client for the reference ledger API that retries safely:
-// the other half of idempotency.
+// Package client is a Go client that retries safely: the other half of idempotency.
 //
-// Every logical operation (a deposit, a transfer) gets one Idempotency-Key, generated
-// before the first attempt and kept across every retry of it. An attempt is retried, with
-// jittered exponential backoff, when its outcome is unknown or temporary: a network error
-// or timeout, a 5xx, 408, 429, or 409 request_in_progress (honouring Retry-After). A final
-// answer (any other 4xx, or a 2xx) ends the operation: retrying it would get the same
-// answer. The context bounds the whole operation, retries included.
+// Client works for any HTTP API that takes an Idempotency-Key. Every logical operation gets
+// one key, generated before the first attempt (or given by the caller) and kept across every
+// retry of it, with the same body. An attempt is retried, with jittered exponential backoff,
+// when its outcome is unknown or temporary: a network error or timeout, a 5xx, 408, 429, or
+// 409 request_in_progress (honouring Retry-After). A final answer (any other 4xx, or a 2xx)
+// ends the operation: retrying it would get the same answer. The context bounds the whole
+// operation, retries included.
 //
-//	c := client.New("http://127.0.0.1:8080", token)
-//	res, err := c.Post(ctx, "/v1/transfers", map[string]any{"from": 1, "to": 2, "amount": 100})
+//	req, _ := http.NewRequest("POST", "https://api.example.com/v1/charges", strings.NewReader(`{"amount":100}`))
+//	req.Header.Set("Content-Type", "application/json")
+//	res, err := (&client.Client{}).Do(ctx, req, "") // "": a new key for this operation
 //	// res.Status is the first execution's answer, res.Replayed tells whether this answer
 //	// was a replay of it (a lost response retried).
+//
+// Ledger is a thin client for the reference ledger API on top of it.
 package client
 
 import (
@@ -29,15 +32,14 @@ import (
 	"time"
 )
 
-// Client sends operations to one server with one bearer token. Its fields may be changed
-// before first use; a Client is safe for concurrent use.
+// Client sends logical operations to any HTTP API that takes an idempotency key, and retries
+// them safely. The zero value is ready to use; its fields may be changed before first use; a
+// Client is safe for concurrent use.
 type Client struct {
-	// BaseURL is the server, for example http://127.0.0.1:8080.
-	BaseURL string
-	// Token is the bearer token.
-	Token string
-	// HTTP sends the requests. Default: a client with keep-alive connections.
+	// HTTP sends the requests. Default http.DefaultClient.
 	HTTP *http.Client
+	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
+	KeyHeader string
 	// AttemptTimeout bounds one attempt (0: none beyond the operation's context). A client
 	// that gives up on an attempt does not know its outcome, and retries with the same key.
 	AttemptTimeout time.Duration
@@ -48,11 +50,6 @@ type Client struct {
 	Backoff time.Duration
 	// MaxBackoff caps the wait between retries, Retry-After included. Default 2s.
 	MaxBackoff time.Duration
-}
-
-// New returns a Client for baseURL with the default settings.
-func New(baseURL, token string) *Client {
-	return &Client{BaseURL: strings.TrimRight(baseURL, "/"), Token: token}
 }
 
 // Result is the answer to an operation.
@@ -95,21 +92,29 @@ func NewKey() string {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
 
-// Post sends one logical operation: a POST of body (JSON-encoded) to path, under a new key.
-func (c *Client) Post(ctx context.Context, path string, body any) (Result, error) {
-	return c.Do(ctx, http.MethodPost, path, NewKey(), body)
-}
-
-// Do sends one logical operation under key (every attempt carries it) and retries it until
-// its answer is final, the context ends or MaxAttempts runs out. body is JSON-encoded; nil
-// sends none. An empty key sends no Idempotency-Key: the retries are then not safe for an
-// operation that is not idempotent by itself, so such a Client should set MaxAttempts 1.
-func (c *Client) Do(ctx context.Context, method, path, key string, body any) (Result, error) {
+// Do sends req as one logical operation under key, and retries it until its answer is final,
+// the context ends or MaxAttempts runs out. Every attempt carries the same key and the same
+// body: req's body is read once (or taken from req.GetBody) and sent again as it was. An empty
+// key means a new one (NewKey) for this operation; Result.Key tells which. The response body
+// is read whole into Result.Body.
+func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
+	if key == "" {
+		key = NewKey()
+	}
 	var payload []byte
-	if body != nil {
+	if req.Body != nil && req.Body != http.NoBody {
+		body := req.Body
+		if req.GetBody != nil {
+			var err error
+			if body, err = req.GetBody(); err != nil {
+				return Result{Key: key}, fmt.Errorf("client: read body: %w", err)
+			}
+		}
 		var err error
-		if payload, err = json.Marshal(body); err != nil {
-			return Result{}, fmt.Errorf("client: encode body: %w", err)
+		payload, err = io.ReadAll(body)
+		body.Close()
+		if err != nil {
+			return Result{Key: key}, fmt.Errorf("client: read body: %w", err)
 		}
 	}
 	backoff := c.Backoff
@@ -123,7 +128,7 @@ func (c *Client) Do(ctx context.Context, method, path, key string, body any) (Re
 	res := Result{Key: key}
 	for attempt := 1; ; attempt++ {
 		res.Attempts = attempt
-		r, err := c.once(ctx, method, path, key, payload)
+		r, err := c.once(ctx, req, key, payload)
 		wait := jitter(backoff << min(attempt-1, 20))
 		switch {
 		case err == nil && !retryable(r):
@@ -152,27 +157,24 @@ func (c *Client) Do(ctx context.Context, method, path, key string, body any) (Re
 	}
 }
 
-func (c *Client) once(ctx context.Context, method, path, key string, payload []byte) (Result, error) {
+func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (Result, error) {
 	if c.AttemptTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.AttemptTimeout)
 		defer cancel()
 	}
-	var body io.Reader
+	req := orig.Clone(ctx)
+	req.Body, req.GetBody, req.ContentLength = http.NoBody, nil, 0
 	if payload != nil {
-		body = bytes.NewReader(payload)
+		req.Body = io.NopCloser(bytes.NewReader(payload))
+		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(payload)), nil }
+		req.ContentLength = int64(len(payload))
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.BaseURL+path, body)
-	if err != nil {
-		return Result{}, err
+	header := c.KeyHeader
+	if header == "" {
+		header = "Idempotency-Key"
 	}
-	req.Header.Set("Authorization", "Bearer "+c.Token)
-	if key != "" {
-		req.Header.Set("Idempotency-Key", key)
-	}
-	if payload != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
+	req.Header.Set(header, key)
 	hc := c.HTTP
 	if hc == nil {
 		hc = http.DefaultClient
@@ -188,6 +190,50 @@ func (c *Client) once(ctx context.Context, method, path, key string, payload []b
 	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b,
 		Replayed: resp.Header.Get("Idempotent-Replayed") == "true"}, nil
+}
+
+// Ledger is a client for the reference ledger API (cmd/server): one server, one bearer token,
+// JSON bodies, on top of Client.
+type Ledger struct {
+	// BaseURL is the server, for example http://127.0.0.1:8080.
+	BaseURL string
+	// Token is the bearer token.
+	Token string
+	// Client retries the operations; its fields set timeouts, attempts and backoff.
+	Client
+}
+
+// NewLedger returns a Ledger for baseURL with the default settings.
+func NewLedger(baseURL, token string) *Ledger {
+	return &Ledger{BaseURL: strings.TrimRight(baseURL, "/"), Token: token}
+}
+
+// Post sends one logical operation: a POST of body (JSON-encoded) to path, under a new key.
+func (l *Ledger) Post(ctx context.Context, path string, body any) (Result, error) {
+	return l.Send(ctx, http.MethodPost, path, NewKey(), body)
+}
+
+// Send sends one logical operation under key (every attempt carries it) and retries it until
+// its answer is final (Client.Do). body is JSON-encoded; nil sends none. An empty key sends a
+// new one.
+func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (Result, error) {
+	var payload io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return Result{}, fmt.Errorf("client: encode body: %w", err)
+		}
+		payload = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, l.BaseURL+path, payload)
+	if err != nil {
+		return Result{}, err
+	}
+	req.Header.Set("Authorization", "Bearer "+l.Token)
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	return l.Client.Do(ctx, req, key)
 }
 
 // retryable tells whether an answer leaves the operation's outcome open: 5xx, 408, 429, or

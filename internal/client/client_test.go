@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -45,10 +47,10 @@ func status(code int, body string, header ...string) func(w http.ResponseWriter)
 // hang never answers in time: the attempt times out, its outcome unknown.
 func hang(w http.ResponseWriter) { time.Sleep(300 * time.Millisecond) }
 
-func newClient(t *testing.T, s *script) *Client {
+func newClient(t *testing.T, s *script) *Ledger {
 	srv := httptest.NewServer(s)
 	t.Cleanup(srv.Close)
-	c := New(srv.URL, "tok")
+	c := NewLedger(srv.URL, "tok")
 	c.Backoff, c.MaxBackoff, c.AttemptTimeout = time.Millisecond, 5*time.Millisecond, 100*time.Millisecond
 	return c
 }
@@ -107,7 +109,7 @@ func TestTheContextBoundsTheOperation(t *testing.T) {
 		t.Fatalf("%v, want the context's error", err)
 	}
 	c.MaxAttempts = 3
-	res, err := c.Do(context.Background(), "POST", "/x", "k", nil)
+	res, err := c.Send(context.Background(), "POST", "/x", "k", nil)
 	if !errors.Is(err, ErrGaveUp) || res.Attempts != 3 || res.Status != 503 {
 		t.Fatalf("%+v %v, want ErrGaveUp after 3 attempts", res, err)
 	}
@@ -138,5 +140,42 @@ func TestNewKeyIsAUUID(t *testing.T) {
 			t.Fatalf("key %q", k)
 		}
 		seen[k] = true
+	}
+}
+
+// TestAnyRequest: the general client sends any request with a body as one operation: the
+// same key (one it made, or the caller's) and the same body bytes on every attempt, other
+// headers kept, and it never changes the body between tries.
+func TestAnyRequest(t *testing.T) {
+	var mu sync.Mutex
+	var bodies, keys []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		bodies, keys = append(bodies, string(b)), append(keys, r.Header.Get("X-Key")+"|"+r.Header.Get("X-Custom"))
+		n := len(bodies)
+		mu.Unlock()
+		if n < 3 {
+			w.WriteHeader(http.StatusBadGateway)
+			return
+		}
+		w.WriteHeader(http.StatusAccepted)
+	}))
+	defer srv.Close()
+	c := &Client{KeyHeader: "X-Key", Backoff: time.Millisecond}
+	req, _ := http.NewRequest("PUT", srv.URL+"/things/1", strings.NewReader("raw \x00 body"))
+	req.Header.Set("X-Custom", "kept")
+	res, err := c.Do(context.Background(), req, "")
+	if err != nil || res.Status != 202 || res.Attempts != 3 || len(res.Key) != 36 {
+		t.Fatalf("%+v %v", res, err)
+	}
+	for i := range bodies {
+		if bodies[i] != "raw \x00 body" || keys[i] != res.Key+"|kept" {
+			t.Fatalf("attempt %d sent %q with %q, want the same body and key every time", i, bodies[i], keys[i])
+		}
+	}
+	req2, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader("b"))
+	if res, err := c.Do(context.Background(), req2, "mine"); err != nil || res.Key != "mine" {
+		t.Fatalf("the caller's key: %+v %v", res, err)
 	}
 }

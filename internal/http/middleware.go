@@ -54,9 +54,13 @@ func New(o Options) (*Middleware, error) {
 func (m *Middleware) Options() Options { return m.o }
 
 // Route returns a middleware for one route with this declaration; it is both a
-// mux.MiddlewareFunc and a plain func(http.Handler) http.Handler.
+// mux.MiddlewareFunc and a plain func(http.Handler) http.Handler, for gorilla/mux, net/http's
+// ServeMux or any router:
 //
 //	r.Handle("/v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers)).Methods("POST")
+//	mux.Handle("POST /v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers))
+//
+// It panics on a declaration that cannot work (a lease under a second).
 func (m *Middleware) Route(rt Route) mux.MiddlewareFunc {
 	rt.check()
 	return func(next http.Handler) http.Handler {
@@ -64,8 +68,8 @@ func (m *Middleware) Route(rt Route) mux.MiddlewareFunc {
 	}
 }
 
-// Declare declares the route with this method and gorilla/mux path template for Handler.
-// Not safe to call once requests are being served.
+// Declare declares the route with this method and path template for Handler. Not safe to
+// call once requests are being served.
 func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
 	rt.check()
 	m.declared[strings.ToUpper(method)+" "+pathTemplate] = rt
@@ -81,10 +85,12 @@ func (m *Middleware) Declared() map[string]Route {
 }
 
 // Handler is a router-wide mux.MiddlewareFunc (r.Use(m.Handler)): requests to routes
-// declared with Declare take part; all others pass through untouched, header or not.
+// declared with Declare take part; all others pass through untouched, header or not. It
+// needs a router that matches the route before it runs its middlewares, as gorilla/mux does;
+// with net/http's ServeMux, which matches as it dispatches, wrap each route with Route.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if rt, ok := m.declared[r.Method+" "+template(r)]; ok {
+		if rt, ok := m.declared[r.Method+" "+m.template(r)]; ok {
 			m.serve(w, r, rt, next)
 			return
 		}
@@ -92,10 +98,32 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 	})
 }
 
-func template(r *http.Request) string {
+// template is the route template of r: Options.RouteTemplate's answer, else gorilla/mux's
+// current route, else the pattern net/http's ServeMux matched (Go 1.22 patterns, without their
+// method and host), else the URL path.
+func (m *Middleware) template(r *http.Request) string {
+	if m.o.RouteTemplate != nil {
+		if t := m.o.RouteTemplate(r); t != "" {
+			return t
+		}
+	}
+	return DefaultRouteTemplate(r)
+}
+
+// DefaultRouteTemplate is the route template of a request when Options.RouteTemplate gives
+// none: the path template of gorilla/mux's current route ("/v1/accounts/{id}/deposits"), else
+// the path of the pattern that net/http's ServeMux matched (Request.Pattern, Go 1.22+, its
+// method and host left out: "POST /v1/accounts/{id}/deposits" gives
+// "/v1/accounts/{id}/deposits"), else the request's URL path.
+func DefaultRouteTemplate(r *http.Request) string {
 	if route := mux.CurrentRoute(r); route != nil {
 		if t, err := route.GetPathTemplate(); err == nil {
 			return t
+		}
+	}
+	if p := r.Pattern; p != "" {
+		if i := strings.IndexByte(p, '/'); i >= 0 {
+			return p[i:]
 		}
 	}
 	return r.URL.Path
@@ -118,7 +146,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	start := time.Now()
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
 	if q.action == "" {
-		q.action = r.Method + " " + template(r)
+		q.action = r.Method + " " + m.template(r)
 	}
 	principal, authenticated := m.o.Principal(r)
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))

@@ -37,6 +37,11 @@ type Options struct {
 	// Idempotency-Key is then ignored). Required. An application that references its own
 	// principals table from idem.idempotency_keys gets 401 for a principal that is not there.
 	Principal func(*http.Request) (string, bool)
+	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),
+	// for a router other than gorilla/mux and net/http's ServeMux, whose templates the
+	// middleware reads itself (DefaultRouteTemplate); "" falls back to that. The template
+	// names a route in its default Action and finds routes declared with Declare.
+	RouteTemplate func(r *http.Request) string
 	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
 	KeyHeader string
 	// ReplayHeader is set to "true" on a replayed response. Default "Idempotent-Replayed".
@@ -93,8 +98,8 @@ type Options struct {
 // transactional route whose action is the request's method and route path template.
 type Route struct {
 	// Action names what the route does, for example "POST /v1/transfers". A different
-	// action under the same key is a mismatch. Default: the method and the gorilla/mux
-	// path template (or the URL path outside gorilla/mux).
+	// action under the same key is a mismatch. Default: the method and the route template
+	// (gorilla/mux's, ServeMux's pattern, or Options.RouteTemplate's; else the URL path).
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing.
 	Required bool

@@ -1,0 +1,203 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// exampleDB is a database for an example (the tests' own PostgreSQL), and a pool on it.
+func exampleDB() (*pgxpool.Pool, func()) {
+	pool, err := pgxpool.New(context.Background(), pgtest.ExampleDB())
+	if err != nil {
+		log.Fatal(err)
+	}
+	return pool, pool.Close
+}
+
+// send POSTs body under key and prints the status, whether it was a replay, and the body.
+func send(url, key, body string) {
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set("X-User", "alice")
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, _ := io.ReadAll(res.Body)
+	fmt.Println(res.StatusCode, res.Header.Get("Idempotent-Replayed") == "true", strings.TrimSpace(string(b)))
+}
+
+// The wiring: the SQL API installed at start, the middleware on a ServeMux route, a handler
+// that writes through the request's transaction. The retry gets the first answer.
+func Example() {
+	ctx := context.Background()
+	pool, done := exampleDB()
+	defer done()
+
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, conn.Conn(), idem.MigrateOptions{}); err != nil { // schema idem
+		log.Fatal(err)
+	}
+	conn.Release()
+	if _, err := pool.Exec(ctx, `CREATE TABLE orders (id serial PRIMARY KEY, sku text NOT NULL)`); err != nil {
+		log.Fatal(err)
+	}
+
+	m, err := idem.New(idem.Options{
+		DB:        pool,
+		Principal: func(r *http.Request) (string, bool) { return r.Header.Get("X-User"), r.Header.Get("X-User") != "" },
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	createOrder := func(w http.ResponseWriter, r *http.Request) {
+		var o struct {
+			SKU string `json:"sku"`
+		}
+		if !idem.DecodeJSON(w, r, &o) {
+			return
+		}
+		var id int
+		if err := idem.TxFrom(r.Context()).QueryRow(r.Context(),
+			`INSERT INTO orders (sku) VALUES ($1) RETURNING id`, o.SKU).Scan(&id); err != nil {
+			http.Error(w, "try again", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"id":%d,"sku":%q}`, id, o.SKU)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", m.Route(idem.Route{Required: true})(http.HandlerFunc(createOrder)))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	send(srv.URL+"/orders", "order-1", `{"sku":"a1"}`)
+	send(srv.URL+"/orders", "order-1", `{"sku":"a1"}`) // the client retries
+	send(srv.URL+"/orders", "order-1", `{"sku":"b2"}`) // another order under the same key
+	// Output:
+	// 201 false {"id":1,"sku":"a1"}
+	// 201 true {"id":1,"sku":"a1"}
+	// 422 false {"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#idempotency_key_reuse","title":"Idempotency key reused for another request","status":422,"detail":"this Idempotency-Key was used for another request","code":"idempotency_key_reuse","changed_fields":["sku"]}
+}
+
+// A route whose meaning is narrower than its body: the client's trace id is not part of the
+// request, so the fingerprint leaves it out, and a retry with a new trace id replays.
+func ExampleRoute_fingerprint() {
+	pool, done := exampleDB()
+	defer done()
+	m, err := idem.New(idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	if err != nil {
+		log.Fatal(err)
+	}
+	withoutTrace := func(r *http.Request, body []byte) idem.Fingerprint {
+		var v map[string]any
+		if json.Unmarshal(body, &v) == nil {
+			delete(v, "trace")
+			body, _ = json.Marshal(v)
+		}
+		return idem.ComputeFingerprint(r.Method, r.URL.EscapedPath(), body)
+	}
+	var runs int
+	mux := http.NewServeMux()
+	mux.Handle("POST /notes", m.Route(idem.Route{Fingerprint: withoutTrace})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"run":%d}`, runs)
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	send(srv.URL+"/notes", "n1", `{"text":"hi","trace":"t-1"}`)
+	send(srv.URL+"/notes", "n1", `{"text":"hi","trace":"t-2"}`)
+	// Output:
+	// 201 false {"run":1}
+	// 201 true {"run":1}
+}
+
+// A lease route for work outside the database: the provider deduplicates by the claim's
+// provider key, which every attempt of the request shares. The lease is extended while the
+// work runs; a repeat meanwhile gets 409, and after it the recorded answer.
+func ExampleRoute_lease() {
+	pool, done := exampleDB()
+	defer done()
+	m, err := idem.New(idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	if err != nil {
+		log.Fatal(err)
+	}
+	var mu sync.Mutex
+	calls := map[string]int{} // the provider's calls, by its idempotency key
+	pay := func(ctx context.Context, key string) string {
+		mu.Lock()
+		calls[key]++
+		mu.Unlock()
+		time.Sleep(2500 * time.Millisecond) // longer than the lease: the heartbeat keeps it
+		return "po_1"
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /payouts", m.Route(idem.Route{Lease: time.Second, Required: true})(http.HandlerFunc(
+		func(w http.ResponseWriter, r *http.Request) {
+			claim, _ := idem.ClaimOf(r.Context())
+			ref := pay(r.Context(), claim.ProviderKey)
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprintf(w, `{"payout":%q}`, ref)
+		})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	go send(srv.URL+"/payouts", "p1", `{"amount":700}`)
+	time.Sleep(1300 * time.Millisecond)              // past the first lease's end
+	send(srv.URL+"/payouts", "p1", `{"amount":700}`) // still running: 409 with Retry-After
+	time.Sleep(2 * time.Second)
+	send(srv.URL+"/payouts", "p1", `{"amount":700}`) // done: the recorded answer
+	mu.Lock()
+	fmt.Println("provider calls:", len(calls), calls[idem.ProviderKey("alice", "p1")])
+	mu.Unlock()
+	// Output:
+	// 409 false {"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#request_in_progress","title":"A request with this idempotency key is in progress","status":409,"detail":"a request with this Idempotency-Key is still running; retry later with the same key","code":"request_in_progress"}
+	// 201 false {"payout":"po_1"}
+	// 201 true {"payout":"po_1"}
+	// provider calls: 1 1
+}
+
+// Work that is not HTTP: a queue consumer runs a job at most once per message id, in the same
+// transaction as the key's claim; a redelivery gets the stored result.
+func ExampleDo() {
+	ctx := context.Background()
+	pool, done := exampleDB()
+	defer done()
+	if _, err := pool.Exec(ctx, `CREATE TABLE emails (id serial PRIMARY KEY, address text)`); err != nil {
+		log.Fatal(err)
+	}
+	job := idem.Job{Principal: "mailer", Key: "msg-42", Action: "send welcome", Input: map[string]string{"to": "a@example.com"}}
+	for range 2 { // the message is delivered twice
+		id, replayed, err := idem.Do(ctx, pool, job, idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+			var id int
+			err := tx.QueryRow(ctx, `INSERT INTO emails (address) VALUES ('a@example.com') RETURNING id`).Scan(&id)
+			return id, err
+		})
+		fmt.Println(id, replayed, err)
+	}
+	// Output:
+	// 1 false <nil>
+	// 1 true <nil>
+}
