@@ -25,6 +25,10 @@ var functionFiles embed.FS
 // DefaultAppRole is the NOLOGIN role that is granted EXECUTE on the API functions.
 const DefaultAppRole = "idem_app"
 
+// DefaultOperatorRole is the NOLOGIN role of operators: the API's summary, one key's story
+// with its body, and the release of a stuck lease claim.
+const DefaultOperatorRole = "idem_operator"
+
 // VersionTable is the tern version table of the idem migrations.
 const VersionTable = "idem.schema_version"
 
@@ -34,6 +38,10 @@ type Options struct {
 	// Default DefaultAppRole. It must be a lower-case SQL identifier (a-z, 0-9, _; at most
 	// 63 bytes); it is created NOLOGIN when it does not exist.
 	AppRole string
+	// OperatorRole is the role granted the operators' functions (idem_summary, idem_health,
+	// idem_key with bodies, idem_release_stuck). Default DefaultOperatorRole; the same rules as
+	// AppRole, and another name.
+	OperatorRole string
 }
 
 var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
@@ -75,14 +83,10 @@ const TernLock int64 = 9628173550095224
 // to retry instead of writing keys into a table that is being replaced; docs/operations.md
 // ("Upgrades") says how long that lasts.
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
-	role := opts.AppRole
-	if role == "" {
-		role = DefaultAppRole
+	data, err := TemplateData(opts)
+	if err != nil {
+		return err
 	}
-	if !roleName.MatchString(role) {
-		return fmt.Errorf("idem migrate: app role %q is not a lower-case SQL identifier", role)
-	}
-	data := TemplateData(role)
 	code, err := migrate.LoadCodePackage(Functions())
 	if err != nil {
 		return fmt.Errorf("idem migrate: load functions: %w", err)
@@ -140,9 +144,24 @@ var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)
 // in one transaction.
 func DisablesTx(m *migrate.Migration) bool { return disableTx.MatchString(m.UpSQL) }
 
-// TemplateData is the data the migrations and the functions are rendered with: the
-// application role's name (app_role) and the schema version the functions belong to
+// TemplateData is the data the migrations and the functions are rendered with: the roles'
+// names (app_role, operator_role) and the schema version the functions belong to
 // (schema_version, which idem.idem_version() reports).
-func TemplateData(appRole string) map[string]any {
-	return map[string]any{"app_role": appRole, "schema_version": Version()}
+func TemplateData(opts Options) (map[string]any, error) {
+	app, operator := opts.AppRole, opts.OperatorRole
+	if app == "" {
+		app = DefaultAppRole
+	}
+	if operator == "" {
+		operator = DefaultOperatorRole
+	}
+	for _, role := range []string{app, operator} {
+		if !roleName.MatchString(role) {
+			return nil, fmt.Errorf("idem migrate: role %q is not a lower-case SQL identifier", role)
+		}
+	}
+	if app == operator {
+		return nil, fmt.Errorf("idem migrate: the application and operator roles must differ, both are %q", app)
+	}
+	return map[string]any{"app_role": app, "operator_role": operator, "schema_version": Version()}, nil
 }

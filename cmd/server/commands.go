@@ -79,6 +79,8 @@ func (m *Main) Run(ctx context.Context) error {
 			fmt.Fprintf(m.stdout, "deleted %d expired keys\n", n)
 		}
 		return err
+	case "keys":
+		return keysCommand(ctx, m.pool, m.stdout, m.Args)
 	case "principal":
 		id, token, err := createPrincipal(ctx, m.pool, m.Args[1])
 		if err != nil {
@@ -303,7 +305,8 @@ func countMigrations(fsys fs.FS) int {
 
 func (m *Main) serve(ctx context.Context) error {
 	m.registry = prometheus.NewRegistry()
-	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		newKeyGauges(m.pool, m.log))
 	handler, err := m.routes()
 	if err != nil {
 		return err

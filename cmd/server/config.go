@@ -93,6 +93,10 @@ commands:
   migrate                  install or upgrade the idem SQL API and the ledger, then exit
   cleanup                  delete expired idempotency keys (one full pass), then exit
   principal create NAME    create a principal; prints its id and a bearer token once
+  keys [by-principal]      print the summary of the idempotency keys (idem_summary): by state, backlog, oldest claim
+  keys PRINCIPAL KEY       print one key's story (idem_key): state, times, token, stored status; never its body
+  keys release PRINCIPAL KEY TOKEN [REASON]
+                           release a stuck lease claim (idem_release_stuck; the operator role only)
   version                  print the version
   help                     print this text (also -h, --help)
 
@@ -133,6 +137,10 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	case "serve", "migrate", "cleanup", "version":
 		if len(m.Args) > 0 {
 			return fmt.Errorf("%s takes no arguments\n\n%s", m.Command, usage)
+		}
+	case "keys":
+		if n := len(m.Args); n == 3 || (n == 1 && m.Args[0] != "by-principal") || (n >= 4 && m.Args[0] != "release") {
+			return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
 		}
 	case "principal":
 		if len(m.Args) != 2 || m.Args[0] != "create" {

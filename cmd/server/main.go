@@ -6,6 +6,7 @@
 //	server migrate                 apply the migrations and install the SQL API, then exit
 //	server cleanup                 delete expired idempotency keys (one full pass), then exit
 //	server principal create NAME   create a principal; print its id and a bearer token once
+//	server keys [...]              the keys' summary, one key's story, a stuck lease's release
 //	server version                 print the version
 //
 // Without DATABASE_URL the server creates, starts and reuses a private PostgreSQL cluster

@@ -461,7 +461,9 @@ func TestHalfInstalledIsRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.Data = idemsql.TemplateData(idemsql.DefaultAppRole)
+	if m.Data, err = idemsql.TemplateData(idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
 	if err := m.LoadMigrations(idemsql.Migrations()); err != nil {
 		t.Fatal(err)
 	}

@@ -33,6 +33,7 @@ DECLARE
     v_now     timestamptz;
     v_expires timestamptz;
     v_lease   timestamptz;
+    v_claimed timestamptz;
     v_guard   boolean;
     v_action  bigint;
     v_fields  bytea;
@@ -80,6 +81,7 @@ BEGIN
     -- keeps the key the TTL after the answer (answer_expires_at).
     v_now := statement_timestamp();
     v_lease := v_now + p_lease;
+    v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
     v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
@@ -92,10 +94,10 @@ BEGIN
         IF v_lock IS NOT TRUE THEN
             INSERT INTO idem.idempotency_keys AS k
                 (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
-                 principal_id, key, request_sha256, request_fields)
+                 principal_id, key, request_sha256, request_fields, claimed_at)
             VALUES
                 (v_expires, v_token, v_action, v_lease, 'p', v_guard,
-                 p_principal, p_key, p_request_sha256, v_fields)
+                 p_principal, p_key, p_request_sha256, v_fields, v_claimed)
             ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
@@ -127,12 +129,13 @@ BEGIN
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
                 v_lease := v_now + p_lease;
+                v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
                        request_fields = v_fields, response_status = NULL, response_headers = NULL,
-                       response_body = NULL, resource_id = NULL, withheld = NULL
+                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
@@ -187,7 +190,7 @@ BEGIN
             v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, {{ template "default_ttl" }}));
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
-                   expires_at = v_expires
+                   expires_at = v_expires, claimed_at = v_now
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';

@@ -30,6 +30,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
 {{ template "idem_version.sql" . }}
+{{ template "idem_operators.sql" . }}
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
@@ -39,3 +40,9 @@ GRANT EXECUTE ON FUNCTION
     idem.idem_cleanup, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
+-- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
+-- bodies and the lever for operators (docs/operations.md, "Operators").
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO "{{.app_role}}";
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
+    idem.idem_release_stuck
+TO "{{.operator_role}}";

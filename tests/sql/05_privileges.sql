@@ -1,7 +1,7 @@
 -- idem_app may call the API and nothing else; PUBLIC may call nothing; no role but the
 -- owner may touch the key table, so the functions are its only writers.
 BEGIN;
-SELECT plan(24);
+SELECT plan(27);
 
 CREATE ROLE idem_test_stranger NOLOGIN;
 
@@ -13,6 +13,9 @@ SELECT ok(has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may execut
     'idem.idem_release(text,text,bigint)',
     'idem.idem_extend(text,text,bigint,interval)',
     'idem.idem_version()',
+    'idem.idem_summary(boolean)',
+    'idem.idem_health()',
+    'idem.idem_key(text,text)',
     'idem.idem_cleanup(integer)',
     'idem.idem_cleanup_all(integer,bigint)',
     'idem.idem_defaults()']) AS f;

@@ -75,7 +75,10 @@ func moduleRoot() (string, error) {
 
 // Render returns the text of sql/idem.sql.
 func Render() (string, error) {
-	data := idemsql.TemplateData(idemsql.DefaultAppRole)
+	data, err := idemsql.TemplateData(idemsql.Options{})
+	if err != nil {
+		return "", err
+	}
 	m, err := migrate.NewMigrator(context.Background(), nil, idemsql.VersionTable) // nil: render only
 	if err != nil {
 		return "", err

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// runCommand runs `server ARGS...` against db and returns what it printed.
+func runCommand(t *testing.T, db string, args ...string) (string, error) {
+	t.Helper()
+	var out bytes.Buffer
+	m := NewMain(&out, io.Discard)
+	if err := m.ParseFlags(args, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	err := m.Run(context.Background())
+	_ = m.Close()
+	return out.String(), err
+}
+
+// TestStuckLeaseIsSeenAndReleased: a payout's server process is killed mid-work, so its lease
+// claim stays in progress with nobody to finish it; the client's retries get 409 until the
+// lease runs out. It shows in `server keys`, in one key's story and in the gauges of another
+// server; the operator releases it with the token the story gave, and the client's retry runs
+// the payout. A completed key cannot be released.
+func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
+	principal, token := s.principal("ops")
+	account := int(s.call("POST", "/v1/accounts", token, "", `{"name":"main","currency":"EUR"}`).json(t)["id"].(float64))
+	body := fmt.Sprintf(`{"account":%d,"amount":900}`, account)
+
+	port, err := pgcluster.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dying := &process{t: t, bin: serverBinary(t), addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
+		"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
+		"PAYOUTS_LEASE=1m", "PAYOUT_PROVIDER_DELAY=1h")}
+	dying.start()
+	go pgtest.Send(t, context.Background(), "POST", "http://"+dying.addr+"/v1/payouts", body,
+		"Authorization", "Bearer "+token, "Idempotency-Key", "stuck-1", "Content-Type", "application/json")
+	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'stuck-1'`)
+	dying.kill()
+
+	if r := s.call("POST", "/v1/payouts", token, "stuck-1", body); r.status != 409 {
+		t.Fatalf("a retry while the dead process's lease runs: %+v, want 409", r)
+	}
+	summary, err := runCommand(t, s.db, "keys")
+	if err != nil || !regexp.MustCompile(`\(all\)\s+\d+\s+1\s`).MatchString(summary) {
+		t.Fatalf("server keys: %v\n%s", err, summary)
+	}
+	story, err := runCommand(t, s.db, "keys", principal, "stuck-1")
+	if err != nil || !strings.Contains(story, "state              in_progress") || strings.Contains(story, "claimed_at         -") {
+		t.Fatalf("server keys %s stuck-1: %v\n%s", principal, err, story)
+	}
+	m := regexp.MustCompile(`(?m)^attempt\s+(\d+)$`).FindStringSubmatch(story)
+	if m == nil {
+		t.Fatalf("no token in the story:\n%s", story)
+	}
+	attempt, _ := strconv.ParseInt(m[1], 10, 64)
+
+	// The gauges of a running server (s) see it: one claim in progress, of some age.
+	time.Sleep(1100 * time.Millisecond)
+	metrics := s.call("GET", "/metrics", "", "", "").body
+	if !strings.Contains(metrics, "idempotency_keys_in_progress 1") || strings.Contains(metrics, "idempotency_oldest_in_progress_seconds 0\n") {
+		t.Fatalf("the gauges do not show the stuck claim:\n%s", grepLines(metrics, "idempotency_"))
+	}
+
+	if out, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", strconv.FormatInt(attempt+1000000, 10), "wrong token"); err == nil {
+		t.Fatalf("a release with another token: %s", out)
+	}
+	if out, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", m[1], "process", "killed"); err != nil {
+		t.Fatalf("the release: %v %s", err, out)
+	}
+	r := s.call("POST", "/v1/payouts", token, "stuck-1", body)
+	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("the client's retry after the release: %+v, want the payout made", r)
+	}
+	story, _ = runCommand(t, s.db, "keys", principal, "stuck-1")
+	m2 := regexp.MustCompile(`(?m)^attempt\s+(\d+)$`).FindStringSubmatch(story)
+	if _, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", m2[1]); err == nil || !strings.Contains(err.Error(), "completed") {
+		t.Fatalf("releasing a completed key: %v, want a refusal that says it is completed", err)
+	}
+}
+
+func grepLines(s, prefix string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.HasPrefix(l, prefix) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}

@@ -1,0 +1,156 @@
+package dbidem
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The operators' view of the keys (idem_summary, idem_health, idem_key) and their lever
+// (idem_release_stuck). docs/operations.md ("Operators") says who may call which.
+
+// Health is the cheap part of the keys' summary (idem.idem_health), for monitoring.
+type Health struct {
+	// InProgress is how many (lease) claims are in progress; LeasesRunOut how many of them
+	// have a lease that ran out (their work is dead, or a retry will take them over).
+	InProgress, LeasesRunOut int64
+	// OldestInProgress is when the oldest claim in progress was made (zero when none), and
+	// OldestAge its age.
+	OldestInProgress time.Time
+	OldestAge        time.Duration
+	// CleanupBacklog is how many expired keys wait for cleanup (counted up to a million).
+	CleanupBacklog int64
+	// TableBytes is the key table's size, indexes and TOAST included; EstimatedKeys its rows
+	// as the planner estimates them.
+	TableBytes, EstimatedKeys int64
+}
+
+// ReadHealth reads idem.idem_health().
+func ReadHealth(ctx context.Context, q Querier) (Health, error) {
+	var h Health
+	var oldest *time.Time
+	var age *float64
+	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, oldest_in_progress_at,
+		extract(epoch FROM oldest_in_progress_age)::float8, cleanup_backlog, table_bytes, estimated_keys
+		FROM idem.idem_health()`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys)
+	if err != nil {
+		return Health{}, classify(err)
+	}
+	if oldest != nil {
+		h.OldestInProgress = *oldest
+	}
+	if age != nil {
+		h.OldestAge = time.Duration(*age * float64(time.Second))
+	}
+	return h, nil
+}
+
+// Summary is one row of idem.idem_summary(): the keys of one principal, or of all.
+type Summary struct {
+	// Principal is the row's principal ("" for all).
+	Principal string
+	// Keys by state: all of them, in progress, completed, released; Expired are waiting for
+	// cleanup, LeasesRunOut are in progress with a lease that ran out.
+	Keys, InProgress, Completed, Released, Expired, LeasesRunOut int64
+	// OldestInProgress is when the oldest claim in progress was made (zero when none).
+	OldestInProgress time.Time
+	// TableBytes is the key table's size (the row for all principals only).
+	TableBytes int64
+}
+
+// ReadSummary reads idem.idem_summary(): one row for all keys, or one per principal. It reads
+// the whole table.
+func ReadSummary(ctx context.Context, q interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}, byPrincipal bool) ([]Summary, error) {
+	rows, err := q.Query(ctx, `SELECT coalesce(principal_id, ''), keys, in_progress, completed, released, expired,
+		leases_run_out, oldest_in_progress_at, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`, byPrincipal)
+	if err != nil {
+		return nil, classify(err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
+		var s Summary
+		var oldest *time.Time
+		err := r.Scan(&s.Principal, &s.Keys, &s.InProgress, &s.Completed, &s.Released, &s.Expired, &s.LeasesRunOut, &oldest, &s.TableBytes)
+		if oldest != nil {
+			s.OldestInProgress = *oldest
+		}
+		return s, err
+	})
+	return out, classify(err)
+}
+
+// KeyStory is one key's story (idem.idem_key): never its body.
+type KeyStory struct {
+	// State is in_progress, completed or released; Expired tells whether it waits for
+	// cleanup.
+	State   string
+	Expired bool
+	// ClaimedAt is when a lease claim was made (zero for a transactional claim).
+	ClaimedAt time.Time
+	// ExpiresAt is the claim's expiry; KeptUntil, for a completed key, until when its answer
+	// is kept; LeaseExpiresAt, for a claim in progress, its lease's end.
+	ExpiresAt, KeptUntil, LeaseExpiresAt time.Time
+	// Attempt is the key's fencing token (the one idem_release_stuck takes).
+	Attempt int64
+	// ActionHash is the hash of the action the key was claimed for.
+	ActionHash int64
+	// FieldNames are the names of the request's stored top-level fields, sorted.
+	FieldNames []string
+	// Status, Header, ResourceID and Withheld are the stored answer's; BodyBytes its body's
+	// size (0 when none).
+	Status     int
+	Header     map[string]string
+	ResourceID string
+	Withheld   string
+	BodyBytes  int
+}
+
+// ReadKey reads one key's story; false when the key does not exist.
+func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, bool, error) {
+	var k KeyStory
+	var claimed, kept, lease *time.Time
+	var status, body *int32
+	var resource, withheld *string
+	err := q.QueryRow(ctx, `SELECT state, expired, claimed_at, expires_at, kept_until, lease_expires_at, attempt,
+		action_hash, field_names, response_status, response_headers, resource_id, withheld, body_bytes
+		FROM idem.idem_key($1, $2)`, principal, key).Scan(&k.State, &k.Expired, &claimed, &k.ExpiresAt, &kept, &lease,
+		&k.Attempt, &k.ActionHash, &k.FieldNames, &status, &k.Header, &resource, &withheld, &body)
+	switch {
+	case err == pgx.ErrNoRows:
+		return KeyStory{}, false, nil
+	case err != nil:
+		return KeyStory{}, false, classify(err)
+	}
+	for _, p := range []struct {
+		src *time.Time
+		dst *time.Time
+	}{{claimed, &k.ClaimedAt}, {kept, &k.KeptUntil}, {lease, &k.LeaseExpiresAt}} {
+		if p.src != nil {
+			*p.dst = *p.src
+		}
+	}
+	if status != nil {
+		k.Status = int(*status)
+	}
+	if body != nil {
+		k.BodyBytes = int(*body)
+	}
+	if resource != nil {
+		k.ResourceID = *resource
+	}
+	if withheld != nil {
+		k.Withheld = *withheld
+	}
+	return k, true, nil
+}
+
+// ReleaseStuck releases the in-progress lease claim of (principal, key) with this token, whose
+// work is known to be dead, so that the client's retry runs again; reason goes into the
+// database's NOTICE. ErrClaimLost when there is no such claim (completed, released, taken
+// over, absent). Only the operator role may (42501 otherwise).
+func ReleaseStuck(ctx context.Context, q Querier, principal, key string, attempt int64, reason string) error {
+	_, err := q.Exec(ctx, `SELECT idem.idem_release_stuck($1, $2, $3, $4)`, principal, key, attempt, nullable(reason))
+	return classify(err)
+}

@@ -1,0 +1,240 @@
+-- The operators' functions: a view of the keys, and one safe lever. Only idem_key_body returns
+-- a stored body, and only the operator role may call it; nothing releases what a claim's
+-- current holder holds without its token.
+
+-- idem_summary: the keys by state, the claims in progress (lease claims: a transactional
+-- claim is seen only once completed) and the oldest of them, the leases that ran out (their
+-- work is dead, or a retry will take them over), the expired keys not cleaned up yet (the
+-- cleanup backlog) and the table's size; per principal on request. Exact: it reads the whole
+-- table (seconds on tens of millions of keys); a monitor calls idem_health instead.
+CREATE OR REPLACE FUNCTION idem.idem_summary(
+    p_by_principal boolean DEFAULT false,
+    OUT principal_id           text,
+    OUT keys                   bigint,
+    OUT in_progress            bigint,
+    OUT completed              bigint,
+    OUT released               bigint,
+    OUT expired                bigint,
+    OUT leases_run_out         bigint,
+    OUT oldest_in_progress_at  timestamptz,
+    OUT oldest_in_progress_age interval,
+    OUT table_bytes            bigint)
+RETURNS SETOF record
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now   timestamptz := clock_timestamp();
+    v_bytes bigint;
+BEGIN
+    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint INTO v_bytes FROM unnest(idem.key_relations()) AS r;
+    RETURN QUERY
+    SELECT CASE WHEN p_by_principal THEN k.principal_id END,
+           count(*),
+           count(*) FILTER (WHERE k.state = 'p'),
+           count(*) FILTER (WHERE k.state = 'c'),
+           count(*) FILTER (WHERE k.state = 'r'),
+           count(*) FILTER (WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)),
+           count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= v_now),
+           min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+           v_now - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+           CASE WHEN NOT p_by_principal THEN v_bytes END
+      FROM idem.idempotency_keys AS k
+     GROUP BY 1
+     ORDER BY 1;
+    IF NOT FOUND AND NOT p_by_principal THEN
+        principal_id := NULL;
+        keys := 0; in_progress := 0; completed := 0; released := 0; expired := 0; leases_run_out := 0;
+        table_bytes := v_bytes;
+        RETURN NEXT;
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_summary(boolean) IS
+    'The keys by state, the claims in progress and the oldest, the leases that ran out, the cleanup backlog and the table''s size; per principal on request. Reads the whole table. See docs/sql-api.md.';
+
+-- idem_health: the cheap part of the summary, for a monitor that asks every few seconds: the
+-- claims in progress, the oldest of them and the leases that ran out (through the index on
+-- claimed_at, which holds lease claims only), the cleanup backlog (through the index on
+-- expires_at, counted up to a million), the table's size and its estimated keys.
+CREATE OR REPLACE FUNCTION idem.idem_health(
+    OUT in_progress            bigint,
+    OUT leases_run_out         bigint,
+    OUT oldest_in_progress_at  timestamptz,
+    OUT oldest_in_progress_age interval,
+    OUT cleanup_backlog        bigint,
+    OUT table_bytes            bigint,
+    OUT estimated_keys         bigint)
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= v_now), min(k.claimed_at)
+      INTO in_progress, leases_run_out, oldest_in_progress_at
+      FROM idem.idempotency_keys AS k
+     WHERE k.claimed_at IS NOT NULL AND k.state = 'p';
+    oldest_in_progress_age := v_now - oldest_in_progress_at;
+    SELECT count(*) INTO cleanup_backlog
+      FROM (SELECT FROM idem.idempotency_keys AS k
+             WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+             LIMIT 1000000) AS backlog;
+    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint, coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
+      INTO table_bytes, estimated_keys
+      FROM unnest(idem.key_relations()) AS r
+      JOIN pg_catalog.pg_class AS c ON c.oid = r;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_health() IS
+    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys. See docs/sql-api.md.';
+
+-- idem_key: one key's story: its state (and whether it expired), when its claim was made (a
+-- lease claim), when it expires, until when its answer is kept, its lease's end, its fencing
+-- token, its action's hash, the names of the request's stored fields, the stored status,
+-- headers and resource id, the body's size, and why a body is withheld. Never the body: that
+-- is idem_key_body, for operators. No row when the key is absent.
+CREATE OR REPLACE FUNCTION idem.idem_key(
+    p_principal text,
+    p_key       text,
+    OUT state            text,
+    OUT expired          boolean,
+    OUT claimed_at       timestamptz,
+    OUT expires_at       timestamptz,
+    OUT kept_until       timestamptz,
+    OUT lease_expires_at timestamptz,
+    OUT attempt          bigint,
+    OUT action_hash      bigint,
+    OUT field_names      text[],
+    OUT response_status  integer,
+    OUT response_headers jsonb,
+    OUT resource_id      text,
+    OUT withheld         text,
+    OUT body_bytes       integer)
+RETURNS SETOF record
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_problem text;
+    v_now     timestamptz := clock_timestamp();
+    v_row     idem.idempotency_keys%ROWTYPE;
+    v_names   text[] := '{}'::text[];
+    v_pos     integer := 1;
+    v_nul     integer;
+BEGIN
+    v_problem := CASE
+{{ template "include/check_key.sql" . }}
+    END;
+{{ template "include/raise.sql" "idem_key" }}
+    SELECT * INTO v_row FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    state := CASE v_row.state WHEN 'p' THEN 'in_progress' WHEN 'c' THEN 'completed' ELSE 'released' END;
+    expired := v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now);
+    claimed_at := v_row.claimed_at;
+    expires_at := v_row.expires_at;
+    kept_until := CASE WHEN v_row.state = 'c' THEN greatest(v_row.expires_at, v_row.lease_expires_at) END;
+    lease_expires_at := CASE WHEN v_row.state = 'p' THEN v_row.lease_expires_at END;
+    attempt := v_row.attempt;
+    action_hash := v_row.action_hash;
+    WHILE v_pos <= coalesce(octet_length(v_row.request_fields), 0) LOOP
+        v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+        EXIT WHEN v_nul = 0;
+        v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
+        v_pos := v_pos + v_nul + 8;
+    END LOOP;
+    field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n);
+    response_status := v_row.response_status::integer;
+    response_headers := v_row.response_headers;
+    resource_id := v_row.resource_id;
+    withheld := v_row.withheld;
+    body_bytes := octet_length(v_row.response_body);
+    RETURN NEXT;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_key(text, text) IS
+    'One key''s story: state, times, lease, token, action hash, field names, stored status, headers and body size; never the body (idem_key_body). See docs/sql-api.md.';
+
+-- idem_key_body: one key's stored body, byte for byte, for operators only (the application
+-- role has no EXECUTE on it); NULL when none is stored (a one-time secret's never is).
+CREATE OR REPLACE FUNCTION idem.idem_key_body(p_principal text, p_key text)
+RETURNS bytea
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_problem text;
+    v_body    bytea;
+BEGIN
+    v_problem := CASE
+{{ template "include/check_key.sql" . }}
+    END;
+{{ template "include/raise.sql" "idem_key_body" }}
+    SELECT k.response_body INTO v_body FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    RETURN v_body;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
+    'One key''s stored response body, for operators; NULL when none is stored. See docs/sql-api.md.';
+
+-- idem_release_stuck: an operator releases a lease claim whose work is known to be dead (its
+-- process was killed mid-work, and the client's retries get 409 until the lease runs out), so
+-- that the next retry runs the work again. Fenced by the token the operator read (idem_key):
+-- a claim taken over since, completed, released or absent raises 55000 and changes nothing.
+-- A NOTICE says who released what. Not granted to the application role: it must not release
+-- what another process holds.
+CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
+    p_principal text,
+    p_key       text,
+    p_attempt   bigint,
+    p_reason    text DEFAULT NULL)
+RETURNS void
+{{ template "include/attributes.sql" . }}
+AS $$
+DECLARE
+    v_problem text;
+    v_state   "char";
+    v_attempt bigint;
+BEGIN
+    v_problem := CASE
+{{ template "include/check_key.sql" . }}
+        WHEN p_attempt IS NULL
+            THEN '22004 p_attempt must not be NULL'
+    END;
+{{ template "include/raise.sql" "idem_release_stuck" }}
+    UPDATE idem.idempotency_keys AS k
+       SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
+     WHERE k.principal_id = p_principal AND k.key = p_key
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+    IF NOT FOUND THEN
+        SELECT k.state, k.attempt INTO v_state, v_attempt
+          FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+        RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
+            CASE WHEN v_state IS NULL THEN 'the key does not exist'
+                 WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
+                 WHEN v_state = 'r' THEN 'the key is released already'
+                 WHEN v_attempt <> p_attempt THEN format('the claim was taken over, its token is now %s', v_attempt)
+                 ELSE 'the claim is not a lease claim' END
+            USING ERRCODE = '55000';
+    END IF;
+    RAISE NOTICE 'idem: % released the stuck lease claim of key % of principal % (token %): %',
+        session_user, p_key, p_principal, p_attempt, coalesce(p_reason, 'no reason given');
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_release_stuck(text, text, bigint, text) IS
+    'Releases the in-progress lease claim with this token (its work is known dead), so that a retry runs again; 55000 for a completed, released, taken-over or absent claim. For operators. See docs/operations.md.';
