@@ -55,6 +55,13 @@ COMMIT;
 SELECT * FROM idem.idem_begin(p_principal => 'alice', p_key => 'has space', p_action => 'POST /v1/transfers', p_request_sha256 => sha256('x'));
 SELECT * FROM idem.idem_begin(p_principal => 'alice', p_key => 'k4', p_action => 'POST /v1/transfers', p_request_sha256 => sha256('x'),
                               p_ttl => '-1 year 361 days');
+-- For operators: the summary, one key's story (never its body), the body on request.
+SELECT keys, in_progress, completed, released, expired, leases_run_out FROM idem.idem_summary();
+SELECT state, expired, attempt, field_names, response_status, resource_id, withheld, body_bytes
+  FROM idem.idem_key(p_principal => 'alice', p_key => 'k1');
+SELECT convert_from(idem.idem_key_body(p_principal => 'alice', p_key => 'k1'), 'UTF8') AS body;
+-- A completed key cannot be released; a stuck lease claim can, with its token.
+SELECT idem.idem_release_stuck(p_principal => 'alice', p_key => 'k1', p_attempt => 1, p_reason => 'test');
 -- Cleanup, and the defaults.
 SELECT idem.idem_cleanup(p_batch_size => 1000);
 CALL idem.idem_cleanup_all(5000);

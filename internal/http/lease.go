@@ -25,20 +25,23 @@ import (
 //   - a 2xx or a final error is stored, anything else releases the claim (a retry runs the
 //     work again, and a provider that deduplicates by ClaimInfo.ProviderKey does not repeat
 //     it).
-func (q *request) lease(claim dbidem.Claim, attempt int64) State {
+func (q *request) lease(ctx context.Context, claim dbidem.Claim, attempt int64) State {
 	start := time.Now()
 	timeout := q.rt.LeaseTimeout
 	if timeout <= 0 {
 		timeout = dbidem.DefaultLeaseTimeout
 	}
-	l := dbidem.KeepAlive(context.WithoutCancel(q.r.Context()), q.m.o.DB, claim.Principal, claim.Key, attempt,
+	l := dbidem.KeepAlive(context.WithoutCancel(ctx), q.m.o.DB, claim.Principal, claim.Key, attempt,
 		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})
-	rec, st, v := q.run(l.Context(), nil, true)
+	hctx, handlerSpan := q.startSpan(l.Context(), "idem.handler")
+	rec, st, v := q.run(hctx, nil, true)
+	endHandlerSpan(handlerSpan, rec, v)
+	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
 	// claim completed and report the lease lost); the lease it extended outlasts the recording
 	// by two thirds at least, and the recording is fenced by the token anyway.
 	lost := l.Stop()
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(q.r.Context()), claim.Lease)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claim.Lease)
 	defer cancel()
 	var err error
 	switch {
@@ -53,6 +56,14 @@ func (q *request) lease(claim dbidem.Claim, attempt int64) State {
 		err = q.complete(ctx, claim, attempt, resp)
 	}
 	lost = lost || errors.Is(err, dbidem.ErrClaimLost)
+	switch {
+	case lost:
+		endSpan(done, "lease_lost", dbidem.ErrLeaseLost)
+	case v == rollBack:
+		endSpan(done, "released", err)
+	default:
+		endSpan(done, [...]string{commit: "completed", final: "final"}[v], err)
+	}
 	q.m.o.Metrics.LeaseEnded(q.action, lost, time.Since(start))
 	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))

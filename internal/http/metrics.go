@@ -117,8 +117,9 @@ func (o *PrometheusObserver) LeaseExtended(action string) { o.extensions.WithLab
 
 // LeaseEnded implements Observer.
 func (o *PrometheusObserver) LeaseEnded(action string, lost bool, worked time.Duration) {
+	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
 	if lost {
-		o.lost.WithLabelValues(action).Inc()
+		c.Inc()
 	}
 	o.work.WithLabelValues(action).Observe(worked.Seconds())
 }

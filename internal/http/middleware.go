@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gorilla/mux"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -20,6 +21,7 @@ type Middleware struct {
 	o        Options
 	gate     *dbidem.Gate
 	declared map[string]Route // "METHOD template"
+	tracer   trace.Tracer     // nil: tracing off
 }
 
 // defaultMiddleware writes problems outside a declared route.
@@ -46,7 +48,11 @@ func New(o Options) (*Middleware, error) {
 		waiting = max(1, int(o.DB.Config().MaxConns)/4)
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
-	return &Middleware{o: o, gate: gate, declared: map[string]Route{}}, nil
+	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}}
+	if o.TracerProvider != nil {
+		m.tracer = o.TracerProvider.Tracer(tracerName)
+	}
+	return m, nil
 }
 
 // Options returns the options in effect, defaults filled in (a zero TTL or LockTimeout
@@ -139,6 +145,7 @@ type request struct {
 	body      []byte
 	canonical []byte // the canonical body (strictly valid JSON), when the fingerprint computed it
 	action    string
+	keyHash   string     // the key's hash, for traces (keyed requests with tracing on)
 	claim     *ClaimInfo // the claim the handler works under (keyed requests)
 }
 
@@ -198,7 +205,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.action, Fingerprint: fp.Sum, Fields: fp.Fields,
 		TTL: m.o.TTL, Lease: rt.Lease, LockTimeout: m.o.LockTimeout}
-	st := q.keyed(claim)
+	if m.tracer != nil {
+		q.keyHash = keyHash(principal, key)
+	}
+	ctx, span := q.startSpan(r.Context(), "idem.request")
+	st := q.keyed(ctx, claim)
+	endSpan(span, string(st), nil)
 	m.o.Metrics.Done(st, time.Since(start))
 	if st != StateAcquired && st != StateReplayed {
 		m.o.Logger.Info("idem", "state", string(st), "action", q.action, "key_hash", keyHash(principal, key),

@@ -32,7 +32,7 @@ func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 // app is a real HTTP server over a real database. Its handlers write one effect row per run
 // through the ambient transaction and answer as the request body says.
 type app struct {
-	t       *testing.T
+	t       testing.TB
 	m       *idemhttp.Middleware
 	pool    *pgxpool.Pool
 	srv     *httptest.Server
@@ -68,7 +68,7 @@ type order struct {
 	InRows bool   `json:"in_rows"`
 }
 
-func newApp(t *testing.T, edit func(*idemhttp.Options)) *app {
+func newApp(t testing.TB, edit func(*idemhttp.Options)) *app {
 	t.Helper()
 	pool, _ := pgtest.NewPool(t, 80)
 	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), finished: make(chan struct{}, 100),

@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/canon"
 )
@@ -92,6 +93,11 @@ type Options struct {
 	Logger *slog.Logger
 	// Metrics observes every keyed request. Default: none.
 	Metrics Observer
+	// TracerProvider, when set, traces every keyed request with OpenTelemetry: the spans
+	// idem.claim, idem.handler and idem.complete under the request's span, with the action,
+	// the key's hash and the outcome (docs/http.md, "Metrics, traces and logs"). Pass
+	// otel.GetTracerProvider() for the global one. Default: none, and no tracing work at all.
+	TracerProvider trace.TracerProvider
 }
 
 // Route declares how one route takes part. The zero value is an optional-key,

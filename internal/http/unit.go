@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-json-experiment/json"
 	"github.com/go-json-experiment/json/jsontext"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
@@ -152,18 +153,21 @@ func topLevelID(body []byte) string {
 
 // keyed runs a keyed request: claim, then the handler in the same transaction, then the
 // completion (2xx) or the final answer (a final error) with COMMIT. It returns the
-// request's main state.
-func (q *request) keyed(claim dbidem.Claim) State {
-	ctx := q.r.Context()
+// request's main state. ctx is the request's, with the idem.request span when tracing.
+func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	var (
 		d        dbidem.Decision
 		rec      *recorder
 		v        verdict
 		acquired bool
 		oversize bool
+		done     trace.Span // idem.complete, while the answer is recorded
 	)
+	_, claimSpan := q.startSpan(ctx, "idem.claim")
 	err := q.m.gate.RunHolding(ctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
+		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
+		claimSpan = nil
 		if d.Outcome != dbidem.Claimed {
 			return nil // replay, mismatch, in progress: nothing was written
 		}
@@ -177,7 +181,11 @@ func (q *request) keyed(claim dbidem.Claim) State {
 			return nil // a lease claim commits on its own; the handler runs after
 		}
 		var st *state
-		rec, st, v = q.run(q.r.Context(), tx, true)
+		hctx, handlerSpan := q.startSpan(ctx, "idem.handler")
+		rec, st, v = q.run(hctx, tx, true)
+		endHandlerSpan(handlerSpan, rec, v)
+		endSpan(done, "run_again", nil)
+		_, done = q.startSpan(ctx, "idem.complete")
 		if v == rollBack {
 			return errRollBack
 		}
@@ -190,18 +198,22 @@ func (q *request) keyed(claim dbidem.Claim) State {
 		}
 		return nil
 	})
+	endSpan(claimSpan, "error", err) // the claim itself failed (in progress, the store)
 	switch {
 	case errors.Is(err, errRollBack):
+		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
 		return StateAcquired
 	case err != nil:
+		endSpan(done, "error", err)
 		st := q.storeError(err)
 		q.m.o.Metrics.Count(q.action, st)
 		return st
 	}
+	endSpan(done, [...]string{commit: "completed", final: "final", rollBack: "rolled_back"}[v], nil)
 	if d.Outcome == dbidem.Claimed {
 		if q.rt.Lease > 0 {
-			return q.lease(claim, d.Attempt)
+			return q.lease(ctx, claim, d.Attempt)
 		}
 		if oversize {
 			q.m.o.Metrics.Count(q.action, StateOversize)
