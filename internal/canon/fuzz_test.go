@@ -3,7 +3,6 @@ package canon
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -85,92 +84,4 @@ func FuzzFingerprint(f *testing.F) {
 			t.Fatalf("%q and %q share a fingerprint but differ: %#v %#v", a, b, va, vb)
 		}
 	})
-}
-
-// Benchmarks: ns/byte (shown as MB/s) should stay flat from 1 KiB to 1 MiB for every shape.
-func shapes(size int) map[string][]byte {
-	manyKeys := func() []byte {
-		var b bytes.Buffer
-		b.WriteByte('{')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			fmt.Fprintf(&b, `"key%07d":"value %d"`, (i*7919)%10000000, i)
-		}
-		b.WriteByte('}')
-		return b.Bytes()
-	}
-	deep := func() []byte {
-		one := strings.Repeat(`{"a":[`, (MaxDepth-1)/2) + `1` + strings.Repeat(`]}`, (MaxDepth-1)/2)
-		var b bytes.Buffer
-		b.WriteByte('[')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.WriteString(one)
-		}
-		b.WriteByte(']')
-		return b.Bytes()
-	}
-	numbers := func() []byte {
-		var b bytes.Buffer
-		b.WriteByte('[')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			fmt.Fprintf(&b, "%d.%03de%d", i*31337, i%1000, i%40-20)
-		}
-		b.WriteByte(']')
-		return b.Bytes()
-	}
-	return map[string][]byte{"many_keys": manyKeys(), "deep": deep(), "numbers": numbers()}
-}
-
-func BenchmarkCompute(b *testing.B) {
-	for _, size := range []int{1 << 10, 64 << 10, 1 << 20} {
-		for _, name := range []string{"many_keys", "deep", "numbers"} {
-			body := shapes(size)[name]
-			if _, err := Canonicalize(body); err != nil {
-				b.Fatalf("%s: %v", name, err)
-			}
-			b.Run(fmt.Sprintf("%s/%dKiB", name, size>>10), func(b *testing.B) {
-				b.SetBytes(int64(len(body)))
-				for b.Loop() {
-					Compute("POST", "/bench", body)
-				}
-			})
-		}
-	}
-}
-
-// BenchmarkJCS is the alternative side by side: github.com/gowebpki/jcs on the same bodies
-// (up to 64 KiB; its cost grows faster than the body).
-func BenchmarkJCS(b *testing.B) {
-	for _, size := range []int{1 << 10, 16 << 10, 64 << 10} {
-		for _, name := range []string{"many_keys", "deep", "numbers"} {
-			body := shapes(size)[name]
-			b.Run(fmt.Sprintf("%s/%dKiB", name, size>>10), func(b *testing.B) {
-				b.SetBytes(int64(len(body)))
-				for b.Loop() {
-					if _, err := jcs.Transform(body); err != nil {
-						b.Fatal(err)
-					}
-				}
-			})
-		}
-	}
-}
-
-// BenchmarkComputeTransfer is the common case: a small object of three members, as the
-// reference server's POST /v1/transfers receives it.
-func BenchmarkComputeTransfer(b *testing.B) {
-	body := []byte(`{"from":12,"to":34,"amount":1}`)
-	b.ReportAllocs()
-	b.SetBytes(int64(len(body)))
-	for b.Loop() {
-		Compute("POST", "/v1/transfers", body)
-	}
 }
