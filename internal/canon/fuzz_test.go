@@ -43,6 +43,13 @@ func FuzzCanonicalize(f *testing.F) {
 		if !json.Valid(c) {
 			t.Fatalf("%q: canonical form %s is not valid JSON", data, c)
 		}
+		for _, names := range objectNames(t, c) {
+			for i := 1; i < len(names); i++ {
+				if utf16Compare(names[i-1], names[i]) >= 0 {
+					t.Fatalf("%q: members not in UTF-16 order: %q", data, names)
+				}
+			}
+		}
 		var in, out any
 		errIn, errOut := json.Unmarshal(data, &in), json.Unmarshal(c, &out)
 		if (errIn == nil) != (errOut == nil) {
