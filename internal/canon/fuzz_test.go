@@ -14,7 +14,7 @@ var seeds = []string{
 	``, `{}`, `[]`, `null`, `true`, `0`, `-0.0`, `1e-7`, `1E+30`, `123456789012345678901234567890`,
 	`9007199254740993`, `0.10000000000000001`, `"\u00e9\ud83d\ude00\u2028"`, `"\ud800"`,
 	`{"a":1,"b":[true,false,null],"c":{"d":"e"}}`, `{"b":1,"a":2}`, `{"a":1,"a":2}`,
-	`[1 2]`, `0x1p-2`, `+1`, `01`, `.5`, `1_0`, "\"\xff\"", `{"\u20ac":1,"\ud83d\ude00":2,"\ufb01":3}`,
+	`[1 2]`, `0x1p-2`, `+1`, `01`, `.5`, `1_0`, "\"\xff\"", `{"\u20ac":1,"\ud83d\ude00":2,"\ufb01":3}`, `{"k":1,"\u212a":2}`, `{"i":1,"\u0130":2}`,
 	strings.Repeat("[", 130) + strings.Repeat("]", 130), ` [ 1 , { "x" : "\/" } ] `,
 }
 
@@ -43,12 +43,19 @@ func FuzzCanonicalize(f *testing.F) {
 		if !json.Valid(c) {
 			t.Fatalf("%q: canonical form %s is not valid JSON", data, c)
 		}
+		caseDup := false
 		for _, names := range objectNames(t, c) {
-			for i := 1; i < len(names); i++ {
-				if utf16Compare(names[i-1], names[i]) >= 0 {
+			for i := range names {
+				if i > 0 && utf16Compare(names[i-1], names[i]) >= 0 {
 					t.Fatalf("%q: members not in UTF-16 order: %q", data, names)
 				}
+				for j := range i {
+					caseDup = caseDup || strings.EqualFold(names[i], names[j])
+				}
 			}
+		}
+		if fp.Ambiguous != AmbiguousNUL && (fp.Ambiguous == AmbiguousCase) != caseDup {
+			t.Fatalf("%q: Ambiguous %q, but names equal under EqualFold: %v", data, fp.Ambiguous, caseDup)
 		}
 		var in, out any
 		errIn, errOut := json.Unmarshal(data, &in), json.Unmarshal(c, &out)

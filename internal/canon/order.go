@@ -74,7 +74,7 @@ func foldDuplicates(members []int32, name func(int32) []byte) bool {
 }
 
 // foldName folds a name so that foldName(x) == foldName(y) exactly when bytes.EqualFold(x, y)
-// (encoding/json's own folding).
+// (encoding/json's own folding), as the pairwise check of small objects does.
 func foldName(in []byte) []byte {
 	out := make([]byte, 0, len(in))
 	for i := 0; i < len(in); {
@@ -87,8 +87,19 @@ func foldName(in []byte) []byte {
 			continue
 		}
 		r, n := utf8.DecodeRune(in[i:])
-		out = utf8.AppendRune(out, unicode.ToUpper(unicode.ToLower(r)))
+		out = utf8.AppendRune(out, orbitMin(r))
 		i += n
 	}
 	return out
+}
+
+// orbitMin returns the smallest rune of r's orbit under unicode.SimpleFold: two runes have
+// the same exactly when bytes.EqualFold matches them. (Upper-casing the lower case, as
+// encoding/json did before Go 1.21, also matches U+0130 and U+0131 with 'i' and 'I'.)
+func orbitMin(r rune) rune {
+	m := r
+	for f := unicode.SimpleFold(r); f != r; f = unicode.SimpleFold(f) {
+		m = min(m, f)
+	}
+	return m
 }

@@ -1,0 +1,44 @@
+package canon
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+)
+
+// caseVariants are pairs that bytes.EqualFold matches (or not), several across scripts and
+// byte lengths, and the pairs an upper-then-lower folding gets wrong.
+var caseVariants = []struct {
+	a, b  string
+	equal bool
+}{
+	{"amount", "Amount", true}, {"k", "\u212A", true}, {"s", "\u017F", true}, {"SS", "\u017Fs", true},
+	{"\u00DF", "\u1E9E", true}, {"\u03A3", "\u03C2", true}, {"\U00010400", "\U00010428", true},
+	{"Ж", "ж", true}, {"i", "\u0130", false}, {"I", "\u0131", false},
+	{"a", "b", false}, {"ab", "a", false}, {"é", "É", true}, {"e\u0301", "é", false},
+}
+
+// TestCaseCheck: Ambiguous says AmbiguousCase exactly when two member names of one object are
+// equal under bytes.EqualFold, in objects of every size (pairwise check, hash set).
+func TestCaseCheck(t *testing.T) {
+	for _, c := range caseVariants {
+		if bytes.EqualFold([]byte(c.a), []byte(c.b)) != c.equal {
+			t.Fatalf("bytes.EqualFold(%q, %q) is not %v", c.a, c.b, c.equal)
+		}
+		for _, n := range []int{2, 16, 17, 1000} {
+			var in bytes.Buffer
+			fmt.Fprintf(&in, `{"x":[{%q:1,%q:2`, c.a, c.b)
+			for i := 2; i < n; i++ {
+				fmt.Fprintf(&in, `,"m%d":%d`, i, i)
+			}
+			in.WriteString(`}]}`)
+			fp := Compute("POST", "/c", in.Bytes())
+			if !fp.JSON {
+				t.Fatalf("%q %q in %d members: not JSON", c.a, c.b, n)
+			}
+			if got := fp.Ambiguous == AmbiguousCase; got != c.equal {
+				t.Errorf("%q and %q in an object of %d members: ambiguous %v, want %v", c.a, c.b, n, got, c.equal)
+			}
+		}
+	}
+}
