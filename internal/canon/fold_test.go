@@ -4,7 +4,35 @@ import (
 	"bytes"
 	"fmt"
 	"testing"
+	"unicode"
 )
+
+// TestFoldTop: no rune at or above foldTop has another rune in its case-folding orbit, so
+// foldRune may return those unchanged.
+func TestFoldTop(t *testing.T) {
+	for r := rune(foldTop); r <= unicode.MaxRune; r++ {
+		if f := unicode.SimpleFold(r); f != r {
+			t.Fatalf("SimpleFold(%U) = %U: raise foldTop", r, f)
+		}
+	}
+}
+
+// TestFoldRune: foldRune is the orbit's smallest rune, never greater than the rune, and
+// equal for two runes exactly when bytes.EqualFold says they are equal.
+func TestFoldRune(t *testing.T) {
+	for r := rune(0); r < foldTop; r++ {
+		f := foldRune(r)
+		if f != orbitMin(r) || f > r {
+			t.Fatalf("foldRune(%U) = %U, orbit minimum %U", r, f, orbitMin(r))
+		}
+		if r >= 0xD800 && r <= 0xDFFF {
+			continue
+		}
+		if !bytes.EqualFold([]byte(string(r)), []byte(string(f))) {
+			t.Fatalf("foldRune(%U) = %U, which bytes.EqualFold does not match", r, f)
+		}
+	}
+}
 
 // caseVariants are pairs that bytes.EqualFold matches (or not), several across scripts and
 // byte lengths, and the pairs an upper-then-lower folding gets wrong.

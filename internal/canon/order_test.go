@@ -18,6 +18,8 @@ func utf16Compare(a, b string) int {
 	return slices.Compare(utf16.Encode([]rune(a)), utf16.Encode([]rune(b)))
 }
 
+func sign(x int) int { return min(max(x, -1), 1) }
+
 // nameRunes are the characters around every boundary of the UTF-16 order: ASCII, 2-byte,
 // 3-byte below and above the surrogates, U+E000..U+FFFF, supplementary.
 var nameRunes = []rune{0, 'A', 'a', 'k', 'z', 0x7F, 0x80, 0xE9, 0x7FF, 0x800, 0x17F, 0x212A, 0xD7FF, 0xE000, 0xFB01, 0xFFFD, 0xFFFF, 0x10000, 0x10400, 0x1F600, 0x10FFFF}
@@ -41,6 +43,21 @@ func randomNames(r *rand.Rand, n int) []string {
 		}
 	}
 	return out
+}
+
+func TestCompareNames(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	names := randomNames(r, 3000)
+	for i := range 200000 {
+		a, b := names[r.IntN(len(names))], names[r.IntN(len(names))]
+		if i%5 == 0 {
+			ra := []rune(a)
+			b = string(ra[:r.IntN(len(ra)+1)]) // a prefix, or a itself
+		}
+		if got, want := sign(compareNames([]byte(a), []byte(b))), utf16Compare(a, b); got != want {
+			t.Fatalf("compareNames(%q, %q) = %d, want %d", a, b, got, want)
+		}
+	}
 }
 
 // objectNames returns the member names of every object of a valid JSON text, in order.

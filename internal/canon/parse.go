@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"math"
-	"slices"
 )
 
 // The parser: a strictly valid JSON text into a flat tree (node), objects' members sorted
@@ -47,8 +46,10 @@ type parser struct {
 	tree
 	pos     int
 	depth   int
-	order   []int32 // scratch stack of member indices, for sorting
 	scratch []byte
+	// scratch of the member sort (order.go) and of the case check (fold.go)
+	keys, keysTmp []keyed
+	fold          []byte
 }
 
 // parse returns the tree of a strictly valid JSON text.
@@ -136,7 +137,7 @@ func (p *parser) object() (int32, error) {
 		return 0, err
 	}
 	obj := p.add('{', span{})
-	base := len(p.order)
+	last, n := int32(-1), 0
 	err := p.items('}', "an object", func() error {
 		if p.pos >= len(p.data) || p.data[p.pos] != '"' {
 			return p.fail("expected a member name")
@@ -156,35 +157,25 @@ func (p *parser) object() (int32, error) {
 			return err
 		}
 		p.nodes[child].name = name
-		p.order = append(p.order, child)
+		if last < 0 {
+			p.nodes[obj].first = child
+		} else {
+			p.nodes[last].next = child
+		}
+		last = child
+		n++
 		return nil
 	})
 	p.depth--
 	if err != nil {
 		return 0, err
 	}
-	members := p.order[base:]
-	if len(members) == 0 {
-		return obj, nil
-	}
-	// RFC 8785: members sorted by the UTF-16 code units of their names. Equal neighbours
-	// after sorting are duplicates, which make the text ambiguous.
-	name := func(i int32) []byte { return p.bytes(p.nodes[i].name) }
-	slices.SortFunc(members, func(a, b int32) int { return compareUTF16(name(a), name(b)) })
-	for i := 1; i < len(members); i++ {
-		if bytes.Equal(name(members[i]), name(members[i-1])) {
-			return 0, fmt.Errorf("%w: duplicate member name %q", ErrNotCanonical, name(members[i]))
+	if n > 1 {
+		// RFC 8785: members sorted by the UTF-16 code units of their names.
+		if err := p.orderMembers(obj, n); err != nil {
+			return 0, err
 		}
 	}
-	if !p.caseDup {
-		p.caseDup = foldDuplicates(members, name)
-	}
-	p.nodes[obj].first = members[0]
-	for i := 1; i < len(members); i++ {
-		p.nodes[members[i-1]].next = members[i]
-	}
-	p.nodes[members[len(members)-1]].next = -1
-	p.order = p.order[:base]
 	return obj, nil
 }
 
