@@ -57,7 +57,7 @@ func parse(data []byte) (*tree, error) {
 	if len(data) > math.MaxInt32/2 {
 		return nil, fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
 	}
-	p := parser{tree: tree{data: data, nodes: make([]node, 0, 16+len(data)/8)}}
+	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}}
 	p.space()
 	if _, err := p.value(); err != nil {
 		return nil, err
@@ -67,6 +67,15 @@ func parse(data []byte) (*tree, error) {
 		return nil, p.fail("data after the top-level value")
 	}
 	return &p.tree, nil
+}
+
+// maxNodes bounds the values of a JSON text, so that the nodes are allocated once (growing
+// them by append copied and allocated several times the final size for small values): every
+// value but the first follows a ',', or the '[' or '{' that opens its container, and takes at
+// least one byte more. Strings may hold those bytes too, which only loosens the bound.
+func maxNodes(data []byte) int {
+	n := 1 + bytes.Count(data, []byte{','}) + bytes.Count(data, []byte{'['}) + bytes.Count(data, []byte{'{'})
+	return min(n, 1+len(data)/2)
 }
 
 func (p *parser) fail(what string) error {
