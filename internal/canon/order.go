@@ -88,8 +88,8 @@ const (
 func (p *parser) name(node int32) []byte { return p.bytes(p.nodes[node].name) }
 
 // orderMembers relinks the n members of object obj (linked in the body's order) in canonical
-// order. A duplicate name is an error (equal names are neighbours once sorted); two names
-// equal but for case set p.caseDup.
+// order. A duplicate name is an error (equal names meet in the sort); two names equal but for
+// case set p.caseDup.
 func (p *parser) orderMembers(obj int32, n int) error {
 	if n <= sortInsertionMax {
 		var buf [sortInsertionMax]int32
@@ -120,16 +120,20 @@ func (p *parser) orderMembers(obj int32, n int) error {
 	for c := p.nodes[obj].first; c >= 0; c = p.nodes[c].next {
 		name := p.name(c)
 		ks[i] = keyed{chunkKey(name), c}
-		sorted = sorted && (i == 0 || compareNames(prev, name) <= 0)
+		if i > 0 && sorted {
+			switch d := compareNames(prev, name); {
+			case d == 0:
+				return p.duplicate(c)
+			case d > 0:
+				sorted = false
+			}
+		}
 		prev = name
 		i++
 	}
 	if !sorted {
-		p.sortKeyed(ks, tmp, 0)
-	}
-	for i := 1; i < len(ks); i++ {
-		if bytes.Equal(p.name(ks[i-1].node), p.name(ks[i].node)) {
-			return p.duplicate(ks[i].node)
+		if dup := p.sortKeyed(ks, tmp, 0); dup >= 0 {
+			return p.duplicate(dup)
 		}
 	}
 	p.relink(obj, len(ks), func(i int) int32 { return ks[i].node })
@@ -164,10 +168,12 @@ func (p *parser) keyedScratch(n int) (ks, tmp []keyed) {
 }
 
 // sortKeyed orders ks, whose keys are the chunkKey of their names from byte off (the names
-// are equal before), using tmp (as long as ks) as scratch.
-func (p *parser) sortKeyed(ks, tmp []keyed, off int) {
+// are equal before), using tmp (as long as ks) as scratch. It returns a member whose name
+// another member has too, or -1 (then the order is complete).
+func (p *parser) sortKeyed(ks, tmp []keyed, off int) (dup int32) {
 	for {
 		if len(ks) < sortRadixMin {
+			tail := func(k keyed) []byte { return p.name(k.node)[off+7:] }
 			slices.SortFunc(ks, func(a, b keyed) int {
 				if a.key != b.key {
 					return cmp.Compare(a.key, b.key)
@@ -175,32 +181,43 @@ func (p *parser) sortKeyed(ks, tmp []keyed, off int) {
 				if a.key&0xFF < 8 {
 					return 0
 				}
-				return compareNames(p.name(a.node)[off+7:], p.name(b.node)[off+7:])
+				return compareNames(tail(a), tail(b))
 			})
-			return
+			for i := 1; i < len(ks); i++ {
+				if ks[i].key == ks[i-1].key && (ks[i].key&0xFF < 8 || bytes.Equal(tail(ks[i-1]), tail(ks[i]))) {
+					return ks[i].node
+				}
+			}
+			return -1
 		}
 		radixSort(ks, tmp[:len(ks)])
 		// Runs of equal keys whose names go on are ordered by their next chunk: the largest
 		// run by this loop, the others by recursion (so the recursion is at most log2 deep).
+		// A run of names that end within the chunk is a run of duplicates.
 		var largest []keyed
 		for i := 0; i < len(ks); {
 			j := i + 1
 			for j < len(ks) && ks[j].key == ks[i].key {
 				j++
 			}
-			if run := ks[i:j]; len(run) > 1 && run[0].key&0xFF == 8 {
+			if run := ks[i:j]; len(run) > 1 {
+				if run[0].key&0xFF < 8 {
+					return run[1].node
+				}
 				if len(run) > len(largest) {
 					run, largest = largest, run
 				}
 				if len(run) > 0 {
 					p.rekey(run, off+7)
-					p.sortKeyed(run, tmp, off+7)
+					if dup := p.sortKeyed(run, tmp, off+7); dup >= 0 {
+						return dup
+					}
 				}
 			}
 			i = j
 		}
 		if largest == nil {
-			return
+			return -1
 		}
 		ks, off = largest, off+7
 		p.rekey(ks, off)

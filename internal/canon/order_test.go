@@ -170,3 +170,44 @@ func TestLongSharedPrefixes(t *testing.T) {
 		t.Fatalf("a duplicate among %d members: %v", len(names)+1, err)
 	}
 }
+
+// TestDuplicates: a duplicate name is found in objects of every size the sort treats
+// differently, in sorted and unsorted bodies, whatever prefix the names share.
+func TestDuplicates(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, n := range []int{2, 16, 17, 255, 256, 3000} {
+		for _, prefix := range []string{"", "abcdef", strings.Repeat("y", 7), strings.Repeat("\u00e9", 20)} {
+			for _, c := range []struct{ sorted, short bool }{{false, false}, {false, true}, {true, false}, {true, true}} {
+				sorted := c.sorted
+				names := randomNames(r, n-1)
+				for i := range names {
+					names[i] = prefix + names[i]
+				}
+				// the shortest name (within a radix chunk) or the longest
+				pick := slices.MinFunc(names, func(a, b string) int { return len(a) - len(b) })
+				if !c.short {
+					pick = slices.MaxFunc(names, func(a, b string) int { return len(a) - len(b) })
+				}
+				names = append(names, pick)
+				if sorted {
+					slices.SortFunc(names, utf16Compare)
+				} else {
+					r.Shuffle(len(names), func(i, j int) { names[i], names[j] = names[j], names[i] })
+				}
+				var in bytes.Buffer
+				in.WriteByte('{')
+				for i, name := range names {
+					if i > 0 {
+						in.WriteByte(',')
+					}
+					q, _ := json.Marshal(name)
+					fmt.Fprintf(&in, "%s:%d", q, i)
+				}
+				in.WriteByte('}')
+				if _, err := Canonicalize(in.Bytes()); err == nil || !strings.Contains(err.Error(), "duplicate") {
+					t.Fatalf("%d members, prefix %q, %+v: %v", n, prefix, c, err)
+				}
+			}
+		}
+	}
+}
