@@ -3,8 +3,10 @@ package canon
 import (
 	"bytes"
 	"fmt"
+	"math/rand/v2"
 	"testing"
 	"unicode"
+	"unicode/utf8"
 )
 
 // TestFoldTop: no rune at or above foldTop has another rune in its case-folding orbit, so
@@ -67,6 +69,30 @@ func TestCaseCheck(t *testing.T) {
 			if got := fp.Ambiguous == AmbiguousCase; got != c.equal {
 				t.Errorf("%q and %q in an object of %d members: ambiguous %v, want %v", c.a, c.b, n, got, c.equal)
 			}
+		}
+	}
+}
+
+// TestFold: fold agrees with folding rune by rune (ASCII runs take the eight-byte path).
+func TestFold(t *testing.T) {
+	r := rand.New(rand.NewPCG(9, 10))
+	alphabet := []rune("@AZ[`az{~\x00\x7f\u00e9\u017f\u212a\u0130\U00010428")
+	for range 20000 {
+		var in []rune
+		for range r.IntN(40) {
+			if r.IntN(4) == 0 {
+				in = append(in, alphabet[r.IntN(len(alphabet))])
+			} else {
+				in = append(in, rune(r.IntN(128)))
+			}
+		}
+		var want []byte
+		for _, c := range in {
+			want = utf8.AppendRune(want, foldRune(c))
+		}
+		s := []byte(string(in))
+		if got := fold(make([]byte, len(s)), s); !bytes.Equal(got, want) {
+			t.Fatalf("fold(%q) = %q, want %q", s, got, want)
 		}
 	}
 }
