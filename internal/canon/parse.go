@@ -111,10 +111,8 @@ func (p *parser) value() (int32, error) {
 		return 0, p.fail("unexpected end")
 	}
 	switch c := p.data[p.pos]; {
-	case c == '{':
-		return p.object()
-	case c == '[':
-		return p.array()
+	case c == '{' || c == '[':
+		return p.container(c)
 	case c == '"':
 		s, err := p.string()
 		return p.add('"', s), err
@@ -141,102 +139,72 @@ func (p *parser) enter() error {
 	return nil
 }
 
-func (p *parser) object() (int32, error) {
+// container reads an array or an object (kind '[' or '{') from its opening bracket up to
+// and including its closing one: comma-separated items, members of an object named.
+func (p *parser) container(kind byte) (int32, error) {
 	if err := p.enter(); err != nil {
 		return 0, err
 	}
-	obj := p.add('{', span{})
+	c := p.add(kind, span{})
+	closing, what := byte(']'), "an array"
+	if kind == '{' {
+		closing, what = '}', "an object"
+	}
 	last, n := int32(-1), 0
-	err := p.items('}', "an object", func() error {
-		if p.pos >= len(p.data) || p.data[p.pos] != '"' {
-			return p.fail("expected a member name")
-		}
-		name, err := p.string()
-		if err != nil {
-			return err
-		}
-		p.space()
-		if p.pos >= len(p.data) || p.data[p.pos] != ':' {
-			return p.fail("expected ':'")
-		}
+	if p.pos < len(p.data) && p.data[p.pos] == closing {
 		p.pos++
-		p.space()
+		p.depth--
+		return c, nil
+	}
+	for {
+		var name span
+		if kind == '{' {
+			if p.pos >= len(p.data) || p.data[p.pos] != '"' {
+				return 0, p.fail("expected a member name")
+			}
+			var err error
+			if name, err = p.string(); err != nil {
+				return 0, err
+			}
+			p.space()
+			if p.pos >= len(p.data) || p.data[p.pos] != ':' {
+				return 0, p.fail("expected ':'")
+			}
+			p.pos++
+			p.space()
+		}
 		child, err := p.value()
 		if err != nil {
-			return err
+			return 0, err
 		}
 		p.nodes[child].name = name
 		if last < 0 {
-			p.nodes[obj].first = child
+			p.nodes[c].first = child
 		} else {
 			p.nodes[last].next = child
 		}
 		last = child
 		n++
-		return nil
-	})
-	p.depth--
-	if err != nil {
-		return 0, err
-	}
-	if n > 1 {
-		// RFC 8785: members sorted by the UTF-16 code units of their names.
-		if err := p.orderMembers(obj, n); err != nil {
-			return 0, err
-		}
-	}
-	return obj, nil
-}
-
-func (p *parser) array() (int32, error) {
-	if err := p.enter(); err != nil {
-		return 0, err
-	}
-	arr := p.add('[', span{})
-	last := int32(-1)
-	err := p.items(']', "an array", func() error {
-		child, err := p.value()
-		if err != nil {
-			return err
-		}
-		if last < 0 {
-			p.nodes[arr].first = child
-		} else {
-			p.nodes[last].next = child
-		}
-		last = child
-		return nil
-	})
-	p.depth--
-	if err != nil {
-		return 0, err
-	}
-	return arr, nil
-}
-
-// items reads the items of an array or an object after its opening bracket, calling item
-// for each, comma-separated, up to and including the closing bracket.
-func (p *parser) items(closing byte, what string, item func() error) error {
-	if p.pos < len(p.data) && p.data[p.pos] == closing {
-		p.pos++
-		return nil
-	}
-	for {
-		if err := item(); err != nil {
-			return err
-		}
 		p.space()
 		if p.pos >= len(p.data) {
-			return p.fail("unexpected end in " + what)
+			return 0, p.fail("unexpected end in " + what)
 		}
 		if p.data[p.pos] == closing {
 			p.pos++
-			return nil
+			break
 		}
 		if p.data[p.pos] != ',' {
-			return p.fail("expected ',' or '" + string(closing) + "'")
+			return 0, p.fail("expected ',' or '" + string(closing) + "'")
 		}
 		p.pos++
 		p.space()
 	}
+	p.depth--
+	if kind == '{' && n > 1 {
+		// RFC 8785: members sorted by the UTF-16 code units of their names.
+		if err := p.orderMembers(c, n); err != nil {
+			return 0, err
+		}
+	}
+	return c, nil
 }
