@@ -352,3 +352,13 @@ func BenchmarkComputeTransfer(b *testing.B) {
 		Compute("POST", "/v1/transfers", body)
 	}
 }
+
+// BenchmarkComputeCanonicalTransfer is BenchmarkComputeTransfer that keeps the canonical body.
+func BenchmarkComputeCanonicalTransfer(b *testing.B) {
+	body := []byte(`{"from":12,"to":34,"amount":1}`)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		ComputeCanonical("POST", "/v1/transfers", body)
+	}
+}

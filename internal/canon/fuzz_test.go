@@ -27,6 +27,10 @@ func FuzzCanonicalize(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fp := Compute("POST", "/f", data)
 		c, err := Canonicalize(data)
+		fpc, cc := ComputeCanonical("POST", "/f", data)
+		if !reflect.DeepEqual(fpc, fp) || !bytes.Equal(cc, c) || (cc == nil) != (err != nil) {
+			t.Fatalf("%q: ComputeCanonical %+v %q, Compute %+v, Canonicalize %q", data, fpc, cc, fp, c)
+		}
 		if err != nil {
 			if fp.JSON {
 				t.Fatalf("%q: Compute says JSON, Canonicalize says %v", data, err)
