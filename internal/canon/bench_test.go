@@ -179,6 +179,19 @@ var shapes = []shape{
 			b.WriteByte('}')
 		})
 	}},
+	// Objects of 256 members, the smallest the radix sort takes (and its case check).
+	{"objects_256", false, func(size int) []byte {
+		return fill(size, "[", "]", func(b *bytes.Buffer, i int) {
+			b.WriteByte('{')
+			for j := range 256 {
+				if j > 0 {
+					b.WriteByte(',')
+				}
+				fmt.Fprintf(b, `"%s":%d`, name36(i*256+j, 4), j)
+			}
+			b.WriteByte('}')
+		})
+	}},
 	// An array of small objects, as a batch endpoint receives them.
 	{"objects", false, func(size int) []byte {
 		return fill(size, "[", "]", func(b *bytes.Buffer, i int) {
@@ -244,6 +257,12 @@ var shapes = []shape{
 	{"numbers_huge_exp", false, func(size int) []byte {
 		return fill(size, "[", "]", func(b *bytes.Buffer, i int) {
 			fmt.Fprintf(b, "%d.%04de-%015d", i%9+1, i%10000, 999999999999999-i)
+		})
+	}},
+	// Numbers of 10,000 digits, with a fraction and an exponent.
+	{"numbers_long", false, func(size int) []byte {
+		return fill(size, "[", "]", func(b *bytes.Buffer, i int) {
+			fmt.Fprintf(b, "%d%s.%s%de-%d", i%9+1, strings.Repeat("0", 5000), strings.Repeat("7", 5000), i, i%400)
 		})
 	}},
 	// The top-level object of MaxFields members, each a long array: every byte is hashed
