@@ -285,6 +285,12 @@ var shapes = []shape{
 			b.WriteByte(']')
 		})
 	}},
+	// Arrays nested MaxDepth deep, one after the other: the most containers per byte, at
+	// every depth.
+	{"deep_arrays", false, func(size int) []byte {
+		one := strings.Repeat("[", MaxDepth-1) + strings.Repeat("]", MaxDepth-1)
+		return fill(size, "[", "]", func(b *bytes.Buffer, i int) { b.WriteString(one) })
+	}},
 	// The deep shape, with a last element nested one level past MaxDepth: parsed to the
 	// end, then hashed as bytes.
 	{"deep_past", true, func(size int) []byte { return deepBody(size, true) }},
