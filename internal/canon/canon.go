@@ -118,17 +118,17 @@ func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, [
 				write(h, t, 0)
 			}
 			n := 0
-			for c := t.nodes[0].first; t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
+			for c := t.nodes[0].first(); t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
 				n++
 			}
 			if t.nodes[0].kind == '{' && n <= MaxFields {
 				fp.Fields = make(map[string]string, n)
 				fh := sha256.New()
 				var sum [sha256.Size]byte
-				for c := t.nodes[0].first; c >= 0; c = t.nodes[c].next {
+				for c := t.nodes[0].first(); c >= 0; c = t.nodes[c].next { // c: a member's name
 					fh.Reset()
-					write(fh, t, c)
-					fp.Fields[string(t.bytes(t.nodes[c].name))] = hex.EncodeToString(fh.Sum(sum[:0]))
+					write(fh, t, c+1)
+					fp.Fields[string(t.bytes(t.nodes[c].text))] = hex.EncodeToString(fh.Sum(sum[:0]))
 				}
 			}
 		} else {

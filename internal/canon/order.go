@@ -85,7 +85,8 @@ const (
 	sortRadixMin     = 256
 )
 
-func (p *parser) name(node int32) []byte { return p.bytes(p.nodes[node].name) }
+// name is the text of a member name node.
+func (p *parser) name(node int32) []byte { return p.bytes(p.nodes[node].text) }
 
 // orderMembers relinks the n members of object obj (linked in the body's order) in canonical
 // order. A duplicate name is an error (equal names meet in the sort); two names equal but for
@@ -94,7 +95,7 @@ func (p *parser) orderMembers(obj int32, n int) error {
 	if n <= sortInsertionMax {
 		var buf [sortInsertionMax]int32
 		ms := buf[:0]
-		for c := p.nodes[obj].first; c >= 0; c = p.nodes[c].next {
+		for c := p.nodes[obj].first(); c >= 0; c = p.nodes[c].next {
 			ms = append(ms, c)
 		}
 		for i := 1; i < len(ms); i++ {
@@ -117,7 +118,7 @@ func (p *parser) orderMembers(obj int32, n int) error {
 	sorted := true // as a canonical body's are: no sort
 	var prev []byte
 	i := 0
-	for c := p.nodes[obj].first; c >= 0; c = p.nodes[c].next {
+	for c := p.nodes[obj].first(); c >= 0; c = p.nodes[c].next {
 		name := p.name(c)
 		ks[i] = keyed{chunkKey(name), c}
 		if i > 0 && sorted {
@@ -150,7 +151,7 @@ func (p *parser) duplicate(node int32) error {
 // relink makes member(0), ..., member(n-1) the children of obj, in this order.
 func (p *parser) relink(obj int32, n int, member func(int) int32) {
 	prev := member(0)
-	p.nodes[obj].first = prev
+	p.nodes[obj].setFirst(prev)
 	for i := 1; i < n; i++ {
 		m := member(i)
 		p.nodes[prev].next = m

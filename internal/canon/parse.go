@@ -12,18 +12,23 @@ import (
 // span locates bytes: data[off:off+n] when off >= 0, arena[-off-1:][:n] when off < 0.
 type span struct{ off, n int32 }
 
-// node is one parsed JSON value in a flat slice that holds no pointers, so one allocation
-// grows for the whole body and the garbage collector never scans it. Children form a
-// linked list through next; an object's members are relinked in canonical order when the
-// object ends. Strings without escapes and numbers already in canonical form point into
-// the input; others into the arena.
+// node is one parsed JSON value, or the name of an object member, in a flat slice that
+// holds no pointers, so one allocation holds the whole body and the garbage collector never
+// scans it. A member is two nodes: its name (kind 'k'), then its value. Children (the names
+// of an object's members) form a linked list through next; an object's members are relinked
+// in canonical order when the object ends. Strings without escapes and numbers already in
+// canonical form point into the input; others into the arena. An array or an object has no
+// text: its text.off is its first child (first, setFirst), which keeps a node at 16 bytes.
 type node struct {
-	kind  byte // '{', '[', '"', '0' (number), 't', 'f', 'n'
-	text  span // string: the decoded bytes; number: the canonical text
-	name  span // member name, when the parent is an object
-	first int32
-	next  int32
+	kind byte // '{', '[', '"', '0' (number), 't', 'f', 'n', 'k' (member name)
+	text span // string, name: the decoded bytes; number: the canonical text
+	next int32
 }
+
+// first is the first child of an array or an object, or -1.
+func (n *node) first() int32 { return n.text.off }
+
+func (n *node) setFirst(child int32) { n.text.off = child }
 
 // tree is a parsed body; the root is nodes[0].
 type tree struct {
@@ -69,12 +74,16 @@ func parse(data []byte) (*tree, error) {
 	return &p.tree, nil
 }
 
-// maxNodes bounds the values of a JSON text, so that the nodes are allocated once (growing
-// them by append copied and allocated several times the final size for small values): every
-// value but the first follows a ',', or the '[' or '{' that opens its container, and takes at
-// least one byte more. Strings may hold those bytes too, which only loosens the bound.
+// maxNodes bounds the nodes of a JSON text, so that they are allocated once (growing them by
+// append copied and allocated several times the final size for small values): every value
+// but the first follows a ',', or the '[' or '{' that opens its container, and takes at least
+// one byte more; a member name is followed by a ':'. Strings may hold those bytes too, which
+// only loosens the bound.
 func maxNodes(data []byte) int {
-	n := 1 + bytes.Count(data, []byte{','}) + bytes.Count(data, []byte{'['}) + bytes.Count(data, []byte{'{'})
+	n := 1
+	for _, c := range []byte{',', '[', '{', ':'} {
+		n += bytes.Count(data, []byte{c})
+	}
 	return min(n, 1+len(data)/2)
 }
 
@@ -94,7 +103,7 @@ func (p *parser) space() {
 }
 
 func (p *parser) add(kind byte, text span) int32 {
-	p.nodes = append(p.nodes, node{kind: kind, text: text, first: -1, next: -1})
+	p.nodes = append(p.nodes, node{kind: kind, text: text, next: -1})
 	return int32(len(p.nodes) - 1)
 }
 
@@ -145,7 +154,7 @@ func (p *parser) container(kind byte) (int32, error) {
 	if err := p.enter(); err != nil {
 		return 0, err
 	}
-	c := p.add(kind, span{})
+	c := p.add(kind, span{off: -1})
 	closing, what := byte(']'), "an array"
 	if kind == '{' {
 		closing, what = '}', "an object"
@@ -157,15 +166,16 @@ func (p *parser) container(kind byte) (int32, error) {
 		return c, nil
 	}
 	for {
-		var name span
+		child := int32(-1) // the member's name, or the item
 		if kind == '{' {
 			if p.pos >= len(p.data) || p.data[p.pos] != '"' {
 				return 0, p.fail("expected a member name")
 			}
-			var err error
-			if name, err = p.string(); err != nil {
+			name, err := p.string()
+			if err != nil {
 				return 0, err
 			}
+			child = p.add('k', name)
 			p.space()
 			if p.pos >= len(p.data) || p.data[p.pos] != ':' {
 				return 0, p.fail("expected ':'")
@@ -173,13 +183,15 @@ func (p *parser) container(kind byte) (int32, error) {
 			p.pos++
 			p.space()
 		}
-		child, err := p.value()
+		v, err := p.value() // node child+1 in an object
 		if err != nil {
 			return 0, err
 		}
-		p.nodes[child].name = name
+		if child < 0 {
+			child = v
+		}
 		if last < 0 {
-			p.nodes[c].first = child
+			p.nodes[c].setFirst(child)
 		} else {
 			p.nodes[last].next = child
 		}

@@ -68,15 +68,17 @@ func (w *writer) value(t *tree, i int32) {
 			close = ']'
 		}
 		w.buf = append(w.buf, open)
-		for c := n.first; c >= 0; c = nodes[c].next {
-			if c != n.first {
+		for c := n.first(); c >= 0; c = nodes[c].next {
+			if c != n.first() {
 				w.buf = append(w.buf, ',')
 			}
 			if open == '{' {
-				w.str(t.bytes(nodes[c].name))
+				w.str(t.bytes(nodes[c].text)) // the name; the value is the next node
 				w.buf = append(w.buf, ':')
+				w.value(t, c+1)
+			} else {
+				w.value(t, c)
 			}
-			w.value(t, c)
 		}
 		w.buf = append(w.buf, close)
 	case '"':
