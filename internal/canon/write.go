@@ -5,7 +5,8 @@ import "sync"
 // blockSize is how much canonical text the writer gathers before it hands it to out.
 const blockSize = 4096
 
-// maxPooled is the largest block the pool keeps; a string longer than a block grows it.
+// maxPooled is the largest block the pool keeps (a block grows only by less than a block
+// past blockSize: longer runs of text go to out directly).
 const maxPooled = 4 * blockSize
 
 // buffers keeps the writers' blocks between calls: a fingerprint is computed for every keyed
@@ -44,7 +45,7 @@ func (w *writer) str(s []byte) {
 		if c >= 0x20 && c != '"' && c != '\\' {
 			continue
 		}
-		w.buf = append(w.buf, s[start:i]...)
+		w.text(s[start:i])
 		if e := shortEscapes[c]; e != 0 {
 			w.buf = append(w.buf, '\\', e)
 		} else {
@@ -53,9 +54,19 @@ func (w *writer) str(s []byte) {
 		start = i + 1
 		w.flushIfFull()
 	}
-	w.buf = append(w.buf, s[start:]...)
+	w.text(s[start:])
 	w.buf = append(w.buf, '"')
 	w.flushIfFull()
+}
+
+// text appends bytes that need no escape; a run longer than a block goes to out directly.
+func (w *writer) text(s []byte) {
+	if len(s) < blockSize {
+		w.buf = append(w.buf, s...)
+		return
+	}
+	w.flush()
+	w.out.Write(s)
 }
 
 func (w *writer) value(t *tree, i int32) {
