@@ -110,6 +110,12 @@ var shapes = []shape{
 		p := strings.Repeat("x", 64)
 		return fill(size, "{", "}", func(b *bytes.Buffer, i int) { fmt.Fprintf(b, `"%s%s":0`, p, name36(i, 4)) })
 	}},
+	// Names that share a 4000-byte prefix (about 260 of them at 1 MiB, the radix sort's size):
+	// the sort goes through the prefix seven bytes at a time.
+	{"wide_long_prefix", false, func(size int) []byte {
+		p := strings.Repeat("x", 4000)
+		return fill(size, "{", "}", func(b *bytes.Buffer, i int) { fmt.Fprintf(b, `"%s%s":0`, p, name36(i, 4)) })
+	}},
 	// The same with a prefix of 2-byte letters (decoded to compare, case-folded to check).
 	{"wide_prefix_utf8", false, func(size int) []byte {
 		p := strings.Repeat("Ж", 32)

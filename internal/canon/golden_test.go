@@ -30,6 +30,7 @@ func shapeDigest(s shape) string {
 // sort and case check) computed them: a change of the sort or of the case check must leave
 // every fingerprint of these adversarial bodies as it was.
 var goldenShapes = map[string]string{
+	"wide_long_prefix":   "0ad79385c062aa27048bd097dd1728fe3d8e67ae2248d46905a60010b580a513",
 	"deep_arrays":        "f7326e5cb7f3d45ce9e662a8da3c7106db350705eb21c149cc23cfb2bafa6dfd",
 	"objects_256":        "76472ae925a149c429ee3100898ec6ff137d8d5094feebc6fbf1c7409d211212",
 	"numbers_long":       "8d48b5915a683db2bac9ddfa9b27fc3371d1b1af1a86493505424633179c4e0e",
