@@ -18,9 +18,11 @@
 // through a double (every number a JSON encoder writes from a float64), the output is byte
 // for byte RFC 8785's; only literals with more precision than a double differ.
 //
-// The cost is linear in the size of the body (plus n log n to sort the members of each
-// object), whatever its shape; github.com/gowebpki/jcs, which this package is checked
-// against, is quadratic on deep nesting and on many members.
+// The cost is linear in the size of the body, whatever its shape: an object's members are
+// radix-sorted on their names' bytes (comparison-sorted below 256 members), however long
+// the prefixes the names share, and the case check hashes every folded name once, with a
+// per-process random seed. github.com/gowebpki/jcs, which this package is checked against,
+// is quadratic on deep nesting and on many members.
 package canon
 
 import (
