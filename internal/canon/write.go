@@ -59,6 +59,18 @@ func (w *writer) str(s []byte) {
 	w.flushIfFull()
 }
 
+// string writes a string or a member name. One that points into the input had no escape, so
+// it holds no byte that needs one (no '"', '\\' or control character): it is copied as it is.
+func (w *writer) string(t *tree, s span) {
+	if s.off < 0 {
+		w.str(t.bytes(s))
+		return
+	}
+	w.buf = append(w.buf, '"')
+	w.text(t.bytes(s))
+	w.buf = append(w.buf, '"')
+}
+
 // text appends bytes that need no escape; a run longer than a block goes to out directly.
 func (w *writer) text(s []byte) {
 	if len(s) < blockSize {
@@ -84,7 +96,7 @@ func (w *writer) value(t *tree, i int32) {
 				w.buf = append(w.buf, ',')
 			}
 			if open == '{' {
-				w.str(t.bytes(nodes[c].text)) // the name; the value is the next node
+				w.string(t, nodes[c].text) // the name; the value is the next node
 				w.buf = append(w.buf, ':')
 				w.value(t, c+1)
 			} else {
@@ -93,7 +105,7 @@ func (w *writer) value(t *tree, i int32) {
 		}
 		w.buf = append(w.buf, close)
 	case '"':
-		w.str(t.bytes(n.text))
+		w.string(t, n.text)
 	case '0':
 		w.buf = append(w.buf, t.bytes(n.text)...)
 	case 't':
