@@ -50,7 +50,6 @@ func (t *tree) bytes(s span) []byte {
 type parser struct {
 	tree
 	pos     int
-	depth   int
 	scratch []byte
 	// scratch of the member sort (order.go) and of the case check (fold.go)
 	keys, keysTmp []keyed
@@ -64,7 +63,7 @@ func parse(data []byte) (*tree, error) {
 	}
 	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}}
 	p.space()
-	if _, err := p.value(); err != nil {
+	if err := p.value(); err != nil {
 		return nil, err
 	}
 	p.space()
@@ -107,116 +106,146 @@ func (p *parser) add(kind byte, text span) int32 {
 	return int32(len(p.nodes) - 1)
 }
 
-func (p *parser) literal(word string, kind byte) (int32, error) {
-	if !bytes.HasPrefix(p.data[p.pos:], []byte(word)) {
-		return 0, p.fail("invalid literal")
+// value reads the JSON value at p.pos, arrays and objects through a stack of the open ones
+// (not by recursion: a call per nested value cost more than the rest of the work on bodies
+// of small values).
+func (p *parser) value() error {
+	type open struct {
+		node int32 // the array or object
+		last int32 // its last child so far (in an object, the member's name), or -1
+		n    int32 // its children so far
+		kind byte  // '[' or '{'
 	}
-	p.pos += len(word)
-	return p.add(kind, span{}), nil
+	var stack [MaxDepth]open
+	depth := 0
+	for {
+		var v int32 // the value read, once complete
+		if p.pos >= len(p.data) {
+			return p.fail("unexpected end")
+		}
+		switch c := p.data[p.pos]; {
+		case c == '{' || c == '[':
+			if depth == MaxDepth {
+				return p.fail(fmt.Sprintf("nesting deeper than %d", MaxDepth))
+			}
+			v = p.add(c, span{off: -1})
+			p.pos++
+			p.space()
+			if p.pos < len(p.data) && p.data[p.pos] == closer(c) {
+				p.pos++
+				break // empty
+			}
+			stack[depth] = open{node: v, last: -1, kind: c}
+			depth++
+			if c == '{' {
+				if err := p.memberName(); err != nil {
+					return err
+				}
+			}
+			continue // to its first value
+		case c == '"':
+			s, err := p.string()
+			if err != nil {
+				return err
+			}
+			v = p.add('"', s)
+		case c == 't', c == 'f', c == 'n':
+			word := "null"
+			if c == 't' {
+				word = "true"
+			} else if c == 'f' {
+				word = "false"
+			}
+			if !bytes.HasPrefix(p.data[p.pos:], []byte(word)) {
+				return p.fail("invalid literal")
+			}
+			p.pos += len(word)
+			v = p.add(c, span{})
+		case c == '-' || (c >= '0' && c <= '9'):
+			s, err := p.number()
+			if err != nil {
+				return err
+			}
+			v = p.add('0', s)
+		default:
+			return p.fail("unexpected character")
+		}
+		// v is complete: link it into the innermost open container, then read a ',' and go
+		// on to the next value, or the closing bracket, which completes the container.
+		for {
+			if depth == 0 {
+				return nil
+			}
+			o := &stack[depth-1]
+			kind := o.kind
+			child := v
+			if kind == '{' {
+				child = v - 1 // the member's name, which the value follows
+			}
+			if o.last < 0 {
+				p.nodes[o.node].setFirst(child)
+			} else {
+				p.nodes[o.last].next = child
+			}
+			o.last = child
+			o.n++
+			p.space()
+			if p.pos >= len(p.data) {
+				if kind == '{' {
+					return p.fail("unexpected end in an object")
+				}
+				return p.fail("unexpected end in an array")
+			}
+			if p.data[p.pos] == ',' {
+				p.pos++
+				p.space()
+				if kind == '{' {
+					if err := p.memberName(); err != nil {
+						return err
+					}
+				}
+				break // to the next value
+			}
+			if p.data[p.pos] != closer(kind) {
+				return p.fail("expected ',' or '" + string(closer(kind)) + "'")
+			}
+			p.pos++
+			depth--
+			if kind == '{' && o.n > 1 {
+				// RFC 8785: members sorted by the UTF-16 code units of their names.
+				if err := p.orderMembers(o.node, int(o.n)); err != nil {
+					return err
+				}
+			}
+			v = o.node
+		}
+	}
 }
 
-func (p *parser) value() (int32, error) {
-	if p.pos >= len(p.data) {
-		return 0, p.fail("unexpected end")
+// closer is the closing bracket of an array or an object.
+func closer(open byte) byte {
+	if open == '{' {
+		return '}'
 	}
-	switch c := p.data[p.pos]; {
-	case c == '{' || c == '[':
-		return p.container(c)
-	case c == '"':
-		s, err := p.string()
-		return p.add('"', s), err
-	case c == 't':
-		return p.literal("true", 't')
-	case c == 'f':
-		return p.literal("false", 'f')
-	case c == 'n':
-		return p.literal("null", 'n')
-	case c == '-' || (c >= '0' && c <= '9'):
-		s, err := p.number()
-		return p.add('0', s), err
-	}
-	return 0, p.fail("unexpected character")
+	return ']'
 }
 
-func (p *parser) enter() error {
-	p.depth++
-	if p.depth > MaxDepth {
-		return p.fail(fmt.Sprintf("nesting deeper than %d", MaxDepth))
+// memberName reads a member's name and the ':' after it, and adds the name's node: the
+// member's value comes next.
+func (p *parser) memberName() error {
+	if p.pos >= len(p.data) || p.data[p.pos] != '"' {
+		return p.fail("expected a member name")
+	}
+	name, err := p.string()
+	if err != nil {
+		return err
+	}
+	p.add('k', name)
+	p.space()
+	if p.pos >= len(p.data) || p.data[p.pos] != ':' {
+		return p.fail("expected ':'")
 	}
 	p.pos++
 	p.space()
 	return nil
-}
-
-// container reads an array or an object (kind '[' or '{') from its opening bracket up to
-// and including its closing one: comma-separated items, members of an object named.
-func (p *parser) container(kind byte) (int32, error) {
-	if err := p.enter(); err != nil {
-		return 0, err
-	}
-	c := p.add(kind, span{off: -1})
-	closing, what := byte(']'), "an array"
-	if kind == '{' {
-		closing, what = '}', "an object"
-	}
-	last, n := int32(-1), 0
-	if p.pos < len(p.data) && p.data[p.pos] == closing {
-		p.pos++
-		p.depth--
-		return c, nil
-	}
-	for {
-		child := int32(-1) // the member's name, or the item
-		if kind == '{' {
-			if p.pos >= len(p.data) || p.data[p.pos] != '"' {
-				return 0, p.fail("expected a member name")
-			}
-			name, err := p.string()
-			if err != nil {
-				return 0, err
-			}
-			child = p.add('k', name)
-			p.space()
-			if p.pos >= len(p.data) || p.data[p.pos] != ':' {
-				return 0, p.fail("expected ':'")
-			}
-			p.pos++
-			p.space()
-		}
-		v, err := p.value() // node child+1 in an object
-		if err != nil {
-			return 0, err
-		}
-		if child < 0 {
-			child = v
-		}
-		if last < 0 {
-			p.nodes[c].setFirst(child)
-		} else {
-			p.nodes[last].next = child
-		}
-		last = child
-		n++
-		p.space()
-		if p.pos >= len(p.data) {
-			return 0, p.fail("unexpected end in " + what)
-		}
-		if p.data[p.pos] == closing {
-			p.pos++
-			break
-		}
-		if p.data[p.pos] != ',' {
-			return 0, p.fail("expected ',' or '" + string(closing) + "'")
-		}
-		p.pos++
-		p.space()
-	}
-	p.depth--
-	if kind == '{' && n > 1 {
-		// RFC 8785: members sorted by the UTF-16 code units of their names.
-		if err := p.orderMembers(c, n); err != nil {
-			return 0, err
-		}
-	}
-	return c, nil
 }
