@@ -18,9 +18,11 @@
 // through a double (every number a JSON encoder writes from a float64), the output is byte
 // for byte RFC 8785's; only literals with more precision than a double differ.
 //
-// The cost is linear in the size of the body (plus n log n to sort the members of each
-// object), whatever its shape; github.com/gowebpki/jcs, which this package is checked
-// against, is quadratic on deep nesting and on many members.
+// The cost is linear in the size of the body, whatever its shape: an object's members are
+// radix-sorted on their names' bytes (comparison-sorted below 256 members), however long
+// the prefixes the names share, and the case check hashes every folded name once, with a
+// per-process random seed. github.com/gowebpki/jcs, which this package is checked against,
+// is quadratic on deep nesting and on many members.
 package canon
 
 import (
@@ -74,12 +76,31 @@ const (
 // request's escaped path without the query (url.URL.EscapedPath); body is the whole body,
 // nil or empty when there is none.
 func Compute(method, escapedPath string, body []byte) Fingerprint {
+	fp, _ := compute(method, escapedPath, body, false)
+	return fp
+}
+
+// ComputeCanonical is Compute that also returns the canonical body the fingerprint was
+// computed from: the RFC 8785 form of a strictly valid JSON body, numbers exact (see the
+// package comment), from the same parse. A handler that decodes it instead of the raw body
+// acts on exactly what was fingerprinted: 1e2 and 100, or {"a":1,"b":2} and {"b":2,"a":1},
+// share a fingerprint and decode alike. The canonical body is nil when the body is not
+// strictly valid JSON (Fingerprint.JSON is false: the fingerprint is over the raw bytes). It
+// is returned for an Ambiguous body too, which the caller must still refuse. It costs one
+// buffer of about the body's size more than Compute.
+func ComputeCanonical(method, escapedPath string, body []byte) (Fingerprint, []byte) {
+	return compute(method, escapedPath, body, true)
+}
+
+// compute is Compute, and when keep is set also returns the canonical body.
+func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, []byte) {
 	h := sha256.New()
 	h.Write([]byte(strings.ToUpper(method)))
 	h.Write([]byte{'\n'})
 	h.Write([]byte(escapedPath))
 	h.Write([]byte{'\n'})
 	var fp Fingerprint
+	var canonical []byte
 	if len(body) > 0 {
 		if t, err := parse(body); err == nil {
 			fp.JSON = true
@@ -89,19 +110,27 @@ func Compute(method, escapedPath string, body []byte) Fingerprint {
 			case t.caseDup:
 				fp.Ambiguous = AmbiguousCase
 			}
-			write(h, t, 0)
+			if keep {
+				var out bytes.Buffer
+				out.Grow(len(body))
+				write(&out, t, 0)
+				canonical = out.Bytes()
+				h.Write(canonical)
+			} else {
+				write(h, t, 0)
+			}
 			n := 0
-			for c := t.nodes[0].first; t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
+			for c := t.nodes[0].first(); t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
 				n++
 			}
 			if t.nodes[0].kind == '{' && n <= MaxFields {
 				fp.Fields = make(map[string]string, n)
 				fh := sha256.New()
 				var sum [sha256.Size]byte
-				for c := t.nodes[0].first; c >= 0; c = t.nodes[c].next {
+				for c := t.nodes[0].first(); c >= 0; c = t.nodes[c].next { // c: a member's name
 					fh.Reset()
-					write(fh, t, c)
-					fp.Fields[string(t.bytes(t.nodes[c].name))] = hex.EncodeToString(fh.Sum(sum[:0]))
+					write(fh, t, c+1)
+					fp.Fields[string(t.bytes(t.nodes[c].text))] = hex.EncodeToString(fh.Sum(sum[:0]))
 				}
 			}
 		} else {
@@ -109,7 +138,7 @@ func Compute(method, escapedPath string, body []byte) Fingerprint {
 		}
 	}
 	h.Sum(fp.Sum[:0])
-	return fp
+	return fp, canonical
 }
 
 // Canonicalize returns the canonical form of a strictly valid JSON text (see the package

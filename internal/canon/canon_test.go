@@ -247,3 +247,32 @@ func TestPoolKeepsNoLargeBlock(t *testing.T) {
 		buffers.Put(b)
 	}
 }
+
+// TestComputeCanonical: the canonical body is Canonicalize's, nil for a body that is not
+// strictly valid JSON, and the fingerprint is Compute's.
+func TestComputeCanonical(t *testing.T) {
+	for _, in := range []string{
+		`{"amount":1e2,"to":"acc_2"}`, ` { "to" : "acc\u005f2" , "amount" : 100 } `, `[1,{"b":[],"a":{}}]`,
+		`{"Amount":1,"amount":2}`, `"a\u0000"`, `12.50`, `{"😀":1,"\uffff":2}`,
+		`not json`, `{"a":1,"a":2}`, ``, `[1,]`, strings.Repeat("[", MaxDepth+1) + strings.Repeat("]", MaxDepth+1),
+		string(shapes[3].gen(64 << 10)), // wide
+	} {
+		fp, canonical := ComputeCanonical("post", "/v1/transfers", []byte(in))
+		if want := Compute("post", "/v1/transfers", []byte(in)); !reflect.DeepEqual(fp, want) {
+			t.Errorf("%.40q: ComputeCanonical's fingerprint %+v, Compute's %+v", in, fp, want)
+		}
+		want, err := Canonicalize([]byte(in))
+		if err != nil {
+			want = nil
+		}
+		if !bytes.Equal(canonical, want) || (canonical == nil) != (want == nil) || fp.JSON != (want != nil) {
+			t.Errorf("%.40q: canonical %.40q (JSON %v), Canonicalize %.40q", in, canonical, fp.JSON, want)
+		}
+	}
+	// Bodies that share a fingerprint have one canonical text.
+	_, a := ComputeCanonical("POST", "/t", []byte(`{"amount":1e2,"to":"acc_2"}`))
+	_, b := ComputeCanonical("POST", "/t", []byte(`{"to":"acc_2","amount":100.0}`))
+	if string(a) != `{"amount":100,"to":"acc_2"}` || !bytes.Equal(a, b) {
+		t.Errorf("canonical bodies %s and %s", a, b)
+	}
+}

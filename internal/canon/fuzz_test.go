@@ -3,7 +3,6 @@ package canon
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -15,7 +14,7 @@ var seeds = []string{
 	``, `{}`, `[]`, `null`, `true`, `0`, `-0.0`, `1e-7`, `1E+30`, `123456789012345678901234567890`,
 	`9007199254740993`, `0.10000000000000001`, `"\u00e9\ud83d\ude00\u2028"`, `"\ud800"`,
 	`{"a":1,"b":[true,false,null],"c":{"d":"e"}}`, `{"b":1,"a":2}`, `{"a":1,"a":2}`,
-	`[1 2]`, `0x1p-2`, `+1`, `01`, `.5`, `1_0`, "\"\xff\"", `{"\u20ac":1,"\ud83d\ude00":2,"\ufb01":3}`,
+	`[1 2]`, `0x1p-2`, `+1`, `01`, `.5`, `1_0`, "\"\xff\"", `{"\u20ac":1,"\ud83d\ude00":2,"\ufb01":3}`, `{"k":1,"\u212a":2}`, `{"i":1,"\u0130":2}`,
 	strings.Repeat("[", 130) + strings.Repeat("]", 130), ` [ 1 , { "x" : "\/" } ] `,
 }
 
@@ -28,6 +27,10 @@ func FuzzCanonicalize(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fp := Compute("POST", "/f", data)
 		c, err := Canonicalize(data)
+		fpc, cc := ComputeCanonical("POST", "/f", data)
+		if !reflect.DeepEqual(fpc, fp) || !bytes.Equal(cc, c) || (cc == nil) != (err != nil) {
+			t.Fatalf("%q: ComputeCanonical %+v %q, Compute %+v, Canonicalize %q", data, fpc, cc, fp, c)
+		}
 		if err != nil {
 			if fp.JSON {
 				t.Fatalf("%q: Compute says JSON, Canonicalize says %v", data, err)
@@ -43,6 +46,20 @@ func FuzzCanonicalize(f *testing.F) {
 		}
 		if !json.Valid(c) {
 			t.Fatalf("%q: canonical form %s is not valid JSON", data, c)
+		}
+		caseDup := false
+		for _, names := range objectNames(t, c) {
+			for i := range names {
+				if i > 0 && utf16Compare(names[i-1], names[i]) >= 0 {
+					t.Fatalf("%q: members not in UTF-16 order: %q", data, names)
+				}
+				for j := range i {
+					caseDup = caseDup || strings.EqualFold(names[i], names[j])
+				}
+			}
+		}
+		if fp.Ambiguous != AmbiguousNUL && (fp.Ambiguous == AmbiguousCase) != caseDup {
+			t.Fatalf("%q: Ambiguous %q, but names equal under EqualFold: %v", data, fp.Ambiguous, caseDup)
 		}
 		var in, out any
 		errIn, errOut := json.Unmarshal(data, &in), json.Unmarshal(c, &out)
@@ -85,92 +102,4 @@ func FuzzFingerprint(f *testing.F) {
 			t.Fatalf("%q and %q share a fingerprint but differ: %#v %#v", a, b, va, vb)
 		}
 	})
-}
-
-// Benchmarks: ns/byte (shown as MB/s) should stay flat from 1 KiB to 1 MiB for every shape.
-func shapes(size int) map[string][]byte {
-	manyKeys := func() []byte {
-		var b bytes.Buffer
-		b.WriteByte('{')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			fmt.Fprintf(&b, `"key%07d":"value %d"`, (i*7919)%10000000, i)
-		}
-		b.WriteByte('}')
-		return b.Bytes()
-	}
-	deep := func() []byte {
-		one := strings.Repeat(`{"a":[`, (MaxDepth-1)/2) + `1` + strings.Repeat(`]}`, (MaxDepth-1)/2)
-		var b bytes.Buffer
-		b.WriteByte('[')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.WriteString(one)
-		}
-		b.WriteByte(']')
-		return b.Bytes()
-	}
-	numbers := func() []byte {
-		var b bytes.Buffer
-		b.WriteByte('[')
-		for i := 0; b.Len() < size; i++ {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			fmt.Fprintf(&b, "%d.%03de%d", i*31337, i%1000, i%40-20)
-		}
-		b.WriteByte(']')
-		return b.Bytes()
-	}
-	return map[string][]byte{"many_keys": manyKeys(), "deep": deep(), "numbers": numbers()}
-}
-
-func BenchmarkCompute(b *testing.B) {
-	for _, size := range []int{1 << 10, 64 << 10, 1 << 20} {
-		for _, name := range []string{"many_keys", "deep", "numbers"} {
-			body := shapes(size)[name]
-			if _, err := Canonicalize(body); err != nil {
-				b.Fatalf("%s: %v", name, err)
-			}
-			b.Run(fmt.Sprintf("%s/%dKiB", name, size>>10), func(b *testing.B) {
-				b.SetBytes(int64(len(body)))
-				for b.Loop() {
-					Compute("POST", "/bench", body)
-				}
-			})
-		}
-	}
-}
-
-// BenchmarkJCS is the alternative side by side: github.com/gowebpki/jcs on the same bodies
-// (up to 64 KiB; its cost grows faster than the body).
-func BenchmarkJCS(b *testing.B) {
-	for _, size := range []int{1 << 10, 16 << 10, 64 << 10} {
-		for _, name := range []string{"many_keys", "deep", "numbers"} {
-			body := shapes(size)[name]
-			b.Run(fmt.Sprintf("%s/%dKiB", name, size>>10), func(b *testing.B) {
-				b.SetBytes(int64(len(body)))
-				for b.Loop() {
-					if _, err := jcs.Transform(body); err != nil {
-						b.Fatal(err)
-					}
-				}
-			})
-		}
-	}
-}
-
-// BenchmarkComputeTransfer is the common case: a small object of three members, as the
-// reference server's POST /v1/transfers receives it.
-func BenchmarkComputeTransfer(b *testing.B) {
-	body := []byte(`{"from":12,"to":34,"amount":1}`)
-	b.ReportAllocs()
-	b.SetBytes(int64(len(body)))
-	for b.Loop() {
-		Compute("POST", "/v1/transfers", body)
-	}
 }

@@ -14,14 +14,7 @@ func (p *parser) number() (span, error) {
 		neg = true
 		p.pos++
 	}
-	digitsFrom := func() int {
-		s := p.pos
-		for p.pos < len(p.data) && p.data[p.pos] >= '0' && p.data[p.pos] <= '9' {
-			p.pos++
-		}
-		return s
-	}
-	s := digitsFrom()
+	s := p.digits()
 	intPart := p.data[s:p.pos]
 	if len(intPart) == 0 || (len(intPart) > 1 && intPart[0] == '0') {
 		return span{}, p.fail("invalid number")
@@ -29,42 +22,72 @@ func (p *parser) number() (span, error) {
 	var fracPart []byte
 	if p.pos < len(p.data) && p.data[p.pos] == '.' {
 		p.pos++
-		s := digitsFrom()
+		s := p.digits()
 		fracPart = p.data[s:p.pos]
 		if len(fracPart) == 0 {
 			return span{}, p.fail("invalid number: no digit after '.'")
 		}
 	}
-	var exp int64
-	if p.pos < len(p.data) && (p.data[p.pos] == 'e' || p.data[p.pos] == 'E') {
-		p.pos++
-		expNeg := false
-		if p.pos < len(p.data) && (p.data[p.pos] == '+' || p.data[p.pos] == '-') {
-			expNeg = p.data[p.pos] == '-'
-			p.pos++
+	if p.pos == len(p.data) || (p.data[p.pos] != 'e' && p.data[p.pos] != 'E') {
+		// No exponent: most literals are canonical already (an integer of at most 21 digits
+		// other than -0; a fraction that ends in a nonzero digit, of an integer part of at
+		// most 21 digits, or below 1 with fewer than six zeros after the point).
+		canonical := len(intPart) <= 21 && !(neg && intPart[0] == '0')
+		if fracPart != nil {
+			zeros := 0
+			for zeros < len(fracPart) && fracPart[zeros] == '0' {
+				zeros++
+			}
+			canonical = len(intPart) <= 21 && fracPart[len(fracPart)-1] != '0' && (intPart[0] != '0' || zeros < 6)
 		}
-		s := digitsFrom()
-		ed := bytes.TrimLeft(p.data[s:p.pos], "0")
-		if s == p.pos {
-			return span{}, p.fail("invalid number: no digit in the exponent")
+		if canonical {
+			return span{int32(lit), int32(p.pos - lit)}, nil
 		}
-		if len(ed) > maxExponentDigits {
-			return span{}, p.fail("exponent too long")
-		}
-		for _, c := range ed {
-			exp = exp*10 + int64(c-'0')
-		}
-		if expNeg {
-			exp = -exp
-		}
+		return p.decimal(lit, neg, intPart, fracPart, 0), nil
 	}
+	p.pos++
+	expNeg := false
+	if p.pos < len(p.data) && (p.data[p.pos] == '+' || p.data[p.pos] == '-') {
+		expNeg = p.data[p.pos] == '-'
+		p.pos++
+	}
+	s = p.digits()
+	if s == p.pos {
+		return span{}, p.fail("invalid number: no digit in the exponent")
+	}
+	ed := bytes.TrimLeft(p.data[s:p.pos], "0")
+	if len(ed) > maxExponentDigits {
+		return span{}, p.fail("exponent too long")
+	}
+	var exp int64
+	for _, c := range ed {
+		exp = exp*10 + int64(c-'0')
+	}
+	if expNeg {
+		exp = -exp
+	}
+	return p.decimal(lit, neg, intPart, fracPart, exp), nil
+}
+
+// digits skips the decimal digits at p.pos and returns where they started.
+func (p *parser) digits() int {
+	s := p.pos
+	for p.pos < len(p.data) && p.data[p.pos] >= '0' && p.data[p.pos] <= '9' {
+		p.pos++
+	}
+	return s
+}
+
+// decimal returns the canonical text of the number literal data[lit:pos]: the literal when
+// it is canonical, else a copy in the arena.
+func (p *parser) decimal(lit int, neg bool, intPart, fracPart []byte, exp int64) span {
 	p.scratch = appendDecimal(p.scratch[:0], neg, intPart, fracPart, exp)
 	if bytes.Equal(p.scratch, p.data[lit:p.pos]) {
-		return span{int32(lit), int32(p.pos - lit)}, nil
+		return span{int32(lit), int32(p.pos - lit)}
 	}
 	o := len(p.arena)
 	p.arena = append(p.arena, p.scratch...)
-	return span{int32(-o - 1), int32(len(p.scratch))}, nil
+	return span{int32(-o - 1), int32(len(p.scratch))}
 }
 
 // appendDecimal appends the exact value ±(intPart.fracPart × 10^exp) in the ECMAScript

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"math"
-	"slices"
 )
 
 // The parser: a strictly valid JSON text into a flat tree (node), objects' members sorted
@@ -13,18 +12,23 @@ import (
 // span locates bytes: data[off:off+n] when off >= 0, arena[-off-1:][:n] when off < 0.
 type span struct{ off, n int32 }
 
-// node is one parsed JSON value in a flat slice that holds no pointers, so one allocation
-// grows for the whole body and the garbage collector never scans it. Children form a
-// linked list through next; an object's members are relinked in canonical order when the
-// object ends. Strings without escapes and numbers already in canonical form point into
-// the input; others into the arena.
+// node is one parsed JSON value, or the name of an object member, in a flat slice that
+// holds no pointers, so one allocation holds the whole body and the garbage collector never
+// scans it. A member is two nodes: its name (kind 'k'), then its value. Children (the names
+// of an object's members) form a linked list through next; an object's members are relinked
+// in canonical order when the object ends. Strings without escapes and numbers already in
+// canonical form point into the input; others into the arena. An array or an object has no
+// text: its text.off is its first child (first, setFirst), which keeps a node at 16 bytes.
 type node struct {
-	kind  byte // '{', '[', '"', '0' (number), 't', 'f', 'n'
-	text  span // string: the decoded bytes; number: the canonical text
-	name  span // member name, when the parent is an object
-	first int32
-	next  int32
+	kind byte // '{', '[', '"', '0' (number), 't', 'f', 'n', 'k' (member name)
+	text span // string, name: the decoded bytes; number: the canonical text
+	next int32
 }
+
+// first is the first child of an array or an object, or -1.
+func (n *node) first() int32 { return n.text.off }
+
+func (n *node) setFirst(child int32) { n.text.off = child }
 
 // tree is a parsed body; the root is nodes[0].
 type tree struct {
@@ -46,9 +50,10 @@ func (t *tree) bytes(s span) []byte {
 type parser struct {
 	tree
 	pos     int
-	depth   int
-	order   []int32 // scratch stack of member indices, for sorting
 	scratch []byte
+	// scratch of the member sort (order.go) and of the case check (fold.go)
+	keys, keysTmp []keyed
+	fold          []byte
 }
 
 // parse returns the tree of a strictly valid JSON text.
@@ -56,9 +61,9 @@ func parse(data []byte) (*tree, error) {
 	if len(data) > math.MaxInt32/2 {
 		return nil, fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
 	}
-	p := parser{tree: tree{data: data, nodes: make([]node, 0, 16+len(data)/8)}}
+	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}}
 	p.space()
-	if _, err := p.value(); err != nil {
+	if err := p.value(); err != nil {
 		return nil, err
 	}
 	p.space()
@@ -66,6 +71,19 @@ func parse(data []byte) (*tree, error) {
 		return nil, p.fail("data after the top-level value")
 	}
 	return &p.tree, nil
+}
+
+// maxNodes bounds the nodes of a JSON text, so that they are allocated once (growing them by
+// append copied and allocated several times the final size for small values): every value
+// but the first follows a ',', or the '[' or '{' that opens its container, and takes at least
+// one byte more; a member name is followed by a ':'. Strings may hold those bytes too, which
+// only loosens the bound.
+func maxNodes(data []byte) int {
+	n := 1
+	for _, c := range []byte{',', '[', '{', ':'} {
+		n += bytes.Count(data, []byte{c})
+	}
+	return min(n, 1+len(data)/2)
 }
 
 func (p *parser) fail(what string) error {
@@ -84,159 +102,150 @@ func (p *parser) space() {
 }
 
 func (p *parser) add(kind byte, text span) int32 {
-	p.nodes = append(p.nodes, node{kind: kind, text: text, first: -1, next: -1})
+	p.nodes = append(p.nodes, node{kind: kind, text: text, next: -1})
 	return int32(len(p.nodes) - 1)
 }
 
-func (p *parser) literal(word string, kind byte) (int32, error) {
-	if !bytes.HasPrefix(p.data[p.pos:], []byte(word)) {
-		return 0, p.fail("invalid literal")
+// value reads the JSON value at p.pos, arrays and objects through a stack of the open ones
+// (not by recursion: a call per nested value cost more than the rest of the work on bodies
+// of small values).
+func (p *parser) value() error {
+	type open struct {
+		node int32 // the array or object
+		last int32 // its last child so far (in an object, the member's name), or -1
+		n    int32 // its children so far
+		kind byte  // '[' or '{'
 	}
-	p.pos += len(word)
-	return p.add(kind, span{}), nil
+	var stack [MaxDepth]open
+	depth := 0
+	for {
+		var v int32 // the value read, once complete
+		if p.pos >= len(p.data) {
+			return p.fail("unexpected end")
+		}
+		switch c := p.data[p.pos]; {
+		case c == '{' || c == '[':
+			if depth == MaxDepth {
+				return p.fail(fmt.Sprintf("nesting deeper than %d", MaxDepth))
+			}
+			v = p.add(c, span{off: -1})
+			p.pos++
+			p.space()
+			if p.pos < len(p.data) && p.data[p.pos] == closer(c) {
+				p.pos++
+				break // empty
+			}
+			stack[depth] = open{node: v, last: -1, kind: c}
+			depth++
+			if c == '{' {
+				if err := p.memberName(); err != nil {
+					return err
+				}
+			}
+			continue // to its first value
+		case c == '"':
+			s, err := p.string()
+			if err != nil {
+				return err
+			}
+			v = p.add('"', s)
+		case c == 't', c == 'f', c == 'n':
+			word := "null"
+			if c == 't' {
+				word = "true"
+			} else if c == 'f' {
+				word = "false"
+			}
+			if !bytes.HasPrefix(p.data[p.pos:], []byte(word)) {
+				return p.fail("invalid literal")
+			}
+			p.pos += len(word)
+			v = p.add(c, span{})
+		case c == '-' || (c >= '0' && c <= '9'):
+			s, err := p.number()
+			if err != nil {
+				return err
+			}
+			v = p.add('0', s)
+		default:
+			return p.fail("unexpected character")
+		}
+		// v is complete: link it into the innermost open container, then read a ',' and go
+		// on to the next value, or the closing bracket, which completes the container.
+		for {
+			if depth == 0 {
+				return nil
+			}
+			o := &stack[depth-1]
+			kind := o.kind
+			child := v
+			if kind == '{' {
+				child = v - 1 // the member's name, which the value follows
+			}
+			if o.last < 0 {
+				p.nodes[o.node].setFirst(child)
+			} else {
+				p.nodes[o.last].next = child
+			}
+			o.last = child
+			o.n++
+			p.space()
+			if p.pos >= len(p.data) {
+				if kind == '{' {
+					return p.fail("unexpected end in an object")
+				}
+				return p.fail("unexpected end in an array")
+			}
+			if p.data[p.pos] == ',' {
+				p.pos++
+				p.space()
+				if kind == '{' {
+					if err := p.memberName(); err != nil {
+						return err
+					}
+				}
+				break // to the next value
+			}
+			if p.data[p.pos] != closer(kind) {
+				return p.fail("expected ',' or '" + string(closer(kind)) + "'")
+			}
+			p.pos++
+			depth--
+			if kind == '{' && o.n > 1 {
+				// RFC 8785: members sorted by the UTF-16 code units of their names.
+				if err := p.orderMembers(o.node, int(o.n)); err != nil {
+					return err
+				}
+			}
+			v = o.node
+		}
+	}
 }
 
-func (p *parser) value() (int32, error) {
-	if p.pos >= len(p.data) {
-		return 0, p.fail("unexpected end")
+// closer is the closing bracket of an array or an object.
+func closer(open byte) byte {
+	if open == '{' {
+		return '}'
 	}
-	switch c := p.data[p.pos]; {
-	case c == '{':
-		return p.object()
-	case c == '[':
-		return p.array()
-	case c == '"':
-		s, err := p.string()
-		return p.add('"', s), err
-	case c == 't':
-		return p.literal("true", 't')
-	case c == 'f':
-		return p.literal("false", 'f')
-	case c == 'n':
-		return p.literal("null", 'n')
-	case c == '-' || (c >= '0' && c <= '9'):
-		s, err := p.number()
-		return p.add('0', s), err
-	}
-	return 0, p.fail("unexpected character")
+	return ']'
 }
 
-func (p *parser) enter() error {
-	p.depth++
-	if p.depth > MaxDepth {
-		return p.fail(fmt.Sprintf("nesting deeper than %d", MaxDepth))
+// memberName reads a member's name and the ':' after it, and adds the name's node: the
+// member's value comes next.
+func (p *parser) memberName() error {
+	if p.pos >= len(p.data) || p.data[p.pos] != '"' {
+		return p.fail("expected a member name")
+	}
+	name, err := p.string()
+	if err != nil {
+		return err
+	}
+	p.add('k', name)
+	p.space()
+	if p.pos >= len(p.data) || p.data[p.pos] != ':' {
+		return p.fail("expected ':'")
 	}
 	p.pos++
 	p.space()
 	return nil
-}
-
-func (p *parser) object() (int32, error) {
-	if err := p.enter(); err != nil {
-		return 0, err
-	}
-	obj := p.add('{', span{})
-	base := len(p.order)
-	err := p.items('}', "an object", func() error {
-		if p.pos >= len(p.data) || p.data[p.pos] != '"' {
-			return p.fail("expected a member name")
-		}
-		name, err := p.string()
-		if err != nil {
-			return err
-		}
-		p.space()
-		if p.pos >= len(p.data) || p.data[p.pos] != ':' {
-			return p.fail("expected ':'")
-		}
-		p.pos++
-		p.space()
-		child, err := p.value()
-		if err != nil {
-			return err
-		}
-		p.nodes[child].name = name
-		p.order = append(p.order, child)
-		return nil
-	})
-	p.depth--
-	if err != nil {
-		return 0, err
-	}
-	members := p.order[base:]
-	if len(members) == 0 {
-		return obj, nil
-	}
-	// RFC 8785: members sorted by the UTF-16 code units of their names. Equal neighbours
-	// after sorting are duplicates, which make the text ambiguous.
-	name := func(i int32) []byte { return p.bytes(p.nodes[i].name) }
-	slices.SortFunc(members, func(a, b int32) int { return compareUTF16(name(a), name(b)) })
-	for i := 1; i < len(members); i++ {
-		if bytes.Equal(name(members[i]), name(members[i-1])) {
-			return 0, fmt.Errorf("%w: duplicate member name %q", ErrNotCanonical, name(members[i]))
-		}
-	}
-	if !p.caseDup {
-		p.caseDup = foldDuplicates(members, name)
-	}
-	p.nodes[obj].first = members[0]
-	for i := 1; i < len(members); i++ {
-		p.nodes[members[i-1]].next = members[i]
-	}
-	p.nodes[members[len(members)-1]].next = -1
-	p.order = p.order[:base]
-	return obj, nil
-}
-
-func (p *parser) array() (int32, error) {
-	if err := p.enter(); err != nil {
-		return 0, err
-	}
-	arr := p.add('[', span{})
-	last := int32(-1)
-	err := p.items(']', "an array", func() error {
-		child, err := p.value()
-		if err != nil {
-			return err
-		}
-		if last < 0 {
-			p.nodes[arr].first = child
-		} else {
-			p.nodes[last].next = child
-		}
-		last = child
-		return nil
-	})
-	p.depth--
-	if err != nil {
-		return 0, err
-	}
-	return arr, nil
-}
-
-// items reads the items of an array or an object after its opening bracket, calling item
-// for each, comma-separated, up to and including the closing bracket.
-func (p *parser) items(closing byte, what string, item func() error) error {
-	if p.pos < len(p.data) && p.data[p.pos] == closing {
-		p.pos++
-		return nil
-	}
-	for {
-		if err := item(); err != nil {
-			return err
-		}
-		p.space()
-		if p.pos >= len(p.data) {
-			return p.fail("unexpected end in " + what)
-		}
-		if p.data[p.pos] == closing {
-			p.pos++
-			return nil
-		}
-		if p.data[p.pos] != ',' {
-			return p.fail("expected ',' or '" + string(closing) + "'")
-		}
-		p.pos++
-		p.space()
-	}
 }

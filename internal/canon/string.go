@@ -38,15 +38,23 @@ func (p *parser) hex4() (rune, error) {
 func (p *parser) string() (span, error) {
 	p.pos++
 	start := p.pos
-	// Fast path: no escapes, ASCII only.
+	// Fast path: no escapes, so nothing to copy.
 	for p.pos < len(p.data) {
 		c := p.data[p.pos]
 		if c == '"' {
 			p.pos++
 			return span{int32(start), int32(p.pos - 1 - start)}, nil
 		}
-		if c == '\\' || c < 0x20 || c >= utf8.RuneSelf {
+		if c == '\\' || c < 0x20 {
 			break
+		}
+		if c >= utf8.RuneSelf {
+			r, size := utf8.DecodeRune(p.data[p.pos:])
+			if r == utf8.RuneError && size <= 1 {
+				return span{}, p.fail("invalid UTF-8")
+			}
+			p.pos += size
+			continue
 		}
 		p.pos++
 	}

@@ -5,7 +5,8 @@ import "sync"
 // blockSize is how much canonical text the writer gathers before it hands it to out.
 const blockSize = 4096
 
-// maxPooled is the largest block the pool keeps; a string longer than a block grows it.
+// maxPooled is the largest block the pool keeps (a block grows only by less than a block
+// past blockSize: longer runs of text go to out directly).
 const maxPooled = 4 * blockSize
 
 // buffers keeps the writers' blocks between calls: a fingerprint is computed for every keyed
@@ -44,7 +45,7 @@ func (w *writer) str(s []byte) {
 		if c >= 0x20 && c != '"' && c != '\\' {
 			continue
 		}
-		w.buf = append(w.buf, s[start:i]...)
+		w.text(s[start:i])
 		if e := shortEscapes[c]; e != 0 {
 			w.buf = append(w.buf, '\\', e)
 		} else {
@@ -53,44 +54,95 @@ func (w *writer) str(s []byte) {
 		start = i + 1
 		w.flushIfFull()
 	}
-	w.buf = append(w.buf, s[start:]...)
+	w.text(s[start:])
 	w.buf = append(w.buf, '"')
 	w.flushIfFull()
 }
 
+// string writes a string or a member name. One that points into the input had no escape, so
+// it holds no byte that needs one (no '"', '\\' or control character): it is copied as it is.
+func (w *writer) string(t *tree, s span) {
+	if s.off < 0 {
+		w.str(t.bytes(s))
+		return
+	}
+	w.buf = append(w.buf, '"')
+	w.text(t.bytes(s))
+	w.buf = append(w.buf, '"')
+}
+
+// text appends bytes that need no escape; a run longer than a block goes to out directly.
+func (w *writer) text(s []byte) {
+	if len(s) < blockSize {
+		w.buf = append(w.buf, s...)
+		return
+	}
+	w.flush()
+	w.out.Write(s)
+}
+
+// value writes node i (a value) and everything in it, through a stack of the open arrays and
+// objects rather than by recursion.
 func (w *writer) value(t *tree, i int32) {
 	nodes := t.nodes
-	n := &nodes[i]
-	switch n.kind {
-	case '{', '[':
-		open, close := n.kind, byte('}')
-		if open == '[' {
-			close = ']'
+	var open [MaxDepth]int32
+	depth := 0
+	for {
+		// Write node i; an array or object that has children is only opened.
+		switch n := &nodes[i]; n.kind {
+		case '{', '[':
+			w.buf = append(w.buf, n.kind)
+			if c := n.first(); c >= 0 {
+				open[depth] = i
+				depth++
+				i = w.child(t, n.kind, c)
+				continue
+			}
+			w.buf = append(w.buf, closer(n.kind))
+		case '"':
+			w.string(t, n.text)
+		case '0':
+			w.buf = append(w.buf, t.bytes(n.text)...)
+		case 't':
+			w.buf = append(w.buf, "true"...)
+		case 'f':
+			w.buf = append(w.buf, "false"...)
+		case 'n':
+			w.buf = append(w.buf, "null"...)
 		}
-		w.buf = append(w.buf, open)
-		for c := n.first; c >= 0; c = nodes[c].next {
-			if c != n.first {
+		w.flushIfFull()
+		// Node i is written: go on to its next sibling, closing the containers it ends.
+		for {
+			if depth == 0 {
+				return
+			}
+			parent := &nodes[open[depth-1]]
+			link := i
+			if parent.kind == '{' {
+				link = i - 1 // the member's name
+			}
+			if next := nodes[link].next; next >= 0 {
 				w.buf = append(w.buf, ',')
+				i = w.child(t, parent.kind, next)
+				break
 			}
-			if open == '{' {
-				w.str(t.bytes(nodes[c].name))
-				w.buf = append(w.buf, ':')
-			}
-			w.value(t, c)
+			w.buf = append(w.buf, closer(parent.kind))
+			w.flushIfFull()
+			depth--
+			i = open[depth]
 		}
-		w.buf = append(w.buf, close)
-	case '"':
-		w.str(t.bytes(n.text))
-	case '0':
-		w.buf = append(w.buf, t.bytes(n.text)...)
-	case 't':
-		w.buf = append(w.buf, "true"...)
-	case 'f':
-		w.buf = append(w.buf, "false"...)
-	case 'n':
-		w.buf = append(w.buf, "null"...)
 	}
-	w.flushIfFull()
+}
+
+// child starts a child c of a container of kind: in an object, c is the member's name, which
+// child writes; it returns the value to write next.
+func (w *writer) child(t *tree, kind byte, c int32) int32 {
+	if kind != '{' {
+		return c
+	}
+	w.string(t, t.nodes[c].text)
+	w.buf = append(w.buf, ':')
+	return c + 1
 }
 
 // write writes the canonical text of node i of t to out, through a block from buffers.
