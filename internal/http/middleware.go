@@ -189,7 +189,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if rt.Fingerprint != nil {
 		fp = rt.Fingerprint(r, body)
 	} else {
-		fp = canon.Compute(r.Method, r.URL.EscapedPath(), body)
+		// The canonical text from the same parse: DecodeJSON decodes it (what was hashed).
+		fp, q.canonical = canon.ComputeCanonical(r.Method, r.URL.EscapedPath(), body)
 	}
 	switch {
 	case fp.Ambiguous != "":
