@@ -175,3 +175,38 @@ func TestCleanupFansOutOnACoordinator(t *testing.T) {
 		t.Fatalf("CALL idem.idem_cleanup_all on the coordinator: %d deleted, %v; want 1290", deleted, err)
 	}
 }
+
+// TestCleanupWalksTheIndex: a batch reads the oldest expired rows from the expires_at index
+// however stale the statistics are. Here the table was analyzed while it held only live keys
+// (as before a backlog grew), so the planner expects almost no expired row. It then scanned and sorted
+// every expired row to pick a batch of 1000, or walked every expired row of the index to
+// find the batch's rows for the DELETE: a backlog cost its square.
+func TestCleanupWalksTheIndex(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 2)
+	ctx := context.Background()
+	pgtest.Exec(t, pool, `ALTER TABLE idem.idempotency_keys SET (autovacuum_enabled = off)`)
+	pgtest.InsertKeys(t, pool, "idem.idempotency_keys", "live", "live-", 2000, false)
+	pgtest.Exec(t, pool, `VACUUM ANALYZE idem.idempotency_keys`)
+	pgtest.InsertExpired(t, pool, "a", 20_000)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var n, seq, fetched int
+	if err := tx.QueryRow(ctx, `SELECT idem.idem_cleanup(1000)`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, `SELECT seq_scan, idx_tup_fetch FROM pg_stat_xact_user_tables
+		 WHERE relid = 'idem.idempotency_keys'::regclass`).Scan(&seq, &fetched); err != nil {
+		t.Fatal(err)
+	}
+	if n != 1000 {
+		t.Fatalf("idem_cleanup(1000) deleted %d rows, want 1000", n)
+	}
+	if seq != 0 || fetched > 1000 {
+		t.Fatalf("a cleanup batch of 1000 scanned the key table %d times sequentially and fetched %d rows by index; want 0 and at most 1000",
+			seq, fetched)
+	}
+}
