@@ -71,12 +71,14 @@ func TestDoLease(t *testing.T) {
 	job := dbidem.Job{Principal: "p", Key: "job-1", Action: "payout", Input: map[string]int{"amount": 5}, Lease: time.Second,
 		LockTimeout: 100 * time.Millisecond}
 	var runs atomic.Int32
+	var finished atomic.Bool // the work has returned its result (its completion may follow)
 	var keys sync.Map
 	work := func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
 		runs.Add(1)
 		keys.Store(c.ProviderKey, true)
 		select {
 		case <-time.After(3 * time.Second):
+			finished.Store(true)
 			return 42, nil
 		case <-ctx.Done():
 			return 0, context.Cause(ctx)
@@ -103,9 +105,12 @@ func TestDoLease(t *testing.T) {
 			busy = false
 		case <-time.After(400 * time.Millisecond):
 			dups++
-			if _, _, err := dbidem.DoLease(ctx, pool, job, work); !errors.Is(err, dbidem.ErrInProgress) {
-				t.Fatalf("a duplicate while the job runs: %v, want ErrInProgress", err)
+			// A duplicate that races the job's end may already get its answer.
+			n, replayed, err := dbidem.DoLease(ctx, pool, job, work)
+			if errors.Is(err, dbidem.ErrInProgress) || (err == nil && n == 42 && replayed && finished.Load()) {
+				continue
 			}
+			t.Fatalf("a duplicate while the job runs: %d, replayed %v, %v; want ErrInProgress (or, once the work returned, its replay)", n, replayed, err)
 		}
 	}
 	n, replayed, err := dbidem.DoLease(ctx, pool, job, work)
