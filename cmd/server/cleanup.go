@@ -24,6 +24,7 @@ const cleanupLockID int64 = 0x6964656d636c6e
 type cleaner struct {
 	pool      *pgxpool.Pool
 	batchSize int
+	duty      float64 // the share of the time its batches may take (1: no pause between them)
 	vacuum    bool
 	log       *slog.Logger
 	deleted   prometheus.Counter
@@ -36,7 +37,7 @@ type cleaner struct {
 }
 
 func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.Registerer, log *slog.Logger) *cleaner {
-	c := &cleaner{pool: pool, batchSize: batchSize, vacuum: vacuum, log: log,
+	c := &cleaner{pool: pool, batchSize: batchSize, duty: 1, vacuum: vacuum, log: log,
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",
 			Help: "Expired idempotency keys deleted by this process."}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_cleanup_passes_total",
@@ -78,6 +79,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	total := 0
 	for {
 		var n *int
+		began := time.Now()
 		if err := c.pool.QueryRow(ctx, batchSQL, cleanupLockID, batch).Scan(&n); err != nil {
 			c.deleted.Add(float64(total))
 			c.passes.WithLabelValues("failed").Inc()
@@ -93,6 +95,11 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 		total += *n
 		if *n < batch {
 			break
+		}
+		if err := dbidem.Pace(ctx, c.duty, time.Since(began)); err != nil {
+			c.deleted.Add(float64(total))
+			c.passes.WithLabelValues("failed").Inc()
+			return total, true, err
 		}
 	}
 	c.deleted.Add(float64(total))

@@ -321,6 +321,7 @@ func (m *Main) serve(ctx context.Context) error {
 	var stopCleanup func()
 	if m.Config.CleanupInterval > 0 {
 		c := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, m.registry, m.log)
+		c.duty = m.Config.CleanupDuty
 		if stopCleanup, err = c.schedule(ctx, m.Config.CleanupInterval); err != nil {
 			return err
 		}

@@ -184,8 +184,39 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 // back short, and returns how many it deleted; a batchSize of zero or less means the SQL
 // API's default (Defaults.BatchSize). Pass a pool or a connection outside any transaction,
 // so that each batch is its own short transaction. When ctx ends first it returns the count
-// so far and ctx.Err(). Safe to run from several processes at once.
+// so far and ctx.Err(). Safe to run from several processes at once. It runs batch after batch
+// without a pause; CleanupPaced spreads them out.
 func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
+	return CleanupPaced(ctx, q, batchSize, 1)
+}
+
+// DefaultCleanupDuty is the share of the time a scheduled cleaner's batches take by default
+// (the reference server's CLEANUP_DUTY): measured in docs/benchmarks.md ("Cleanup under
+// load"), it keeps the keyed p99 within the budget while deleting many times faster than keys
+// expire.
+const DefaultCleanupDuty = 0.4
+
+// Pace waits, after a batch of cleanup that took took, so that batches take at most duty of
+// the time (0 < duty <= 1; 1: no wait): the cleaner then uses at most that share of a
+// database connection's time and of the CPU and I/O it drives, and the API's latency barely
+// notices it. It returns early with ctx.Err() when ctx ends.
+func Pace(ctx context.Context, duty float64, took time.Duration) error {
+	if duty >= 1 || duty <= 0 || took <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(time.Duration(float64(took) * (1 - duty) / duty))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
+// duty of the time (Pace).
+func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (int, error) {
 	if batchSize <= 0 {
 		d, err := ReadDefaults(ctx, q)
 		if err != nil {
@@ -199,6 +230,7 @@ func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 			return total, err
 		}
 		var n int
+		began := time.Now()
 		if err := q.QueryRow(ctx, cleanupSQL, batchSize).Scan(&n); err != nil {
 			if ctx.Err() != nil {
 				return total, ctx.Err()
@@ -208,6 +240,9 @@ func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 		total += n
 		if n < batchSize {
 			return total, nil
+		}
+		if err := Pace(ctx, duty, time.Since(began)); err != nil {
+			return total, err
 		}
 	}
 }
