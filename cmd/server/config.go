@@ -6,12 +6,14 @@ import (
 	"log/slog"
 	"net"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgidem/pgidem/internal/dbidem"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
 
@@ -22,7 +24,8 @@ type Config struct {
 	// DatabaseURL (DATABASE_URL): the PostgreSQL to use. Empty: a private cluster under
 	// DataDir, created, started and migrated on start.
 	DatabaseURL string
-	// PoolSize (DATABASE_POOL_SIZE): the most connections this process opens. Default 20.
+	// PoolSize (DATABASE_POOL_SIZE): the most connections this process opens. Default
+	// DefaultPoolSize(): twice the CPUs, at least 4.
 	PoolSize int
 	// ListenAddr (LISTEN_ADDR): the HTTP address. Default 127.0.0.1:8080.
 	ListenAddr string
@@ -55,6 +58,10 @@ type Config struct {
 	// CleanupBatchSize (CLEANUP_BATCH_SIZE): rows per cleanup batch. Zero (the default) means
 	// the SQL API's default (idem.idem_defaults(), 1000).
 	CleanupBatchSize int
+	// CleanupDuty (CLEANUP_DUTY): the share of the time the scheduled cleaner's batches may
+	// take: after each batch it pauses so long that its batches take at most this share of a
+	// pass (1: no pause). Default 0.4 (dbidem.DefaultCleanupDuty). `server cleanup` runs without pauses.
+	CleanupDuty float64
 	// CleanupVacuum (CLEANUP_VACUUM): whether cleanup vacuums the key table once its passes
 	// have deleted more rows than autovacuum's threshold for the table (when the server's role
 	// owns it). Default true.
@@ -74,12 +81,17 @@ type Config struct {
 	LogLevel slog.Level
 }
 
+// DefaultPoolSize is DATABASE_POOL_SIZE's default: twice the CPUs this process may use, at
+// least 4. Under contention more connections than that only add lock waits and context
+// switches (docs/operations.md, "Sizing the pool", has the measurements).
+func DefaultPoolSize() int { return max(4, 2*runtime.GOMAXPROCS(0)) }
+
 // defaultConfig is every default, in one place.
 func defaultConfig() Config {
 	return Config{
-		PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
+		PoolSize: DefaultPoolSize(), ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
 		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
-		CleanupInterval: time.Minute, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
+		CleanupInterval: time.Minute, CleanupDuty: dbidem.DefaultCleanupDuty, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
 		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
@@ -102,7 +114,7 @@ commands:
 
 environment (docs/operations.md):
   DATABASE_URL                    PostgreSQL connection string; unset: a private cluster under IDEM_DATA_DIR
-  DATABASE_POOL_SIZE              most connections this process opens (20)
+  DATABASE_POOL_SIZE              most connections this process opens (twice the CPUs, at least 4)
   LISTEN_ADDR                     HTTP address, host:port (127.0.0.1:8080)
   IDEM_DATA_DIR                   the private cluster's directory (.data)
   IDEM_DATA_PORT                  the private cluster's port on 127.0.0.1 (54329)
@@ -115,6 +127,7 @@ environment (docs/operations.md):
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
   CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
+  CLEANUP_DUTY                    the share of the time the scheduled cleaner's batches may take, 0 to 1 (0.4)
   CLEANUP_VACUUM                  vacuum the key table once cleanup deleted more than autovacuum's threshold, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   PAYOUTS_LEASE                   the lease of POST /v1/payouts, extended while a payout runs (5s)
@@ -186,6 +199,14 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		p.duration("CLEANUP_INTERVAL", &c.CleanupInterval, time.Second)
 	}
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
+	if v := strings.TrimSpace(getenv("CLEANUP_DUTY")); v != "" {
+		d, err := strconv.ParseFloat(v, 64)
+		if err != nil || !(d > 0 && d <= 1) {
+			p.fail("CLEANUP_DUTY", v, "want a share of the time above 0 and at most 1, such as 0.4")
+		} else {
+			c.CleanupDuty = d
+		}
+	}
 	p.duration("SHUTDOWN_TIMEOUT", &c.ShutdownTimeout, time.Millisecond)
 	p.boolean("CLEANUP_VACUUM", &c.CleanupVacuum)
 	p.duration("PAYOUTS_LEASE", &c.PayoutsLease, time.Second)

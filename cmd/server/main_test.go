@@ -35,6 +35,8 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"CLEANUP_INTERVAL", "10ms"},
 		{"CLEANUP_BATCH_SIZE", "0"},
 		{"CLEANUP_VACUUM", "sometimes"},
+		{"CLEANUP_DUTY", "0"},
+		{"CLEANUP_DUTY", "1.5"},
 		{"TRANSFERS_REQUIRE_KEY", "maybe"},
 		{"LOG_LEVEL", "loud"},
 	} {
@@ -76,10 +78,10 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	if err := m.ParseFlags(nil, func(string) string { return "" }); err != nil {
 		t.Fatal(err)
 	}
-	want := Config{PoolSize: 20, ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
+	want := Config{PoolSize: DefaultPoolSize(), ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
 		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupVacuum: true,
 		ShutdownTimeout: 10 * time.Second, TransfersRequireKey: true, LogLevel: slog.LevelInfo,
-		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond}
+		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond, CleanupDuty: 0.4}
 	if m.Config != want {
 		t.Fatalf("defaults:\n got %+v\nwant %+v", m.Config, want)
 	}
@@ -88,7 +90,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		"IDEM_DATA_DIR": "/x", "IDEM_DATA_PORT": "7", "IDEM_APP_ROLE": "app_x", "IDEMPOTENCY_TTL": "1h",
 		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "IDEMPOTENCY_MAX_WAITING_BYTES": "5000", "MAX_BODY_BYTES": "100",
 		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "CLEANUP_VACUUM": "false", "SHUTDOWN_TIMEOUT": "3s",
-		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug", "PAYOUTS_LEASE": "2s", "PAYOUT_PROVIDER_DELAY": "0",
+		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug", "PAYOUTS_LEASE": "2s", "PAYOUT_PROVIDER_DELAY": "0", "CLEANUP_DUTY": "0.5",
 	}
 	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
 		t.Fatal(err)
@@ -96,7 +98,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	want = Config{DatabaseURL: "postgres://u@h:5/d", PoolSize: 9, ListenAddr: "0.0.0.0:9", DataDir: "/x", DataPort: 7,
 		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxWaitingBytes: 5000, MaxBodyBytes: 100,
 		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, CleanupVacuum: false, ShutdownTimeout: 3 * time.Second,
-		TransfersRequireKey: false, LogLevel: slog.LevelDebug, PayoutsLease: 2 * time.Second}
+		TransfersRequireKey: false, LogLevel: slog.LevelDebug, PayoutsLease: 2 * time.Second, CleanupDuty: 0.5}
 	if m.Config != want {
 		t.Fatalf("every variable:\n got %+v\nwant %+v", m.Config, want)
 	}

@@ -16,14 +16,15 @@ import (
 
 // TestRetryStormCannotStarveTheAPI: one keyed transfer is held (its account's row is locked
 // by another transaction) while 40 clients retry it with the same key, again at once on
-// every 409, and 4 other clients send unrelated keyless deposits. With a pool of only 4
-// connections, the unrelated requests keep completing during the hold (the duplicates wait
+// every 409, and 4 other clients send unrelated keyless deposits. At the default pool size
+// (DefaultPoolSize: 4 connections on a 2-core machine) and its default wait slots (a quarter
+// of the pool), the unrelated requests keep completing during the hold (the duplicates wait
 // in Go, without a connection), every duplicate ends with the first request's answer or a
 // 409 with Retry-After, and exactly one transfer takes effect.
 func TestRetryStormCannotStarveTheAPI(t *testing.T) {
 	t.Parallel()
 	const hold, duplicates, others = 4 * time.Second, 40, 4
-	s := startServer(t, map[string]string{"DATABASE_POOL_SIZE": "4", "IDEMPOTENCY_LOCK_TIMEOUT": "1s"})
+	s := startServer(t, map[string]string{"IDEMPOTENCY_LOCK_TIMEOUT": "1s"})
 	_, token := s.principal("storm")
 	id := func() int {
 		return int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
