@@ -45,17 +45,9 @@ func (b *bench) startServer(ctx context.Context, db string, clients int, env ...
 	if err := recreate(ctx, b.url, db); err != nil {
 		return nil, nil, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, nil, err
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	env = append(append(os.Environ(), "DATABASE_URL="+withDatabase(b.url, db), "LISTEN_ADDR="+addr, "LOG_LEVEL=error",
-		"DATABASE_POOL_SIZE=20"), env...)
 	command := func(args ...string) (string, error) {
 		cmd := exec.CommandContext(ctx, b.serverBin, args...)
-		cmd.Env = env
+		cmd.Env = append(append(os.Environ(), "DATABASE_URL="+withDatabase(b.url, db), "LOG_LEVEL=error"), env...)
 		out, err := cmd.CombinedOutput()
 		if err != nil {
 			return "", fmt.Errorf("server %s: %v\n%s", strings.Join(args, " "), err, out)
@@ -73,6 +65,19 @@ func (b *bench) startServer(ctx context.Context, db string, clients int, env ...
 	if m == nil {
 		return nil, nil, fmt.Errorf("no principal and token in %q", out)
 	}
+	return b.serve(ctx, db, m[1], m[2], clients, env...)
+}
+
+// serve starts the reference server on database db, set up by startServer, with env added to
+// the environment; a principal and its token authenticate the requests.
+func (b *bench) serve(ctx context.Context, db, principal, token string, clients int, env ...string) (s *server, stop func(), err error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	env = append(append(os.Environ(), "DATABASE_URL="+withDatabase(b.url, db), "LISTEN_ADDR="+addr, "LOG_LEVEL=error"), env...)
 	cmd := exec.Command(b.serverBin, "serve")
 	cmd.Env = env
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -92,7 +97,7 @@ func (b *bench) startServer(ctx context.Context, db string, clients int, env ...
 			<-done
 		}
 	}
-	s = &server{base: "http://" + addr, principal: m[1], token: m[2],
+	s = &server{base: "http://" + addr, principal: principal, token: token,
 		http: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients * 2}, Timeout: 30 * time.Second}}
 	for i := 0; ; i++ {
 		res, err := s.http.Get(s.base + "/healthz")
@@ -223,8 +228,8 @@ func httpPart(ctx context.Context, b *bench) error {
 	}
 
 	variants := []string{"no key", "fresh key", "replay"}
-	fmt.Printf("HTTP: the reference server's POST /v1/transfers (pool 20), %d clients (net/http, keep-alive), %d rounds of %ds per variant\n",
-		b.clients, b.rounds, b.seconds)
+	fmt.Printf("HTTP: the reference server's POST /v1/transfers (its default pool, %d connections here), %d clients (net/http, keep-alive), %d rounds of %ds per variant\n",
+		defaultPoolSize(), b.clients, b.rounds, b.seconds)
 	rates := map[string][]float64{}
 	lats := map[string][]time.Duration{}
 	fails := map[string]*failures{}

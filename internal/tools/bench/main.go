@@ -12,9 +12,15 @@
 //	            0.5 ms to every round trip, 4 clients
 //	roundtrips  the round trips a keyed request adds through the idemhttp middleware
 //	rows        the bytes a key stores beyond the response, and on disk
-//	cleanup     idem_cleanup deleting 300,000 expired keys under keyed load, and its
-//	            effect on the keyed p99 latency
+//	fingerprint internal/canon's BenchmarkCompute: every body shape at 64 KiB and at the
+//	            1 MiB body limit
+//	scale       claim + complete of random keys on a table of BENCH_SCALE_KEYS keys (10
+//	            million) against one of 100,000, and the WAL written per transaction
+//	cleanup     300,000 expired keys deleted under keyed load, back to back and paced as the
+//	            reference server's cleaner runs, and the effect of each on the keyed p99
 //	http        the reference server's POST /v1/transfers: no key, fresh key, replay
+//	pool        the reference server at several DATABASE_POOL_SIZE values under contended
+//	            keyed transfers and uncontended keyed deposits
 //	soak        the reference server under keyed deposits with a 20 s TTL: the key table's
 //	            size against its live data
 //
@@ -22,7 +28,7 @@
 // variant, ...) so that drift hits every variant alike; figures are medians over rounds.
 //
 // Environment: BENCH_SECONDS (10) per run, BENCH_ROUNDS (3), BENCH_CLIENTS (16),
-// BENCH_SOAK_SECONDS (150), BENCH_ONLY (a comma list of parts; default all),
+// BENCH_SOAK_SECONDS (150), BENCH_SCALE_KEYS (10000000), BENCH_ONLY (a comma list of parts; default all),
 // BENCH_DATABASE_URL (unset: a private cluster in a temporary directory).
 package main
 
@@ -53,15 +59,18 @@ var parts = []struct {
 	{"latency", latencyPart},
 	{"roundtrips", roundTripsPart},
 	{"rows", rowsPart},
+	{"fingerprint", fingerprintPart},
+	{"scale", scalePart},
 	{"cleanup", cleanupPart},
 	{"http", httpPart},
+	{"pool", poolPart},
 	{"soak", soakPart},
 }
 
 // bench is one run of the tool: its settings, the server it measures and the rows of the
 // summary.
 type bench struct {
-	seconds, rounds, clients, soakSeconds int
+	seconds, rounds, clients, soakSeconds, scaleKeys int
 	// url is a connection string to the server's maintenance database (postgres); every
 	// part connects to databases of its own on the same server.
 	url string
@@ -109,7 +118,7 @@ func run(ctx context.Context) error {
 		dst  *int
 		def  int
 	}{{"BENCH_SECONDS", &b.seconds, 10}, {"BENCH_ROUNDS", &b.rounds, 3}, {"BENCH_CLIENTS", &b.clients, 16},
-		{"BENCH_SOAK_SECONDS", &b.soakSeconds, 150}} {
+		{"BENCH_SOAK_SECONDS", &b.soakSeconds, 150}, {"BENCH_SCALE_KEYS", &b.scaleKeys, 10_000_000}} {
 		n, err := envInt(s.name, s.def)
 		errs = append(errs, err)
 		*s.dst = n
@@ -236,13 +245,17 @@ func parseOnly(v string) (map[string]bool, error) {
 func (b *bench) estimate(only map[string]bool) time.Duration {
 	s, r := float64(b.seconds), float64(b.rounds)
 	est := map[string]float64{
-		"sql":        10 + float64(len(sqlVariants))*r*(s+0.5),
-		"latency":    5 + float64(len(latencyVariants))*r*(s+0.3),
-		"roundtrips": 2,
-		"rows":       15,
-		"cleanup":    5 + r*(2*s+7),
-		"http":       15 + 3*r*s,
-		"soak":       10 + float64(b.soakSeconds),
+		"sql":         10 + float64(len(sqlVariants))*r*(s+0.5),
+		"latency":     5 + float64(len(latencyVariants))*r*(s+0.3),
+		"roundtrips":  2,
+		"rows":        15,
+		"fingerprint": 60,
+		// 10 million keys take about 4 minutes to load on a 2-core machine.
+		"scale":   20 + float64(b.scaleKeys)/40_000 + 3*r*(s+1),
+		"cleanup": 5 + r*(s+2*(s+7)),
+		"http":    15 + 3*r*s,
+		"pool":    15 + r*float64(len(poolSizes))*(2*s+1),
+		"soak":    10 + float64(b.soakSeconds),
 	}
 	total := 0.0
 	for name, sec := range est {

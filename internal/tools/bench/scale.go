@@ -1,0 +1,204 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/canon"
+	"github.com/pgidem/pgidem/internal/dbidem"
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+const (
+	// scalePrincipals send the scale part's keys, each as many.
+	scalePrincipals = 10_000
+	// scaleClients drive the scale part.
+	scaleClients = 8
+	// scaleSmall is the small table's size: make bench's other parts run on 100,000 keys.
+	scaleSmall = 100_000
+)
+
+// scaleVariant is one run of the scale part: a table and the session's wal_compression.
+type scaleVariant struct {
+	name, db, walCompression string
+}
+
+// scalePart measures claim + complete of fresh random keys (UUIDv4 of scalePrincipals
+// principals, no effect) on a large key table (BENCH_SCALE_KEYS, 10 million) against the same
+// on a small one, each run starting at a checkpoint, and the WAL written per transaction; and
+// the large table again with wal_compression=lz4, the operator's lever against full-page
+// images.
+func scalePart(ctx context.Context, b *bench) error {
+	large := b.scaleKeys
+	dbs := map[string]int{"bench_scale_small": scaleSmall, "bench_scale_large": large}
+	for _, db := range []string{"bench_scale_small", "bench_scale_large"} {
+		if err := b.scaleDatabase(ctx, db, dbs[db]); err != nil {
+			return err
+		}
+	}
+	variants := []scaleVariant{
+		{"small", "bench_scale_small", "off"},
+		{"large", "bench_scale_large", "off"},
+		{"large lz4", "bench_scale_large", "lz4"},
+	}
+	pools := map[string]*pgxpool.Pool{}
+	for _, v := range variants {
+		p, err := openPool(ctx, b.url, v.db, scaleClients, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["wal_compression"] = v.walCompression
+		})
+		if err != nil {
+			return fmt.Errorf("%s: %w (wal_compression=lz4 needs a server built with lz4)", v.name, err)
+		}
+		defer p.Close()
+		pools[v.name] = p
+	}
+	for db, n := range dbs {
+		var idx, heap int64
+		if err := pools[map[string]string{"bench_scale_small": "small", "bench_scale_large": "large"}[db]].QueryRow(ctx,
+			`SELECT pg_relation_size('idem.idempotency_keys_pkey'), pg_relation_size('idem.idempotency_keys')`).Scan(&idx, &heap); err != nil {
+			return err
+		}
+		fmt.Printf("%s: %d keys, table %d MiB, primary key %d MiB (%.0f 8 KiB pages)\n", db, n, heap>>20, idx>>20, float64(idx)/8192)
+	}
+	fmt.Printf("scale: claim + complete of fresh UUIDv4 keys of %d principals (no effect), %d clients, %d rounds of %ds per variant, each run after a CHECKPOINT\n",
+		scalePrincipals, scaleClients, b.rounds, b.seconds)
+	tps := map[string][]float64{}
+	wal := map[string][]float64{}
+	var fails failures
+	for r := 1; r <= b.rounds; r++ {
+		for _, v := range variants {
+			pool := pools[v.name]
+			if err := checkpoint(ctx, pool); err != nil {
+				return err
+			}
+			var lsn0 string
+			if err := pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn0); err != nil {
+				return err
+			}
+			res := drive(ctx, scaleClients, after(time.Duration(b.seconds)*time.Second), func(ctx context.Context, w *worker) error {
+				return scaleTx(ctx, pool, w)
+			})
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			var walBytes float64
+			if err := pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)`, lsn0).Scan(&walBytes); err != nil {
+				return err
+			}
+			fails.add(v.name, res)
+			perTx := walBytes / float64(max(res.n, 1))
+			tps[v.name] = append(tps[v.name], res.rate())
+			wal[v.name] = append(wal[v.name], perTx)
+			fmt.Printf("  round %d  %-10s %6.0f tps, %6.0f WAL bytes/tx%s\n", r, v.name, res.rate(), perTx, res.errNote())
+		}
+	}
+	fmt.Printf("\n%-10s %10s %14s   %s\n", "variant", "median tps", "WAL bytes/tx", "runs")
+	med, medWAL := map[string]float64{}, map[string]float64{}
+	for _, v := range variants {
+		med[v.name], medWAL[v.name] = median(tps[v.name]), median(wal[v.name])
+		fmt.Printf("%-10s %10.0f %14.0f   %v\n", v.name, med[v.name], medWAL[v.name], rounded(tps[v.name]))
+	}
+	name := fmt.Sprintf("scale: claim+complete, %s keys / %s keys", millions(large), millions(scaleSmall))
+	b.ratio(name, med["large"]/med["small"], ">=", 0.90)
+	b.ratio(name+", wal_compression=lz4", med["large lz4"]/med["small"], ">=", 0.90)
+	b.info("scale: WAL bytes/tx small, large, large lz4", fmt.Sprintf("%.0f %.0f %.0f", medWAL["small"], medWAL["large"], medWAL["large lz4"]))
+	return fails.err()
+}
+
+// millions writes n keys shortly: 100k, 10M.
+func millions(n int) string {
+	switch {
+	case n >= 1_000_000 && n%1_000_000 == 0:
+		return fmt.Sprintf("%dM", n/1_000_000)
+	case n >= 1000 && n%1000 == 0:
+		return fmt.Sprintf("%dk", n/1000)
+	}
+	return fmt.Sprint(n)
+}
+
+// scaleTx claims a fresh key of a random principal and completes it, nothing else.
+func scaleTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
+	r := w.request()
+	c := dbidem.Claim{Principal: fmt.Sprintf("p%05d", w.rng.IntN(scalePrincipals)+1), Key: r.key, Action: action,
+		Fingerprint: r.fp.Sum, Fields: r.fp.Fields}
+	return dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		d, err := tx.Claim(ctx, c)
+		if err != nil {
+			return err
+		}
+		if d.Outcome != dbidem.Claimed {
+			return fmt.Errorf("%w: %s", errUnexpected, d.Outcome)
+		}
+		tx.CompleteOnCommit(response)
+		return nil
+	})
+}
+
+// scaleDatabase creates db with n completed keys of scalePrincipals principals, with random
+// UUIDv4 keys, as idem_begin and idem_complete store them, inserted in the primary key's
+// order (a bulk load; the runs then insert at random places, as clients do).
+func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
+	if b.ready[db] {
+		return nil
+	}
+	t0 := time.Now()
+	fmt.Printf("setting up database %s: the idem schema, %d completed keys of %d principals\n", db, n, scalePrincipals)
+	if err := recreate(ctx, b.url, db); err != nil {
+		return err
+	}
+	conn, err := connect(ctx, b.url, db)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if err := idemsql.Migrate(ctx, conn, idemsql.Options{}); err != nil {
+		return fmt.Errorf("migrate %s: %w", db, err)
+	}
+	fp := canon.Compute("POST", path, []byte(`{"from":1,"to":2,"amount":1}`))
+	const chunk = 1_000_000
+	for done := 0; done < n; done += chunk {
+		m := min(chunk, n-done)
+		if _, err := conn.Exec(ctx, `SET maintenance_work_mem = '512MB'`); err != nil {
+			return err
+		}
+		if _, err := conn.Exec(ctx, `SET work_mem = '512MB'`); err != nil {
+			return err
+		}
+		// Each chunk's keys are sorted; chunks interleave in the index, as a table filled
+		// over time does.
+		if _, err := conn.Exec(ctx, `INSERT INTO idem.idempotency_keys
+			  (expires_at, attempt, action_hash, state, principal_id, key, request_sha256, request_fields,
+			   response_status, response_headers, response_body)
+			SELECT now() + interval '1 day', nextval('idem.attempt_seq'), hashtextextended($1, 0), 'c', s.p, s.k,
+			       $2, $3, 201, $4::jsonb, $5
+			  FROM (SELECT format('p%s', lpad((1 + (random() * ($6::integer - 1))::integer)::text, 5, '0')) AS p,
+			               gen_random_uuid()::text AS k
+			          FROM generate_series(1, $7::integer)) AS s
+			 ORDER BY s.p, s.k`,
+			action, fp.Sum[:], fieldsBlob(fp.Fields), responseHeaderJSON, responseBody, scalePrincipals, m); err != nil {
+			return fmt.Errorf("%s: insert keys: %w", db, err)
+		}
+		if n > chunk {
+			fmt.Printf("  %d keys (%s)\n", done+m, time.Since(t0).Round(time.Second))
+		}
+	}
+	if _, err := conn.Exec(ctx, `VACUUM (FREEZE, ANALYZE) idem.idempotency_keys`); err != nil {
+		return err
+	}
+	// The runs find the table as a long-running server does: read since the last restart
+	// (pg_prewarm is an extension the server may not have; a sequential read warms the OS
+	// cache, and the index is read by the runs themselves).
+	var count int64
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM idem.idempotency_keys`).Scan(&count); err != nil {
+		return err
+	}
+	if count != int64(n) {
+		return fmt.Errorf("%s: %d keys, want %d", db, count, n)
+	}
+	fmt.Printf("  %s ready (%s)\n", db, time.Since(t0).Round(time.Second))
+	b.ready[db] = true
+	return nil
+}
