@@ -51,11 +51,15 @@ type dbSpec struct {
 	replays bool
 	// noguard: the commit guard's foreign key dropped.
 	noguard bool
+	// noset: idem_begin and idem_complete without their SET clauses (search_path and
+	// lock_timeout), to measure what the clauses' save and restore costs per call.
+	noset bool
 }
 
 var databases = map[string]dbSpec{
 	"bench":         {bank: true, replays: true},
 	"bench_noguard": {bank: true, replays: true, noguard: true},
+	"bench_noset":   {bank: true, replays: true, noset: true},
 	"bench_cleanup": {bank: true},
 	"bench_rows":    {},
 }
@@ -78,6 +82,9 @@ func (b *bench) database(ctx context.Context, db string) error {
 	}
 	if spec.noguard {
 		what += ", no commit guard"
+	}
+	if spec.noset {
+		what += ", idem_begin and idem_complete without SET clauses"
 	}
 	fmt.Printf("setting up database %s: %s\n", db, what)
 	if err := recreate(ctx, b.url, db); err != nil {
@@ -107,6 +114,16 @@ func (b *bench) database(ctx context.Context, db string) error {
 	}
 	if spec.noguard {
 		stmts = append(stmts, `ALTER TABLE idem.idempotency_keys DROP CONSTRAINT `+dbidem.GuardConstraint)
+	}
+	if spec.noset {
+		stmts = append(stmts, `DO $$
+			DECLARE f regprocedure;
+			BEGIN
+				FOR f IN SELECT p.oid FROM pg_proc AS p WHERE p.pronamespace = 'idem'::regnamespace
+				            AND p.proname IN ('idem_begin', 'idem_complete') LOOP
+					EXECUTE format('ALTER FUNCTION %s RESET ALL', f);
+				END LOOP;
+			END $$`)
 	}
 	for _, s := range stmts {
 		if _, err := conn.Exec(ctx, s); err != nil {

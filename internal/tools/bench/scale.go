@@ -158,6 +158,13 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
 		return fmt.Errorf("migrate %s: %w", db, err)
 	}
 	fp := canon.Compute("POST", path, []byte(`{"from":1,"to":2,"amount":1}`))
+	// Loaded at fillfactor 100, so that no loaded page keeps room for one more row: the
+	// runs' claims then go where a production table's go, into pages of their own (there, the
+	// pages cleanup emptied), not each into a random old page that the free space map offers
+	// (which would read a random heap page per claim: 8,560 reads in 8,560 claims, measured).
+	if _, err := conn.Exec(ctx, `ALTER TABLE idem.idempotency_keys SET (fillfactor = 100)`); err != nil {
+		return err
+	}
 	const chunk = 1_000_000
 	for done := 0; done < n; done += chunk {
 		m := min(chunk, n-done)
@@ -184,6 +191,9 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
 		if n > chunk {
 			fmt.Printf("  %d keys (%s)\n", done+m, time.Since(t0).Round(time.Second))
 		}
+	}
+	if _, err := conn.Exec(ctx, `ALTER TABLE idem.idempotency_keys SET (fillfactor = 95)`); err != nil {
+		return err
 	}
 	if _, err := conn.Exec(ctx, `VACUUM (FREEZE, ANALYZE) idem.idempotency_keys`); err != nil {
 		return err

@@ -26,9 +26,11 @@ var sqlVariants = []sqlVariant{
 	{"functions", "bench", functionsTx},
 	{"nosavepoint", "bench", noSavepointTx},
 	{"noguard", "bench_noguard", functionsTx},
+	{"noset", "bench_noset", functionsTx},
 	{"handwritten", "bench", handwrittenTx},
 	{"seed001", "bench", seed001Tx},
 	{"replay", "bench", replayTx},
+	{"replaynoset", "bench_noset", replayTx},
 }
 
 // noKeyTx: BEGIN, the effect, COMMIT, as an application without keys sends them.
@@ -258,6 +260,8 @@ func sqlPart(ctx context.Context, b *bench) error {
 	b.ratio("SQL: functions / hand-written on our table", med["functions"]/med["handwritten"], ">=", 1.05)
 	b.ratio("SQL: guard / no guard", med["functions"]/med["noguard"], ">=", 0.95)
 	b.ratio("SQL: functions with savepoint / without", med["functions"]/med["nosavepoint"], "", 0)
+	b.ratio("SQL: functions with their SET clauses / without", med["functions"]/med["noset"], "", 0)
+	b.ratio("SQL: replay with the SET clauses / without", med["replay"]/med["replaynoset"], "", 0)
 	b.ratio("SQL: replay / first execution", med["replay"]/med["functions"], ">=", 3.00)
 	b.ratio("SQL: functions / no key", med["functions"]/med["nokey"], "", 0)
 	b.ratio("SQL: seed 001 / no key", med["seed001"]/med["nokey"], "", 0)
