@@ -41,9 +41,9 @@ func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.R
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",
 			Help: "Expired idempotency keys deleted by this process."}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_cleanup_passes_total",
-			Help: "Cleanup passes by result: done, skipped (another process held the lock), failed."}, []string{"result"}),
+			Help: "Cleanup passes by result: done, skipped (another process held the lock), failed, stopped (by shutdown)."}, []string{"result"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "idem_cleanup_pass_duration_seconds",
-			Help: "Duration of the cleanup passes this process ran.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}),
+			Help: "Duration of the cleanup passes this process ran, the pauses between batches included.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}),
 		vacuums: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_vacuums_total",
 			Help: "VACUUMs of the key table this process ran after a cleanup pass."}),
 	}
@@ -71,7 +71,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	if batch <= 0 {
 		d, err := dbidem.ReadDefaults(ctx, c.pool)
 		if err != nil {
-			c.passes.WithLabelValues("failed").Inc()
+			c.passes.WithLabelValues(failure(ctx)).Inc()
 			return 0, false, err
 		}
 		batch = d.BatchSize
@@ -82,7 +82,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 		began := time.Now()
 		if err := c.pool.QueryRow(ctx, batchSQL, cleanupLockID, batch).Scan(&n); err != nil {
 			c.deleted.Add(float64(total))
-			c.passes.WithLabelValues("failed").Inc()
+			c.passes.WithLabelValues(failure(ctx)).Inc()
 			return total, true, err
 		}
 		if n == nil {
@@ -98,7 +98,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 		}
 		if err := dbidem.Pace(ctx, c.duty, time.Since(began)); err != nil {
 			c.deleted.Add(float64(total))
-			c.passes.WithLabelValues("failed").Inc()
+			c.passes.WithLabelValues(failure(ctx)).Inc()
 			return total, true, err
 		}
 	}
@@ -109,11 +109,20 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	}
 	c.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
-		c.passes.WithLabelValues("failed").Inc()
+		c.passes.WithLabelValues(failure(ctx)).Inc()
 		return total, true, err
 	}
 	c.passes.WithLabelValues("done").Inc()
 	return total, true, nil
+}
+
+// failure is the result a pass that ended in an error counts as: stopped when its context
+// ended (the server is shutting down, a pause or a batch was cut short), failed otherwise.
+func failure(ctx context.Context) string {
+	if ctx.Err() != nil {
+		return "stopped"
+	}
+	return "failed"
 }
 
 // vacuumKeys vacuums the key table when deleted, the rows deleted since the last vacuum,

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -289,5 +290,36 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 	}
 	if k := strings.Count(log.String(), "does not vacuum"); k != 1 {
 		t.Fatalf("want the refusal logged once, got %d times:\n%s", k, log.String())
+	}
+}
+
+// TestPacedPassStopsAtShutdown: a paced pass pauses between batches (at a small duty the
+// pauses are most of it), and a shutdown that lands in a pause ends the pass at once and
+// counts it as stopped, not failed (the alert on failed passes must not fire on a deploy).
+func TestPacedPassStopsAtShutdown(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	id, _ := s.principal("c")
+	expire(t, s, id, 3000)
+	c := newCleaner(s.pool, 100, false, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c.duty = 0.01
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	n, ran, err := c.pass(ctx)
+	if !errors.Is(err, context.DeadlineExceeded) || !ran || n <= 0 || n >= 3000 {
+		t.Fatalf("a pass cut short in a pause: %d deleted, ran %v, %v; want some of the 3000 and the context's error", n, ran, err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("the pass took %v to notice its context ended", d)
+	}
+	if stopped, failed := testutil.ToFloat64(c.passes.WithLabelValues("stopped")), testutil.ToFloat64(c.passes.WithLabelValues("failed")); stopped != 1 || failed != 0 {
+		t.Fatalf("passes stopped %v, failed %v; want 1 and 0", stopped, failed)
+	}
+	if d := testutil.ToFloat64(c.deleted); int(d) != n {
+		t.Fatalf("idem_cleanup_deleted_total %v, want the %d the pass deleted", d, n)
+	}
+	if left := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE expires_at <= now()`); left != 3000-n {
+		t.Fatalf("%d expired keys left, want %d", left, 3000-n)
 	}
 }

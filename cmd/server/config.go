@@ -127,7 +127,7 @@ environment (docs/operations.md):
   MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
   CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
-  CLEANUP_DUTY                    the share of the time the scheduled cleaner's batches may take, 0 to 1 (0.4)
+  CLEANUP_DUTY                    the share of the time the scheduled cleaner's batches may take, 0.01 to 1 (0.4)
   CLEANUP_VACUUM                  vacuum the key table once cleanup deleted more than autovacuum's threshold, when the role owns it (true)
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   PAYOUTS_LEASE                   the lease of POST /v1/payouts, extended while a payout runs (5s)
@@ -201,8 +201,8 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	if v := strings.TrimSpace(getenv("CLEANUP_DUTY")); v != "" {
 		d, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(d > 0 && d <= 1) {
-			p.fail("CLEANUP_DUTY", v, "want a share of the time above 0 and at most 1, such as 0.4")
+		if err != nil || !(d >= dbidem.MinCleanupDuty && d <= 1) {
+			p.fail("CLEANUP_DUTY", v, "want a share of the time from 0.01 to 1, such as 0.4")
 		} else {
 			c.CleanupDuty = d
 		}
@@ -227,7 +227,12 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		}
 	}
 	if c.MaxWaitingClaims >= c.PoolSize {
-		p.errs = append(p.errs, errors.New("IDEMPOTENCY_MAX_WAITING_CLAIMS must be smaller than DATABASE_POOL_SIZE"))
+		if getenv("DATABASE_POOL_SIZE") == "" {
+			p.errs = append(p.errs, fmt.Errorf("IDEMPOTENCY_MAX_WAITING_CLAIMS (%d) must be smaller than the pool: %d, DATABASE_POOL_SIZE's default on this machine (twice the CPUs, at least 4); set DATABASE_POOL_SIZE above %[1]d or lower IDEMPOTENCY_MAX_WAITING_CLAIMS",
+				c.MaxWaitingClaims, c.PoolSize))
+		} else {
+			p.errs = append(p.errs, fmt.Errorf("IDEMPOTENCY_MAX_WAITING_CLAIMS (%d) must be smaller than DATABASE_POOL_SIZE (%d)", c.MaxWaitingClaims, c.PoolSize))
+		}
 	}
 	if err := errors.Join(p.errs...); err != nil {
 		return err

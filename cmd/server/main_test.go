@@ -37,6 +37,9 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"CLEANUP_VACUUM", "sometimes"},
 		{"CLEANUP_DUTY", "0"},
 		{"CLEANUP_DUTY", "1.5"},
+		{"CLEANUP_DUTY", "1e-12"},
+		{"CLEANUP_DUTY", "NaN"},
+		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "10000"},
 		{"TRANSFERS_REQUIRE_KEY", "maybe"},
 		{"LOG_LEVEL", "loud"},
 	} {
@@ -53,6 +56,22 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 	}
 	if err := NewMain(io.Discard, io.Discard).ParseFlags([]string{"frobnicate"}, func(string) string { return "" }); err == nil {
 		t.Error("an unknown command was accepted")
+	}
+	// Wait slots that do not fit the default pool: the error says what the default is and
+	// what to set (a configuration from a larger machine, or from before the default changed).
+	env := map[string]string{"IDEMPOTENCY_MAX_WAITING_CLAIMS": "5000"}
+	err := NewMain(io.Discard, io.Discard).ParseFlags(nil, func(k string) string { return env[k] })
+	if err == nil || !strings.Contains(err.Error(), "default") || !strings.Contains(err.Error(), "set DATABASE_POOL_SIZE above 5000") {
+		t.Errorf("wait slots over the default pool: %v, want an error that names the default and the fix", err)
+	}
+	env["DATABASE_POOL_SIZE"] = "5000"
+	err = NewMain(io.Discard, io.Discard).ParseFlags(nil, func(k string) string { return env[k] })
+	if err == nil || !strings.Contains(err.Error(), "smaller than DATABASE_POOL_SIZE (5000)") {
+		t.Errorf("wait slots equal to the pool: %v", err)
+	}
+	env["DATABASE_POOL_SIZE"] = "5001"
+	if err := NewMain(io.Discard, io.Discard).ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
+		t.Errorf("wait slots one below the pool: %v", err)
 	}
 }
 

@@ -196,15 +196,27 @@ func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 // expire.
 const DefaultCleanupDuty = 0.4
 
+// MinCleanupDuty is the smallest duty Pace honours: a pause of at most 99 times the batch.
+// A smaller duty (zero and negative ones included) counts as this one, so that no value
+// makes a cleaner stop for good or overflow its pause into no pause at all.
+const MinCleanupDuty = 0.01
+
+// maxPause bounds one pause whatever a batch took (a batch of hours is a broken database, not
+// a reason to stop cleaning for days).
+const maxPause = time.Hour
+
 // Pace waits, after a batch of cleanup that took took, so that batches take at most duty of
-// the time (0 < duty <= 1; 1: no wait): the cleaner then uses at most that share of a
-// database connection's time and of the CPU and I/O it drives, and the API's latency barely
-// notices it. It returns early with ctx.Err() when ctx ends.
+// the time: the cleaner then uses at most that share of a database connection's time and of
+// the CPU and I/O it drives, and the API's latency barely notices it. A duty of 1 or more (or
+// NaN) means no wait; one below MinCleanupDuty counts as MinCleanupDuty. It returns early
+// with ctx.Err() when ctx ends.
 func Pace(ctx context.Context, duty float64, took time.Duration) error {
-	if duty >= 1 || duty <= 0 || took <= 0 {
+	if !(duty < 1) || took <= 0 {
 		return ctx.Err()
 	}
-	t := time.NewTimer(time.Duration(float64(took) * (1 - duty) / duty))
+	duty = max(duty, MinCleanupDuty)
+	pause := min(float64(took)*(1-duty)/duty, float64(maxPause))
+	t := time.NewTimer(time.Duration(pause))
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
