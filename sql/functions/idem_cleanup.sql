@@ -47,8 +47,8 @@ COMMENT ON FUNCTION idem.key_relations() IS
 -- many. A relation that gives fewer rows than asked is drained; the next one is asked for the
 -- rest. Internal (not granted): it accepts only tables in schema idem.
 --
--- A batch reads the oldest expired rows from the expires_at index and deletes exactly those,
--- by ctid, whatever the statistics say. The planner otherwise chooses by its estimate of how
+-- A batch reads the oldest expired rows from the expires_at index and deletes those, by ctid,
+-- whatever the statistics say. The planner otherwise chooses by its estimate of how
 -- many rows have expired, and the estimate is smallest exactly when cleanup matters: a table
 -- analyzed while it was nearly empty, or before a backlog grew. With a small estimate it read
 -- and sorted every expired row to pick the batch, or found the batch's rows for the DELETE by
@@ -56,7 +56,10 @@ COMMENT ON FUNCTION idem.key_relations() IS
 -- expired keys under load: 4,000 rows/s instead of 100,000; TestCleanupWalksTheIndex). The
 -- DELETE needs no second expiry test: the subquery locked the rows it returns (FOR UPDATE
 -- re-tests a row changed since the scan, on its newest version), so none of them can change
--- before the DELETE removes it.
+-- before the DELETE removes it. A row that another transaction changed and committed after
+-- this statement began, and that is still expired, is locked but not deleted (its newest
+-- version is not in the statement's snapshot): the batch comes back short, which a caller
+-- reads as drained, and the next pass deletes it.
 CREATE OR REPLACE FUNCTION idem.cleanup_relations(p_relations regclass[], p_batch_size integer)
 RETURNS integer
 {{ template "include/attributes.sql" . }}
