@@ -195,7 +195,10 @@ CREATE TABLE idem.idempotency_keys_v3 (
 );
 
 -- The old rows. request_fields was {"name": "hex sha256"}; it becomes name, NUL, the first 8
--- bytes of the hash, for each field. A lease in progress keeps its key the TTL past its end.
+-- bytes of the hash, for each field. 0.1.0 took any JSON object there: a value that is not at
+-- least 16 hex digits keeps its name with a hash of eight zero bytes (it only names a field in a
+-- mismatch answer; whether a request matches is the request_sha256's to say). A lease in
+-- progress keeps its key the TTL past its end.
 INSERT INTO idem.idempotency_keys_v3
     (expires_at, attempt, action_hash, lease_expires_at, response_status, state, uncompleted,
      principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
@@ -205,15 +208,23 @@ SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
        k.lease_expires_at, k.response_status,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'),
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+                              CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
+                                   ELSE '\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(k.request_fields) AS f),
        k.resource_id, k.withheld,
-       -- 0.1.0 stored a repeated header as an array; 0.2.0 stores one string per name.
+       -- 0.1.0 stored a repeated header as an array; 0.2.0 stores one string per name, and an
+       -- answer's headers as an object of strings (an empty one when there are none: 0.1.0's
+       -- '{}', which jsonb_object_agg alone would turn into NULL). 0.1.0 took any JSON values
+       -- there: a number or a boolean becomes its text.
+       CASE WHEN k.response_status IS NOT NULL THEN coalesce(
        (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
-                                           WHEN 'array' THEN to_jsonb((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v))
-                                           ELSE h.value END)
-          FROM jsonb_each(k.response_headers) AS h),
+                                           WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
+                                           WHEN 'string' THEN h.value
+                                           ELSE to_jsonb(h.value #>> '{}') END)
+          FROM jsonb_each(CASE WHEN jsonb_typeof(k.response_headers) = 'object' THEN k.response_headers END) AS h
+         WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
        k.response_body
   FROM idem.idempotency_keys AS k;
 

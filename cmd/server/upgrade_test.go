@@ -25,6 +25,7 @@ import (
 	"github.com/jackc/tern/v2/migrate"
 
 	"github.com/pgidem/pgidem/internal/canon"
+	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
@@ -96,6 +97,18 @@ func TestUpgradeFrom010(t *testing.T) {
 		 SELECT idem.idem_begin('p_alice', 'k-secret', 'POST /v1/api-tokens', sha256('secret'));
 		 SELECT idem.idem_complete('p_alice', 'k-secret', 1, 201, '{}', NULL, '9', 'one_time_secret');
 		 COMMIT`,
+		// an answer without any of the headers 0.1.0 kept (its '{}'), one with headers 0.1.0
+		// took though they are not strings, and field hashes 0.1.0 took though they are not hex
+		`BEGIN;
+		 SELECT idem.idem_begin('p_alice', 'k-noheaders', 'POST /v1/transfers', sha256('noheaders'));
+		 SELECT idem.idem_complete('p_alice', 'k-noheaders', 1, 204, '{}', NULL);
+		 COMMIT`,
+		`BEGIN;
+		 SELECT idem.idem_begin('p_alice', 'k-oddheaders', 'POST /v1/transfers', sha256('oddheaders'),
+		                        p_request_fields => '{"a": "not hex at all", "b": "ab", "c": 7, "d": "` + hexSum("d") + `"}');
+		 SELECT idem.idem_complete('p_alice', 'k-oddheaders', 1, 200,
+		                           '{"X-Count": 5, "X-Flag": true, "X-None": null, "Vary": [], "Link": ["<a>", 2]}', 'ok');
+		 COMMIT`,
 		// a lease still running, taken over once (attempt 2)
 		`SELECT idem.idem_begin('p_alice', 'k-lease', 'POST /v1/jobs', sha256('job'), p_lease => '10 minutes')`,
 		`UPDATE idem.idempotency_keys SET lease_expires_at = now() - interval '1 s' WHERE key = 'k-lease'`,
@@ -158,6 +171,35 @@ func TestUpgradeFrom010(t *testing.T) {
 	if r := begin("k-secret", "POST /v1/api-tokens", "secret", nil); r.outcome != "replay" || *r.withheld != "one_time_secret" || r.body != nil {
 		t.Fatalf("the secret after the upgrade: %+v", r)
 	}
+	// Every stored answer is one this version's driver reads: headers an object of strings.
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys WHERE response_status IS NOT NULL
+		AND (response_headers IS NULL OR jsonb_typeof(response_headers) <> 'object'
+		     OR jsonb_path_exists(response_headers, 'strict $.* ? (@.type() != "string")'))`); n != 0 {
+		t.Fatalf("%d upgraded answers whose headers are not an object of strings", n)
+	}
+	for _, k := range []struct{ key, action, body string }{{"k-done", "POST /v1/transfers", "done"},
+		{"k-final", "POST /v1/transfers", "final"}, {"k-secret", "POST /v1/api-tokens", "secret"},
+		{"k-noheaders", "POST /v1/transfers", "noheaders"}, {"k-oddheaders", "POST /v1/transfers", "oddheaders"}} {
+		d, err := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: k.key, Action: k.action, Fingerprint: sha256.Sum256([]byte(k.body))})
+		if err != nil || d.Outcome != dbidem.Replay {
+			t.Fatalf("%s through the driver after the upgrade: %+v %v, want a replay", k.key, d, err)
+		}
+	}
+	if d, _ := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: "k-oddheaders", Action: "POST /v1/transfers",
+		Fingerprint: sha256.Sum256([]byte("oddheaders"))}); d.Response.Status != 200 || string(d.Response.Body) != "ok" ||
+		d.Response.Header.Get("X-Count") != "5" || d.Response.Header.Get("X-Flag") != "true" || d.Response.Header.Get("Link") != "<a>, 2" ||
+		d.Response.Header.Get("X-None") != "" || d.Response.Header.Get("Vary") != "" {
+		t.Fatalf("the odd headers after the upgrade: %+v", d.Response)
+	}
+	if d, _ := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: "k-noheaders", Action: "POST /v1/transfers",
+		Fingerprint: sha256.Sum256([]byte("noheaders"))}); d.Response.Status != 204 || len(d.Response.Header) != 0 {
+		t.Fatalf("the answer without headers after the upgrade: %+v", d.Response)
+	}
+	odd := `{"a": "` + hexSum("a") + `", "b": "` + hexSum("b") + `", "c": "` + hexSum("c") + `", "d": "` + hexSum("d") + `"}`
+	if r := begin("k-oddheaders", "POST /v1/transfers", "other", &odd); r.outcome != "mismatch" || strings.Join(r.changed, ",") != "a,b,c" {
+		t.Fatalf("a mismatch on a key whose 0.1.0 field hashes were not hex: %+v, want a, b and c changed", r)
+	}
+
 	if r := begin("k-lease", "POST /v1/jobs", "job", nil); r.outcome != "in_progress" || r.attempt != 2 {
 		t.Fatalf("the running lease after the upgrade: %+v", r)
 	}

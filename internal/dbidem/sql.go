@@ -75,7 +75,12 @@ func encodeHeader(h http.Header) string {
 	return string(b)
 }
 
+// decodeHeader reads a stored answer's headers: an object of strings (the functions accept
+// nothing else), or NULL, read as none.
 func decodeHeader(b []byte) (http.Header, error) {
+	if b == nil {
+		return http.Header{}, nil
+	}
 	var m map[string]string
 	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, fmt.Errorf("dbidem: stored headers: %w", err)
