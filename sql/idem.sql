@@ -859,9 +859,12 @@ $$;
 COMMENT ON FUNCTION idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb, text, text) IS
     'Stores a final error response in the caller''s transaction: finalizes its own claim, or inserts for a key nobody holds; true when stored, false when a live row exists (never overwritten). See docs/sql-api.md.';
 
--- idem_release: abandon a claim without a response, so that a retry may claim the key again
--- (with a new token, so the released holder stays fenced off). True when released, false when
--- no claim with this attempt is in progress.
+-- idem_release: abandon a lease claim without a response, so that a retry may claim the key
+-- again (with a new token, so the released holder stays fenced off). True when released, false
+-- when no lease claim with this attempt is in progress. A transactional claim is not released:
+-- its transaction rolls back instead. Released and committed, it would let the transaction's
+-- effect commit beside a key without an answer, and the retry that claims the key again would
+-- apply the effect a second time (the commit guard exists to refuse exactly that).
 CREATE OR REPLACE FUNCTION idem.idem_release(
     p_principal text,
     p_key       text,
@@ -901,13 +904,23 @@ IF v_problem IS NOT NULL THEN
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
-    RETURN FOUND;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+    IF FOUND THEN
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT FROM idem.idempotency_keys AS k
+                WHERE k.principal_id = p_principal AND k.key = p_key
+                  AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NULL) THEN
+        RAISE EXCEPTION 'idem_release: the claim with attempt % is transactional: roll its transaction back instead', p_attempt
+            USING ERRCODE = '55000',
+                  DETAIL = 'A transactional claim commits only with its answer (idem_complete or idem_save_final).';
+    END IF;
+    RETURN false;
 END
 $$;
 
 COMMENT ON FUNCTION idem.idem_release(text, text, bigint) IS
-    'Abandons the in-progress claim with this attempt so that a retry may claim the key again; false when there is none. See docs/sql-api.md.';
+    'Abandons the in-progress lease claim with this attempt so that a retry may claim the key again; false when there is none; 55000 for a transactional claim (roll its transaction back). See docs/sql-api.md.';
 
 -- idem_extend: the holder of a lease claim moves its lease's end to p_lease from now, while its
 -- work outside the database runs (a heartbeat). Fenced by p_attempt: only the current holder
@@ -1618,7 +1631,7 @@ IF v_problem IS NOT NULL THEN
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
-                 WHEN v_attempt <> p_attempt THEN format('the claim was taken over, its token is now %s', v_attempt)
+                 WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
     END IF;
@@ -1643,7 +1656,7 @@ GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- bodies and the lever for operators (docs/operations.md, "Operators").
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO "idem_app";
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
-    idem.idem_release_stuck
+    idem.idem_release_stuck, idem.idem_version
 TO "idem_operator";
 
 COMMIT;

@@ -72,7 +72,7 @@ func catalog(t *testing.T, conn *pgx.Conn) string {
 	         FROM pg_class c JOIN pg_sequence s ON s.seqrelid = c.oid
 	        WHERE c.relnamespace = 'idem'::regnamespace ORDER BY 1`)
 	lines(`SELECT 'role ' || rolname || CASE WHEN rolcanlogin THEN ' LOGIN' ELSE ' NOLOGIN' END
-	         FROM pg_roles WHERE rolname = 'idem_app'`)
+	         FROM pg_roles WHERE rolname IN ('idem_app', 'idem_operator') ORDER BY 1`)
 	lines(`
 	SELECT 'grant ' || privilege_type || ' ON ' || what || ' TO ' || grantee FROM (
 	  SELECT 'SCHEMA idem' AS what, a.privilege_type, coalesce(r.rolname, 'PUBLIC') AS grantee

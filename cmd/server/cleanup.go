@@ -47,6 +47,11 @@ func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.R
 		vacuums: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_vacuums_total",
 			Help: "VACUUMs of the key table this process ran after a cleanup pass."}),
 	}
+	// Every result is exported from the start, at 0: a series that first appears at 1 (the
+	// first failed pass) would never show an increase(), and its alert would not fire.
+	for _, result := range []string{"done", "skipped", "failed", "stopped"} {
+		c.passes.WithLabelValues(result)
+	}
 	if reg != nil {
 		reg.MustRegister(c.deleted, c.passes, c.duration, c.vacuums)
 	}

@@ -303,6 +303,10 @@ func TestPacedPassStopsAtShutdown(t *testing.T) {
 	expire(t, s, id, 3000)
 	c := newCleaner(s.pool, 100, false, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	c.duty = 0.01
+	// A fresh cleaner exports every result at 0, so that the first failure is an increase.
+	if n := testutil.CollectAndCount(c.passes); n != 4 {
+		t.Fatalf("a fresh cleaner exports %d series of idem_cleanup_passes_total, want 4 (done, skipped, failed, stopped)", n)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()

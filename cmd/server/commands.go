@@ -69,7 +69,12 @@ func (m *Main) Run(ctx context.Context) error {
 	if m.Command == "migrate" {
 		return m.migrate(ctx)
 	}
-	if err := checkMigrated(ctx, m.pool); err != nil {
+	check := checkMigrated
+	if m.Command == "keys" {
+		// An operator's role (idem_operator) needs idem's functions only, not the ledger.
+		check = checkIdemMigrated
+	}
+	if err := check(ctx, m.pool); err != nil {
 		return err
 	}
 	switch m.Command {
@@ -263,9 +268,31 @@ var errNewer = errors.New("the database is newer than this server: run the newer
 // functions belong to, which the application role may call), the ledger through its version
 // table. A schema whose functions belong to another version (an install that stopped half
 // way) is not migrated.
-func checkMigrated(ctx context.Context, db interface {
+func checkMigrated(ctx context.Context, db rowQuerier) error {
+	if err := checkIdemMigrated(ctx, db); err != nil {
+		return err
+	}
+	wantLedger := countMigrations(ledgerFS())
+	var have int32
+	if err := db.QueryRow(ctx, `SELECT CASE WHEN to_regclass('`+ledgerVersionTable+`') IS NULL THEN 0
+		ELSE (SELECT version FROM `+ledgerVersionTable+`) END`).Scan(&have); err != nil {
+		return fmt.Errorf("check the migrations: %w", err)
+	}
+	switch {
+	case int(have) < wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, ledgerVersionTable, have, wantLedger)
+	case int(have) > wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
+	}
+	return nil
+}
+
+type rowQuerier interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
-}) error {
+}
+
+// checkIdemMigrated is checkMigrated's half for schema idem (what `server keys` needs).
+func checkIdemMigrated(ctx context.Context, db rowQuerier) error {
 	want := idemsql.Version()
 	var functions, schema int32
 	err := db.QueryRow(ctx, `SELECT functions_version, schema_version FROM idem.idem_version()`).Scan(&functions, &schema)
@@ -282,18 +309,6 @@ func checkMigrated(ctx context.Context, db interface {
 		return fmt.Errorf("%w (idem is at schema version %d, this server needs %d)", errNotMigrated, schema, want)
 	case functions != schema:
 		return fmt.Errorf("%w (idem's functions belong to schema version %d, the schema is at %d)", errNotMigrated, functions, schema)
-	}
-	wantLedger := countMigrations(ledgerFS())
-	var have int32
-	if err := db.QueryRow(ctx, `SELECT CASE WHEN to_regclass('`+ledgerVersionTable+`') IS NULL THEN 0
-		ELSE (SELECT version FROM `+ledgerVersionTable+`) END`).Scan(&have); err != nil {
-		return fmt.Errorf("check the migrations: %w", err)
-	}
-	switch {
-	case int(have) < wantLedger:
-		return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, ledgerVersionTable, have, wantLedger)
-	case int(have) > wantLedger:
-		return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
 	}
 	return nil
 }

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -10,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -136,11 +139,22 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		line("attempt", k.Attempt)
 		line("action_hash", k.ActionHash)
 		line("field_names", strings.Join(k.FieldNames, ", "))
-		line("response_status", k.Status)
-		line("response_headers", k.Header)
-		line("resource_id", k.ResourceID)
-		line("withheld", k.Withheld)
-		line("body_bytes", k.BodyBytes)
+		orNone := func(v any, ok bool) any {
+			if !ok {
+				return "-"
+			}
+			return v
+		}
+		answered := k.Status != 0 // an answer's status is 100 to 599; none while in progress
+		headers, err := json.Marshal(k.Header)
+		if err != nil {
+			return err
+		}
+		line("response_status", orNone(k.Status, answered))
+		line("response_headers", orNone(string(headers), answered && k.Header != nil))
+		line("resource_id", orNone(k.ResourceID, k.ResourceID != ""))
+		line("withheld", orNone(k.Withheld, k.Withheld != ""))
+		line("body_bytes", orNone(k.BodyBytes, answered && k.Withheld == ""))
 		return nil
 	case len(args) >= 4 && args[0] == "release":
 		token, err := strconv.ParseInt(args[3], 10, 64)
@@ -148,6 +162,9 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 			return fmt.Errorf("keys release: TOKEN must be the key's attempt (an integer), got %q", args[3])
 		}
 		if err := dbidem.ReleaseStuck(ctx, pool, args[1], args[2], token, strings.Join(args[4:], " ")); err != nil {
+			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
+				return fmt.Errorf("keys release: %s", pgErr.Message) // the function's own words
+			}
 			return err
 		}
 		fmt.Fprintf(out, "released the lease claim of key %q of principal %q (token %d): a retry runs the work again\n", args[2], args[1], token)

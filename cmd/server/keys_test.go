@@ -57,13 +57,20 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 	if r := s.call("POST", "/v1/payouts", token, "stuck-1", body); r.status != 409 {
 		t.Fatalf("a retry while the dead process's lease runs: %+v, want 409", r)
 	}
-	summary, err := runCommand(t, s.db, "keys")
+	// Every `server keys` form runs as a login role that is only a member of idem_operator.
+	ops := loginRoleIn(t, s.db, "idem_operator")
+	summary, err := runCommand(t, ops, "keys")
 	if err != nil || !regexp.MustCompile(`\(all\)\s+\d+\s+1\s`).MatchString(summary) {
 		t.Fatalf("server keys: %v\n%s", err, summary)
 	}
-	story, err := runCommand(t, s.db, "keys", principal, "stuck-1")
+	story, err := runCommand(t, ops, "keys", principal, "stuck-1")
 	if err != nil || !strings.Contains(story, "state              in_progress") || strings.Contains(story, "claimed_at         -") {
 		t.Fatalf("server keys %s stuck-1: %v\n%s", principal, err, story)
+	}
+	for _, f := range []string{"response_status", "response_headers", "body_bytes"} { // no answer yet: NULL, not 0
+		if !regexp.MustCompile(`(?m)^` + f + `\s+-$`).MatchString(story) {
+			t.Fatalf("%s of a claim in progress is not shown as -:\n%s", f, story)
+		}
 	}
 	m := regexp.MustCompile(`(?m)^attempt\s+(\d+)$`).FindStringSubmatch(story)
 	if m == nil {
@@ -78,19 +85,24 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 		t.Fatalf("the gauges do not show the stuck claim:\n%s", grepLines(metrics, "idempotency_"))
 	}
 
-	if out, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", strconv.FormatInt(attempt+1000000, 10), "wrong token"); err == nil {
-		t.Fatalf("a release with another token: %s", out)
+	if out, err := runCommand(t, ops, "keys", "release", principal, "stuck-1", strconv.FormatInt(attempt+1000000, 10), "wrong token"); err == nil ||
+		!strings.Contains(err.Error(), "token is "+m[1]) || strings.Contains(err.Error(), "claim lost") {
+		t.Fatalf("a release with another token: %v %s, want a refusal that gives the key's token", err, out)
 	}
-	if out, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", m[1], "process", "killed"); err != nil {
+	if out, err := runCommand(t, ops, "keys", "release", principal, "stuck-1", m[1], "process", "killed"); err != nil {
 		t.Fatalf("the release: %v %s", err, out)
 	}
 	r := s.call("POST", "/v1/payouts", token, "stuck-1", body)
 	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "" {
 		t.Fatalf("the client's retry after the release: %+v, want the payout made", r)
 	}
-	story, _ = runCommand(t, s.db, "keys", principal, "stuck-1")
+	story, _ = runCommand(t, ops, "keys", principal, "stuck-1")
+	if !regexp.MustCompile(`(?m)^response_status\s+201$`).MatchString(story) ||
+		!regexp.MustCompile(`(?m)^response_headers\s+\{"Content-Type":"application/json"`).MatchString(story) {
+		t.Fatalf("the completed payout's story:\n%s", story)
+	}
 	m2 := regexp.MustCompile(`(?m)^attempt\s+(\d+)$`).FindStringSubmatch(story)
-	if _, err := runCommand(t, s.db, "keys", "release", principal, "stuck-1", m2[1]); err == nil || !strings.Contains(err.Error(), "completed") {
+	if _, err := runCommand(t, ops, "keys", "release", principal, "stuck-1", m2[1]); err == nil || !strings.Contains(err.Error(), "completed") {
 		t.Fatalf("releasing a completed key: %v, want a refusal that says it is completed", err)
 	}
 }

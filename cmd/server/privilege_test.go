@@ -21,9 +21,16 @@ var loginRoles atomic.Int64
 // connection string of db as that role. The role is dropped when the test ends.
 func loginRole(t *testing.T, db string) string {
 	t.Helper()
+	return loginRoleIn(t, db, "idem_app")
+}
+
+// loginRoleIn is loginRole for a login role that is only a member of group (idem_app or
+// idem_operator).
+func loginRoleIn(t *testing.T, db, group string) string {
+	t.Helper()
 	owner := pgtest.Connect(t, db)
 	name := fmt.Sprintf("idem_login_%d", loginRoles.Add(1))
-	pgtest.Exec(t, owner, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE IN ROLE idem_app`, name))
+	pgtest.Exec(t, owner, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE IN ROLE %s`, name, group))
 	t.Cleanup(func() {
 		ctx := context.Background()
 		c, err := pgx.Connect(ctx, db)

@@ -167,8 +167,9 @@ func Complete(ctx context.Context, q Querier, principal, key string, attempt int
 	return classify(err)
 }
 
-// Release abandons the claim with this attempt without a response, so that a retry may
-// claim the key again. It returns false when no such claim is in progress.
+// Release abandons the lease claim with this attempt without a response, so that a retry may
+// claim the key again. It returns false when no such claim is in progress. A transactional
+// claim is not released (SQLSTATE 55000): roll its transaction back instead.
 func Release(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
 	var ok bool
 	err := q.QueryRow(ctx, releaseSQL, principal, key, attempt).Scan(&ok)

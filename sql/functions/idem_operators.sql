@@ -227,7 +227,7 @@ BEGIN
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
-                 WHEN v_attempt <> p_attempt THEN format('the claim was taken over, its token is now %s', v_attempt)
+                 WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
     END IF;

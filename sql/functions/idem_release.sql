@@ -1,6 +1,9 @@
--- idem_release: abandon a claim without a response, so that a retry may claim the key again
--- (with a new token, so the released holder stays fenced off). True when released, false when
--- no claim with this attempt is in progress.
+-- idem_release: abandon a lease claim without a response, so that a retry may claim the key
+-- again (with a new token, so the released holder stays fenced off). True when released, false
+-- when no lease claim with this attempt is in progress. A transactional claim is not released:
+-- its transaction rolls back instead. Released and committed, it would let the transaction's
+-- effect commit beside a key without an answer, and the retry that claims the key again would
+-- apply the effect a second time (the commit guard exists to refuse exactly that).
 CREATE OR REPLACE FUNCTION idem.idem_release(
     p_principal text,
     p_key       text,
@@ -22,10 +25,20 @@ BEGIN
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
-    RETURN FOUND;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+    IF FOUND THEN
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT FROM idem.idempotency_keys AS k
+                WHERE k.principal_id = p_principal AND k.key = p_key
+                  AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NULL) THEN
+        RAISE EXCEPTION 'idem_release: the claim with attempt % is transactional: roll its transaction back instead', p_attempt
+            USING ERRCODE = '55000',
+                  DETAIL = 'A transactional claim commits only with its answer (idem_complete or idem_save_final).';
+    END IF;
+    RETURN false;
 END
 $$;
 
 COMMENT ON FUNCTION idem.idem_release(text, text, bigint) IS
-    'Abandons the in-progress claim with this attempt so that a retry may claim the key again; false when there is none. See docs/sql-api.md.';
+    'Abandons the in-progress lease claim with this attempt so that a retry may claim the key again; false when there is none; 55000 for a transactional claim (roll its transaction back). See docs/sql-api.md.';

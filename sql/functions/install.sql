@@ -44,5 +44,5 @@ GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- bodies and the lever for operators (docs/operations.md, "Operators").
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO "{{.app_role}}";
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
-    idem.idem_release_stuck
+    idem.idem_release_stuck, idem.idem_version
 TO "{{.operator_role}}";

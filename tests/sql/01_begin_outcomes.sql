@@ -50,7 +50,8 @@ SELECT pg_temp.b('bob', 'k1', 'POST /v1/transfers', sha256('body-3'));
 SELECT is(outcome, 'claimed', 'another principal with the same key is independent') FROM r;
 SELECT attempt AS bob_attempt FROM r \gset
 SELECT isnt(:bob_attempt::bigint, :k1_attempt::bigint, 'every claim gets its own token');
-SELECT is(idem.idem_release('bob', 'k1', :bob_attempt), true, 'release of a transactional claim');
+SELECT throws_ok(format($$SELECT idem.idem_release('bob', 'k1', %s)$$, :bob_attempt), '55000', NULL,
+    'a transactional claim is not released: its transaction rolls back');
 
 -- an expired key behaves as absent
 UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 day', lease_expires_at = now() - interval '1 day' WHERE principal_id = 'alice' AND key = 'k1';
@@ -123,11 +124,12 @@ SELECT is((SELECT state::text || '/' || attempt || '/' || coalesce(uncompleted::
 SELECT pg_temp.b('alice', 'own2', 'POST /v1/transfers', sha256('o2'));
 SELECT is(idem.idem_save_final('alice', 'own2', 'POST /v1/transfers', sha256('not the claim'), NULL, 422, '{}', 'no'), false,
     'save_final does not finalize its own claim with another request');
-SELECT is(idem.idem_release('alice', 'own2', (SELECT attempt FROM r)), true, 'so that claim is released by hand');
+SELECT is(idem.idem_save_final('alice', 'own2', 'POST /v1/transfers', sha256('o2'), NULL, 422, '{}', 'no'), true,
+    'with its own request it does');
 
 SELECT is(outcome, 'claimed', 'a key of exactly 255 visible ASCII characters is accepted')
   FROM idem.idem_begin('alice', repeat('~', 254) || '!', 'POST /v1/x', sha256('x'));
-SELECT is(idem.idem_release('alice', repeat('~', 254) || '!', attempt), true, 'and released')
+SELECT lives_ok(format($$SELECT idem.idem_complete('alice', repeat('~', 254) || '!', %s, 200, '{}', NULL)$$, attempt), 'and completed')
   FROM idem.idempotency_keys WHERE key = repeat('~', 254) || '!';
 
 SELECT * FROM finish();

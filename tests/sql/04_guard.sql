@@ -2,7 +2,7 @@
 -- deferred foreign key fires at COMMIT; SET CONSTRAINTS ALL IMMEDIATE runs the same check
 -- here, inside the test's transaction. (tests/concurrency_test.go commits for real.)
 BEGIN;
-SELECT plan(6);
+SELECT plan(7);
 
 SELECT is(outcome, 'claimed', 'a transactional claim')
   FROM idem.idem_begin('p', 'guarded', 'a', sha256('x'));
@@ -18,8 +18,11 @@ SET CONSTRAINTS ALL DEFERRED;
 
 SELECT is(outcome, 'claimed', 'another transactional claim')
   FROM idem.idem_begin('p', 'released', 'a', sha256('x'));
-SELECT idem.idem_release('p', 'released', attempt) FROM idem.idempotency_keys WHERE key = 'released';
-SELECT lives_ok('SET CONSTRAINTS ALL IMMEDIATE', 'a released transactional claim may commit');
+SELECT throws_ok(format($$SELECT idem.idem_release('p', 'released', %s)$$, attempt), '55000', NULL,
+    'a transactional claim is not released (its transaction rolls back instead)')
+  FROM idem.idempotency_keys WHERE key = 'released';
+SELECT throws_ok('SET CONSTRAINTS ALL IMMEDIATE', '23503', NULL,
+    'so no effect commits beside a key without an answer, for a retry to apply again');
 
 SELECT * FROM finish();
 ROLLBACK;

@@ -45,7 +45,7 @@ SELECT throws_ok(format($$SELECT idem.idem_extend('ext', 'rel', %s, '10 minutes'
 SELECT pg_temp.b('ext', 'tx', 'POST /t', sha256('tx'));
 SELECT throws_ok(format($$SELECT idem.idem_extend('ext', 'tx', %s, '10 minutes')$$, (SELECT attempt FROM r)), '55000', NULL,
     'a transactional claim cannot be extended');
-SELECT idem.idem_release('ext', 'tx', (SELECT attempt FROM r));
+SELECT idem.idem_complete('ext', 'tx', (SELECT attempt FROM r), 200, '{}', NULL);
 
 -- Bad input.
 SELECT throws_ok($$SELECT idem.idem_extend('ext', 'job', NULL, '1 minute')$$, '22004', NULL, 'NULL token');
