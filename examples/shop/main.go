@@ -2,7 +2,7 @@
 // table, the SQL API installed at start, the middleware on net/http's ServeMux.
 //
 //	DATABASE_URL=postgres://... LISTEN_ADDR=127.0.0.1:8081 go run .
-//	curl -s localhost:8081/orders -H 'X-Customer: c1' -H 'Idempotency-Key: o-1' -d '{"sku":"a1","qty":2}'
+//	curl -s localhost:8081/orders -H 'X-Customer: c1' -H 'Idempotency-Key: o-1' -H 'Content-Type: application/json' -d '{"sku":"a1","qty":2}'
 package main
 
 import (
