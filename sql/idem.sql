@@ -618,7 +618,7 @@ IF p_request_fields IS NOT NULL THEN
             v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, interval '24 hours'));
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
-                   expires_at = v_expires, claimed_at = v_now
+                   expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';

@@ -2,7 +2,7 @@
 -- who may call which.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(25);
+SELECT plan(26);
 
 -- A completed key with fields, a one-time secret, a lease in progress, a lease that ran out
 -- (its process died), an expired key.
@@ -67,6 +67,14 @@ SELECT is(convert_from(idem.idem_key_body('ops', 'done'), 'UTF8'), '{"id":1}', '
 SELECT throws_ok($$SELECT idem.idem_begin('ops', 'x', 'a', sha256('x'))$$, '42501', NULL,
     'but cannot claim keys: it is not the application');
 RESET ROLE;
+
+-- A run-out lease taken over by a transactional claim keeps no claim time either.
+SELECT pg_temp.b('ops', 'ranout', 'POST /jobs', sha256('j3'), p_lease => '10 minutes');
+UPDATE idem.idempotency_keys SET lease_expires_at = now() - interval '1 minute' WHERE key = 'ranout';
+SELECT pg_temp.b('ops', 'ranout', 'POST /jobs', sha256('j3'));
+SELECT is(outcome || '/' || coalesce(k.claimed_at::text, 'no claim time'), 'claimed/no claim time',
+    'a transactional takeover of a run-out lease stores no claim time')
+  FROM r, idem.idem_key('ops', 'ranout') AS k;
 
 SELECT * FROM finish();
 ROLLBACK;
