@@ -1281,9 +1281,20 @@ SET lock_timeout = '2s'
 
 AS $$
 DECLARE
+    v_problem text;
     v_deleted integer;
     v_groups  integer[];
 BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL
+            THEN '22004 p_batch_size must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_cleanup: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
     v_deleted := idem.cleanup_relations(idem.key_relations(), p_batch_size);
     IF v_deleted < p_batch_size THEN
         v_groups := idem.worker_groups();
@@ -1392,6 +1403,7 @@ DECLARE
     v_now   timestamptz := clock_timestamp();
     v_bytes bigint;
 BEGIN
+    p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
     SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint INTO v_bytes FROM unnest(idem.key_relations()) AS r;
     RETURN QUERY
     SELECT CASE WHEN p_by_principal THEN k.principal_id END,

@@ -274,9 +274,17 @@ RETURNS integer
 {{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
+    v_problem text;
     v_deleted integer;
     v_groups  integer[];
 BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL
+            THEN '22004 p_batch_size must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+    END;
+{{ template "include/raise.sql" "idem_cleanup" }}
     v_deleted := idem.cleanup_relations(idem.key_relations(), p_batch_size);
     IF v_deleted < p_batch_size THEN
         v_groups := idem.worker_groups();

@@ -29,6 +29,7 @@ DECLARE
     v_now   timestamptz := clock_timestamp();
     v_bytes bigint;
 BEGIN
+    p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
     SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint INTO v_bytes FROM unnest(idem.key_relations()) AS r;
     RETURN QUERY
     SELECT CASE WHEN p_by_principal THEN k.principal_id END,

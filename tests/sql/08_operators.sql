@@ -2,7 +2,7 @@
 -- who may call which.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(26);
+SELECT plan(27);
 
 -- A completed key with fields, a one-time secret, a lease in progress, a lease that ran out
 -- (its process died), an expired key.
@@ -24,6 +24,8 @@ SELECT ok(oldest_in_progress_age >= interval '20 minutes' AND table_bytes > 0, '
   FROM idem.idem_summary();
 SELECT is(array_agg(principal_id || ':' || keys ORDER BY principal_id), ARRAY['ops:6', 'other:1'], 'per principal on request')
   FROM idem.idem_summary(p_by_principal => true);
+SELECT ok(principal_id IS NULL AND keys = 7 AND table_bytes > 0, 'NULL asks for the default: one row for all, with the size')
+  FROM idem.idem_summary(NULL);
 SELECT is(in_progress || '/' || leases_run_out || '/' || cleanup_backlog, '2/1/3', 'the health check sees the same, cheaply')
   FROM idem.idem_health();
 SELECT ok(oldest_in_progress_age >= interval '20 minutes', 'and the oldest claim''s age') FROM idem.idem_health();
