@@ -52,6 +52,8 @@ func TestBadInput(t *testing.T) {
 		{name: "an unknown member", path: transfers, body: `{"from":1,"to":2,"amount":1,"memo":"x"}`, status: 400, code: "malformed_body", stored: true},
 		{name: "a missing member", path: transfers, body: fmt.Sprintf(`{"from":%d,"amount":1}`, a), status: 400, code: "malformed_body", stored: true},
 		{name: "a string amount", path: deposits, body: `{"amount":"1"}`, status: 400, code: "malformed_body", stored: true},
+		{name: "an empty body", path: deposits, body: ``, status: 400, code: "malformed_body", stored: true},
+		{name: "a body of whitespace only", path: deposits, body: " \n\t", status: 400, code: "malformed_body"},
 		{name: "NUL in a string value", path: "/v1/accounts", body: `{"name":"a\u0000b","currency":"EUR"}`, status: 400, code: "malformed_body"},
 		{name: "NUL in a member name", path: deposits, body: `{"amount":1,"a\u0000":1}`, status: 400, code: "malformed_body"},
 		{name: "NUL in an account name, without a key", path: "/v1/accounts", body: `{"name":"a\u0000b","currency":"EUR"}`, keyless: true, status: 422, code: "validation_failed"},
@@ -140,7 +142,7 @@ func TestProtocolEdges(t *testing.T) {
 	if r := s.call("PUT", "/v1/transfers/1", token, "", ""); r.status != 405 || r.header.Get("Allow") != "GET" {
 		t.Fatalf("PUT /v1/transfers/1: %+v", r)
 	}
-	if r := s.call("POST", "/healthz", "", "", ""); r.status != 405 || r.header.Get("Allow") != "GET" {
+	if r := s.call("POST", "/healthz", "", "", ""); r.status != 405 || r.header.Get("Allow") != "GET, HEAD" {
 		t.Fatalf("POST /healthz: %+v", r)
 	}
 	if r := s.call("GET", "/v1/nothing", token, "", ""); r.status != 404 {

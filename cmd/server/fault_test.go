@@ -253,3 +253,79 @@ func TestFaults(t *testing.T) {
 		ops.Load(), s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c' AND response_status = 201`),
 		retries.Load(), replays.Load(), cuts.Load(), stalls.Load(), kills.Load())
 }
+
+// TestDatabaseDownIs503: while the server cannot reach PostgreSQL (every connection to it is
+// reset), a request gets 503 with Retry-After, from the token lookup before the middleware as
+// from the middleware itself, never 500; nothing is stored, and the client's retry with the
+// same key, once the database is back, makes the deposit once.
+func TestDatabaseDownIs503(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("down")
+	account := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
+
+	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
+		"postgres", "127.0.0.1:0", pgtest.TCPAddr(t))
+	if err := proxy.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Stop()
+	port, err := pgcluster.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &process{t: t, bin: serverBinary(t), addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
+		"DATABASE_URL="+pgtest.Via(t, s.db, proxy.Listen), "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port),
+		"CLEANUP_INTERVAL=0", "LOG_LEVEL=error")}
+	p.start()
+	defer p.kill()
+	deposit := func(key string) (int, http.Header, string) {
+		return pgtest.Send(t, context.Background(), "POST", fmt.Sprintf("http://%s/v1/accounts/%d/deposits", p.addr, account),
+			`{"amount":5}`, "Authorization", "Bearer "+token, "Idempotency-Key", key, "Content-Type", "application/json")
+	}
+	if status, _, body := deposit("before"); status != 201 {
+		t.Fatalf("a deposit while the database is up: %d %s", status, body)
+	}
+
+	for _, stream := range []string{"upstream", "downstream"} {
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(fmt.Sprintf(
+			`{"name":"down-%s","type":"reset_peer","stream":%q,"toxicity":1,"attributes":{"timeout":0}}`, stream, stream))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, call := range []struct {
+		name string
+		send func() (int, http.Header, string)
+	}{
+		{"a keyed deposit", func() (int, http.Header, string) { return deposit("during") }},
+		{"a read", func() (int, http.Header, string) {
+			return pgtest.Send(t, context.Background(), "GET", fmt.Sprintf("http://%s/v1/accounts/%d", p.addr, account), "",
+				"Authorization", "Bearer "+token)
+		}},
+	} {
+		for range 3 { // the pool's idle connections first, then new ones
+			status, header, body := call.send()
+			if status != 503 || header.Get("Retry-After") != "1" || header.Get("Content-Type") != "application/problem+json" ||
+				!strings.Contains(body, "unavailable") {
+				t.Fatalf("%s while the database is unreachable: %d %v %s, want 503 with Retry-After", call.name, status, header, body)
+			}
+		}
+	}
+
+	for _, stream := range []string{"upstream", "downstream"} {
+		_ = proxy.Toxics.RemoveToxic(context.Background(), "down-"+stream)
+	}
+	var status int
+	for range 50 { // the pool reconnects on its next acquire
+		if status, _, _ = deposit("during"); status != 503 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if status != 201 {
+		t.Fatalf("the retry once the database is back: %d, want 201", status)
+	}
+	if b := s.count(fmt.Sprintf(`SELECT balance FROM ledger.accounts WHERE id = %d`, account)); b != 10 {
+		t.Fatalf("balance %d, want 10: the deposit before and the retried one, once each", b)
+	}
+}

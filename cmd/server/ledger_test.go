@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -14,6 +16,8 @@ import (
 	"github.com/gorilla/mux"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
 )
 
 func TestLedgerRoutes(t *testing.T) {
@@ -427,5 +431,40 @@ func TestWhatIsHashedIsWhatIsExecuted(t *testing.T) {
 	if n := s.count(`SELECT count(*) FROM ledger.deposits d JOIN idem.idempotency_keys k ON k.key = d.idempotency_key
 		WHERE d.idempotency_key = 'q1'`); n != 1 {
 		t.Fatalf("the audit column of a deposit under the quoted key \"q1\" does not hold the stored key q1")
+	}
+}
+
+// TestProblemCodesAreDocumented: every problem the ledger answers has a heading of its own in
+// docs/ledger.md, so its type URI's anchor (docs/ledger.md#code) leads to it, and every code
+// a client can get, the ledger's and the middleware's, is in openapi.json's stable list.
+func TestProblemCodesAreDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/ledger.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := os.ReadFile("openapi.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stable := regexp.MustCompile(`"Stable: ([^"]*)\."`).FindSubmatch(spec)
+	if stable == nil {
+		t.Fatal("openapi.json lists no stable problem codes")
+	}
+	listed := strings.Split(string(stable[1]), ", ")
+	for code := range ledgerProblems {
+		if !regexp.MustCompile(`(?m)^### ` + code + `$`).Match(doc) {
+			t.Errorf("docs/ledger.md has no heading %q: the problem type %s%s leads nowhere", "### "+code, problemBase, code)
+		}
+		if !slices.Contains(listed, code) {
+			t.Errorf("openapi.json's stable codes lack %s", code)
+		}
+	}
+	for _, code := range []string{idemhttp.CodeKeyMissing, idemhttp.CodeKeyInvalid, idemhttp.CodeKeyReuse, idemhttp.CodeInProgress,
+		idemhttp.CodeOneTimeSecret, idemhttp.CodeNotReplayable, idemhttp.CodeRequestTooLarge, idemhttp.CodeBodyUnreadable,
+		idemhttp.CodeMalformedBody, idemhttp.CodeUnsupportedMedia, idemhttp.CodePrincipalUnknown, idemhttp.CodeInternalError,
+		idemhttp.CodeMisconfigured, idemhttp.CodeStoreUnavailable, idemhttp.CodeOutcomeUnknown} {
+		if !slices.Contains(listed, code) {
+			t.Errorf("openapi.json's stable codes lack the middleware's %s", code)
+		}
 	}
 }

@@ -83,6 +83,9 @@ func TestServeHealthz(t *testing.T) {
 			t.Errorf("GET %s: %d %s", path, r.status, r.body)
 		}
 	}
+	if r := s.call("HEAD", "/healthz", "", "", ""); r.status != http.StatusOK || r.body != "" {
+		t.Errorf("HEAD /healthz: %d %q, want 200 without a body", r.status, r.body)
+	}
 	var granted int
 	if err := s.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_proc
 		WHERE pronamespace = 'idem'::regnamespace AND has_function_privilege('idem_app', oid, 'EXECUTE')`).Scan(&granted); err != nil || granted != 12 {

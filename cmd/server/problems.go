@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
 // problemBase prefixes the ledger's own problem types; idempotency problems use idem's.
@@ -11,18 +12,19 @@ const problemBase = "https://github.com/pgidem/pgidem/blob/main/docs/ledger.md#"
 
 // ledgerProblems is the title of every problem code the ledger answers (docs/ledger.md).
 var ledgerProblems = map[string]string{
-	"unauthorized":       "Authentication required",
-	"validation_failed":  "Validation failed",
-	"account_not_found":  "Account not found",
-	"transfer_not_found": "Transfer not found",
-	"deposit_not_found":  "Deposit not found",
-	"payout_not_found":   "Payout not found",
-	"currency_mismatch":  "Currency mismatch",
-	"insufficient_funds": "Insufficient funds",
-	"balance_limit":      "Balance limit",
-	"internal_error":     "Internal error",
-	"not_found":          "Not found",
-	"method_not_allowed": "Method not allowed",
+	"unauthorized":        "Authentication required",
+	"validation_failed":   "Validation failed",
+	"account_not_found":   "Account not found",
+	"transfer_not_found":  "Transfer not found",
+	"deposit_not_found":   "Deposit not found",
+	"payout_not_found":    "Payout not found",
+	"currency_mismatch":   "Currency mismatch",
+	"insufficient_funds":  "Insufficient funds",
+	"balance_limit":       "Balance limit",
+	"internal_error":      "Internal error",
+	"service_unavailable": "Service unavailable",
+	"not_found":           "Not found",
+	"method_not_allowed":  "Method not allowed",
 }
 
 // problem writes one of the ledger's problems, through the one problem writer of idem.
@@ -30,9 +32,17 @@ func problem(w http.ResponseWriter, r *http.Request, status int, code, detail st
 	idem.WriteProblem(w, status, problemBase, code, ledgerProblems[code], detail, requestIDOf(r.Context()))
 }
 
+// serverError answers an error the request cannot be blamed for: 503 with Retry-After when
+// the database could not be reached or dropped the connection (a retry may succeed soon),
+// 500 otherwise. Either way nothing was changed (the transaction, if any, did not commit).
 func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
 	if r.Context().Err() == nil {
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	if dbidem.IsUnavailable(err) {
+		w.Header().Set("Retry-After", "1")
+		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database is unavailable; nothing was changed; retry with the same Idempotency-Key")
+		return
 	}
 	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")
 }

@@ -50,7 +50,7 @@ func (m *Main) router() (*mux.Router, *idem.Middleware, error) {
 	}
 	idem.RegisterGateMetrics(m.registry)
 	r := mux.NewRouter()
-	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet)
+	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet, http.MethodHead) // HEAD: load balancers probe with it
 	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"version": Version})
 	}).Methods(http.MethodGet)

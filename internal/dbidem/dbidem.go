@@ -24,6 +24,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"time"
@@ -213,6 +215,30 @@ func isKeyTableViolation(e *pgconn.PgError) bool {
 // name; the worker's reason arrives before it as a WARNING.
 func isCitusCommitFailure(e *pgconn.PgError) bool {
 	return e.Code == "XX000" && e.Routine == "ErrorIfPostCommitFailedShardPlacements"
+}
+
+// IsUnavailable tells whether err says the database could not be reached or dropped the
+// connection: refused or failed connections, network errors, a connection closed mid-way,
+// and the server's own connection errors (class 08), shutdown (57P01, 57P02, 57P03) and "too
+// many connections" (53300). A statement that failed so did not take effect (a COMMIT that
+// failed so is ErrCommitUnknown, which the driver tells apart), and a retry may succeed once
+// the database is back: an HTTP server answers 503 with Retry-After, not 500.
+func IsUnavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "57P01", "57P02", "57P03", "53300":
+			return true
+		}
+		return strings.HasPrefix(pgErr.Code, "08")
+	}
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connectErr) || errors.As(err, &netErr) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
 }
 
 // IsRetryable tells whether err is a serialization failure (40001) or a deadlock (40P01):

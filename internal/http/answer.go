@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"errors"
 	"math"
+	"mime"
 	"strconv"
 	"time"
 
@@ -73,6 +74,11 @@ func (q *request) replay(resp dbidem.Response) {
 	}
 	for k, v := range resp.Header {
 		q.w.Header()[k] = v
+	}
+	if mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); mt == problemMediaType {
+		// A stored problem goes out as every problem does (WriteProblem), though the header
+		// is not one of the stored ones.
+		q.w.Header().Set("X-Content-Type-Options", "nosniff")
 	}
 	if id := q.r.Header.Get(q.m.o.CorrelationHeader); id != "" && q.w.Header().Get(q.m.o.CorrelationHeader) == "" {
 		q.w.Header().Set(q.m.o.CorrelationHeader, id)

@@ -453,9 +453,20 @@ func TestFinalErrorsAreStoredWithoutEffect(t *testing.T) {
 		if first.status != status || again.status != status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
 			t.Fatalf("%d: first %+v, again %+v", status, first, again)
 		}
+		// A replayed problem goes out as the first did: problem+json with nosniff.
+		key, body = "problem-"+key, fmt.Sprintf(`{"status":%d,"problem":true}`, status)
+		first, again = a.do("POST", "/transfers", "alice", key, body), a.do("POST", "/transfers", "alice", key, body)
+		for _, r := range []reply{first, again} {
+			if r.status != status || r.header.Get("Content-Type") != "application/problem+json" || r.header.Get("X-Content-Type-Options") != "nosniff" {
+				t.Fatalf("%d: a problem without its headers: %d %v", status, r.status, r.header)
+			}
+		}
+		if again.header.Get("Idempotent-Replayed") != "true" || again.body != first.body {
+			t.Fatalf("%d: the problem was not replayed: %+v", status, again)
+		}
 	}
-	if a.effects() != 0 || a.runs.Load() != 3 || a.keys() != 3 {
-		t.Fatalf("%d effects, %d runs, %d keys; want 0, 3, 3", a.effects(), a.runs.Load(), a.keys())
+	if a.effects() != 0 || a.runs.Load() != 6 || a.keys() != 6 {
+		t.Fatalf("%d effects, %d runs, %d keys; want 0, 6, 6", a.effects(), a.runs.Load(), a.keys())
 	}
 }
 

@@ -100,6 +100,9 @@ type Problem struct {
 	Header string `json:"header,omitempty"`
 }
 
+// problemMediaType is the media type of every problem (RFC 9457).
+const problemMediaType = "application/problem+json"
+
 // WriteProblem writes an RFC 9457 problem: application/problem+json, nosniff, the status,
 // and a body whose type is base followed by code. Applications use it for their own codes,
 // so that every problem of a service has one shape.
@@ -110,7 +113,7 @@ func WriteProblem(w http.ResponseWriter, status int, base, code, title, detail, 
 
 func writeProblem(w http.ResponseWriter, p Problem) {
 	body, _ := json.Marshal(p)
-	w.Header().Set("Content-Type", "application/problem+json")
+	w.Header().Set("Content-Type", problemMediaType)
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.WriteHeader(p.Status)
 	_, _ = w.Write(body)
