@@ -46,6 +46,19 @@ type Response = dbidem.Response
 // Job describes work that runs at most once per key, outside HTTP.
 type Job = dbidem.Job
 
+// Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
+// wait in Go for the first, without a connection, and a bounded number wait on a key's row
+// lock held by another process. Nil in a Job: one Gate shared by every Do of the process.
+type Gate = dbidem.Gate
+
+// GateOptions bound what a Gate lets wait: MaxWaitingClaims (row-lock waits at once) and
+// MaxWaitingBytes (what waiting duplicates hold); 0: the defaults.
+type GateOptions = dbidem.GateOptions
+
+// NewGate returns a Gate with these options, for a Job.Gate of its own (a separate bound
+// for one kind of work).
+func NewGate(o GateOptions) *Gate { return dbidem.NewGate(o) }
+
 // LeaseClaim is what the work of DoLease knows of its claim.
 type LeaseClaim = dbidem.LeaseClaim
 

@@ -3,10 +3,12 @@
 // Client works for any HTTP API that takes an Idempotency-Key. Every logical operation gets
 // one key, generated before the first attempt (or given by the caller) and kept across every
 // retry of it, with the same body. An attempt is retried, with jittered exponential backoff,
-// when its outcome is unknown or temporary: a network error or timeout, a 5xx, 408, 429, or
-// 409 request_in_progress (honouring Retry-After). A final answer (any other 4xx, or a 2xx)
-// ends the operation: retrying it would get the same answer. The context bounds the whole
-// operation, retries included.
+// when its outcome is unknown or temporary: a network error or timeout, a 5xx (but 501 and
+// 505), 408, 429, or 409 request_in_progress (honouring Retry-After, in seconds or as a date,
+// up to a minute). A final answer (any other 4xx, 501, 505, or a 2xx) ends the operation:
+// retrying it would get the same answer; so does an error no retry can mend (a URL that is
+// not http or https, a certificate the client does not trust). The context bounds the whole
+// operation, retries included: give it a deadline.
 //
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/charges", strings.NewReader(`{"amount":100}`))
 //	req.Header.Set("Content-Type", "application/json")
@@ -21,6 +23,8 @@ import (
 	"bytes"
 	"context"
 	crand "crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -48,7 +52,8 @@ type Client struct {
 	// Backoff is the first retry's wait; each retry doubles it, up to MaxBackoff, and waits
 	// a random duration between half of it and all of it. Default 50ms.
 	Backoff time.Duration
-	// MaxBackoff caps the wait between retries, Retry-After included. Default 2s.
+	// MaxBackoff caps the client's own backoff. Default 2s. A server's Retry-After is
+	// honoured as sent (seconds or an HTTP date), up to a minute, even when it is longer.
 	MaxBackoff time.Duration
 }
 
@@ -95,11 +100,18 @@ func NewKey() string {
 // Do sends req as one logical operation under key, and retries it until its answer is final,
 // the context ends or MaxAttempts runs out. Every attempt carries the same key and the same
 // body: req's body is read once (or taken from req.GetBody) and sent again as it was. An empty
-// key means a new one (NewKey) for this operation; Result.Key tells which. The response body
-// is read whole into Result.Body.
+// key means the key req already carries in the key header, or else a new one (NewKey) for
+// this operation; Result.Key tells which. ctx, not req's context, bounds the operation. The
+// response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	if key == "" {
+		key = req.Header.Get(c.keyHeader())
+	}
+	if key == "" {
 		key = NewKey()
+	}
+	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
+		return Result{Key: key}, fmt.Errorf("client: the URL must be http or https, got %q", req.URL)
 	}
 	var payload []byte
 	if req.Body != nil && req.Body != http.NoBody {
@@ -129,19 +141,21 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	for attempt := 1; ; attempt++ {
 		res.Attempts = attempt
 		r, err := c.once(ctx, req, key, payload)
-		wait := jitter(backoff << min(attempt-1, 20))
+		wait := jitter(min(backoff<<min(attempt-1, 20), maxBackoff))
 		switch {
 		case err == nil && !retryable(r):
 			r.Attempts, r.Key = attempt, key
 			return r, nil
 		case err == nil:
-			if ra := retryAfter(r.Header); ra > 0 {
+			if ra := retryAfter(r.Header, time.Now()); ra > 0 {
 				wait = ra
 			}
 			res = r
 			res.Attempts, res.Key = attempt, key
 		case ctx.Err() != nil:
 			return res, ctx.Err()
+		case permanent(err):
+			return res, fmt.Errorf("client: %w", err) // no retry can mend it
 		}
 		if c.MaxAttempts > 0 && attempt >= c.MaxAttempts {
 			if err != nil {
@@ -152,9 +166,29 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		select {
 		case <-ctx.Done():
 			return res, ctx.Err()
-		case <-time.After(min(wait, maxBackoff)):
+		case <-time.After(wait):
 		}
 	}
+}
+
+func (c *Client) keyHeader() string {
+	if c.KeyHeader == "" {
+		return "Idempotency-Key"
+	}
+	return c.KeyHeader
+}
+
+// permanent tells whether a transport error is one that every retry would meet again: a
+// certificate the client does not trust, or TLS spoken to a server that does not speak it.
+// Network errors, timeouts and lost answers are not: their outcome is unknown.
+func permanent(err error) bool {
+	var verify *tls.CertificateVerificationError
+	var unknownAuthority x509.UnknownAuthorityError
+	var hostname x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	var record tls.RecordHeaderError
+	return errors.As(err, &verify) || errors.As(err, &unknownAuthority) || errors.As(err, &hostname) ||
+		errors.As(err, &invalid) || errors.As(err, &record)
 }
 
 func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (Result, error) {
@@ -170,11 +204,7 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(payload)), nil }
 		req.ContentLength = int64(len(payload))
 	}
-	header := c.KeyHeader
-	if header == "" {
-		header = "Idempotency-Key"
-	}
-	req.Header.Set(header, key)
+	req.Header.Set(c.keyHeader(), key)
 	hc := c.HTTP
 	if hc == nil {
 		hc = http.DefaultClient
@@ -236,10 +266,13 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 	return l.Client.Do(ctx, req, key)
 }
 
-// retryable tells whether an answer leaves the operation's outcome open: 5xx, 408, 429, or
-// 409 request_in_progress. Every other answer is final.
+// retryable tells whether an answer leaves the operation's outcome open: 5xx (but 501 Not
+// Implemented and 505 HTTP Version Not Supported, which no retry changes), 408, 429, or 409
+// request_in_progress. Every other answer is final.
 func retryable(r Result) bool {
 	switch {
+	case r.Status == http.StatusNotImplemented, r.Status == http.StatusHTTPVersionNotSupported:
+		return false
 	case r.Status >= 500, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests:
 		return true
 	case r.Status == http.StatusConflict:
@@ -248,13 +281,26 @@ func retryable(r Result) bool {
 	return false
 }
 
-// retryAfter reads Retry-After in seconds (0 when absent or not a number).
-func retryAfter(h http.Header) time.Duration {
-	s, err := strconv.Atoi(strings.TrimSpace(h.Get("Retry-After")))
-	if err != nil || s < 0 {
+// maxRetryAfter bounds the wait a server's Retry-After can ask for.
+const maxRetryAfter = time.Minute
+
+// retryAfter reads Retry-After, in seconds or as an HTTP date (RFC 9110), as a wait from now,
+// at most maxRetryAfter (0 when absent, unreadable or past).
+func retryAfter(h http.Header, now time.Time) time.Duration {
+	v := strings.TrimSpace(h.Get("Retry-After"))
+	if v == "" {
 		return 0
 	}
-	return time.Duration(s) * time.Second
+	if s, err := strconv.ParseInt(v, 10, 64); err == nil {
+		if s <= 0 {
+			return 0
+		}
+		return time.Duration(min(s, int64(maxRetryAfter/time.Second))) * time.Second
+	}
+	if t, err := http.ParseTime(v); err == nil && t.After(now) {
+		return min(t.Sub(now), maxRetryAfter)
+	}
+	return 0
 }
 
 // jitter waits between half of d and d.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -177,5 +178,95 @@ func TestAnyRequest(t *testing.T) {
 	req2, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader("b"))
 	if res, err := c.Do(context.Background(), req2, "mine"); err != nil || res.Key != "mine" {
 		t.Fatalf("the caller's key: %+v %v", res, err)
+	}
+}
+
+// TestErrorsNoRetryMends: a URL that is not http or https fails before any attempt, a server
+// whose certificate the client does not trust is tried once, and 501 and 505 are final:
+// none of them loops until the context ends.
+func TestErrorsNoRetryMends(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c := &Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
+	req, _ := http.NewRequest("POST", "htp://127.0.0.1:1/x", strings.NewReader(`{}`))
+	if res, err := c.Do(ctx, req, ""); err == nil || res.Attempts != 0 || ctx.Err() != nil {
+		t.Fatalf("a URL that is not http: %+v %v, want an error before any attempt", res, err)
+	}
+
+	tlsSrv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	defer tlsSrv.Close()
+	tlsSrv.Config.ErrorLog = log.New(io.Discard, "", 0) // the refused handshakes
+	req, _ = http.NewRequest("POST", tlsSrv.URL+"/x", strings.NewReader(`{}`))
+	res, err := c.Do(ctx, req, "")
+	if err == nil || res.Attempts != 1 || ctx.Err() != nil {
+		t.Fatalf("an untrusted certificate: %+v %v, want an error after one attempt", res, err)
+	}
+
+	for _, code := range []int{501, 505} {
+		s := &script{answers: []func(http.ResponseWriter){status(code, `{}`)}}
+		if res, err := newClient(t, s).Post(ctx, "/x", nil); err != nil || res.Status != code || res.Attempts != 1 {
+			t.Fatalf("%d: %+v %v, want it final after one attempt", code, res, err)
+		}
+	}
+}
+
+// TestRetryAfterAsADateAndBeyondMaxBackoff: a Retry-After given as an HTTP date is honoured,
+// and so is one longer than MaxBackoff (it caps the client's own backoff, not the server's
+// request); a huge one waits at most a minute (here: until the context ends).
+func TestRetryAfterAsADateAndBeyondMaxBackoff(t *testing.T) {
+	for _, c := range []struct {
+		name, value string
+		least       time.Duration
+	}{
+		{"a date", time.Now().Add(2 * time.Second).UTC().Format(http.TimeFormat), 900 * time.Millisecond},
+		{"seconds beyond MaxBackoff", "1", 900 * time.Millisecond},
+	} {
+		s := &script{answers: []func(http.ResponseWriter){
+			status(503, `{}`, "Retry-After", c.value),
+			status(201, `{}`),
+		}}
+		cl := newClient(t, s) // MaxBackoff 5ms
+		start := time.Now()
+		if res, err := cl.Post(context.Background(), "/x", nil); err != nil || res.Status != 201 {
+			t.Fatalf("%s: %+v %v", c.name, res, err)
+		}
+		if d := time.Since(start); d < c.least || d > 5*time.Second {
+			t.Fatalf("%s: waited %s, want the server's Retry-After", c.name, d)
+		}
+	}
+	if d := retryAfter(http.Header{"Retry-After": {"99999999999999999"}}, time.Now()); d != time.Minute {
+		t.Fatalf("a huge Retry-After: %v, want a minute", d)
+	}
+	if d := retryAfter(http.Header{"Retry-After": {time.Now().Add(-time.Hour).UTC().Format(http.TimeFormat)}}, time.Now()); d != 0 {
+		t.Fatalf("a Retry-After date in the past: %v, want none", d)
+	}
+}
+
+// TestJitterStaysAtTheCap: once the backoff reaches MaxBackoff, the waits still spread
+// between half of it and all of it, so that clients that failed together do not retry in step.
+func TestJitterStaysAtTheCap(t *testing.T) {
+	var below int
+	for range 200 {
+		if w := jitter(min(time.Second<<10, 100*time.Millisecond)); w < 50*time.Millisecond || w > 100*time.Millisecond {
+			t.Fatalf("a wait of %v at a cap of 100ms", w)
+		} else if w < 90*time.Millisecond {
+			below++
+		}
+	}
+	if below == 0 {
+		t.Fatal("every wait at the cap was within 10% of it: no jitter")
+	}
+}
+
+// TestTheCallersKeyIsKept: Do with an empty key sends the key the request already carries.
+func TestTheCallersKeyIsKept(t *testing.T) {
+	s := &script{answers: []func(http.ResponseWriter){status(503, `{}`), status(201, `{}`)}}
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
+	req.Header.Set("Idempotency-Key", "caller-set")
+	res, err := (&Client{Backoff: time.Millisecond}).Do(context.Background(), req, "")
+	if err != nil || res.Key != "caller-set" || len(s.keys) != 2 || s.keys[0] != "caller-set" || s.keys[1] != "caller-set" {
+		t.Fatalf("%+v %v, keys sent %v: want the caller's key on every attempt", res, err, s.keys)
 	}
 }

@@ -18,11 +18,11 @@ type TxOptions struct {
 	// the SQL API is designed for (it never raises 40001 there).
 	pgx.TxOptions
 	// MaxAttempts is how many times the unit of work runs when it keeps failing with a
-	// serialization failure (40001) or a deadlock (40P01). 0: DefaultMaxAttempts; 1
+	// serialization failure (40001) or a deadlock (40P01). 0: 3 (DefaultMaxAttempts); 1
 	// disables retries.
 	MaxAttempts int
 	// Backoff is the base wait before a retry; the n-th retry waits a random duration in
-	// [0, Backoff·2^n). 0: DefaultBackoff.
+	// [0, Backoff·2^n). 0: 10ms (DefaultBackoff).
 	Backoff time.Duration
 }
 

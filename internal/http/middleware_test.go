@@ -58,6 +58,7 @@ type order struct {
 	FK       bool   `json:"fk_violation"`
 	ETag     string `json:"etag"`
 	Problem  bool   `json:"problem"`
+	Refuse   string `json:"refuse"`
 	SleepMS  int    `json:"sleep_ms"`
 	// Savepoint makes the handler take a savepoint named as the middleware's once was
 	// (idem_claim), after its write.
@@ -190,6 +191,10 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, err.Error(), 500)
 			return
 		}
+	}
+	if o.Refuse != "" {
+		idemhttp.Refuse(w, r, o.Refuse, "refused")
+		return
 	}
 	if o.Flush {
 		fmt.Fprint(w, `{"partial":`)
@@ -864,5 +869,26 @@ func TestStormOfLargeDuplicatesHoldsBoundedMemory(t *testing.T) {
 	}
 	if n := a.effects(); n != 1 {
 		t.Fatalf("%d effects, want 1", n)
+	}
+}
+
+// TestRefuseWithAnUnknownCode: Refuse with a code that is none of this package's (an
+// application's own, which belongs to WriteProblem) is answered 500 internal_error: the work
+// is rolled back and nothing is stored, so the retry runs. It used to go out with status 0,
+// as a 200 that committed the work and was stored as the answer.
+func TestRefuseWithAnUnknownCode(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	r := a.do("POST", "/transfers", "alice", "refuse-own", `{"refuse":"invalid_order"}`)
+	if r.status != 500 || !strings.Contains(r.body, `"code":"internal_error"`) {
+		t.Fatalf("Refuse with an unknown code: %+v, want 500 internal_error", r)
+	}
+	if a.effects() != 0 || a.keys() != 0 {
+		t.Fatalf("%d effects and %d keys after the refusal, want none", a.effects(), a.keys())
+	}
+	rec := httptest.NewRecorder()
+	idemhttp.Refuse(rec, httptest.NewRequest("POST", "/plain", nil), "invalid_order", "x") // outside a route: no panic
+	if rec.Code != 500 {
+		t.Fatalf("outside a declared route: %d, want 500", rec.Code)
 	}
 }

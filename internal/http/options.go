@@ -85,7 +85,7 @@ type Options struct {
 	// "https://github.com/pgidem/pgidem/blob/main/docs/http.md#".
 	ProblemBase string
 	// MaxAttempts bounds the runs of a unit of work that fails with 40001 or 40P01.
-	// 0: dbidem.DefaultMaxAttempts (3).
+	// 0: 3.
 	MaxAttempts int
 	// Logger receives one line per keyed request that was not acquired or replayed, and
 	// every failure to record or release a key (never a raw key or body: keys are logged as
@@ -107,7 +107,10 @@ type Route struct {
 	// action under the same key is a mismatch. Default: the method and the route template
 	// (gorilla/mux's, ServeMux's pattern, or Options.RouteTemplate's; else the URL path).
 	Action string
-	// Required makes a request without the key a 400 idempotency_key_missing.
+	// Required makes a request without the key a 400 idempotency_key_missing, when
+	// Options.Principal names a principal for it: a request without one (anonymous, or
+	// authenticated by a middleware that runs after this one) runs every time, key or not.
+	// Put the authentication in front of the middleware.
 	Required bool
 	// Lease makes the route a lease claim for work outside the database (at least a
 	// second): the claim is committed on its own before the handler runs, the handler gets no
@@ -117,7 +120,7 @@ type Route struct {
 	// lost. 0: a transactional claim, the handler's writes commit with the key.
 	Lease time.Duration
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
-	// gives up answers 5xx, which releases the key. 0: dbidem.DefaultLeaseTimeout (5 minutes).
+	// gives up answers 5xx, which releases the key. 0: five minutes.
 	LeaseTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body) for a
 	// route whose meaning is narrower than its body.

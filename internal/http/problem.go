@@ -119,9 +119,18 @@ func writeProblem(w http.ResponseWriter, p Problem) {
 	_, _ = w.Write(body)
 }
 
-// problem writes one of this package's problems (the table above).
+// problem writes one of this package's problems (the table above). A code that is none of
+// them (Refuse called with an application's own code, which is WriteProblem's) is logged and
+// answered 500 internal_error: a status of 0 would go out as a 200 and, on a declared route,
+// commit the work and store the refusal as its answer.
 func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, code, detail string, edit func(*Problem)) {
-	spec := problems[code]
+	spec, ok := problems[code]
+	if !ok {
+		m.o.Logger.Error("idem: Refuse takes only this package's problem codes (an application's own go to WriteProblem); answered 500 internal_error",
+			"code", code)
+		code, detail, edit = CodeInternalError, "the request failed; nothing was changed; retrying with the same key is safe", nil
+		spec = problems[code]
+	}
 	p := Problem{Type: m.o.ProblemBase + code, Title: spec.title, Status: spec.status, Detail: detail,
 		Code: code, CorrelationID: r.Header.Get(m.o.CorrelationHeader)}
 	if edit != nil {
@@ -133,7 +142,9 @@ func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, code, detai
 // Refuse writes one of this package's problems (a Code... constant, such as
 // CodeMalformedBody) with the options of the request's declared route, or the defaults
 // outside one: for a handler that finds the body malformed in a way DecodeJSON does not see
-// (a required member missing).
+// (a required member missing). Any other code is a programming error: it is logged and
+// answered 500 internal_error (the work is rolled back, nothing is stored). An application's
+// own problems go through WriteProblem.
 func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
 	problemFor(r.Context(), w, r, code, detail)
 }
