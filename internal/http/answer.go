@@ -3,8 +3,8 @@ package idemhttp
 import (
 	"errors"
 	"math"
-	"mime"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -75,7 +75,7 @@ func (q *request) replay(resp dbidem.Response) {
 	for k, v := range resp.Header {
 		q.w.Header()[k] = v
 	}
-	if mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); mt == problemMediaType {
+	if ct, _, _ := strings.Cut(resp.Header.Get("Content-Type"), ";"); strings.EqualFold(strings.TrimSpace(ct), problemMediaType) {
 		// A stored problem goes out as every problem does (WriteProblem), though the header
 		// is not one of the stored ones.
 		q.w.Header().Set("X-Content-Type-Options", "nosniff")
