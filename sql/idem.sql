@@ -467,6 +467,9 @@ IF p_ttl IS NOT NULL THEN
  THEN
             RAISE EXCEPTION 'idem_begin: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
         END IF;
+        IF p_ttl > interval '10 years' THEN
+            RAISE EXCEPTION 'idem_begin: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
+        END IF;
     END IF;
 
     IF p_lease IS NOT NULL THEN
@@ -474,6 +477,10 @@ IF p_ttl IS NOT NULL THEN
              OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
  THEN
             RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
+                USING ERRCODE = '22023';
+        END IF;
+        IF p_lease > interval '10 years' THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be at most 10 years, got %', p_lease
                 USING ERRCODE = '22023';
         END IF;
     END IF;
@@ -804,6 +811,9 @@ IF p_ttl IS NOT NULL THEN
  THEN
             RAISE EXCEPTION 'idem_save_final: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
         END IF;
+        IF p_ttl > interval '10 years' THEN
+            RAISE EXCEPTION 'idem_save_final: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
+        END IF;
     END IF;
 
 IF p_request_fields IS NOT NULL THEN
@@ -972,6 +982,9 @@ IF v_problem IS NOT NULL THEN
              OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
  THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be positive in every part, got %', p_lease USING ERRCODE = '22023';
+    END IF;
+    IF p_lease > interval '10 years' THEN
+        RAISE EXCEPTION 'idem_extend: p_lease must be at most 10 years, got %', p_lease USING ERRCODE = '22023';
     END IF;
     v_lease := clock_timestamp() + p_lease;
     UPDATE idem.idempotency_keys AS k

@@ -293,9 +293,13 @@ func (p *envParser) duration(name string, dst *time.Duration, min time.Duration)
 		return
 	}
 	d, err := time.ParseDuration(v)
-	if err != nil || d < min {
-		p.fail(name, v, fmt.Sprintf("want a duration of at least %s, such as 30s or 5m", min))
+	if err != nil || d < min || d > maxDuration {
+		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (10 years), such as 30s or 5m", min, maxDuration))
 		return
 	}
 	*dst = d
 }
+
+// maxDuration bounds every duration setting: the SQL API refuses a TTL or a lease over 10
+// years, and a longer value is a unit mistake.
+const maxDuration = 10 * 365 * 24 * time.Hour

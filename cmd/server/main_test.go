@@ -28,6 +28,7 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"IDEM_APP_ROLE", "Bad-Role"},
 		{"IDEMPOTENCY_TTL", "-1h"},
 		{"IDEMPOTENCY_TTL", "soon"},
+		{"IDEMPOTENCY_TTL", "100000h"},
 		{"IDEMPOTENCY_LOCK_TIMEOUT", "0"},
 		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "0"},
 		{"MAX_BODY_BYTES", "0"},

@@ -64,6 +64,10 @@ BEGIN
             RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
                 USING ERRCODE = '22023';
         END IF;
+        IF p_lease > interval '{{ template "max_interval" }}' THEN
+            RAISE EXCEPTION 'idem_begin: p_lease must be at most {{ template "max_interval" }}, got %', p_lease
+                USING ERRCODE = '22023';
+        END IF;
     END IF;
     IF p_lock_timeout IS NOT NULL THEN
         IF {{ template "include/not_positive.sql" "p_lock_timeout" }} THEN

@@ -29,6 +29,9 @@ BEGIN
     IF {{ template "include/not_positive.sql" "p_lease" }} THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be positive in every part, got %', p_lease USING ERRCODE = '22023';
     END IF;
+    IF p_lease > interval '{{ template "max_interval" }}' THEN
+        RAISE EXCEPTION 'idem_extend: p_lease must be at most {{ template "max_interval" }}, got %', p_lease USING ERRCODE = '22023';
+    END IF;
     v_lease := clock_timestamp() + p_lease;
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = greatest(k.lease_expires_at, v_lease),

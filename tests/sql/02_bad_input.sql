@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(52);
+SELECT plan(56);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -26,6 +26,10 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '1 mon -29 days')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '0')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '1 day -1 second')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_ttl => '10 years 1 day')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lease => '200000 years')$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '11 years', 404, '{}', NULL)$$, '22023'),
+ ('extend', $$SELECT idem.idem_extend('p', 'k', 1, '11 years')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '[1]')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": 1}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "not hex at all"}')$$, '22023'),

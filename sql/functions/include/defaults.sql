@@ -5,3 +5,7 @@
 {{- define "default_ttl" }}interval '24 hours'{{ end -}}
 {{- define "default_lock_timeout" }}2s{{ end -}}
 {{- define "default_batch_size" }}1000{{ end -}}
+{{- /* max_interval: the longest TTL or lease a call may ask for. Longer is a mistake (a unit
+   error), and a key that outlives it would never be cleaned within any retention that
+   matters; it also keeps every interval the functions return inside Go's time.Duration. */ -}}
+{{- define "max_interval" }}10 years{{ end -}}
