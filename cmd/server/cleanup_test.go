@@ -323,7 +323,10 @@ func TestPacedPassStopsAtShutdown(t *testing.T) {
 	if d := testutil.ToFloat64(c.deleted); int(d) != n {
 		t.Fatalf("idem_cleanup_deleted_total %v, want the %d the pass deleted", d, n)
 	}
-	if left := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE expires_at <= now()`); left != 3000-n {
-		t.Fatalf("%d expired keys left, want %d", left, 3000-n)
+	// The deadline lands in a pause nearly always (a pause is 99 times its batch); should it
+	// land in a batch, that batch may commit on the server while the pass sees only the
+	// cancellation, uncounted.
+	if left := s.count(`SELECT count(*) FROM idem.idempotency_keys WHERE expires_at <= now()`); left != 3000-n && left != 3000-n-100 {
+		t.Fatalf("%d expired keys left, want %d (or one uncounted batch fewer)", left, 3000-n)
 	}
 }

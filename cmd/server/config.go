@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"regexp"
 	"runtime"
@@ -185,6 +186,9 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	}
 	p.duration("IDEMPOTENCY_TTL", &c.TTL, time.Second)
 	p.duration("IDEMPOTENCY_LOCK_TIMEOUT", &c.LockTimeout, time.Millisecond)
+	if c.LockTimeout > maxLockTimeout {
+		p.fail("IDEMPOTENCY_LOCK_TIMEOUT", c.LockTimeout.String(), fmt.Sprintf("want at most %s, PostgreSQL's largest lock_timeout", maxLockTimeout))
+	}
 	p.integer("IDEMPOTENCY_MAX_WAITING_CLAIMS", &c.MaxWaitingClaims, 1, 10_000)
 	maxBody := int(c.MaxBodyBytes)
 	p.integer("MAX_BODY_BYTES", &maxBody, 1, 1<<30)
@@ -294,12 +298,16 @@ func (p *envParser) duration(name string, dst *time.Duration, min time.Duration)
 	}
 	d, err := time.ParseDuration(v)
 	if err != nil || d < min || d > maxDuration {
-		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (10 years), such as 30s or 5m", min, maxDuration))
+		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (the SQL API's 10 years), such as 30s or 5m", min, maxDuration))
 		return
 	}
 	*dst = d
 }
 
-// maxDuration bounds every duration setting: the SQL API refuses a TTL or a lease over 10
-// years, and a longer value is a unit mistake.
-const maxDuration = 10 * 365 * 24 * time.Hour
+// maxDuration bounds every duration setting: the SQL API refuses a TTL or a lease over
+// interval '10 years', which PostgreSQL counts as 120 months of 30 days; longer is a unit
+// mistake.
+const maxDuration = 120 * 30 * 24 * time.Hour
+
+// maxLockTimeout is PostgreSQL's largest lock_timeout (INT_MAX milliseconds, about 24 days).
+const maxLockTimeout = math.MaxInt32 * time.Millisecond

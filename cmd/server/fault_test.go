@@ -255,9 +255,9 @@ func TestFaults(t *testing.T) {
 }
 
 // TestDatabaseDownIs503: while the server cannot reach PostgreSQL (every connection to it is
-// reset), a request gets 503 with Retry-After, from the token lookup before the middleware as
-// from the middleware itself, never 500; nothing is stored, and the client's retry with the
-// same key, once the database is back, makes the deposit once.
+// reset), a request gets 503 with Retry-After (from the token lookup, the first statement of
+// every /v1 request), never 500; nothing is stored, and the client's retry with the same key,
+// once the database is back, makes the deposit once.
 func TestDatabaseDownIs503(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)

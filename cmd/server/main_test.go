@@ -28,7 +28,8 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"IDEM_APP_ROLE", "Bad-Role"},
 		{"IDEMPOTENCY_TTL", "-1h"},
 		{"IDEMPOTENCY_TTL", "soon"},
-		{"IDEMPOTENCY_TTL", "100000h"},
+		{"IDEMPOTENCY_TTL", "87000h"}, // over interval '10 years' (86400h), under 365-day years
+		{"IDEMPOTENCY_LOCK_TIMEOUT", "720h"},
 		{"IDEMPOTENCY_LOCK_TIMEOUT", "0"},
 		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "0"},
 		{"MAX_BODY_BYTES", "0"},

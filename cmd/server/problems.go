@@ -34,14 +34,15 @@ func problem(w http.ResponseWriter, r *http.Request, status int, code, detail st
 
 // serverError answers an error the request cannot be blamed for: 503 with Retry-After when
 // the database could not be reached or dropped the connection (a retry may succeed soon),
-// 500 otherwise. Either way nothing was changed (the transaction, if any, did not commit).
+// 500 otherwise. A retry with the same key is safe either way: it gets the answer of
+// whatever took effect, or runs.
 func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
 	if r.Context().Err() == nil {
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 	}
 	if dbidem.IsUnavailable(err) {
 		w.Header().Set("Retry-After", "1")
-		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database is unavailable; nothing was changed; retry with the same Idempotency-Key")
+		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; retry with the same Idempotency-Key")
 		return
 	}
 	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")

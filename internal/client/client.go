@@ -113,6 +113,9 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
 		return Result{Key: key}, fmt.Errorf("client: the URL must be http or https, got %q", req.URL)
 	}
+	if strings.ContainsFunc(key, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
+		return Result{Key: key}, fmt.Errorf("client: the key %q has a control character, which no header may carry", key)
+	}
 	var payload []byte
 	if req.Body != nil && req.Body != http.NoBody {
 		body := req.Body
@@ -179,9 +182,13 @@ func (c *Client) keyHeader() string {
 }
 
 // permanent tells whether a transport error is one that every retry would meet again: a
-// certificate the client does not trust, or TLS spoken to a server that does not speak it.
-// Network errors, timeouts and lost answers are not: their outcome is unknown.
+// certificate the client does not trust, or TLS spoken to a server that does not speak it
+// (which net/http reports as ErrSchemeMismatch). Network errors, timeouts and lost answers
+// are not: their outcome is unknown.
 func permanent(err error) bool {
+	if errors.Is(err, http.ErrSchemeMismatch) {
+		return true
+	}
 	var verify *tls.CertificateVerificationError
 	var unknownAuthority x509.UnknownAuthorityError
 	var hostname x509.HostnameError

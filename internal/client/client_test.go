@@ -202,6 +202,17 @@ func TestErrorsNoRetryMends(t *testing.T) {
 		t.Fatalf("an untrusted certificate: %+v %v, want an error after one attempt", res, err)
 	}
 
+	plain := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	defer plain.Close()
+	req, _ = http.NewRequest("POST", strings.Replace(plain.URL, "http://", "https://", 1)+"/x", strings.NewReader(`{}`))
+	if res, err := c.Do(ctx, req, ""); err == nil || res.Attempts != 1 || ctx.Err() != nil {
+		t.Fatalf("TLS to a plain server: %+v %v, want an error after one attempt", res, err)
+	}
+	req, _ = http.NewRequest("POST", plain.URL+"/x", strings.NewReader(`{}`))
+	if res, err := c.Do(ctx, req, "bad\nkey"); err == nil || res.Attempts != 0 || ctx.Err() != nil {
+		t.Fatalf("a key with a control character: %+v %v, want an error before any attempt", res, err)
+	}
+
 	for _, code := range []int{501, 505} {
 		s := &script{answers: []func(http.ResponseWriter){status(code, `{}`)}}
 		if res, err := newClient(t, s).Post(ctx, "/x", nil); err != nil || res.Status != code || res.Attempts != 1 {

@@ -220,11 +220,11 @@ func isCitusCommitFailure(e *pgconn.PgError) bool {
 // IsUnavailable tells whether err says the database could not be reached or dropped the
 // connection: refused or failed connections, network errors, a connection closed mid-way,
 // and the server's own connection errors (class 08), shutdown (57P01, 57P02, 57P03) and "too
-// many connections" (53300). A statement that failed so did not take effect (a COMMIT that
-// failed so is ErrCommitUnknown, which the driver tells apart), and a retry may succeed once
-// the database is back: an HTTP server answers 503 with Retry-After, not 500.
+// many connections" (53300). A retry may succeed once the database is back: an HTTP server
+// answers 503 with Retry-After, not 500. A context that ended (a deadline, a cancellation) is
+// not unavailability, though the network errors it causes look alike: false.
 func IsUnavailable(err error) bool {
-	if err == nil {
+	if err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		return false
 	}
 	var pgErr *pgconn.PgError

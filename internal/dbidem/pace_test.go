@@ -3,11 +3,14 @@ package dbidem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
+	"net"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -107,4 +110,30 @@ func TestCleanupPaced(t *testing.T) {
 			t.Fatalf("%d rows left, want the 1500 the cancelled cleanup did not reach", n)
 		}
 	})
+}
+
+// TestIsUnavailable: connection and shutdown errors are unavailability; an ended context,
+// though the network errors it causes look alike, and any other database error are not.
+func TestIsUnavailable(t *testing.T) {
+	t.Parallel()
+	opErr := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{&pgconn.PgError{Code: "57P01"}, true},
+		{&pgconn.PgError{Code: "08006"}, true},
+		{&pgconn.PgError{Code: "53300"}, true},
+		{fmt.Errorf("query: %w", opErr), true},
+		{&pgconn.PgError{Code: "23505"}, false},
+		{&pgconn.PgError{Code: "57014"}, false}, // statement_timeout: the database answered
+		{context.DeadlineExceeded, false},
+		{fmt.Errorf("pay: %w", context.Canceled), false},
+		{errors.New("something else"), false},
+		{nil, false},
+	} {
+		if got := dbidem.IsUnavailable(c.err); got != c.want {
+			t.Errorf("IsUnavailable(%v) = %v, want %v", c.err, got, c.want)
+		}
+	}
 }

@@ -41,8 +41,10 @@ type app struct {
 	// finished receives when a blocking handler of the effect route returns.
 	finished chan struct{}
 	release  chan struct{}
-	once     sync.Once
-	seen     sync.Map // X-Test-Run -> runs, for the serialization-failure test
+	// blocked is the request context of the last blocking handler of the effect route.
+	blocked atomic.Pointer[context.Context]
+	once    sync.Once
+	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
 }
 
 type order struct {
@@ -141,6 +143,8 @@ func (a *app) effect(w http.ResponseWriter, r *http.Request) {
 	time.Sleep(time.Duration(o.SleepMS) * time.Millisecond)
 	if o.Block || r.Header.Get("X-Block") != "" {
 		defer func() { a.finished <- struct{}{} }()
+		ctx := r.Context()
+		a.blocked.Store(&ctx)
 		a.started <- struct{}{}
 		<-a.release
 	}
@@ -717,6 +721,13 @@ func TestCancelledClientLeavesNothing(t *testing.T) {
 	<-a.started
 	cancel()
 	<-done
+	// The server learns of the disconnect when it next reads the connection: only then has
+	// the request's context ended, which is what rolls the work back.
+	select {
+	case <-(*a.blocked.Load()).Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server never saw the client go")
+	}
 	a.unblock()
 	// Wait for the handler to return and for its unit of work to give its connection back:
 	// only then has it committed or rolled back for good.

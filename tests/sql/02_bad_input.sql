@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(56);
+SELECT plan(57);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -64,6 +64,8 @@ SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
 SELECT throws_ok($$SELECT idem.idem_cleanup(0)$$, '22023', 'idem_cleanup: p_batch_size must be at least 1, got 0',
     'the error names the function called, not an internal one');
 SELECT is((SELECT count(*) FROM idem.idempotency_keys), 0::bigint, 'nothing was written');
+SELECT lives_ok($$SELECT idem.idem_release('p', 'tenyears', attempt) FROM idem.idem_begin('p', 'tenyears', 'a', sha256('x'), p_ttl => '86400 hours', p_lease => '86400 hours')$$,
+    'a TTL and a lease of exactly 10 years (120 months of 30 days, in hours) are accepted');
 
 SELECT * FROM finish();
 ROLLBACK;
