@@ -4,9 +4,11 @@
 // Every logical operation gets one key, made before the first attempt (or given by the
 // caller), and every retry of it carries that key and the same body. It retries, with jittered
 // exponential backoff, when the outcome is unknown or temporary: a network error or timeout, a
-// 5xx, 408, 429, or 409 request_in_progress, honouring Retry-After. A final answer (a 2xx, any
-// other 4xx) ends the operation: retrying it would get the same answer. The context bounds the
-// whole operation.
+// 5xx (but 501 and 505), 408, 429, or 409 request_in_progress, honouring Retry-After (seconds
+// or a date, up to a minute). A final answer (a 2xx, any other 4xx, 501, 505) ends the
+// operation: retrying it would get the same answer; so does an error no retry mends (a URL
+// that is not http or https, an untrusted certificate, TLS to a plain server). The context
+// bounds the whole operation: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/orders", strings.NewReader(`{"sku":"a1"}`))
