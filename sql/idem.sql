@@ -144,6 +144,10 @@ SELECT version < 3 AS idem_migration_due FROM idem.schema_version \gset
 --     binary (request_fields bytea), the status as smallint; created_at and completed_at go;
 --   - a lease never outlives its key: a lease claim's key expires the TTL after the lease's
 --     end (0.1.0: the TTL after the claim, or the lease's end if later);
+--   - claimed_at: when a lease claim in progress was made (0.1.0's created_at), for operators;
+--     generation: the token of the first claim of the key's current generation once a lease was
+--     taken over (NULL: the row's attempt is its generation), from which idem_begin derives the
+--     provider key; both NULL in every other row, which costs no byte;
 --   - no CHECK constraints: the SECURITY DEFINER functions are the only writers (no other role
 --     has a privilege on the table), and the pgTAP suite proves the invariants they keep.
 --
@@ -169,6 +173,8 @@ CREATE TABLE idem.idempotency_keys_v3 (
     attempt          bigint      NOT NULL,
     action_hash      bigint      NOT NULL,
     lease_expires_at timestamptz,
+    claimed_at       timestamptz,
+    generation       bigint,
     response_status  smallint,
     state            "char"      NOT NULL,
     uncompleted      boolean,
@@ -200,12 +206,13 @@ CREATE TABLE idem.idempotency_keys_v3 (
 -- mismatch answer; whether a request matches is the request_sha256's to say). A lease in
 -- progress keeps its key the TTL past its end.
 INSERT INTO idem.idempotency_keys_v3
-    (expires_at, attempt, action_hash, lease_expires_at, response_status, state, uncompleted,
+    (expires_at, attempt, action_hash, lease_expires_at, claimed_at, response_status, state, uncompleted,
      principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
      response_body)
 SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
             THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END, k.attempt, hashtextextended(k.action, 0),
-       k.lease_expires_at, k.response_status,
+       k.lease_expires_at, CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
+       k.response_status,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
        (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
@@ -257,9 +264,14 @@ ALTER TABLE idem.idempotency_keys
         DEFERRABLE INITIALLY DEFERRED;
 
 CREATE INDEX idempotency_keys_expires_at_idx ON idem.idempotency_keys (expires_at);
+CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
 
 COMMENT ON TABLE idem.idempotency_keys IS
     'Idempotency keys and their stored responses. Private: use the idem.idem_* functions.';
+COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
+    'When the lease claim was made (or taken over); NULL for transactional claims.';
+COMMENT ON COLUMN idem.idempotency_keys.generation IS
+    'The token of the first claim of the key''s current generation, once a lease was taken over; NULL: attempt is the generation.';
 
 -- As tern does after each migration: back to the session's settings, then the version.
 RESET ALL;
@@ -270,25 +282,35 @@ UPDATE idem.schema_version SET version = 3;
 -- Migration 4: sql/migrations/004_claimed_at.sql, when the database is below version 4.
 SELECT version < 4 AS idem_migration_due FROM idem.schema_version \gset
 \if :idem_migration_due
--- 004: when a lease claim was made, for operators (idem.idem_summary, idem.idem_key,
--- idem.idem_health): the age of the oldest claim in progress, and of one key's claim.
+-- 004: claimed_at and generation on the key table, for databases that ran an early build of
+-- 0.2.0's 003 (which had neither). Migration 003 now creates the table with both columns and
+-- the claimed_at index, so on every supported path (a new install, an upgrade from 0.1.0) this
+-- migration finds them and does nothing: it takes no lock at all then (ALTER TABLE ... IF NOT
+-- EXISTS would take the table's ACCESS EXCLUSIVE lock before looking).
 --
 -- claimed_at is set for lease claims only (a transactional claim is seen by others only once
 -- it is completed): NULL costs no byte in the other rows, and the partial index holds lease
 -- claims only, so that the oldest claim in progress is found without reading the table. The
 -- index's predicate names claimed_at alone: a transactional completion (which changes state)
--- leaves it alone and stays a HOT update.
---
--- No rewrite: the column is nullable with no default (a change of the catalog), and the
--- functions of 0.2.0's earlier builds ignore it. The index is built in this transaction: it
--- reads the table once under a SHARE lock (writes wait, reads go on), 0.43 s for 1,000,000 keys
--- on the development machine.
-ALTER TABLE idem.idempotency_keys ADD COLUMN claimed_at timestamptz;
-
-CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
-
-COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
-    'When the lease claim was made (or taken over); NULL for transactional claims.';
+-- leaves it alone and stays a HOT update. generation is NULL unless a lease was taken over
+-- (docs/sql-api.md, "Generations and provider keys").
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute
+                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'claimed_at' AND NOT attisdropped) THEN
+        ALTER TABLE idem.idempotency_keys ADD COLUMN claimed_at timestamptz;
+        CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
+        COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
+            'When the lease claim was made (or taken over); NULL for transactional claims.';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute
+                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
+        ALTER TABLE idem.idempotency_keys ADD COLUMN generation bigint;
+        COMMENT ON COLUMN idem.idempotency_keys.generation IS
+            'The token of the first claim of the key''s current generation, once a lease was taken over; NULL: attempt is the generation.';
+    END IF;
+END
+$$;
 
 -- As tern does after each migration: back to the session's settings, then the version.
 RESET ALL;
@@ -329,11 +351,11 @@ UPDATE idem.schema_version SET version = 5;
 -- idem_save_final had no p_withheld and p_resource_id.
 DO $$
 BEGIN
-    -- CREATE OR REPLACE cannot change an OUT parameter's type: drop 0.1.0's idem_begin, whose
-    -- attempt (its tenth parameter) was an integer.
-    IF (SELECT p.proallargtypes[10] FROM pg_catalog.pg_proc AS p
-         WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)'))
-       = 'integer'::regtype THEN
+    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
+    -- provider_key (0.1.0's, whose attempt was an integer, or an early build of 0.2.0's). A
+    -- caller that names the columns it reads (the Go driver does) reads the new one alike.
+    IF NOT (SELECT 'provider_key' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+             WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
 END
@@ -384,6 +406,12 @@ COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz
 -- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
 -- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
 --
+-- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
+-- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
+-- column generation remembers it once the row's attempt has moved on). provider_key is derived
+-- from the principal, the key and the generation: the same for every attempt of one request,
+-- different for any other (docs/sql-api.md, "Generations and provider keys").
+--
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
@@ -403,7 +431,8 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT resource_id      text,
     OUT withheld         text,
     OUT changed_fields   text[],
-    OUT retry_after      interval)
+    OUT retry_after      interval,
+    OUT provider_key     text)
 LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER
@@ -422,6 +451,7 @@ DECLARE
     v_fields  bytea;
     v_ok      boolean;
     v_token   bigint;
+    v_gen     bigint;
     v_row     idem.idempotency_keys%ROWTYPE;
     v_lock    boolean;
     v_tries   integer;
@@ -537,6 +567,9 @@ IF p_request_fields IS NOT NULL THEN
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
+                provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+;
                 RETURN;
             END IF;
             -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
@@ -570,10 +603,14 @@ IF p_request_fields IS NOT NULL THEN
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
                        request_fields = v_fields, response_status = NULL, response_headers = NULL,
-                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed
+                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed,
+                       generation = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
+                provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+;
                 RETURN;
             END IF;
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
@@ -610,6 +647,10 @@ IF p_request_fields IS NOT NULL THEN
             response_body := v_row.response_body;
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
+            v_gen := coalesce(v_row.generation, v_row.attempt);
+            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+;
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -617,18 +658,30 @@ IF p_request_fields IS NOT NULL THEN
             outcome := 'in_progress';
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
+            v_gen := coalesce(v_row.generation, v_row.attempt);
+            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+;
             RETURN;
         ELSIF v_lock THEN
-            -- The lease ran out: take it over with a new token. The key lives the TTL past
-            -- the new lease, so no other request can claim it while this one works.
+            -- The lease ran out: take it over with a new token, in the same generation. The
+            -- key's expiry is set as for a fresh claim made now (the TTL after now, or after
+            -- the new lease's end), so that the completion keeps the answer the TTL after it is
+            -- given, whichever kind of claim took over; and no other request can claim the key
+            -- while this one works.
             v_lease := v_now + p_lease;
-            v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, interval '24 hours'));
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+            v_gen := coalesce(v_row.generation, v_row.attempt);
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
-                   expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END
+                   expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
+                   generation = v_gen
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
+            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+;
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -640,7 +693,7 @@ END
 $$;
 
 COMMENT ON FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) IS
-    'Claims an idempotency key in the caller''s transaction, or answers replay, mismatch or in_progress from the row that holds it. See docs/sql-api.md.';
+    'Claims an idempotency key in the caller''s transaction, or answers replay, mismatch or in_progress from the row that holds it, with the provider key of the request''s generation. See docs/sql-api.md.';
 
 -- idem_complete: store the response of a claim and mark it completed.
 --
@@ -857,7 +910,9 @@ IF p_request_fields IS NOT NULL THEN
            request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
            response_status = excluded.response_status, response_headers = excluded.response_headers,
            response_body = excluded.response_body, resource_id = excluded.resource_id,
-           withheld = excluded.withheld, claimed_at = NULL
+           withheld = excluded.withheld, claimed_at = NULL,
+           -- This transaction's own claim keeps its generation; a free key starts a new one.
+           generation = CASE WHEN k.uncompleted THEN k.generation END
      WHERE k.state = 'r'
         OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
         OR (k.uncompleted AND k.action_hash = excluded.action_hash AND k.request_sha256 = excluded.request_sha256)
@@ -931,6 +986,66 @@ $$;
 
 COMMENT ON FUNCTION idem.idem_release(text, text, bigint) IS
     'Abandons the in-progress lease claim with this attempt so that a retry may claim the key again; false when there is none; 55000 for a transactional claim (roll its transaction back). See docs/sql-api.md.';
+
+-- idem_yield: the holder of a lease claim gives its lease up without an answer, and keeps the
+-- key for its request: the lease ends now, so the next attempt of the same request (the same
+-- fingerprint) takes the key over at once, in the same generation, with the same provider
+-- key; another request under the key gets mismatch until the key expires. For work outside
+-- the database that failed in a way that may or may not have reached the outside (a timeout,
+-- a lost answer): a retry runs it again under the same provider key, which the provider
+-- deduplicates. (idem_release frees the key instead: the next request, even the same one,
+-- starts a new generation with a new provider key; right only when the work did not happen.)
+-- Fenced by p_attempt: true when the lease claim with this attempt was in progress, false
+-- otherwise (taken over, completed, released, expired and cleaned up, never made, or a
+-- transactional claim, whose transaction rolls back instead).
+CREATE OR REPLACE FUNCTION idem.idem_yield(
+    p_principal text,
+    p_key       text,
+    p_attempt   bigint)
+RETURNS boolean
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+
+AS $$
+DECLARE
+    v_problem text;
+    v_now     timestamptz;
+BEGIN
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND p_attempt IS NOT NULL, false) THEN
+        v_problem := CASE
+WHEN p_principal IS NULL OR p_key IS NULL
+            THEN '22004 p_principal and p_key must not be NULL'
+        WHEN length(p_principal) NOT BETWEEN 1 AND 255
+            THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
+        -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
+        -- of the backend's time in a profile; a length check and a one-class search do not.
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+            THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
+                        length(p_key), octet_length(p_key))
+
+            WHEN p_attempt IS NULL
+                THEN '22004 p_attempt must not be NULL'
+        END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_yield: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    END IF;
+    v_now := clock_timestamp();
+    UPDATE idem.idempotency_keys AS k
+       SET lease_expires_at = least(k.lease_expires_at, v_now)
+     WHERE k.principal_id = p_principal AND k.key = p_key
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+    RETURN FOUND;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_yield(text, text, bigint) IS
+    'Ends the lease of the in-progress lease claim with this attempt now, without an answer, keeping the key for the same request (its retry takes over in the same generation); false when there is no such claim. See docs/sql-api.md.';
 
 -- idem_extend: the holder of a lease claim moves its lease's end to p_lease from now, while its
 -- work outside the database runs (a heartbeat). Fenced by p_attempt: only the current holder
@@ -1673,8 +1788,8 @@ COMMENT ON FUNCTION idem.idem_release_stuck(text, text, bigint, text) IS
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
-    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_extend,
-    idem.idem_cleanup, idem.idem_defaults, idem.idem_version
+    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
+    idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

@@ -113,6 +113,7 @@ func TestUpgradeFrom010(t *testing.T) {
 		`SELECT idem.idem_begin('p_alice', 'k-lease', 'POST /v1/jobs', sha256('job'), p_lease => '10 minutes')`,
 		`UPDATE idem.idempotency_keys SET lease_expires_at = now() - interval '1 s' WHERE key = 'k-lease'`,
 		`SELECT idem.idem_begin('p_alice', 'k-lease', 'POST /v1/jobs', sha256('job'), p_lease => '10 minutes')`,
+		`UPDATE idem.idempotency_keys SET created_at = created_at - interval '1 minute' WHERE key = 'k-lease'`,
 	} {
 		pgtest.Exec(t, conn, sql)
 	}
@@ -202,6 +203,16 @@ func TestUpgradeFrom010(t *testing.T) {
 
 	if r := begin("k-lease", "POST /v1/jobs", "job", nil); r.outcome != "in_progress" || r.attempt != 2 {
 		t.Fatalf("the running lease after the upgrade: %+v", r)
+	}
+	// 0.1.0's lease claim keeps when it was made, so operators see it (idem_health, the
+	// stuck-lease gauge and alert): claimed_at is 0.1.0's created_at.
+	var health struct{ inProgress int64 }
+	if err := conn.QueryRow(ctx, `SELECT in_progress FROM idem.idem_health()`).Scan(&health.inProgress); err != nil || health.inProgress != 1 {
+		t.Fatalf("idem_health after the upgrade: %d claims in progress (%v), want 0.1.0's lease claim", health.inProgress, err)
+	}
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'k-lease'
+		AND claimed_at IS NOT NULL AND claimed_at <= now() - interval '50 seconds'`); n != 1 {
+		t.Fatal("0.1.0's lease claim has no claim time (or a new one) after the upgrade")
 	}
 	pgtest.Exec(t, conn, `SELECT idem.idem_complete('p_alice', 'k-lease', 2, 200, '{}', 'done')`)
 	pgtest.Exec(t, conn, `BEGIN`)

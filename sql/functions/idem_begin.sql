@@ -6,6 +6,12 @@
 -- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
 -- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
 --
+-- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
+-- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
+-- column generation remembers it once the row's attempt has moved on). provider_key is derived
+-- from the principal, the key and the generation: the same for every attempt of one request,
+-- different for any other (docs/sql-api.md, "Generations and provider keys").
+--
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
@@ -25,7 +31,8 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT resource_id      text,
     OUT withheld         text,
     OUT changed_fields   text[],
-    OUT retry_after      interval)
+    OUT retry_after      interval,
+    OUT provider_key     text)
 {{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
@@ -39,6 +46,7 @@ DECLARE
     v_fields  bytea;
     v_ok      boolean;
     v_token   bigint;
+    v_gen     bigint;
     v_row     idem.idempotency_keys%ROWTYPE;
     v_lock    boolean;
     v_tries   integer;
@@ -106,6 +114,7 @@ BEGIN
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
+                provider_key := {{ template "include/provider_key.sql" "v_token" }};
                 RETURN;
             END IF;
             -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
@@ -139,10 +148,12 @@ BEGIN
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
                        request_fields = v_fields, response_status = NULL, response_headers = NULL,
-                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed
+                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed,
+                       generation = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
+                provider_key := {{ template "include/provider_key.sql" "v_token" }};
                 RETURN;
             END IF;
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
@@ -179,6 +190,8 @@ BEGIN
             response_body := v_row.response_body;
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
+            v_gen := coalesce(v_row.generation, v_row.attempt);
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -186,18 +199,26 @@ BEGIN
             outcome := 'in_progress';
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
+            v_gen := coalesce(v_row.generation, v_row.attempt);
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         ELSIF v_lock THEN
-            -- The lease ran out: take it over with a new token. The key lives the TTL past
-            -- the new lease, so no other request can claim it while this one works.
+            -- The lease ran out: take it over with a new token, in the same generation. The
+            -- key's expiry is set as for a fresh claim made now (the TTL after now, or after
+            -- the new lease's end), so that the completion keeps the answer the TTL after it is
+            -- given, whichever kind of claim took over; and no other request can claim the key
+            -- while this one works.
             v_lease := v_now + p_lease;
-            v_expires := greatest(v_row.expires_at, v_lease + coalesce(p_ttl, {{ template "default_ttl" }}));
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+            v_gen := coalesce(v_row.generation, v_row.attempt);
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
-                   expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END
+                   expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
+                   generation = v_gen
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -209,4 +230,4 @@ END
 $$;
 
 COMMENT ON FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) IS
-    'Claims an idempotency key in the caller''s transaction, or answers replay, mismatch or in_progress from the row that holds it. See docs/sql-api.md.';
+    'Claims an idempotency key in the caller''s transaction, or answers replay, mismatch or in_progress from the row that holds it, with the provider key of the request''s generation. See docs/sql-api.md.';

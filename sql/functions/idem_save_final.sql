@@ -71,7 +71,9 @@ BEGIN
            request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
            response_status = excluded.response_status, response_headers = excluded.response_headers,
            response_body = excluded.response_body, resource_id = excluded.resource_id,
-           withheld = excluded.withheld, claimed_at = NULL
+           withheld = excluded.withheld, claimed_at = NULL,
+           -- This transaction's own claim keeps its generation; a free key starts a new one.
+           generation = CASE WHEN k.uncompleted THEN k.generation END
      WHERE k.state = 'r'
         OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
         OR (k.uncompleted AND k.action_hash = excluded.action_hash AND k.request_sha256 = excluded.request_sha256)

@@ -6,11 +6,11 @@
 -- idem_save_final had no p_withheld and p_resource_id.
 DO $$
 BEGIN
-    -- CREATE OR REPLACE cannot change an OUT parameter's type: drop 0.1.0's idem_begin, whose
-    -- attempt (its tenth parameter) was an integer.
-    IF (SELECT p.proallargtypes[10] FROM pg_catalog.pg_proc AS p
-         WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)'))
-       = 'integer'::regtype THEN
+    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
+    -- provider_key (0.1.0's, whose attempt was an integer, or an early build of 0.2.0's). A
+    -- caller that names the columns it reads (the Go driver does) reads the new one alike.
+    IF NOT (SELECT 'provider_key' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+             WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
 END
@@ -26,6 +26,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}
 {{ template "idem_release.sql" . }}
+{{ template "idem_yield.sql" . }}
 {{ template "idem_extend.sql" . }}
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
@@ -36,8 +37,8 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
-    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_extend,
-    idem.idem_cleanup, idem.idem_defaults, idem.idem_version
+    idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
+    idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

@@ -8,6 +8,10 @@
 --     binary (request_fields bytea), the status as smallint; created_at and completed_at go;
 --   - a lease never outlives its key: a lease claim's key expires the TTL after the lease's
 --     end (0.1.0: the TTL after the claim, or the lease's end if later);
+--   - claimed_at: when a lease claim in progress was made (0.1.0's created_at), for operators;
+--     generation: the token of the first claim of the key's current generation once a lease was
+--     taken over (NULL: the row's attempt is its generation), from which idem_begin derives the
+--     provider key; both NULL in every other row, which costs no byte;
 --   - no CHECK constraints: the SECURITY DEFINER functions are the only writers (no other role
 --     has a privilege on the table), and the pgTAP suite proves the invariants they keep.
 --
@@ -33,6 +37,8 @@ CREATE TABLE idem.idempotency_keys_v3 (
     attempt          bigint      NOT NULL,
     action_hash      bigint      NOT NULL,
     lease_expires_at timestamptz,
+    claimed_at       timestamptz,
+    generation       bigint,
     response_status  smallint,
     state            "char"      NOT NULL,
     uncompleted      boolean,
@@ -64,12 +70,13 @@ CREATE TABLE idem.idempotency_keys_v3 (
 -- mismatch answer; whether a request matches is the request_sha256's to say). A lease in
 -- progress keeps its key the TTL past its end.
 INSERT INTO idem.idempotency_keys_v3
-    (expires_at, attempt, action_hash, lease_expires_at, response_status, state, uncompleted,
+    (expires_at, attempt, action_hash, lease_expires_at, claimed_at, response_status, state, uncompleted,
      principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
      response_body)
 SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
             THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END, k.attempt, hashtextextended(k.action, 0),
-       k.lease_expires_at, k.response_status,
+       k.lease_expires_at, CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
+       k.response_status,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
        (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
@@ -121,6 +128,11 @@ ALTER TABLE idem.idempotency_keys
         DEFERRABLE INITIALLY DEFERRED;
 
 CREATE INDEX idempotency_keys_expires_at_idx ON idem.idempotency_keys (expires_at);
+CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
 
 COMMENT ON TABLE idem.idempotency_keys IS
     'Idempotency keys and their stored responses. Private: use the idem.idem_* functions.';
+COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
+    'When the lease claim was made (or taken over); NULL for transactional claims.';
+COMMENT ON COLUMN idem.idempotency_keys.generation IS
+    'The token of the first claim of the key''s current generation, once a lease was taken over; NULL: attempt is the generation.';

@@ -1,24 +1,33 @@
--- 004: when a lease claim was made, for operators (idem.idem_summary, idem.idem_key,
--- idem.idem_health): the age of the oldest claim in progress, and of one key's claim.
+-- 004: claimed_at and generation on the key table, for databases that ran an early build of
+-- 0.2.0's 003 (which had neither). Migration 003 now creates the table with both columns and
+-- the claimed_at index, so on every supported path (a new install, an upgrade from 0.1.0) this
+-- migration finds them and does nothing: it takes no lock at all then (ALTER TABLE ... IF NOT
+-- EXISTS would take the table's ACCESS EXCLUSIVE lock before looking).
 --
 -- claimed_at is set for lease claims only (a transactional claim is seen by others only once
 -- it is completed): NULL costs no byte in the other rows, and the partial index holds lease
 -- claims only, so that the oldest claim in progress is found without reading the table. The
 -- index's predicate names claimed_at alone: a transactional completion (which changes state)
--- leaves it alone and stays a HOT update.
---
--- No rewrite: the column is nullable with no default (a change of the catalog), and the
--- functions of 0.2.0's earlier builds ignore it. The index is built in this transaction: it
--- reads the table once under a SHARE lock (writes wait, reads go on), 0.43 s for 1,000,000 keys
--- on the development machine.
-ALTER TABLE idem.idempotency_keys ADD COLUMN claimed_at timestamptz;
-
-CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
-
-COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
-    'When the lease claim was made (or taken over); NULL for transactional claims.';
+-- leaves it alone and stays a HOT update. generation is NULL unless a lease was taken over
+-- (docs/sql-api.md, "Generations and provider keys").
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute
+                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'claimed_at' AND NOT attisdropped) THEN
+        ALTER TABLE idem.idempotency_keys ADD COLUMN claimed_at timestamptz;
+        CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
+        COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
+            'When the lease claim was made (or taken over); NULL for transactional claims.';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute
+                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
+        ALTER TABLE idem.idempotency_keys ADD COLUMN generation bigint;
+        COMMENT ON COLUMN idem.idempotency_keys.generation IS
+            'The token of the first claim of the key''s current generation, once a lease was taken over; NULL: attempt is the generation.';
+    END IF;
+END
+$$;
 
 ---- create above / drop below ----
 
-DROP INDEX IF EXISTS idem.idempotency_keys_claimed_at_idx;
-ALTER TABLE idem.idempotency_keys DROP COLUMN IF EXISTS claimed_at;
+-- Nothing: the columns and the index belong to 003's table, which has no way down.

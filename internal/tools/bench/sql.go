@@ -150,10 +150,11 @@ type decision struct {
 	withheld *string
 	changed  []string
 	retry    *float64
+	provider *string
 }
 
 func (d *decision) dest() []any {
-	return []any{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry}
+	return []any{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry, &d.provider}
 }
 
 // handwrittenTx: our table, statements written by hand, each its own round trip.

@@ -1,0 +1,41 @@
+-- idem_yield: the holder of a lease claim gives its lease up without an answer, and keeps the
+-- key for its request: the lease ends now, so the next attempt of the same request (the same
+-- fingerprint) takes the key over at once, in the same generation, with the same provider
+-- key; another request under the key gets mismatch until the key expires. For work outside
+-- the database that failed in a way that may or may not have reached the outside (a timeout,
+-- a lost answer): a retry runs it again under the same provider key, which the provider
+-- deduplicates. (idem_release frees the key instead: the next request, even the same one,
+-- starts a new generation with a new provider key; right only when the work did not happen.)
+-- Fenced by p_attempt: true when the lease claim with this attempt was in progress, false
+-- otherwise (taken over, completed, released, expired and cleaned up, never made, or a
+-- transactional claim, whose transaction rolls back instead).
+CREATE OR REPLACE FUNCTION idem.idem_yield(
+    p_principal text,
+    p_key       text,
+    p_attempt   bigint)
+RETURNS boolean
+{{ template "include/attributes.sql" . }}
+AS $$
+DECLARE
+    v_problem text;
+    v_now     timestamptz;
+BEGIN
+    IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL, false) THEN
+        v_problem := CASE
+{{ template "include/check_key.sql" . }}
+            WHEN p_attempt IS NULL
+                THEN '22004 p_attempt must not be NULL'
+        END;
+{{ template "include/raise.sql" "idem_yield" }}
+    END IF;
+    v_now := clock_timestamp();
+    UPDATE idem.idempotency_keys AS k
+       SET lease_expires_at = least(k.lease_expires_at, v_now)
+     WHERE k.principal_id = p_principal AND k.key = p_key
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+    RETURN FOUND;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_yield(text, text, bigint) IS
+    'Ends the lease of the in-progress lease claim with this attempt now, without an answer, keeping the key for the same request (its retry takes over in the same generation); false when there is no such claim. See docs/sql-api.md.';
