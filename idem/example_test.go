@@ -170,13 +170,15 @@ func ExampleRoute_lease() {
 	time.Sleep(2 * time.Second)
 	send(srv.URL+"/payouts", "p1", `{"amount":700}`) // done: the recorded answer
 	mu.Lock()
-	fmt.Println("provider calls:", len(calls), calls[idem.ProviderKey("alice", "p1")])
+	for _, n := range calls {
+		fmt.Println("provider keys:", len(calls), "calls under it:", n)
+	}
 	mu.Unlock()
 	// Output:
 	// 409 false {"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#request_in_progress","title":"A request with this idempotency key is in progress","status":409,"detail":"a request with this Idempotency-Key is still running; retry later with the same key","code":"request_in_progress"}
 	// 201 false {"payout":"po_1"}
 	// 201 true {"payout":"po_1"}
-	// provider calls: 1 1
+	// provider keys: 1 calls under it: 1
 }
 
 // Work that is not HTTP: a queue consumer runs a job at most once per message id, in the same

@@ -122,10 +122,6 @@ func CleanupPaced(ctx context.Context, db Pool, batchSize int, duty float64) (in
 	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
 }
 
-// ProviderKey is the key to hand an outside provider for the work of (principal, key): the
-// same for every attempt, different for every other principal or key.
-func ProviderKey(principal, key string) string { return dbidem.ProviderKey(principal, key) }
-
 // Fingerprint identifies a request: its SHA-256 sum, the hashes of its top-level JSON fields,
 // and whether its body was canonicalized as JSON.
 type Fingerprint = canon.Fingerprint

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -375,5 +376,43 @@ func TestKeyWaitIsRecognised(t *testing.T) {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" || dbidem.IsKeyWait(err) {
 		t.Fatalf("a timeout on another table's lock: %v, want a 55P03 that is not a key wait", err)
+	}
+}
+
+// TestTransactionalTakeoverKeepsItsAnswerTheTTL (issue 28, finding 3): DoLease dies after its
+// claim (a process killed mid-work), its lease runs out, and a while later Do runs the same
+// job (they fingerprint alike), taking the dead lease over in a transaction. Its answer must
+// be kept the TTL after it is given: a repeat most of a TTL later replays. It used to keep the
+// dead claim's expiry, the TTL after the dead lease's end, so the repeat ran the job again.
+func TestTransactionalTakeoverKeepsItsAnswerTheTTL(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	const ttl = 4 * time.Second
+	job := dbidem.Job{Principal: "p", Key: "takeover", Action: "payout", Input: map[string]int{"amount": 5}, TTL: ttl,
+		Lease: time.Second}
+	// The dying DoLease: its lease claim commits, then nothing extends or completes it.
+	fp := canon.Compute("DO", job.Action, []byte(`{"amount":5}`))
+	dead := dbidem.Claim{Principal: job.Principal, Key: job.Key, Action: job.Action, Fingerprint: fp.Sum, TTL: ttl, Lease: job.Lease}
+	if d, err := dbidem.Begin(ctx, pool, dead); err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("the dying lease claim: %+v %v", d, err)
+	}
+	time.Sleep(job.Lease + 1500*time.Millisecond) // the lease ran out a while ago
+	runs := 0
+	run := func() (int, bool, error) {
+		return dbidem.Do(ctx, pool, job, dbidem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (int, error) {
+			runs++
+			return 42, nil
+		})
+	}
+	if n, replayed, err := run(); err != nil || n != 42 || replayed {
+		t.Fatalf("the takeover: %d %v %v", n, replayed, err)
+	}
+	answered := time.Now()
+	time.Sleep(ttl * 3 / 4)
+	n, replayed, err := run()
+	if err != nil || n != 42 || !replayed || runs != 1 {
+		t.Fatalf("a repeat %v after the answer (TTL %v): %d, replayed %v, %v; %d runs, want the answer replayed and one run",
+			time.Since(answered).Round(time.Millisecond), ttl, n, replayed, err, runs)
 	}
 }

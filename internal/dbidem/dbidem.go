@@ -120,6 +120,18 @@ type Decision struct {
 	ChangedFields []string
 	// RetryAfter is how long the current lease still runs (InProgress only).
 	RetryAfter time.Duration
+	// ProviderKey is the key to hand an outside provider (a payment provider's own
+	// idempotency key) for the work of this request (Claimed, Replay and InProgress): 64 hex
+	// digits, the same for every attempt of the request (retries, takeovers of its lease after
+	// a crash), different for every other request, including a later one under the same key
+	// after this one expired or was released, and for every other principal. It follows the
+	// key's generation, not the client's key (docs/sql-api.md, "Generations and provider keys").
+	ProviderKey string
+	// Sent is this process's clock just before the claim was sent. A lease claimed by it runs
+	// at least until Sent plus the lease by this process's clock, since the database counts
+	// the lease from when it received the claim: the local deadline of KeepAlive
+	// (LeaseOptions.Start).
+	Sent time.Time
 }
 
 // Querier is what the package-level functions need: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.

@@ -47,7 +47,9 @@ type LeaseClaim struct {
 	// Attempt is the claim's fencing token: no earlier attempt of the key had it.
 	Attempt int64
 	// ProviderKey is the key to give an outside provider that deduplicates by its own
-	// idempotency key: the same for every attempt of (Principal, Key) (see ProviderKey).
+	// idempotency key: the same for every attempt of this job's request (retries, takeovers
+	// after a crash), different for any other, including a later job under the same Key
+	// after this one expired or was released (Decision.ProviderKey).
 	ProviderKey string
 }
 
@@ -135,8 +137,11 @@ type Pool interface {
 // fn's context ends with cause ErrLeaseLost (context.Cause) when the lease is lost: another
 // attempt may have taken the key over, so fn should stop; DoLease then returns ErrLeaseLost
 // and stores nothing. It also ends at job.Timeout (DefaultLeaseTimeout) or when ctx ends. When
-// fn fails, the claim is released (a later DoLease runs fn again) and its error returned.
-// Give an outside provider claim.ProviderKey, so that a takeover cannot repeat the effect.
+// fn fails, its error is returned and nothing is stored; the claim's lease ends at once
+// (Yield), so a later DoLease of the same job runs fn again straight away with the same
+// claim.ProviderKey, while another Input under the key gets ErrMismatch until the key expires.
+// Give an outside provider claim.ProviderKey, so that neither a retry nor a takeover repeats
+// an effect that reached it.
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if job.Lease < time.Second {
 		return result, false, fmt.Errorf("dbidem: DoLease needs a Lease of at least a second, got %s", job.Lease)
@@ -145,16 +150,17 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	if err != nil {
 		return result, false, err
 	}
-	var attempt int64
+	var won Decision
 	err = job.gate().RunHolding(ctx, db, TxOptions{}, claim, int64(len(input)), func(tx *Tx, d Decision) error {
 		var zero T
-		result, replayed, attempt = zero, false, 0
+		result, replayed, won = zero, false, Decision{}
 		if done, err := decided(d, &result, &replayed); done || err != nil {
 			return err
 		}
-		attempt = d.Attempt
+		won = d
 		return nil // the lease claim commits on its own
 	})
+	attempt := won.Attempt
 	if err != nil || attempt == 0 {
 		return result, replayed, err
 	}
@@ -162,23 +168,26 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	if timeout <= 0 {
 		timeout = DefaultLeaseTimeout
 	}
-	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout})
+	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout, Start: won.Sent})
 	result, err = fn(lease.Context(), LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt,
-		ProviderKey: ProviderKey(job.Principal, job.Key)})
+		ProviderKey: won.ProviderKey})
 	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
-	done, cancel := context.WithTimeout(context.WithoutCancel(ctx), job.Lease)
+	// The answer is recorded, or the claim released, while the lease holds by this process's
+	// clock (at least two thirds of a lease after the last extension): past it another attempt
+	// may take the key over, and the recording, fenced by the token, would fail anyway.
+	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.End())
 	defer cancel()
 	switch {
 	case lost:
 		var zero T
 		return zero, false, ErrLeaseLost
 	case err != nil:
-		_, _ = Release(done, db, job.Principal, job.Key, attempt)
+		_, _ = Yield(done, db, job.Principal, job.Key, attempt)
 		return result, false, err
 	}
 	body, err := json.Marshal(result)
 	if err != nil {
-		_, _ = Release(done, db, job.Principal, job.Key, attempt)
+		_, _ = Yield(done, db, job.Principal, job.Key, attempt)
 		return result, false, fmt.Errorf("dbidem: encode result: %w", err)
 	}
 	err = Complete(done, db, job.Principal, job.Key, attempt,

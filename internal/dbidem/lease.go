@@ -2,8 +2,6 @@ package dbidem
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -35,25 +33,19 @@ func Extend(ctx context.Context, q Querier, principal, key string, attempt int64
 	return end, classify(err)
 }
 
-// ProviderKey is a key to hand to an outside provider (a payment provider's own idempotency
-// key) for the work of (principal, key): the same for every attempt of it, takeovers
-// included, and different for every other principal or key, so one principal's key never
-// collides with another's at the provider. It is 64 hex digits of a SHA-256 over both, not the
-// client's key itself.
-func ProviderKey(principal, key string) string {
-	h := sha256.New()
-	h.Write([]byte("pgidem provider key v1\x00"))
-	h.Write([]byte(principal))
-	h.Write([]byte{0})
-	h.Write([]byte(key))
-	return hex.EncodeToString(h.Sum(nil))
-}
-
 // LeaseOptions configure KeepAlive.
 type LeaseOptions struct {
 	// Lease is what each extension asks for: the lease then runs until this long after it.
 	// Required; the claim's Lease as a rule.
 	Lease time.Duration
+	// Start is when the lease began by this process's clock, at or before the database began
+	// counting it: the claim's Decision.Sent (taken just before the claim was sent), or the
+	// moment just before an Extend was sent. The local deadline is Start plus Lease, so it is
+	// never later than the database's, whatever the claim waited for and however long its
+	// COMMIT took; the first extension is due Interval after Start. Zero: now, which is late
+	// by the claim's round trips and waits (a takeover may then begin before this process
+	// sees its lease as lost).
+	Start time.Time
 	// Interval is the time between extensions. 0: a third of Lease, so that two extensions in
 	// a row may fail before the lease runs out.
 	Interval time.Duration
@@ -74,10 +66,11 @@ type Lease struct {
 	once   sync.Once
 	lost   atomic.Bool
 	beats  atomic.Int64
+	end    atomic.Pointer[time.Time]
 }
 
 // KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
-// (or last extended) just now with opts.Lease, and returns it. Every opts.Interval it extends
+// (or last extended) at opts.Start with opts.Lease, and returns it. Every opts.Interval it extends
 // the lease on q (a pool: a connection is held only while the statement runs). An extension
 // that fails for another reason (the database cannot be reached) is tried again at the next
 // beat; the lease counts as lost when it runs out, by this process's clock, without one having
@@ -95,16 +88,22 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 		l.ctx, stopTimer = context.WithTimeout(ctx, opts.Timeout)
 		go func() { <-l.done; stopTimer() }()
 	}
-	go l.beat(q, principal, key, attempt, opts.Lease, interval, opts.OnExtend)
+	start := opts.Start
+	if start.IsZero() {
+		start = time.Now()
+	}
+	end := start.Add(opts.Lease)
+	l.end.Store(&end)
+	go l.beat(q, principal, key, attempt, start, opts.Lease, interval, opts.OnExtend)
 	return l
 }
 
-func (l *Lease) beat(q Querier, principal, key string, attempt int64, lease, interval time.Duration, onExtend func()) {
+func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time.Time, lease, interval time.Duration, onExtend func()) {
 	defer close(l.done)
-	end := time.Now().Add(lease) // the claim was made at or before now
-	ticker := time.NewTicker(interval)
-	defer ticker.Stop()
-	expiry := time.NewTimer(lease)
+	end := start.Add(lease) // by this process's clock: never later than the database's end
+	next := time.NewTimer(time.Until(start.Add(interval)))
+	defer next.Stop()
+	expiry := time.NewTimer(time.Until(end))
 	defer expiry.Stop()
 	for {
 		select {
@@ -115,15 +114,22 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, lease, int
 		case <-expiry.C:
 			l.lose()
 			return
-		case <-ticker.C:
+		case <-next.C:
 		}
 		began := time.Now()
-		ctx, cancel := context.WithTimeout(context.Background(), min(interval, time.Until(end)))
+		next.Reset(interval)
+		deadline := began.Add(interval)
+		if end.Before(deadline) {
+			deadline = end
+		}
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
 		_, err := Extend(ctx, q, principal, key, attempt, lease)
 		cancel()
 		switch {
 		case err == nil:
-			end = began.Add(lease) // by this process's clock, never later than the database's end
+			end = began.Add(lease) // sent after began: never later than the database's new end
+			e := end
+			l.end.Store(&e)
 			expiry.Reset(time.Until(end))
 			l.beats.Add(1)
 			if onExtend != nil {
@@ -135,6 +141,10 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, lease, int
 		}
 	}
 }
+
+// End is when the lease runs out by this process's clock, as far as it knows: Start plus the
+// lease, moved on by each extension that succeeded. The database's end is never earlier.
+func (l *Lease) End() time.Time { return *l.end.Load() }
 
 func (l *Lease) lose() {
 	l.lost.Store(true)

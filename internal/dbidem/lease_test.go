@@ -143,10 +143,89 @@ func TestDoLease(t *testing.T) {
 		t.Fatal("the lost job's result was stored")
 	}
 	distinct := 0
-	keys.Range(func(any, any) bool { distinct++; return true })
-	_, ok1 := keys.Load(dbidem.ProviderKey("p", "job-1"))
-	_, ok2 := keys.Load(dbidem.ProviderKey("p", "job-2"))
-	if distinct != 2 || !ok1 || !ok2 {
-		t.Fatalf("%d provider keys for two jobs, want each job's own", distinct)
+	keys.Range(func(k, _ any) bool {
+		if len(k.(string)) == 64 {
+			distinct++
+		}
+		return true
+	})
+	if distinct != 2 {
+		t.Fatalf("%d provider keys of 64 hex digits for two jobs, want each job's own", distinct)
+	}
+}
+
+// TestLeaseNeverStartsLate (issue 28, finding 4): a lease claim that first waits on an
+// uncommitted holder of its key. The database counts the lease from when it received the
+// claim, before the wait; the heartbeat's local deadline must not be later than that, and its
+// first extension must come before the database's lease runs out, or another process takes
+// the key over while this one still works. Before the fix the local lease began when the
+// heartbeat started (after the wait and the COMMIT) and its end was the wait's length late.
+func TestLeaseNeverStartsLate(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	const lease = time.Second
+	hold := 700 * time.Millisecond
+	c := claim("late", `{"job":1}`)
+	c.Lease = lease
+
+	// The holder: another request's uncommitted transactional claim of the key, rolled back
+	// after hold.
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := c
+	other.Lease = 0
+	other.Fingerprint[0] ^= 1
+	if d, err := dbidem.Begin(ctx, holder, other); err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("holder: %+v %v", d, err)
+	}
+	go func() {
+		time.Sleep(hold)
+		_ = holder.Rollback(ctx)
+	}()
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := dbidem.Begin(ctx, tx, c) // waits for the holder
+	if err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("claim: %+v %v", d, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l := dbidem.KeepAlive(ctx, pool, c.Principal, c.Key, d.Attempt, dbidem.LeaseOptions{Lease: lease, Start: d.Sent})
+	defer l.Stop()
+	// Both remaining times read in one statement's neighbourhood: the local one first, so that
+	// it is, if anything, the larger.
+	local := time.Until(l.End())
+	var db time.Duration
+	if err := pool.QueryRow(ctx, `SELECT (extract(epoch FROM lease_expires_at - clock_timestamp()) * 1e6)::bigint * 1000
+		FROM idem.idempotency_keys WHERE key = $1`, c.Key).Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	if local > db+5*time.Millisecond {
+		t.Fatalf("the local lease ends %v from now, the database's %v: the local deadline is late", local, db)
+	}
+
+	// A competitor polls for a takeover while the work runs two leases long: with the first
+	// extension due a third of a lease after the claim was sent, it never gets one.
+	stop := time.Now().Add(2 * lease)
+	for time.Now().Before(stop) {
+		var outcome string
+		if err := pool.QueryRow(ctx, `SELECT outcome FROM idem.idem_begin(p_principal => $1, p_key => $2, p_action => $3,
+			p_request_sha256 => $4, p_lease => '1 second')`, c.Principal, c.Key, c.Action, c.Fingerprint[:]).Scan(&outcome); err != nil {
+			t.Fatal(err)
+		}
+		if outcome != "in_progress" {
+			t.Fatalf("a competitor got %q while the lease's holder still works and heartbeats", outcome)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if l.Lost() || l.Extensions() < 4 {
+		t.Fatalf("lost %v after %d extensions", l.Lost(), l.Extensions())
 	}
 }

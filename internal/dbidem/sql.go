@@ -17,7 +17,7 @@ import (
 const (
 	// BeginSQL calls idem_begin and returns its row.
 	BeginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
-       withheld, changed_fields, extract(epoch FROM retry_after)::float8
+       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
@@ -33,6 +33,8 @@ const (
        p_request_fields => $9::jsonb, p_withheld => $10::text, p_resource_id => $11::text)`
 
 	releaseSQL = `SELECT idem.idem_release(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint)`
+
+	yieldSQL = `SELECT idem.idem_yield(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint)`
 
 	cleanupSQL = `SELECT idem.idem_cleanup(p_batch_size => $1::integer)`
 
@@ -116,11 +118,12 @@ type decisionRow struct {
 	resource *string
 	withheld *string
 	retry    *float64
+	provider *string
 }
 
 func (r *decisionRow) dest() []any {
 	return []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
-		&r.d.ChangedFields, &r.retry}
+		&r.d.ChangedFields, &r.retry, &r.provider}
 }
 
 func (r *decisionRow) decision() (Decision, error) {
@@ -144,6 +147,9 @@ func (r *decisionRow) decision() (Decision, error) {
 	if r.retry != nil {
 		d.RetryAfter = time.Duration(*r.retry * float64(time.Second))
 	}
+	if r.provider != nil {
+		d.ProviderKey = *r.provider
+	}
 	return d, nil
 }
 
@@ -153,6 +159,7 @@ func (r *decisionRow) decision() (Decision, error) {
 // RunTx prefer Tx.Claim, which saves a round trip.
 func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 	var row decisionRow
+	row.d.Sent = time.Now()
 	if err := q.QueryRow(ctx, BeginSQL, c.beginArgs()...).Scan(row.dest()...); err != nil {
 		return Decision{}, classify(err)
 	}
@@ -173,6 +180,19 @@ func Complete(ctx context.Context, q Querier, principal, key string, attempt int
 func Release(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
 	var ok bool
 	err := q.QueryRow(ctx, releaseSQL, principal, key, attempt).Scan(&ok)
+	return ok, classify(err)
+}
+
+// Yield ends the lease of the lease claim with this attempt now, without an answer, and keeps
+// the key for its request: the next attempt of the same request takes the key over at once,
+// in the same generation and with the same provider key (Decision.ProviderKey), so an outside
+// provider that deduplicates does not repeat work that may have reached it; another request
+// under the key gets Mismatch until the key expires. Use it when the work failed and may or
+// may not have had its effect outside (Release, which frees the key for a new generation,
+// only when it certainly did not). It returns false when no such lease claim is in progress.
+func Yield(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, yieldSQL, principal, key, attempt).Scan(&ok)
 	return ok, classify(err)
 }
 

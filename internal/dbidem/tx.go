@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -91,6 +92,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		b.BeginTx(t.opts)
 	}
 	var row decisionRow
+	row.d.Sent = time.Now()
 	b.Queue(BeginSQL, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest()...) })
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults

@@ -2,6 +2,8 @@ package idemhttp
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 
 	"github.com/jackc/pgx/v5"
 
@@ -10,13 +12,16 @@ import (
 
 // state travels in the request's context to the handler.
 type state struct {
-	m          *Middleware
-	tx         pgx.Tx
-	body       []byte // the request body, as read (and fingerprinted) by the middleware
-	canonical  []byte // the canonical form of body when it is strictly valid JSON (nil: not yet known)
-	claim      *ClaimInfo
-	secret     bool
-	resourceID string
+	m         *Middleware
+	tx        pgx.Tx
+	body      []byte // the request body, as read (and fingerprinted) by the middleware
+	canonical []byte // the canonical form of body when it is strictly valid JSON (nil: not yet known)
+	claim     *ClaimInfo
+	// providerKey is the provider key of a request without a key on a lease route: one of
+	// its own, so that an outside provider never merges it with any other request.
+	providerKey string
+	secret      bool
+	resourceID  string
 }
 
 // ClaimInfo is what a handler knows about the key its request works under.
@@ -30,8 +35,11 @@ type ClaimInfo struct {
 	Attempt int64
 	// ProviderKey is the key to give an outside provider that deduplicates by its own
 	// idempotency key (a payment provider's Idempotency-Key): the same for every attempt of
-	// this principal's key, a lease taken over included, and different for every other
-	// principal or key. It is derived from both, not the client's key itself.
+	// this request (retries, a takeover of its lease after a crash), different for every
+	// other request, a later one under the same key after this one expired or was released
+	// included, and for every other principal. It comes from the database with the claim
+	// (it follows the key's generation, not the client's key) and is 64 hex digits. On a
+	// lease route a request without a key gets one of its own (ClaimOf's ok is false then).
 	ProviderKey string
 }
 
@@ -41,12 +49,18 @@ type ClaimInfo struct {
 var ErrLeaseLost = dbidem.ErrLeaseLost
 
 // ClaimOf returns the claim of the request's unit of work, or false for a request that runs
-// without a key.
+// without a key. On a lease route, a request without a key still gets a ProviderKey of its
+// own (a random one, used by no other request), so a handler can hand its provider
+// ClaimInfo.ProviderKey whether the client sent a key or not.
 func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
-	if s := stateOf(ctx); s != nil && s.claim != nil {
+	s := stateOf(ctx)
+	switch {
+	case s == nil:
+		return ClaimInfo{}, false
+	case s.claim != nil:
 		return *s.claim, true
 	}
-	return ClaimInfo{}, false
+	return ClaimInfo{ProviderKey: s.providerKey}, false
 }
 
 type stateKey struct{}
@@ -81,4 +95,12 @@ func SetResourceID(ctx context.Context, id string) {
 	if s := stateOf(ctx); s != nil {
 		s.resourceID = id
 	}
+}
+
+// randomProviderKey is a provider key for one request without a key: 64 random hex digits,
+// the shape of the database's.
+func randomProviderKey() string {
+	b := make([]byte, 32)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -22,32 +23,40 @@ import (
 //   - when the lease is lost (taken over, or not extended in time), the handler's context ends
 //     with cause ErrLeaseLost, its answer is neither recorded nor sent: the client gets 409
 //     request_in_progress, and its retry gets the answer of the attempt that holds the key;
-//   - a 2xx or a final error is stored, anything else releases the claim (a retry runs the
-//     work again, and a provider that deduplicates by ClaimInfo.ProviderKey does not repeat
-//     it).
-func (q *request) lease(ctx context.Context, claim dbidem.Claim, attempt int64) State {
+//   - a 2xx or a final error is stored; anything else ends the lease at once without an
+//     answer (idem_yield): the client's retry of the same request takes the key over and runs
+//     the work again under the same ClaimInfo.ProviderKey, which a provider that deduplicates
+//     does not repeat; another request under the key gets 422 until the key expires.
+func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decision) State {
 	start := time.Now()
+	attempt := d.Attempt
 	timeout := q.rt.LeaseTimeout
 	if timeout <= 0 {
 		timeout = dbidem.DefaultLeaseTimeout
 	}
-	l := dbidem.KeepAlive(context.WithoutCancel(ctx), q.m.o.DB, claim.Principal, claim.Key, attempt,
-		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})
+	// The work outlives the client but not the middleware's Shutdown.
+	wctx, untrack := q.m.leases.track(context.WithoutCancel(ctx))
+	defer untrack()
+	l := dbidem.KeepAlive(wctx, q.m.o.DB, claim.Principal, claim.Key, attempt,
+		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, Start: d.Sent,
+			OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})
 	hctx, handlerSpan := q.startSpan(l.Context(), "idem.handler")
 	rec, st, v := q.run(hctx, nil, true)
 	endHandlerSpan(handlerSpan, rec, v)
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
-	// claim completed and report the lease lost); the lease it extended outlasts the recording
-	// by two thirds at least, and the recording is fenced by the token anyway.
+	// claim completed and report the lease lost). The recording (or the release) is tried
+	// while the lease holds by this process's clock, two thirds of a lease at least after the
+	// last extension: past its end another attempt may take the key over, and the recording,
+	// fenced by the token, could no longer succeed.
 	lost := l.Stop()
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claim.Lease)
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.End())
 	defer cancel()
 	var err error
 	switch {
 	case lost:
 	case v == rollBack:
-		_, err = dbidem.Release(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt)
+		_, err = dbidem.Yield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt)
 	default:
 		resp, big := q.stored(rec, st)
 		if big {
@@ -60,7 +69,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, attempt int64) 
 	case lost:
 		endSpan(done, "lease_lost", dbidem.ErrLeaseLost)
 	case v == rollBack:
-		endSpan(done, "released", err)
+		endSpan(done, "yielded", err)
 	default:
 		endSpan(done, [...]string{commit: "completed", final: "final"}[v], err)
 	}
@@ -72,7 +81,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, attempt int64) 
 		log.Error("idem: lease lost: another attempt may hold the key; this attempt's answer is not recorded and not sent")
 		q.inProgress(claim.Lease)
 	case err != nil && v == rollBack:
-		log.Error("idem: lease not released; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
+		log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.answer(rec)
 	case err != nil:
 		log.Error("idem: lease answer not recorded; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
@@ -99,4 +108,87 @@ func (q *request) complete(ctx context.Context, claim dbidem.Claim, attempt int6
 		case <-time.After(wait/2 + rand.N(wait/2)):
 		}
 	}
+}
+
+// ErrShutdown is the cause (context.Cause) of a lease route's handler context when the
+// middleware's Shutdown gave up waiting for it: the handler should stop; unless it answers
+// with a 2xx or a final error, its lease then ends at once without an answer, and the
+// client's retry runs the work again under the same ClaimInfo.ProviderKey.
+var ErrShutdown = errors.New("idemhttp: shut down")
+
+// shutdownGrace is how long Shutdown waits, once its context ended, for the lease work it
+// cancelled to release its claims.
+const shutdownGrace = 5 * time.Second
+
+// leaseTracker counts the work of lease routes in flight and ends it at Shutdown.
+type leaseTracker struct {
+	mu     sync.Mutex
+	n      int
+	idle   chan struct{} // closed while n == 0
+	stop   context.Context
+	cancel context.CancelCauseFunc
+}
+
+func newLeaseTracker() *leaseTracker {
+	stop, cancel := context.WithCancelCause(context.Background())
+	t := &leaseTracker{idle: make(chan struct{}), stop: stop, cancel: cancel}
+	close(t.idle)
+	return t
+}
+
+// track returns a context for one piece of lease work that ends when parent ends or the
+// tracker is stopped, and the function to call when the work is done.
+func (t *leaseTracker) track(parent context.Context) (context.Context, func()) {
+	t.mu.Lock()
+	if t.n == 0 {
+		t.idle = make(chan struct{})
+	}
+	t.n++
+	t.mu.Unlock()
+	ctx, cancel := context.WithCancelCause(parent)
+	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
+	var once sync.Once
+	return ctx, func() {
+		once.Do(func() {
+			stop()
+			cancel(context.Canceled)
+			t.mu.Lock()
+			if t.n--; t.n == 0 {
+				close(t.idle)
+			}
+			t.mu.Unlock()
+		})
+	}
+}
+
+func (t *leaseTracker) idleChan() <-chan struct{} {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.idle
+}
+
+// Shutdown waits for the work of lease routes still in flight (their handlers run on a
+// context that outlives the client, so an HTTP server's own Shutdown does not end them) to
+// finish and record its answers. When ctx ends first, it ends that work's contexts with cause
+// ErrShutdown, waits up to five seconds more for each to give its lease up (the client's
+// retry then runs the work again under the same provider key), and returns ctx's error. Work
+// that starts after that is ended at once. Call it beside the HTTP server's Shutdown, with the
+// same deadline:
+//
+//	go func() { errc <- srv.Shutdown(ctx) }()
+//	m.Shutdown(ctx)
+func (m *Middleware) Shutdown(ctx context.Context) error {
+	select {
+	case <-m.leases.idleChan():
+		return nil
+	case <-ctx.Done():
+	}
+	m.leases.cancel(ErrShutdown)
+	grace := time.NewTimer(shutdownGrace)
+	defer grace.Stop()
+	select {
+	case <-m.leases.idleChan():
+	case <-grace.C:
+	}
+	return ctx.Err()
 }

@@ -303,3 +303,58 @@ func mustCounter(t *testing.T, reg *prometheus.Registry, name string) prometheus
 	c.Add(sum)
 	return c
 }
+
+// TestUnkeyedLeaseRequestsGetProviderKeysOfTheirOwn: on a lease route whose key is optional,
+// a request without a key has no claim, but its handler still gets a provider key, one of its
+// own: two such requests never share one (they used to share "", which a provider would
+// deduplicate into one payout).
+func TestUnkeyedLeaseRequestsGetProviderKeysOfTheirOwn(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	seen := map[string]bool{}
+	for range 2 {
+		if r := a.do("POST", "/jobs", "alice", "", `{"status":201}`); r.status != 201 {
+			t.Fatalf("an unkeyed job: %+v", r)
+		}
+		pk := *a.provider.Load()
+		if a.keyed.Load() || len(pk) != 64 || seen[pk] {
+			t.Fatalf("an unkeyed request's provider key %q (keyed %v), seen before: %v", pk, a.keyed.Load(), seen[pk])
+		}
+		seen[pk] = true
+	}
+	if n := a.count(`SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
+		t.Fatalf("%d keys stored for unkeyed requests", n)
+	}
+}
+
+// TestShutdownEndsLeaseWork: lease work outlives its client, so an HTTP server's Shutdown does
+// not end it; the middleware's Shutdown does when its deadline passes: the work's context ends
+// with cause ErrShutdown, its lease is given up at once (not left to run out), and the key
+// stays with its request, whose retry takes it over.
+func TestShutdownEndsLeaseWork(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	go a.do("POST", "/jobs", "alice", "sd", `{"block":true}`)
+	<-a.started
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	began := time.Now()
+	if err := a.m.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Shutdown with lease work still running: %v, want its deadline", err)
+	}
+	if took := time.Since(began); took > 3*time.Second {
+		t.Fatalf("Shutdown took %v", took)
+	}
+	select {
+	case cause := <-a.jobCauses:
+		if !errors.Is(cause, idemhttp.ErrShutdown) {
+			t.Fatalf("the work's context ended with %v, want ErrShutdown", cause)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the lease work was not ended")
+	}
+	pgtest.WaitFor(t, a.pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'sd' AND state = 'p' AND lease_expires_at <= now()`)
+	if r := a.do("POST", "/jobs", "alice", "sd", `{"status":201}`); r.status != 422 {
+		t.Fatalf("another request under the key after the shutdown: %+v, want 422 (the key stays with its request)", r)
+	}
+}

@@ -22,6 +22,7 @@ type Middleware struct {
 	gate     *dbidem.Gate
 	declared map[string]Route // "METHOD template"
 	tracer   trace.Tracer     // nil: tracing off
+	leases   *leaseTracker    // the work of lease routes in flight, for Shutdown
 }
 
 // defaultMiddleware writes problems outside a declared route.
@@ -48,7 +49,7 @@ func New(o Options) (*Middleware, error) {
 		waiting = max(1, int(o.DB.Config().MaxConns)/4)
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
-	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}}
+	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, leases: newLeaseTracker()}
 	if o.TracerProvider != nil {
 		m.tracer = o.TracerProvider.Tracer(tracerName)
 	}
@@ -147,6 +148,8 @@ type request struct {
 	action    string
 	keyHash   string     // the key's hash, for traces (keyed requests with tracing on)
 	claim     *ClaimInfo // the claim the handler works under (keyed requests)
+	// providerKey is the provider key of a request without a key on a lease route.
+	providerKey string
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {

@@ -45,6 +45,12 @@ type app struct {
 	blocked atomic.Pointer[context.Context]
 	once    sync.Once
 	seen    sync.Map // X-Test-Run -> runs, for the serialization-failure test
+	// provider is the provider key the last run of the job route was given, keyed whether its
+	// request had a key.
+	provider atomic.Pointer[string]
+	keyed    atomic.Bool
+	// jobCauses receives the cause of a blocked job's context when it ended before release.
+	jobCauses chan error
 }
 
 type order struct {
@@ -75,7 +81,7 @@ func newApp(t testing.TB, edit func(*idemhttp.Options)) *app {
 	t.Helper()
 	pool, _ := pgtest.NewPool(t, 80)
 	a := &app{t: t, pool: pool, started: make(chan struct{}, 100), finished: make(chan struct{}, 100),
-		release: make(chan struct{})}
+		release: make(chan struct{}), jobCauses: make(chan error, 10)}
 	t.Cleanup(a.unblock) // a failing test must not leave a handler blocked until the timeout
 	if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (id serial PRIMARY KEY, path text, amount int);
 		CREATE FUNCTION conflict_on(n int, code text) RETURNS int LANGUAGE plpgsql AS $$
@@ -250,13 +256,22 @@ func (a *app) job(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "a lease route has no transaction", 500)
 		return
 	}
+	claim, keyed := idemhttp.ClaimOf(r.Context())
+	a.provider.Store(&claim.ProviderKey)
+	a.keyed.Store(keyed)
 	var o order
 	body, _ := io.ReadAll(r.Body)
 	_ = json.Unmarshal(body, &o)
 	time.Sleep(time.Duration(o.SleepMS) * time.Millisecond)
 	if o.Block {
 		a.started <- struct{}{}
-		<-a.release
+		select {
+		case <-a.release:
+		case <-r.Context().Done():
+			a.jobCauses <- context.Cause(r.Context())
+			http.Error(w, "stopped", http.StatusServiceUnavailable)
+			return
+		}
 	}
 	status := o.Status
 	if status == 0 {

@@ -116,8 +116,10 @@ func TestCustomFingerprint(t *testing.T) {
 	}
 }
 
-// TestLeaseRouteLifecycle: a lease route releases its key on a 5xx (the retry runs), stores
-// an answer even when the client went away meanwhile, and answers 409 while the lease runs.
+// TestLeaseRouteLifecycle: a lease route ends its lease on a 5xx without freeing the key (the
+// retry of the same request runs at once, in the same generation, with the same provider key;
+// another request under the key is refused), stores an answer even when the client went away
+// meanwhile, and answers 409 while the lease runs.
 func TestLeaseRouteLifecycle(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
@@ -125,11 +127,18 @@ func TestLeaseRouteLifecycle(t *testing.T) {
 	if r := a.do("POST", "/jobs", "alice", "j1", `{"status":503}`); r.status != 503 {
 		t.Fatalf("failing job: %+v", r)
 	}
-	if n := a.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'j1' AND state = 'r'`); n != 1 {
-		t.Fatal("a 5xx did not release the lease")
+	if n := a.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'j1' AND state = 'p' AND lease_expires_at <= now()`); n != 1 {
+		t.Fatal("a 5xx did not end the lease (or freed the key)")
 	}
+	first := a.provider.Load()
 	if r := a.do("POST", "/jobs", "alice", "j1", `{"status":503}`); r.status != 503 || a.runs.Load() != 2 {
-		t.Fatalf("the retry after a released lease did not run: %+v, %d runs", r, a.runs.Load())
+		t.Fatalf("the retry after a failed lease did not run at once: %+v, %d runs", r, a.runs.Load())
+	}
+	if again := a.provider.Load(); first == nil || again == nil || *first != *again || len(*first) != 64 {
+		t.Fatalf("the retry's provider key %v, want the failed attempt's %v", again, first)
+	}
+	if r := a.do("POST", "/jobs", "alice", "j1", `{"status":201}`); r.status != 422 {
+		t.Fatalf("another request under a failed lease's key: %+v, want 422", r)
 	}
 
 	// The client goes away while the job works; the job's answer is still recorded.

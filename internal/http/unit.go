@@ -32,7 +32,7 @@ const (
 // run calls the handler with a fresh recorder, body reader and state, on ctx; a panic is
 // recovered and reported as rollBack.
 func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *recorder, st *state, v verdict) {
-	st = &state{m: q.m, body: q.body, canonical: q.canonical, claim: q.claim}
+	st = &state{m: q.m, body: q.body, canonical: q.canonical, claim: q.claim, providerKey: q.providerKey}
 	if tx != nil {
 		st.tx = tx
 	}
@@ -67,7 +67,12 @@ var errRollBack = errors.New("idemhttp: roll back")
 // committed only for a 2xx.
 func (q *request) unkeyed() {
 	if q.rt.Lease > 0 {
-		rec, _, _ := q.run(q.r.Context(), nil, false)
+		// Work outside the database without a key: no claim, no retry safety (the client
+		// chose), but a provider key of its own, so that no provider merges it with another.
+		q.providerKey = randomProviderKey()
+		ctx, done := q.m.leases.track(q.r.Context())
+		defer done()
+		rec, _, _ := q.run(ctx, nil, false)
 		q.answer(rec)
 		return
 	}
@@ -176,7 +181,7 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 			q.m.o.Metrics.Count(q.action, StateAcquired)
 		}
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
-			ProviderKey: dbidem.ProviderKey(claim.Principal, claim.Key)}
+			ProviderKey: d.ProviderKey}
 		if q.rt.Lease > 0 {
 			return nil // a lease claim commits on its own; the handler runs after
 		}
@@ -213,7 +218,7 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	endSpan(done, [...]string{commit: "completed", final: "final", rollBack: "rolled_back"}[v], nil)
 	if d.Outcome == dbidem.Claimed {
 		if q.rt.Lease > 0 {
-			return q.lease(ctx, claim, d.Attempt)
+			return q.lease(ctx, claim, d)
 		}
 		if oversize {
 			q.m.o.Metrics.Count(q.action, StateOversize)
