@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgcluster"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
@@ -51,6 +52,7 @@ type Main struct {
 	cluster        *pgcluster.Cluster
 	pool           *pgxpool.Pool
 	registry       *prometheus.Registry
+	idem           *idem.Middleware // set by routes: its Shutdown ends lease work at shutdown
 }
 
 // Run runs the command until it is done or ctx ends.
@@ -363,7 +365,15 @@ func (m *Main) serve(ctx context.Context) error {
 	m.log.Info("shutting down", "timeout", m.Config.ShutdownTimeout.String())
 	sctx, cancel := context.WithTimeout(context.Background(), m.Config.ShutdownTimeout)
 	defer cancel()
-	err = srv.Shutdown(sctx) // stop accepting, let in-flight requests finish
+	// Stop accepting and let in-flight requests finish; lease work (which outlives its client)
+	// is ended by the middleware's Shutdown when the timeout passes, so that it gives its
+	// lease up for the client's retry instead of being cut off by the exit.
+	leases := make(chan error, 1)
+	go func() { leases <- m.idem.Shutdown(sctx) }()
+	err = srv.Shutdown(sctx)
+	if lerr := <-leases; lerr != nil {
+		m.log.Warn("lease work still running at the shutdown timeout was ended", "error", lerr)
+	}
 	if stopCleanup != nil {
 		stopCleanup() // cancels a running pass and waits for it
 	}

@@ -68,7 +68,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		return tx.QueryRow(ctx, `INSERT INTO ledger.payouts (principal_id, account_id, amount, provider_ref, idempotency_key)
 			VALUES ($1, $2, $3, $4, $5)
-			ON CONFLICT (provider_ref) DO UPDATE SET provider_ref = excluded.provider_ref
+			ON CONFLICT (principal_id, provider_ref) DO UPDATE SET provider_ref = excluded.provider_ref
 			RETURNING id, created_at`, principal, out.AccountID, amt, ref, claim.Key).Scan(&out.ID, &out.CreatedAt)
 	})
 	if err != nil {
@@ -104,6 +104,10 @@ func (s *ledger) getPayout(w http.ResponseWriter, r *http.Request) {
 // payout was paid once, whatever its retries did.
 func (s *ledger) providerCalls(w http.ResponseWriter, r *http.Request) {
 	key := mux.Vars(r)["key"]
-	calls, ref := s.provider.stats(key)
+	calls, ref, err := s.provider.stats(r.Context(), key)
+	if err != nil {
+		s.serverError(w, r, err)
+		return
+	}
 	writeJSON(w, http.StatusOK, map[string]any{"provider_key": key, "calls": calls, "provider_ref": ref})
 }

@@ -2,59 +2,74 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// provider is a simulated payment provider, running inside the server, for the payouts route:
-// work outside the database that cannot be rolled back. Like a real provider it deduplicates by
-// its own idempotency key: the first call with a key accepts a payout (it exists from then on,
-// whether the caller waits for the answer or not) and answers after the configured delay; a
-// later call with the key answers that payout, once the first call's delay has passed. It
-// counts every call per key, for clients that check from outside how often it was called
-// (GET /v1/provider/calls/{key}). Its memory is the process's: a restart forgets it.
+// provider is a simulated payment provider for the payouts route: work outside the ledger's
+// transactions that cannot be rolled back. It keeps its records where an outside provider
+// keeps its own, away from the server's memory: in the database's schema provider (ledger
+// migration 005), written in statements of their own, outside any transaction of the ledger,
+// so a restart or a second replica of the server sees every payout it accepted.
+//
+// Like a real provider it deduplicates by its own idempotency key (the claim's provider key):
+// the first call with a key accepts a payout (it exists from then on, whether the caller waits
+// for the answer or not) and answers after the configured delay; a later call with the key
+// answers that payout once the first call's delay has passed, and one with another amount is
+// refused (as Stripe refuses an idempotency key reused with other parameters). It counts
+// every call per key, for clients that check from outside how often it was called (GET
+// /v1/provider/calls/{key}). References come from a sequence: unique across restarts and
+// replicas.
 type provider struct {
+	pool  *pgxpool.Pool
 	delay time.Duration
-
-	mu      sync.Mutex
-	calls   map[string]int
-	payouts map[string]*providerPayout
 }
 
-type providerPayout struct {
-	ref   string
-	ready time.Time
-}
+// errProviderKeyReused: a call under a provider key that an earlier call used with another
+// amount.
+var errProviderKeyReused = errors.New("provider: idempotency key reused with another amount")
 
-func newProvider(delay time.Duration) *provider {
-	return &provider{delay: delay, calls: map[string]int{}, payouts: map[string]*providerPayout{}}
+func newProvider(pool *pgxpool.Pool, delay time.Duration) *provider {
+	return &provider{pool: pool, delay: delay}
 }
 
 // pay pays amount under the provider's idempotency key and returns the payout's reference.
 func (p *provider) pay(ctx context.Context, key string, amount int64) (string, error) {
-	p.mu.Lock()
-	p.calls[key]++
-	po, ok := p.payouts[key]
-	if !ok {
-		po = &providerPayout{ref: fmt.Sprintf("po_%d_%d", len(p.payouts)+1, amount), ready: time.Now().Add(p.delay)}
-		p.payouts[key] = po
+	var (
+		ref    string
+		stored int64
+		wait   float64 // seconds until the payout's answer is ready, by the database's clock
+	)
+	err := p.pool.QueryRow(ctx, `INSERT INTO provider.payouts (idempotency_key, ref, amount, ready_at)
+		VALUES ($1, 'po_' || nextval('provider.payout_ref_seq'), $2, clock_timestamp() + $3::interval)
+		ON CONFLICT (idempotency_key) DO UPDATE SET calls = provider.payouts.calls + 1
+		RETURNING ref, amount, greatest(extract(epoch FROM ready_at - clock_timestamp()), 0)::float8`,
+		key, amount, fmt.Sprintf("%d microseconds", p.delay.Microseconds())).Scan(&ref, &stored, &wait)
+	if err != nil {
+		return "", fmt.Errorf("provider: %w", err)
 	}
-	p.mu.Unlock()
+	if stored != amount {
+		return "", fmt.Errorf("%w (%d, then %d)", errProviderKeyReused, stored, amount)
+	}
+	t := time.NewTimer(time.Duration(wait * float64(time.Second)))
+	defer t.Stop()
 	select {
-	case <-time.After(time.Until(po.ready)):
-		return po.ref, nil
+	case <-t.C:
+		return ref, nil
 	case <-ctx.Done():
 		return "", context.Cause(ctx)
 	}
 }
 
 // stats is what the provider knows of a key: how many calls it received, and its payout.
-func (p *provider) stats(key string) (calls int, ref string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if po, ok := p.payouts[key]; ok {
-		ref = po.ref
+func (p *provider) stats(ctx context.Context, key string) (calls int, ref string, err error) {
+	err = p.pool.QueryRow(ctx, `SELECT calls, ref FROM provider.payouts WHERE idempotency_key = $1`, key).Scan(&calls, &ref)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, "", nil
 	}
-	return p.calls[key], ref
+	return calls, ref, err
 }

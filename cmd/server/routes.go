@@ -22,17 +22,18 @@ var openAPI []byte
 
 // routes is the server's handler: the router behind the correlation-id middleware.
 func (m *Main) routes() (http.Handler, error) {
-	r, _, err := m.router()
+	r, mw, err := m.router()
 	if err != nil {
 		return nil, err
 	}
+	m.idem = mw
 	return correlate(m.log, r), nil
 }
 
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
 func (m *Main) router() (*mux.Router, *idem.Middleware, error) {
-	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
+	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
 	idem, err := idem.New(idem.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
