@@ -452,7 +452,11 @@ DECLARE
     v_ok      boolean;
     v_token   bigint;
     v_gen     bigint;
-    v_row     idem.idempotency_keys%ROWTYPE;
+    -- A record, not idem.idempotency_keys%ROWTYPE: a row type is looked up, with a lock on the
+    -- table, when the function is compiled, before p_lock_timeout applies; a LOCK TABLE by a
+    -- migration or maintenance then kept every new session's first claim waiting the SET
+    -- clause's whole lock timeout. The statements below take the table's lock under it.
+    v_row     record;
     v_lock    boolean;
     v_tries   integer;
     v_names   text[];
@@ -574,10 +578,16 @@ IF p_request_fields IS NOT NULL THEN
             END IF;
             -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
             -- the row as committed; lock it only to write.
-            SELECT * INTO v_row FROM idem.idempotency_keys AS k
+            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
+                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
+                   k.response_body, k.resource_id, k.withheld
+              INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSE
-            SELECT * INTO v_row FROM idem.idempotency_keys AS k
+            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
+                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
+                   k.response_body, k.resource_id, k.withheld
+              INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
         END IF;

@@ -166,6 +166,11 @@ var (
 	ErrMismatch = errors.New("dbidem: idempotency key reused with another request")
 	// ErrNotMigrated: the database has no (or an older) idem schema: run the migrations.
 	ErrNotMigrated = errors.New("dbidem: database not migrated")
+	// ErrStoreBusy: a claim's probes (Gate) found the key table itself locked, not a key (a
+	// migration's swap, VACUUM FULL, pg_repack, LOCK TABLE): nothing was written; answer 503
+	// with Retry-After and let the client retry. A claim does not wait for such a lock, so a
+	// locked table costs no pool connections and stalls nothing else.
+	ErrStoreBusy = errors.New("dbidem: the key table is locked")
 )
 
 // classify wraps an error from the SQL API in the sentinel that describes it.

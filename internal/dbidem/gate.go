@@ -221,21 +221,30 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 	first := c
 	first.LockTimeout = min(Probe, lockTimeout)
 	err = RunTx(ctx, db, opts, unit(first))
-	// A probe can also time out on a lock that is not the key's (the table's extension lock,
-	// under load): that says nothing about the key, so the probe runs again, a few times.
-	for again := 0; again < 3 && errors.Is(err, ErrInProgress) && !IsKeyWait(err); again++ {
+	// A probe can also time out on a lock that is not the key's: the table's extension lock
+	// under load (a blip), or a lock on the whole table (a migration's swap, VACUUM FULL,
+	// pg_repack, LOCK TABLE). That says nothing about the key, so the probe runs again a few
+	// times, a little later each time (tableBusyPauses).
+	for _, pause := range tableBusyPauses {
+		if !errors.Is(err, ErrInProgress) || IsKeyWait(err) {
+			break
+		}
+		if !sleep(ctx, pause) {
+			return ctx.Err()
+		}
 		err = RunTx(ctx, db, opts, unit(first))
+	}
+	if errors.Is(err, ErrInProgress) && !IsKeyWait(err) {
+		// The table is locked: waiting for it would hold a connection for the whole lock
+		// timeout, and every other request's with it. Answer now; the caller retries later.
+		g.refused.Add(1)
+		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
 	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
 		return err
 	}
 	rest := c
 	rest.LockTimeout = lockTimeout - Probe
-	if !IsKeyWait(err) {
-		// Still a lock that is not the key's (autovacuum truncating the table, say): wait
-		// for it with the rest of the lock timeout, as any statement would.
-		return RunTx(ctx, db, opts, unit(rest))
-	}
 	select {
 	case g.slots <- struct{}{}:
 	default:
@@ -244,6 +253,23 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 	}
 	defer func() { <-g.slots }()
 	return RunTx(ctx, db, opts, unit(rest))
+}
+
+// tableBusyPauses are the pauses before the probes that follow one that timed out on a lock
+// other than the key's: about 50 ms in all, long enough for the table's extension lock under
+// load, short enough that a locked table is answered at once.
+var tableBusyPauses = []time.Duration{5 * time.Millisecond, 15 * time.Millisecond, 30 * time.Millisecond}
+
+// sleep waits d or until ctx ends (false).
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // IsKeyWait tells whether a lock timeout (55P03) came from waiting on a key's row: the wait

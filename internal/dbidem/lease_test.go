@@ -229,3 +229,50 @@ func TestLeaseNeverStartsLate(t *testing.T) {
 		t.Fatalf("lost %v after %d extensions", l.Lost(), l.Extensions())
 	}
 }
+
+// TestLeaseLostBeforeATakeoverUnderATableLock (issue 31): the key table is locked longer than
+// a lease while lease work runs, so no extension can succeed. The work must learn that its
+// lease is lost (its context ends with ErrLeaseLost) no later than the database's lease ends,
+// before any other process could take the key over.
+func TestLeaseLostBeforeATakeoverUnderATableLock(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	c := claim("locked-lease", `{"job":1}`)
+	c.Lease = time.Second
+	d, err := dbidem.Begin(ctx, pool, c)
+	if err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("claim: %+v %v", d, err)
+	}
+	l := dbidem.KeepAlive(ctx, pool, c.Principal, c.Key, d.Attempt, dbidem.LeaseOptions{Lease: c.Lease, Start: d.Sent})
+	defer l.Stop()
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := locker.Exec(ctx, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	var lostAt time.Time
+	select {
+	case <-l.Context().Done():
+		lostAt = time.Now()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the work never learned that its lease could not be extended")
+	}
+	if !errors.Is(context.Cause(l.Context()), dbidem.ErrLeaseLost) {
+		t.Fatalf("the work's context ended with %v, want ErrLeaseLost", context.Cause(l.Context()))
+	}
+	time.Sleep(500 * time.Millisecond)
+	_ = locker.Rollback(ctx)
+	// The database's lease end, against the moment the work learned, both on the database's
+	// clock: how long ago each was.
+	var sinceEnd time.Duration
+	if err := pool.QueryRow(ctx, `SELECT (extract(epoch FROM clock_timestamp() - lease_expires_at) * 1e6)::bigint * 1000
+		FROM idem.idempotency_keys WHERE key = $1`, c.Key).Scan(&sinceEnd); err != nil {
+		t.Fatal(err)
+	}
+	if sinceLost := time.Since(lostAt); sinceLost+5*time.Millisecond < sinceEnd {
+		t.Fatalf("the work learned its lease was lost %v ago, after the database's lease ended (%v ago)", sinceLost, sinceEnd)
+	}
+}

@@ -38,7 +38,13 @@ func (q *request) storeError(err error) State {
 	case CodeStoreUnavailable, CodeOutcomeUnknown:
 		q.w.Header().Set("Retry-After", "1")
 	}
-	q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	if errors.Is(err, dbidem.ErrStoreBusy) {
+		// Maintenance (a migration's swap, VACUUM FULL, pg_repack) locks the key table for a
+		// while: expected, answered at once, and retried by the client.
+		q.m.o.Logger.Warn("idem: the key table is locked; answered 503", "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	} else {
+		q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	}
 	q.m.problem(q.w, q.r, code, detail, nil)
 	return StateStoreError
 }

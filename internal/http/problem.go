@@ -60,6 +60,8 @@ var problems = map[string]problemSpec{
 // reads driver errors.
 func errorProblem(err error) (code, detail string) {
 	switch {
+	case errors.Is(err, dbidem.ErrStoreBusy):
+		return CodeStoreUnavailable, "the idempotency store is locked for maintenance; nothing was changed; retry with the same key"
 	case errors.Is(err, dbidem.ErrInProgress):
 		return CodeInProgress, "a request with this key is still running; retry later with the same key"
 	case errors.Is(err, dbidem.ErrUnknownPrincipal):
