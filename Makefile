@@ -28,6 +28,10 @@ migrate: ## apply the migrations and install the SQL API into DATABASE_URL (or t
 test: ## run every test (Go and pgTAP) against a real PostgreSQL, with the race detector
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 
+.PHONY: upgrade-check
+upgrade-check: ## the upgrade from 0.1.0 under traffic at UPGRADE_KEYS keys (default 1.5 million): the old release's answers and slowest request
+	UPGRADE_KEYS=$${UPGRADE_KEYS:-1500000} $(GO) test -count=1 -timeout 60m -run '^TestUpgradeUnderTraffic$$' -v ./cmd/server
+
 .PHONY: sql
 sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migrations and sql/functions
 	$(GO) run ./internal/tools/sqlbundle

@@ -14,6 +14,239 @@
 -- (schema version 5 is the last), then the functions are installed.
 
 \set ON_ERROR_STOP on
+
+-- ---------------------------------------------------------------------------------------
+-- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
+-- the new key table is built beside the live one while that release keeps serving (a short
+-- transaction that creates it, then idem.rebuild_003(), which adds a trigger that keeps it
+-- current and copies the existing rows in batches, committing as it goes); migration 003
+-- below then only swaps the tables, in a lock of milliseconds (docs/operations.md, "Upgrades").
+SELECT to_regclass('idem.schema_version') IS NOT NULL AND to_regclass('idem.idempotency_keys') IS NOT NULL AS idem_rebuild_due \gset
+\if :idem_rebuild_due
+SELECT version BETWEEN 1 AND 2 AS idem_rebuild_due FROM idem.schema_version \gset
+\endif
+\if :idem_rebuild_due
+BEGIN;
+SELECT pg_advisory_xact_lock(9628173550095224);
+CREATE SEQUENCE IF NOT EXISTS idem.attempt_seq AS bigint;
+
+COMMENT ON SEQUENCE idem.attempt_seq IS
+    'Fencing tokens (idempotency_keys.attempt): every claim and takeover draws a new one, so no earlier holder of a key ever had it.';
+
+CREATE TABLE IF NOT EXISTS idem.idempotency_keys_v3 (
+    expires_at       timestamptz NOT NULL,
+    attempt          bigint      NOT NULL,
+    action_hash      bigint      NOT NULL,
+    lease_expires_at timestamptz,
+    claimed_at       timestamptz,
+    generation       bigint,
+    response_status  smallint,
+    state            "char"      NOT NULL,
+    uncompleted      boolean,
+    principal_id     text        NOT NULL,
+    key              text        NOT NULL,
+    request_sha256   bytea       NOT NULL,
+    request_fields   bytea,
+    resource_id      text,
+    withheld         text,
+    response_headers jsonb,
+    response_body    bytea,
+    CONSTRAINT idempotency_keys_v3_pkey PRIMARY KEY (principal_id, key),
+    CONSTRAINT idempotency_keys_claim_completed_in_its_transaction
+        FOREIGN KEY (uncompleted) REFERENCES idem.claim_guard (uncompleted)
+        DEFERRABLE INITIALLY DEFERRED
+) WITH (
+    -- The completion adds the response to a row inserted moments before; 5% of a page keeps
+    -- that update HOT for responses of a few hundred bytes (docs/operations.md).
+    fillfactor = 95,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_insert_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.05,
+    toast.autovacuum_vacuum_scale_factor = 0.02,
+    -- Freed pages are reused by the next claims; truncating them would take the table's
+    -- ACCESS EXCLUSIVE lock at the end of every vacuum, and every claim would wait for it.
+    vacuum_truncate = false,
+    toast.vacuum_truncate = false
+);
+
+CREATE INDEX IF NOT EXISTS idempotency_keys_v3_expires_at_idx ON idem.idempotency_keys_v3 (expires_at);
+CREATE INDEX IF NOT EXISTS idempotency_keys_v3_claimed_at_idx ON idem.idempotency_keys_v3 (claimed_at) WHERE claimed_at IS NOT NULL;
+
+-- The rebuild's bookkeeping: the largest 0.1.0 token copied (the sequence starts above it), and
+-- whether every row that existed before the trigger has been copied.
+CREATE TABLE IF NOT EXISTS idem.rebuild_003 (
+    one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+    max_attempt bigint  NOT NULL DEFAULT 0,
+    backfilled  boolean NOT NULL DEFAULT false
+);
+INSERT INTO idem.rebuild_003 DEFAULT VALUES ON CONFLICT DO NOTHING;
+
+-- A 0.1.0 row as the new table keeps it. request_fields was {"name": "hex sha256"}; it becomes
+-- name, NUL, the first 8 bytes of the hash, for each field. 0.1.0 took any JSON object there: a
+-- value that is not at least 16 hex digits keeps its name with a hash of eight zero bytes (it
+-- only names a field in a mismatch answer; whether a request matches is the request_sha256's
+-- to say). A lease in progress keeps its key the TTL past its end, and its claim time
+-- (created_at). 0.1.0 stored a repeated header as an array; 0.2.0 stores one string per name,
+-- and an answer's headers as an object of strings (an empty one when there are none: 0.1.0's
+-- '{}', which jsonb_object_agg alone would turn into NULL). 0.1.0 took any JSON values there: a
+-- number or a boolean becomes its text.
+CREATE OR REPLACE FUNCTION idem.v3_row(k idem.idempotency_keys)
+RETURNS idem.idempotency_keys_v3
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
+            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END,
+       k.attempt::bigint, hashtextextended(k.action, 0), k.lease_expires_at,
+       CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
+       NULL::bigint,
+       k.response_status::smallint,
+       CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
+       k.uncompleted, k.principal_id, k.key, k.request_sha256,
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+                              CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
+                                   ELSE '\x0000000000000000'::bytea END,
+                          ''::bytea ORDER BY f.key)
+          FROM jsonb_each(k.request_fields) AS f),
+       k.resource_id, k.withheld,
+       CASE WHEN k.response_status IS NOT NULL THEN coalesce(
+       (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
+                                           WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
+                                           WHEN 'string' THEN h.value
+                                           ELSE to_jsonb(h.value #>> '{}') END)
+          FROM jsonb_each(CASE WHEN jsonb_typeof(k.response_headers) = 'object' THEN k.response_headers END) AS h
+         WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
+       k.response_body
+$$;
+
+-- The trigger that keeps the new table current while the previous release writes the old one:
+-- in the writing transaction, so the copy commits or rolls back with the write.
+CREATE OR REPLACE FUNCTION idem.copy_to_v3()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND (OLD.principal_id, OLD.key) IS DISTINCT FROM (NEW.principal_id, NEW.key)) THEN
+        DELETE FROM idem.idempotency_keys_v3 AS n WHERE n.principal_id = OLD.principal_id AND n.key = OLD.key;
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO idem.idempotency_keys_v3 AS n SELECT * FROM idem.v3_row(NEW)
+    ON CONFLICT (principal_id, key) DO UPDATE
+       SET expires_at = excluded.expires_at, attempt = excluded.attempt, action_hash = excluded.action_hash,
+           lease_expires_at = excluded.lease_expires_at, claimed_at = excluded.claimed_at,
+           generation = excluded.generation, response_status = excluded.response_status, state = excluded.state,
+           uncompleted = excluded.uncompleted, request_sha256 = excluded.request_sha256,
+           request_fields = excluded.request_fields, resource_id = excluded.resource_id, withheld = excluded.withheld,
+           response_headers = excluded.response_headers, response_body = excluded.response_body;
+    UPDATE idem.rebuild_003 SET max_attempt = NEW.attempt WHERE max_attempt < NEW.attempt;
+    RETURN NULL;
+END
+$$;
+
+-- The online part of the rebuild, CALLed outside any transaction (it commits as it goes):
+--   1. the trigger, which needs a SHARE ROW EXCLUSIVE lock on the old table: that lock waits
+--      for the table's writers and makes new ones queue behind it, so it is asked for with a
+--      lock timeout of 100 ms, again and again, never holding a claim up for longer;
+--   2. the rows that existed before the trigger, in batches of p_batch_size in the primary
+--      key's order, each batch a transaction of its own that holds its rows FOR KEY SHARE
+--      (a concurrent delete waits for the batch, then the trigger deletes the copy) and keeps
+--      what the trigger already copied (ON CONFLICT DO NOTHING: the trigger's copy is newer).
+-- Nothing here locks out the previous release's claims; its writes pay for the trigger.
+-- Running it again (or in two sessions at once) is safe; a second run copies nothing new.
+CREATE OR REPLACE PROCEDURE idem.rebuild_003(p_batch_size integer DEFAULT 5000)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_tries    integer := 0;
+    v_principal text := '';
+    v_key      text := '';
+    v_rows     integer;
+    v_max      bigint;
+    v_last_p   text;
+    v_last_k   text;
+BEGIN
+    WHILE NOT EXISTS (SELECT FROM pg_catalog.pg_trigger AS t
+                       WHERE t.tgrelid = 'idem.idempotency_keys'::regclass AND t.tgname = 'idempotency_keys_copy_to_v3') LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '100ms', true);
+            CREATE TRIGGER idempotency_keys_copy_to_v3
+                AFTER INSERT OR UPDATE OR DELETE ON idem.idempotency_keys
+                FOR EACH ROW EXECUTE FUNCTION idem.copy_to_v3();
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 600 THEN
+                RAISE EXCEPTION 'idem rebuild 003: idem.idempotency_keys stayed locked through % tries of 100 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+        END;
+        COMMIT;
+        IF v_tries > 0 THEN
+            PERFORM pg_catalog.pg_sleep(least(0.01 * v_tries, 0.2));
+        END IF;
+    END LOOP;
+    COMMIT;
+
+    WHILE NOT (SELECT r.backfilled FROM idem.rebuild_003 AS r) LOOP
+        -- online: one batch, a transaction of its own, outside the migration's.
+        WITH batch AS (
+            SELECT k.*
+              FROM idem.idempotency_keys AS k
+             WHERE (k.principal_id, k.key) > (v_principal, v_key)
+             ORDER BY k.principal_id, k.key
+             LIMIT p_batch_size
+               FOR KEY SHARE OF k
+        ), copied AS (
+            INSERT INTO idem.idempotency_keys_v3
+            SELECT CASE WHEN b.state = 'in_progress' AND b.lease_expires_at IS NOT NULL
+            THEN b.lease_expires_at + (b.expires_at - b.created_at) ELSE b.expires_at END,
+       b.attempt::bigint, hashtextextended(b.action, 0), b.lease_expires_at,
+       CASE WHEN b.state = 'in_progress' AND b.lease_expires_at IS NOT NULL THEN b.created_at END,
+       NULL::bigint,
+       b.response_status::smallint,
+       CASE b.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
+       b.uncompleted, b.principal_id, b.key, b.request_sha256,
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+                              CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
+                                   ELSE '\x0000000000000000'::bytea END,
+                          ''::bytea ORDER BY f.key)
+          FROM jsonb_each(b.request_fields) AS f),
+       b.resource_id, b.withheld,
+       CASE WHEN b.response_status IS NOT NULL THEN coalesce(
+       (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
+                                           WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
+                                           WHEN 'string' THEN h.value
+                                           ELSE to_jsonb(h.value #>> '{}') END)
+          FROM jsonb_each(CASE WHEN jsonb_typeof(b.response_headers) = 'object' THEN b.response_headers END) AS h
+         WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
+       b.response_body
+              FROM batch AS b
+            ON CONFLICT (principal_id, key) DO NOTHING
+        )
+        SELECT count(*)::integer, max(b.attempt),
+               (array_agg(b.principal_id ORDER BY b.principal_id DESC, b.key DESC))[1],
+               (array_agg(b.key ORDER BY b.principal_id DESC, b.key DESC))[1]
+          INTO v_rows, v_max, v_last_p, v_last_k
+          FROM batch AS b;
+        IF v_rows = 0 THEN
+            UPDATE idem.rebuild_003 SET backfilled = true;
+        ELSE
+            UPDATE idem.rebuild_003 SET max_attempt = v_max WHERE max_attempt < v_max;
+            v_principal := v_last_p;
+            v_key := v_last_k;
+        END IF;
+        COMMIT;
+    END LOOP;
+END
+$$;
+COMMIT;
+CALL idem.rebuild_003(5000);
+\endif
+
 BEGIN;
 SELECT pg_advisory_xact_lock(9628173550095224);
 
@@ -151,24 +384,60 @@ SELECT version < 3 AS idem_migration_due FROM idem.schema_version \gset
 --   - no CHECK constraints: the SECURITY DEFINER functions are the only writers (no other role
 --     has a privilege on the table), and the pgTAP suite proves the invariants they keep.
 --
+-- Online (expand and contract, as pg_repack and pg-online-schema-change do): the new table is
+-- built beside the old one while the previous release keeps serving. idemsql.Migrate (and
+-- sql/idem.sql) first run online/003_shadow.sql in a short transaction and CALL
+-- idem.rebuild_003(), which adds a trigger that copies every write of the old table into the
+-- new one and then copies the existing rows in batches, each a short transaction; the
+-- previous release's claims never wait for more than a 100 ms lock attempt. This migration
+-- then swaps the tables: it locks the old table (ACCESS EXCLUSIVE, asked for with a 200 ms
+-- lock timeout, again until it gets it), and, the copy being complete and current, drops the
+-- old table and renames the new one, in the same transaction as the new functions' install.
+-- The lock lasts as long as a few catalog changes, whatever the table's size. A database that
+-- had no online run (a new install, whose table is empty; a migrate that was not given one)
+-- copies its rows here, under the lock.
+--
 -- Rows stored by 0.1.0 are copied over, so their keys still replay. Foreign keys that others
 -- added to the old table (the reference server's principal reference, or your own) are added
 -- again to the new one as NOT VALID. There is no way down: going back to 0.1.0 means
 -- restoring a backup.
---
--- The first statement locks the old table against every other use until this migration
--- commits: a claim that committed before the lock is copied; one that comes after waits for
--- the lock (its function's lock_timeout, 2 s by default), fails with 55P03 and is answered
--- 409 request_in_progress, retryable. Without the lock, keys committed to the old table while
--- the copy ran were dropped with it (docs/operations.md, "Upgrades"; TestUpgradeUnderTraffic).
-LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+-- The swap's lock, asked for with a short lock timeout: while it waits in the queue, the
+-- previous release's claims wait behind it, so it never waits long at a time.
+-- online: the table was copied beforehand (idem.rebuild_003), so the lock lasts as long as a
+-- few catalog changes, whatever the table's size.
+DO $$
+DECLARE
+    v_tries integer := 0;
+    v_was   text := pg_catalog.current_setting('lock_timeout');
+BEGIN
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '200ms', true);
+            LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 300 THEN
+                RAISE EXCEPTION 'idem migration 003: idem.idempotency_keys stayed locked through % tries of 200 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.05);
+        END;
+    END LOOP;
+    PERFORM pg_catalog.set_config('lock_timeout', v_was, true);
+END
+$$;
 
-CREATE SEQUENCE idem.attempt_seq AS bigint;
+-- What the swap needs, if an online run did not create it already (a new install). Only now,
+-- under the lock: CREATE INDEX IF NOT EXISTS locks the new table even when the index exists,
+-- and the previous release's writes, copied there by the trigger, would wait for this
+-- transaction, and this transaction's lock for them.
+CREATE SEQUENCE IF NOT EXISTS idem.attempt_seq AS bigint;
 
 COMMENT ON SEQUENCE idem.attempt_seq IS
     'Fencing tokens (idempotency_keys.attempt): every claim and takeover draws a new one, so no earlier holder of a key ever had it.';
 
-CREATE TABLE idem.idempotency_keys_v3 (
+CREATE TABLE IF NOT EXISTS idem.idempotency_keys_v3 (
     expires_at       timestamptz NOT NULL,
     attempt          bigint      NOT NULL,
     action_hash      bigint      NOT NULL,
@@ -185,7 +454,11 @@ CREATE TABLE idem.idempotency_keys_v3 (
     resource_id      text,
     withheld         text,
     response_headers jsonb,
-    response_body    bytea
+    response_body    bytea,
+    CONSTRAINT idempotency_keys_v3_pkey PRIMARY KEY (principal_id, key),
+    CONSTRAINT idempotency_keys_claim_completed_in_its_transaction
+        FOREIGN KEY (uncompleted) REFERENCES idem.claim_guard (uncompleted)
+        DEFERRABLE INITIALLY DEFERRED
 ) WITH (
     -- The completion adds the response to a row inserted moments before; 5% of a page keeps
     -- that update HOT for responses of a few hundred bytes (docs/operations.md).
@@ -200,19 +473,39 @@ CREATE TABLE idem.idempotency_keys_v3 (
     toast.vacuum_truncate = false
 );
 
--- The old rows. request_fields was {"name": "hex sha256"}; it becomes name, NUL, the first 8
--- bytes of the hash, for each field. 0.1.0 took any JSON object there: a value that is not at
--- least 16 hex digits keeps its name with a hash of eight zero bytes (it only names a field in a
--- mismatch answer; whether a request matches is the request_sha256's to say). A lease in
--- progress keeps its key the TTL past its end.
-INSERT INTO idem.idempotency_keys_v3
-    (expires_at, attempt, action_hash, lease_expires_at, claimed_at, response_status, state, uncompleted,
-     principal_id, key, request_sha256, request_fields, resource_id, withheld, response_headers,
-     response_body)
+CREATE INDEX IF NOT EXISTS idempotency_keys_v3_expires_at_idx ON idem.idempotency_keys_v3 (expires_at);
+CREATE INDEX IF NOT EXISTS idempotency_keys_v3_claimed_at_idx ON idem.idempotency_keys_v3 (claimed_at) WHERE claimed_at IS NOT NULL;
+
+-- The rebuild's bookkeeping: the largest 0.1.0 token copied (the sequence starts above it), and
+-- whether every row that existed before the trigger has been copied.
+CREATE TABLE IF NOT EXISTS idem.rebuild_003 (
+    one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+    max_attempt bigint  NOT NULL DEFAULT 0,
+    backfilled  boolean NOT NULL DEFAULT false
+);
+INSERT INTO idem.rebuild_003 DEFAULT VALUES ON CONFLICT DO NOTHING;
+
+-- A 0.1.0 row as the new table keeps it. request_fields was {"name": "hex sha256"}; it becomes
+-- name, NUL, the first 8 bytes of the hash, for each field. 0.1.0 took any JSON object there: a
+-- value that is not at least 16 hex digits keeps its name with a hash of eight zero bytes (it
+-- only names a field in a mismatch answer; whether a request matches is the request_sha256's
+-- to say). A lease in progress keeps its key the TTL past its end, and its claim time
+-- (created_at). 0.1.0 stored a repeated header as an array; 0.2.0 stores one string per name,
+-- and an answer's headers as an object of strings (an empty one when there are none: 0.1.0's
+-- '{}', which jsonb_object_agg alone would turn into NULL). 0.1.0 took any JSON values there: a
+-- number or a boolean becomes its text.
+CREATE OR REPLACE FUNCTION idem.v3_row(k idem.idempotency_keys)
+RETURNS idem.idempotency_keys_v3
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
 SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
-            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END, k.attempt, hashtextextended(k.action, 0),
-       k.lease_expires_at, CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
-       k.response_status,
+            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END,
+       k.attempt::bigint, hashtextextended(k.action, 0), k.lease_expires_at,
+       CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
+       NULL::bigint,
+       k.response_status::smallint,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
        (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
@@ -221,10 +514,6 @@ SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(k.request_fields) AS f),
        k.resource_id, k.withheld,
-       -- 0.1.0 stored a repeated header as an array; 0.2.0 stores one string per name, and an
-       -- answer's headers as an object of strings (an empty one when there are none: 0.1.0's
-       -- '{}', which jsonb_object_agg alone would turn into NULL). 0.1.0 took any JSON values
-       -- there: a number or a boolean becomes its text.
        CASE WHEN k.response_status IS NOT NULL THEN coalesce(
        (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
                                            WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
@@ -233,9 +522,176 @@ SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
           FROM jsonb_each(CASE WHEN jsonb_typeof(k.response_headers) = 'object' THEN k.response_headers END) AS h
          WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
        k.response_body
-  FROM idem.idempotency_keys AS k;
+$$;
 
-SELECT setval('idem.attempt_seq', greatest((SELECT max(attempt) FROM idem.idempotency_keys_v3), 0) + 1, false);
+-- The trigger that keeps the new table current while the previous release writes the old one:
+-- in the writing transaction, so the copy commits or rolls back with the write.
+CREATE OR REPLACE FUNCTION idem.copy_to_v3()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND (OLD.principal_id, OLD.key) IS DISTINCT FROM (NEW.principal_id, NEW.key)) THEN
+        DELETE FROM idem.idempotency_keys_v3 AS n WHERE n.principal_id = OLD.principal_id AND n.key = OLD.key;
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO idem.idempotency_keys_v3 AS n SELECT * FROM idem.v3_row(NEW)
+    ON CONFLICT (principal_id, key) DO UPDATE
+       SET expires_at = excluded.expires_at, attempt = excluded.attempt, action_hash = excluded.action_hash,
+           lease_expires_at = excluded.lease_expires_at, claimed_at = excluded.claimed_at,
+           generation = excluded.generation, response_status = excluded.response_status, state = excluded.state,
+           uncompleted = excluded.uncompleted, request_sha256 = excluded.request_sha256,
+           request_fields = excluded.request_fields, resource_id = excluded.resource_id, withheld = excluded.withheld,
+           response_headers = excluded.response_headers, response_body = excluded.response_body;
+    UPDATE idem.rebuild_003 SET max_attempt = NEW.attempt WHERE max_attempt < NEW.attempt;
+    RETURN NULL;
+END
+$$;
+
+-- The online part of the rebuild, CALLed outside any transaction (it commits as it goes):
+--   1. the trigger, which needs a SHARE ROW EXCLUSIVE lock on the old table: that lock waits
+--      for the table's writers and makes new ones queue behind it, so it is asked for with a
+--      lock timeout of 100 ms, again and again, never holding a claim up for longer;
+--   2. the rows that existed before the trigger, in batches of p_batch_size in the primary
+--      key's order, each batch a transaction of its own that holds its rows FOR KEY SHARE
+--      (a concurrent delete waits for the batch, then the trigger deletes the copy) and keeps
+--      what the trigger already copied (ON CONFLICT DO NOTHING: the trigger's copy is newer).
+-- Nothing here locks out the previous release's claims; its writes pay for the trigger.
+-- Running it again (or in two sessions at once) is safe; a second run copies nothing new.
+CREATE OR REPLACE PROCEDURE idem.rebuild_003(p_batch_size integer DEFAULT 5000)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_tries    integer := 0;
+    v_principal text := '';
+    v_key      text := '';
+    v_rows     integer;
+    v_max      bigint;
+    v_last_p   text;
+    v_last_k   text;
+BEGIN
+    WHILE NOT EXISTS (SELECT FROM pg_catalog.pg_trigger AS t
+                       WHERE t.tgrelid = 'idem.idempotency_keys'::regclass AND t.tgname = 'idempotency_keys_copy_to_v3') LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '100ms', true);
+            CREATE TRIGGER idempotency_keys_copy_to_v3
+                AFTER INSERT OR UPDATE OR DELETE ON idem.idempotency_keys
+                FOR EACH ROW EXECUTE FUNCTION idem.copy_to_v3();
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 600 THEN
+                RAISE EXCEPTION 'idem rebuild 003: idem.idempotency_keys stayed locked through % tries of 100 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+        END;
+        COMMIT;
+        IF v_tries > 0 THEN
+            PERFORM pg_catalog.pg_sleep(least(0.01 * v_tries, 0.2));
+        END IF;
+    END LOOP;
+    COMMIT;
+
+    WHILE NOT (SELECT r.backfilled FROM idem.rebuild_003 AS r) LOOP
+        -- online: one batch, a transaction of its own, outside the migration's.
+        WITH batch AS (
+            SELECT k.*
+              FROM idem.idempotency_keys AS k
+             WHERE (k.principal_id, k.key) > (v_principal, v_key)
+             ORDER BY k.principal_id, k.key
+             LIMIT p_batch_size
+               FOR KEY SHARE OF k
+        ), copied AS (
+            INSERT INTO idem.idempotency_keys_v3
+            SELECT CASE WHEN b.state = 'in_progress' AND b.lease_expires_at IS NOT NULL
+            THEN b.lease_expires_at + (b.expires_at - b.created_at) ELSE b.expires_at END,
+       b.attempt::bigint, hashtextextended(b.action, 0), b.lease_expires_at,
+       CASE WHEN b.state = 'in_progress' AND b.lease_expires_at IS NOT NULL THEN b.created_at END,
+       NULL::bigint,
+       b.response_status::smallint,
+       CASE b.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
+       b.uncompleted, b.principal_id, b.key, b.request_sha256,
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+                              CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
+                                   ELSE '\x0000000000000000'::bytea END,
+                          ''::bytea ORDER BY f.key)
+          FROM jsonb_each(b.request_fields) AS f),
+       b.resource_id, b.withheld,
+       CASE WHEN b.response_status IS NOT NULL THEN coalesce(
+       (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
+                                           WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
+                                           WHEN 'string' THEN h.value
+                                           ELSE to_jsonb(h.value #>> '{}') END)
+          FROM jsonb_each(CASE WHEN jsonb_typeof(b.response_headers) = 'object' THEN b.response_headers END) AS h
+         WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
+       b.response_body
+              FROM batch AS b
+            ON CONFLICT (principal_id, key) DO NOTHING
+        )
+        SELECT count(*)::integer, max(b.attempt),
+               (array_agg(b.principal_id ORDER BY b.principal_id DESC, b.key DESC))[1],
+               (array_agg(b.key ORDER BY b.principal_id DESC, b.key DESC))[1]
+          INTO v_rows, v_max, v_last_p, v_last_k
+          FROM batch AS b;
+        IF v_rows = 0 THEN
+            UPDATE idem.rebuild_003 SET backfilled = true;
+        ELSE
+            UPDATE idem.rebuild_003 SET max_attempt = v_max WHERE max_attempt < v_max;
+            v_principal := v_last_p;
+            v_key := v_last_k;
+        END IF;
+        COMMIT;
+    END LOOP;
+END
+$$;
+
+
+-- The commit guard checks each row copied below at once, not at COMMIT: the new table is
+-- renamed below, which PostgreSQL refuses while it has checks pending.
+SET CONSTRAINTS idem.idempotency_keys_claim_completed_in_its_transaction IMMEDIATE;
+-- Without an online run, the copy happens now, under the lock (ON CONFLICT DO NOTHING keeps
+-- what a trigger of an interrupted online run copied: it is newer).
+-- online: only without an online run: a new install, whose table is empty (idemsql.Migrate
+-- and sql/idem.sql run idem.rebuild_003 first on every database of 0.1.0).
+DO $$
+BEGIN
+    IF NOT (SELECT r.backfilled FROM idem.rebuild_003 AS r) THEN
+        INSERT INTO idem.idempotency_keys_v3
+        SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
+            THEN k.lease_expires_at + (k.expires_at - k.created_at) ELSE k.expires_at END,
+       k.attempt::bigint, hashtextextended(k.action, 0), k.lease_expires_at,
+       CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL THEN k.created_at END,
+       NULL::bigint,
+       k.response_status::smallint,
+       CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
+       k.uncompleted, k.principal_id, k.key, k.request_sha256,
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+                              CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
+                                   ELSE '\x0000000000000000'::bytea END,
+                          ''::bytea ORDER BY f.key)
+          FROM jsonb_each(k.request_fields) AS f),
+       k.resource_id, k.withheld,
+       CASE WHEN k.response_status IS NOT NULL THEN coalesce(
+       (SELECT jsonb_object_agg(h.key, CASE jsonb_typeof(h.value)
+                                           WHEN 'array' THEN to_jsonb(coalesce((SELECT string_agg(v, ', ') FROM jsonb_array_elements_text(h.value) AS v), ''))
+                                           WHEN 'string' THEN h.value
+                                           ELSE to_jsonb(h.value #>> '{}') END)
+          FROM jsonb_each(CASE WHEN jsonb_typeof(k.response_headers) = 'object' THEN k.response_headers END) AS h
+         WHERE jsonb_typeof(h.value) <> 'null'), '{}') END,
+       k.response_body
+          FROM idem.idempotency_keys AS k
+        ON CONFLICT (principal_id, key) DO NOTHING;
+        UPDATE idem.rebuild_003
+           SET max_attempt = greatest(max_attempt, coalesce((SELECT max(attempt) FROM idem.idempotency_keys_v3), 0));
+    END IF;
+END
+$$;
+SET CONSTRAINTS idem.idempotency_keys_claim_completed_in_its_transaction DEFERRED;
+
+SELECT setval('idem.attempt_seq', (SELECT r.max_attempt FROM idem.rebuild_003 AS r) + 1, false);
 
 -- Foreign keys others put on the old table go to the new one (NOT VALID: no scan, no lock on
 -- the referenced table beyond the moment).
@@ -254,17 +710,16 @@ BEGIN
 END
 $$;
 
+DROP TRIGGER IF EXISTS idempotency_keys_copy_to_v3 ON idem.idempotency_keys;
+DROP PROCEDURE idem.rebuild_003(integer);
+DROP FUNCTION idem.copy_to_v3();
+DROP FUNCTION idem.v3_row(idem.idempotency_keys);
+DROP TABLE idem.rebuild_003;
 DROP TABLE idem.idempotency_keys;
 ALTER TABLE idem.idempotency_keys_v3 RENAME TO idempotency_keys;
-
-ALTER TABLE idem.idempotency_keys
-    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (principal_id, key),
-    ADD CONSTRAINT idempotency_keys_claim_completed_in_its_transaction
-        FOREIGN KEY (uncompleted) REFERENCES idem.claim_guard (uncompleted)
-        DEFERRABLE INITIALLY DEFERRED;
-
-CREATE INDEX idempotency_keys_expires_at_idx ON idem.idempotency_keys (expires_at);
-CREATE INDEX idempotency_keys_claimed_at_idx ON idem.idempotency_keys (claimed_at) WHERE claimed_at IS NOT NULL;
+ALTER INDEX idem.idempotency_keys_v3_pkey RENAME TO idempotency_keys_pkey;
+ALTER INDEX idem.idempotency_keys_v3_expires_at_idx RENAME TO idempotency_keys_expires_at_idx;
+ALTER INDEX idem.idempotency_keys_v3_claimed_at_idx RENAME TO idempotency_keys_claimed_at_idx;
 
 COMMENT ON TABLE idem.idempotency_keys IS
     'Idempotency keys and their stored responses. Private: use the idem.idem_* functions.';
@@ -294,6 +749,8 @@ SELECT version < 4 AS idem_migration_due FROM idem.schema_version \gset
 -- index's predicate names claimed_at alone: a transactional completion (which changes state)
 -- leaves it alone and stays a HOT update. generation is NULL unless a lease was taken over
 -- (docs/sql-api.md, "Generations and provider keys").
+-- online: the index is built only on a database of an early build of 0.2.0 (no release), as
+-- that build's own 004 did, and on every supported path the block does nothing.
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute

@@ -11,12 +11,14 @@ import (
 	"fmt"
 	"io/fs"
 	"regexp"
+	"strings"
+	"text/template"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/tern/v2/migrate"
 )
 
-//go:embed migrations/*.sql
+//go:embed migrations/*.sql migrations/online/*.sql
 var migrationFiles embed.FS
 
 //go:embed functions/*.sql functions/include/*.sql
@@ -78,13 +80,16 @@ const TernLock int64 = 9628173550095224
 // lock). The connection's role becomes the owner of the schema objects, and the SECURITY
 // DEFINER functions run as that role. conn must not be in a transaction.
 //
-// A migration that rewrites the key table locks it first (LOCK TABLE ... IN ACCESS
-// EXCLUSIVE MODE), so the servers of the previous release, still serving, wait and are told
-// to retry instead of writing keys into a table that is being replaced; docs/operations.md
-// ("Upgrades") says how long that lasts.
+// A migration that rebuilds the key table does it online, before that transaction: a copy
+// beside the live table, kept current by a trigger and filled in batches while the previous
+// release keeps serving (RebuildOnline), so the transaction only swaps the tables in a lock of
+// milliseconds, whatever the table's size; docs/operations.md ("Upgrades") has the figures.
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	data, err := TemplateData(opts)
 	if err != nil {
+		return err
+	}
+	if err := RebuildOnline(ctx, conn, data, DefaultRebuildBatch); err != nil {
 		return err
 	}
 	code, err := migrate.LoadCodePackage(Functions())
@@ -135,6 +140,85 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 		return fmt.Errorf("idem migrate: commit: %w", err)
 	}
 	return nil
+}
+
+// DefaultRebuildBatch is how many rows each transaction of an online rebuild copies.
+const DefaultRebuildBatch = 5000
+
+// RebuildOnline runs the online part of the key table's rebuilds that the database still
+// lacks (migration 003 on a database of 0.1.0: online/003_shadow.sql in a short transaction
+// under tern's advisory lock, then CALL idem.rebuild_003(batch), which commits as it goes),
+// while the previous release serves. Migrate calls it first; the migration itself then swaps.
+// conn must not be in a transaction. Safe to run again, and beside another migrate: what
+// another one already swapped in is left alone.
+func RebuildOnline(ctx context.Context, conn *pgx.Conn, data map[string]any, batch int) error {
+	due := func() (bool, error) {
+		var due bool
+		err := conn.QueryRow(ctx, `SELECT to_regclass('idem.schema_version') IS NOT NULL
+			AND to_regclass('idem.idempotency_keys') IS NOT NULL`).Scan(&due)
+		if err != nil || !due {
+			return false, err
+		}
+		err = conn.QueryRow(ctx, `SELECT version BETWEEN 1 AND 2 FROM idem.schema_version`).Scan(&due)
+		if err == pgx.ErrNoRows {
+			return false, nil
+		}
+		return due, err
+	}
+	if ok, err := due(); err != nil || !ok {
+		if err != nil {
+			return fmt.Errorf("idem migrate: read the version: %w", err)
+		}
+		return nil
+	}
+	shadow, err := RenderOnline("online/003_shadow.sql", data)
+	if err != nil {
+		return fmt.Errorf("idem migrate: %w", err)
+	}
+	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", TernLock); err != nil {
+			return err
+		}
+		if ok, err := due(); err != nil || !ok { // another migrate swapped meanwhile
+			return err
+		}
+		_, err := tx.Exec(ctx, shadow)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("idem migrate: prepare the key table's online rebuild: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "CALL idem.rebuild_003($1)", batch); err != nil {
+		if ok, derr := due(); derr == nil && !ok {
+			return nil // another migrate swapped the tables while this one copied
+		}
+		return fmt.Errorf("idem migrate: the key table's online rebuild: %w", err)
+	}
+	return nil
+}
+
+// RenderOnline renders one of the migrations' shared files under online/ (which tern includes
+// into the migrations as templates) with data, as a statement of its own.
+func RenderOnline(name string, data map[string]any) (string, error) {
+	tmpl := template.New("online")
+	entries, err := fs.ReadDir(Migrations(), "online")
+	if err != nil {
+		return "", fmt.Errorf("idem migrate: %w", err)
+	}
+	for _, e := range entries {
+		body, err := fs.ReadFile(Migrations(), "online/"+e.Name())
+		if err != nil {
+			return "", fmt.Errorf("idem migrate: %w", err)
+		}
+		if _, err := tmpl.New("online/" + e.Name()).Parse(string(body)); err != nil {
+			return "", fmt.Errorf("idem migrate: %s: %w", e.Name(), err)
+		}
+	}
+	var out strings.Builder
+	if err := tmpl.ExecuteTemplate(&out, name, data); err != nil {
+		return "", fmt.Errorf("idem migrate: %w", err)
+	}
+	return out.String(), nil
 }
 
 var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)

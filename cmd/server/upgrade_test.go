@@ -13,6 +13,8 @@ import (
 	"io/fs"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -325,13 +327,32 @@ func release010Deposit(pool *pgxpool.Pool, principal string) http.HandlerFunc {
 
 // TestUpgradeUnderTraffic: release 0.1.0's server keeps serving keyed deposits from several
 // clients while this release's `server migrate` rebuilds a key table large enough that the
-// copy takes seconds. Afterwards every deposit the old server answered 2xx replays byte for
-// byte through this release's server, the others run once when retried, and the balance
-// equals the deposits, one per key. Migration 003 locks the old table before it copies it:
-// without the lock, keys committed to the old table during the copy were dropped with it and
-// their retries deposited again.
+// copy takes seconds (UPGRADE_KEYS keys, default 120,000; `make upgrade-check` runs it at
+// 1.5 million). The rebuild is online (a trigger keeps a copy current while batches fill it,
+// then a short swap), so the old server's requests keep their normal answers and latency all
+// along: none slower than a second, no 5xx until the migrate has committed. Afterwards every
+// deposit the old server answered 2xx replays byte for byte through this release's server,
+// the others run once when retried, and the balance equals the deposits, one per key. (Before
+// 003 locked the old table, keys committed during the copy were dropped with it and their
+// retries deposited again; while it locked it for the whole copy, requests waited out their
+// lock timeout again and again and got 409 or 5xx for as long.)
+// oldRequest is one request of the old server in TestUpgradeUnderTraffic.
+type oldRequest struct {
+	began, ended time.Time
+	status       int
+	body         string
+}
+
 func TestUpgradeUnderTraffic(t *testing.T) {
 	t.Parallel()
+	fill := 120000
+	if v := os.Getenv("UPGRADE_KEYS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			t.Fatalf("UPGRADE_KEYS=%q: want a number of keys", v)
+		}
+		fill = n
+	}
 	ctx := context.Background()
 	url := pgtest.NewEmptyDB(t)
 	conn := pgtest.Connect(t, url)
@@ -348,7 +369,8 @@ func TestUpgradeUnderTraffic(t *testing.T) {
 		       sha256(g::text::bytea), jsonb_build_object('amount', encode(sha256(g::text::bytea), 'hex')), now(), 201,
 		       '{"Content-Type": "application/json", "Location": "/v1/accounts/9/deposits/1"}',
 		       convert_to('{"id":' || g || ',"account_id":9,"amount":1}', 'UTF8'), g::text
-		  FROM generate_series(1, 120000) AS g`)
+		  FROM generate_series(1, $1::integer) AS g`, fill)
+	pgtest.Exec(t, conn, `VACUUM ANALYZE idem.idempotency_keys`)
 
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -377,7 +399,23 @@ func TestUpgradeUnderTraffic(t *testing.T) {
 		ok2xx    atomic.Int64
 		migrated atomic.Bool
 		during   atomic.Int64 // 2xx answers while the migrate ran
+		// Every request the old server answered: when it was sent and answered, and how.
+		sent []oldRequest
+		// When idem's migrate committed: the swap (its schema version moved on).
+		swapped atomic.Pointer[time.Time]
 	)
+	var start time.Time
+	go func() {
+		for !migrated.Load() {
+			var v int
+			if err := oldPool.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err == nil && v >= 3 {
+				now := time.Now()
+				swapped.Store(&now)
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
 	const clients = 6
 	for c := range clients {
 		wg.Add(1)
@@ -390,10 +428,12 @@ func TestUpgradeUnderTraffic(t *testing.T) {
 				default:
 				}
 				key := fmt.Sprintf("old-%d-%d", c, i)
+				began := time.Now()
 				status, _, body := pgtest.Send(t, ctx, "POST", old.URL+"/v1/accounts/1/deposits", `{"amount":1}`,
 					"Idempotency-Key", key, "Content-Type", "application/json")
 				mu.Lock()
 				answers[key] = answer{status, body}
+				sent = append(sent, oldRequest{began: began, ended: time.Now(), status: status, body: body})
 				mu.Unlock()
 				if status/100 == 2 {
 					ok2xx.Add(1)
@@ -408,7 +448,7 @@ func TestUpgradeUnderTraffic(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 
-	start := time.Now()
+	start = time.Now()
 	var migrateLog bytes.Buffer
 	m := NewMain(io.Discard, &migrateLog)
 	if err := m.ParseFlags([]string{"migrate"}, serverEnv(url, nil)); err != nil {
@@ -424,8 +464,46 @@ func TestUpgradeUnderTraffic(t *testing.T) {
 	if err != nil {
 		t.Fatalf("migrate under traffic: %v\n%s", err, migrateLog.String())
 	}
-	t.Logf("migrate took %v over 120,000 keys; the old server answered %d requests, %d of them 2xx (%d while the migrate ran)",
-		took.Round(time.Millisecond), len(answers), ok2xx.Load(), during.Load())
+	t.Logf("migrate took %v over %d keys; the old server answered %d requests, %d of them 2xx (%d while the migrate ran)",
+		took.Round(time.Millisecond), fill, len(answers), ok2xx.Load(), during.Load())
+	// The old server's requests while idem's migrate ran, until it committed (the swap): their
+	// answers and the slowest; those it was still working on at the swap (they waited on the
+	// swap's lock, which lasts milliseconds, and resume against the new table with statements
+	// planned for the old one: the old release answers them 503, retryable); and, after the
+	// swap, the reference server's own ledger migration, which moves the ledger's tables out of
+	// the schema 0.1.0's server reads them from (not idem's: not counted).
+	swapAt := swapped.Load()
+	if swapAt == nil {
+		t.Fatal("the swap's commit was not seen")
+	}
+	// The swap is seen by polling the version every 2 ms: an answer in the last swapSeen
+	// before it was seen may have come after the commit.
+	const swapSeen = 20 * time.Millisecond
+	before, atSwap := map[int]int{}, map[int]int{}
+	var slowest time.Duration
+	var sample string
+	for _, r := range sent {
+		switch {
+		case r.began.After(start) && r.ended.Before(swapAt.Add(-swapSeen)):
+			before[r.status]++
+			slowest = max(slowest, r.ended.Sub(r.began))
+			if r.status >= 500 && sample == "" {
+				sample = r.body
+			}
+		case r.began.Before(*swapAt) && !r.ended.Before(swapAt.Add(-swapSeen)):
+			atSwap[r.status]++
+		}
+	}
+	t.Logf("the old server during the migrate, until it committed after %v: %v, the slowest %v; in flight at the swap: %v",
+		swapAt.Sub(start).Round(time.Millisecond), before, slowest.Round(time.Millisecond), atSwap)
+	for status, n := range before {
+		if status >= 500 {
+			t.Errorf("%d answers %d from the old server before the migrate committed, e.g. %s: want none", n, status, sample)
+		}
+	}
+	if slowest > time.Second {
+		t.Errorf("the old server's slowest request before the migrate committed took %v: want at most a second", slowest)
+	}
 
 	s := serveOn(t, url, nil)
 	replayed, fresh := 0, 0

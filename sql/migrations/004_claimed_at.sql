@@ -10,6 +10,8 @@
 -- index's predicate names claimed_at alone: a transactional completion (which changes state)
 -- leaves it alone and stays a HOT update. generation is NULL unless a lease was taken over
 -- (docs/sql-api.md, "Generations and provider keys").
+-- online: the index is built only on a database of an early build of 0.2.0 (no release), as
+-- that build's own 004 did, and on every supported path the block does nothing.
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute

@@ -31,6 +31,9 @@ const Path = "sql/idem.sql"
 // psqlVar is the psql variable that says whether the next migration is due.
 const psqlVar = "idem_migration_due"
 
+// onlineVar is the psql variable that says whether the online part of migration 003 is due.
+const onlineVar = "idem_rebuild_due"
+
 func main() {
 	out := flag.String("o", "", "where to write the file (default: "+Path+" in the module's root)")
 	flag.Parse()
@@ -97,6 +100,10 @@ func Render() (string, error) {
 	}
 	last := len(m.Migrations)
 	table := idemsql.VersionTable
+	shadow, err := idemsql.RenderOnline("online/003_shadow.sql", data)
+	if err != nil {
+		return "", err
+	}
 
 	var w strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format, args...) }
@@ -116,6 +123,25 @@ func Render() (string, error) {
 -- (schema version %d is the last), then the functions are installed.
 
 \set ON_ERROR_STOP on
+
+-- ---------------------------------------------------------------------------------------
+-- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
+-- the new key table is built beside the live one while that release keeps serving (a short
+-- transaction that creates it, then idem.rebuild_003(), which adds a trigger that keeps it
+-- current and copies the existing rows in batches, committing as it goes); migration 003
+-- below then only swaps the tables, in a lock of milliseconds (docs/operations.md, "Upgrades").
+SELECT to_regclass('idem.schema_version') IS NOT NULL AND to_regclass('idem.idempotency_keys') IS NOT NULL AS %s \gset
+\if :%s
+SELECT version BETWEEN 1 AND 2 AS %s FROM %s \gset
+\endif
+\if :%s
+BEGIN;
+SELECT pg_advisory_xact_lock(%d);
+%s
+COMMIT;
+CALL idem.rebuild_003(%d);
+\endif
+
 BEGIN;
 SELECT pg_advisory_xact_lock(%d);
 
@@ -132,7 +158,8 @@ BEGIN
     END IF;
 END
 $idem_bundle$;
-`, last, idemsql.DefaultAppRole, table, last, idemsql.TernLock, table, table, table, table, last, last, table)
+`, last, idemsql.DefaultAppRole, table, last, onlineVar, onlineVar, onlineVar, table, onlineVar, idemsql.TernLock,
+		strings.TrimSpace(shadow), idemsql.DefaultRebuildBatch, idemsql.TernLock, table, table, table, table, last, last, table)
 
 	for _, mig := range m.Migrations {
 		if idemsql.DisablesTx(mig) {
