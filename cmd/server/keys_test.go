@@ -33,7 +33,8 @@ func runCommand(t *testing.T, db string, args ...string) (string, error) {
 // claim stays in progress with nobody to finish it; the client's retries get 409 until the
 // lease runs out. It shows in `server keys`, in one key's story and in the gauges of another
 // server; the operator releases it with the token the story gave, and the client's retry runs
-// the payout. A completed key cannot be released.
+// the payout again under the same provider key, so the provider pays once. A completed key
+// cannot be released.
 func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
@@ -47,7 +48,9 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 	}
 	dying := &process{t: t, bin: serverBinary(t), addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
 		"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
-		"PAYOUTS_LEASE=1m", "PAYOUT_PROVIDER_DELAY=1h")}
+		// The provider keeps the payout it accepted (it answers its calls 3 s after the first):
+		// the client's retry after the release gets that payout, under the same provider key.
+		"PAYOUTS_LEASE=1m", "PAYOUT_PROVIDER_DELAY=3s")}
 	dying.start()
 	go pgtest.Send(t, context.Background(), "POST", "http://"+dying.addr+"/v1/payouts", body,
 		"Authorization", "Bearer "+token, "Idempotency-Key", "stuck-1", "Content-Type", "application/json")
@@ -95,6 +98,9 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 	r := s.call("POST", "/v1/payouts", token, "stuck-1", body)
 	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "" {
 		t.Fatalf("the client's retry after the release: %+v, want the payout made", r)
+	}
+	if n := s.count(`SELECT count(*) FROM provider.payouts`); n != 1 {
+		t.Fatalf("%d payouts at the provider, want the dead attempt's one, answered to the retry", n)
 	}
 	story, _ = runCommand(t, ops, "keys", principal, "stuck-1")
 	if !regexp.MustCompile(`(?m)^response_status\s+201$`).MatchString(story) ||

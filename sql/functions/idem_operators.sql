@@ -192,12 +192,15 @@ $$;
 COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
     'One key''s stored response body, for operators; NULL when none is stored. See docs/sql-api.md.';
 
--- idem_release_stuck: an operator releases a lease claim whose work is known to be dead (its
--- process was killed mid-work, and the client's retries get 409 until the lease runs out), so
--- that the next retry runs the work again. Fenced by the token the operator read (idem_key):
--- a claim taken over since, completed, released or absent raises 55000 and changes nothing.
--- A NOTICE says who released what. Not granted to the application role: it must not release
--- what another process holds.
+-- idem_release_stuck: an operator ends the lease of a lease claim whose work is known to be
+-- stuck or dead (its process hung or was killed mid-work, and the client's retries get 409
+-- until the lease runs out), so that the next retry of the same request takes the key over at
+-- once and runs the work again, in the same generation: with the same provider key, so a
+-- provider that saw the stuck attempt's call does not act twice (idem_yield's rule; the key is
+-- not freed for another request). Fenced by the token the operator read (idem_key): a claim
+-- taken over since, completed, released or absent raises 55000 and changes nothing. A NOTICE
+-- says who released what. Not granted to the application role: it must not end what another
+-- process holds.
 CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
     p_principal text,
     p_key       text,
@@ -210,6 +213,7 @@ DECLARE
     v_problem text;
     v_state   "char";
     v_attempt bigint;
+    v_now     timestamptz;
 BEGIN
     v_problem := CASE
 {{ template "include/check_key.sql" . }}
@@ -217,8 +221,9 @@ BEGIN
             THEN '22004 p_attempt must not be NULL'
     END;
 {{ template "include/raise.sql" "idem_release_stuck" }}
+    v_now := clock_timestamp();
     UPDATE idem.idempotency_keys AS k
-       SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
+       SET lease_expires_at = least(k.lease_expires_at, v_now)
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
     IF NOT FOUND THEN
@@ -238,4 +243,4 @@ END
 $$;
 
 COMMENT ON FUNCTION idem.idem_release_stuck(text, text, bigint, text) IS
-    'Releases the in-progress lease claim with this token (its work is known dead), so that a retry runs again; 55000 for a completed, released, taken-over or absent claim. For operators. See docs/operations.md.';
+    'Ends the lease of the in-progress lease claim with this token (its work is known stuck or dead), so that the retry of the same request takes it over at once with the same provider key; 55000 for a completed, released, taken-over or absent claim. For operators. See docs/operations.md.';

@@ -2,7 +2,7 @@
 -- who may call which.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(27);
+SELECT plan(29);
 
 -- A completed key with fields, a one-time secret, a lease in progress, a lease that ran out
 -- (its process died), an expired key.
@@ -55,10 +55,20 @@ SELECT lives_ok(format($$SELECT idem.idem_release_stuck('other', 'stuck', %s, 'p
     'the stuck lease is released with its token');
 SELECT pg_temp.b('other', 'stuck', 'POST /jobs', sha256('j2'), p_lease => '10 minutes');
 SELECT is(outcome, 'claimed', 'and the client''s retry runs') FROM r;
+-- A lease whose process hangs (its lease still runs): the release ends the lease now; the
+-- retry of the same request takes it over with the hung attempt's provider key, and another
+-- request under the key is still refused.
+SELECT pg_temp.b('other', 'hung', 'POST /jobs', sha256('j3'), p_lease => '10 minutes');
+SELECT attempt AS hung, provider_key AS hung_pk FROM r \gset
+SELECT idem.idem_release_stuck('other', 'hung', :hung, 'process hangs');
+SELECT pg_temp.b('other', 'hung', 'POST /jobs', sha256('another request'), p_lease => '10 minutes');
+SELECT is(outcome, 'mismatch', 'a released stuck key still refuses another request') FROM r;
+SELECT pg_temp.b('other', 'hung', 'POST /jobs', sha256('j3'), p_lease => '10 minutes');
+SELECT is(outcome || ' ' || provider_key, 'claimed ' || :'hung_pk', 'the retry runs at once, with the hung attempt''s provider key') FROM r;
 
 -- Who may call which.
 SET LOCAL ROLE idem_app;
-SELECT is((SELECT keys FROM idem.idem_summary()), 7::bigint, 'the application role reads the summary');
+SELECT is((SELECT keys FROM idem.idem_summary()), 8::bigint, 'the application role reads the summary');
 SELECT is((SELECT state FROM idem.idem_key('ops', 'done')), 'completed', 'and a key''s story');
 SELECT throws_ok($$SELECT idem.idem_key_body('ops', 'done')$$, '42501', NULL, 'but not its body');
 SELECT throws_ok($$SELECT idem.idem_release_stuck('ops', 'running', 1)$$, '42501', NULL,
