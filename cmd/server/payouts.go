@@ -99,15 +99,16 @@ func (s *ledger) getPayout(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// providerCalls tells how many calls the simulated provider received under a provider key
-// (a payout's provider_key), and the payout it made: a client checks from outside that a
-// payout was paid once, whatever its retries did.
+// providerCalls tells how many calls the simulated provider acted on under a provider key (a
+// payout's provider_key: 0 or 1, the call that made the payout), how many later calls under it
+// it answered from that payout's record (repeats), and the payout: a client checks from
+// outside that a payout was paid once, whatever its retries did.
 func (s *ledger) providerCalls(w http.ResponseWriter, r *http.Request) {
 	key := mux.Vars(r)["key"]
-	calls, ref, err := s.provider.stats(r.Context(), key)
+	calls, repeats, ref, err := s.provider.stats(r.Context(), key)
 	if err != nil {
 		s.serverError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"provider_key": key, "calls": calls, "provider_ref": ref})
+	writeJSON(w, http.StatusOK, map[string]any{"provider_key": key, "calls": calls, "repeats": repeats, "provider_ref": ref})
 }

@@ -65,11 +65,17 @@ func (p *provider) pay(ctx context.Context, key string, amount int64) (string, e
 	}
 }
 
-// stats is what the provider knows of a key: how many calls it received, and its payout.
-func (p *provider) stats(ctx context.Context, key string) (calls int, ref string, err error) {
-	err = p.pool.QueryRow(ctx, `SELECT calls, ref FROM provider.payouts WHERE idempotency_key = $1`, key).Scan(&calls, &ref)
+// stats is what the provider knows of a key: how many of its calls it acted on (made the
+// payout: 0 or 1), how many later calls it answered from that payout's record instead
+// (repeats: a retry or a takeover that called again under the same key), and the payout.
+func (p *provider) stats(ctx context.Context, key string) (calls, repeats int, ref string, err error) {
+	var received int
+	err = p.pool.QueryRow(ctx, `SELECT calls, ref FROM provider.payouts WHERE idempotency_key = $1`, key).Scan(&received, &ref)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, "", nil
+		return 0, 0, "", nil
 	}
-	return calls, ref, err
+	if err != nil {
+		return 0, 0, "", err
+	}
+	return 1, received - 1, ref, nil
 }
