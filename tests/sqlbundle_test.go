@@ -149,7 +149,7 @@ func TestSQLBundleUpgrades(t *testing.T) {
 	if err := m.MigrateTo(ctx, 2); err != nil {
 		t.Fatal(err)
 	}
-	code, err := migrate.LoadCodePackage(os.DirFS("../cmd/server/testdata/release-0.1.0/idem/functions"))
+	code, err := migrate.LoadCodePackage(os.DirFS("../internal/release010/sql/idem/functions"))
 	if err != nil {
 		t.Fatal(err)
 	}

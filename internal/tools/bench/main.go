@@ -23,12 +23,16 @@
 //	            keyed transfers and uncontended keyed deposits
 //	soak        the reference server under keyed deposits with a 20 s TTL: the key table's
 //	            size against its live data
+//	upgrade     release 0.1.0's keyed deposits while this release's migrate rebuilds a key
+//	            table of BENCH_UPGRADE_KEYS keys (1.5 million): the old release's slowest
+//	            request and its answers until the swap
 //
 // Measured variants run in interleaved rounds (round 1: every variant, round 2: every
 // variant, ...) so that drift hits every variant alike; figures are medians over rounds.
 //
 // Environment: BENCH_SECONDS (10) per run, BENCH_ROUNDS (3), BENCH_CLIENTS (16),
-// BENCH_SOAK_SECONDS (150), BENCH_SCALE_KEYS (10000000), BENCH_ONLY (a comma list of parts; default all),
+// BENCH_SOAK_SECONDS (150), BENCH_SCALE_KEYS (10000000), BENCH_UPGRADE_KEYS (1500000),
+// BENCH_ONLY (a comma list of parts; default all),
 // BENCH_DATABASE_URL (unset: a private cluster in a temporary directory).
 package main
 
@@ -65,12 +69,13 @@ var parts = []struct {
 	{"http", httpPart},
 	{"pool", poolPart},
 	{"soak", soakPart},
+	{"upgrade", upgradePart},
 }
 
 // bench is one run of the tool: its settings, the server it measures and the rows of the
 // summary.
 type bench struct {
-	seconds, rounds, clients, soakSeconds, scaleKeys int
+	seconds, rounds, clients, soakSeconds, scaleKeys, upgradeKeys int
 	// url is a connection string to the server's maintenance database (postgres); every
 	// part connects to databases of its own on the same server.
 	url string
@@ -118,7 +123,8 @@ func run(ctx context.Context) error {
 		dst  *int
 		def  int
 	}{{"BENCH_SECONDS", &b.seconds, 10}, {"BENCH_ROUNDS", &b.rounds, 3}, {"BENCH_CLIENTS", &b.clients, 16},
-		{"BENCH_SOAK_SECONDS", &b.soakSeconds, 150}, {"BENCH_SCALE_KEYS", &b.scaleKeys, 10_000_000}} {
+		{"BENCH_SOAK_SECONDS", &b.soakSeconds, 150}, {"BENCH_SCALE_KEYS", &b.scaleKeys, 10_000_000},
+		{"BENCH_UPGRADE_KEYS", &b.upgradeKeys, 1_500_000}} {
 		n, err := envInt(s.name, s.def)
 		errs = append(errs, err)
 		*s.dst = n
@@ -256,6 +262,8 @@ func (b *bench) estimate(only map[string]bool) time.Duration {
 		"http":    15 + 3*r*s,
 		"pool":    15 + r*float64(len(poolSizes))*(2*s+1),
 		"soak":    10 + float64(b.soakSeconds),
+		// 1.5 million keys take about a minute to load and two to rebuild online.
+		"upgrade": 10 + float64(b.upgradeKeys)/8_000,
 	}
 	total := 0.0
 	for name, sec := range est {
