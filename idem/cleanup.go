@@ -18,7 +18,7 @@ import (
 type CleanerOptions struct {
 	// Interval is the time between two passes of a started cleaner. Default 0: a minute
 	// (DefaultCleanupInterval), so the table holds its TTL of keys plus at most a minute's.
-	// From a second to 10 years.
+	// From a millisecond to 10 years.
 	Interval time.Duration
 	// BatchSize is the rows deleted per batch, each batch a transaction of its own. Default 0:
 	// the SQL API's default (1000, idem_defaults()). From 1 to 1,000,000.
