@@ -10,18 +10,32 @@
 // package canonicalizes and hashes the request (RFC 8785), calls them in the request's
 // transaction and maps their answers to HTTP.
 //
-// The wiring, with net/http's ServeMux (gorilla/mux works the same way, and any other router
-// with Options.RouteTemplate):
+// # Two roles
 //
-//	if err := idem.Migrate(ctx, conn, idem.MigrateOptions{}); err != nil { // schema idem, once
-//		return err
+// The database's owner installs schema idem once per release, before the service starts
+// (package idemmigrate, the psql file sql/idem.sql, or the reference server's `server
+// migrate`). The service logs in as a role that is only a member of the application role
+// idem_app, and New checks the schema's version at start: a database that is not migrated,
+// or a role that may not call the API, is an error that says what to run, not a 503 on every
+// request.
+//
+// # The wiring
+//
+// With net/http's ServeMux (gorilla/mux works the same way with Options.RouteTemplate set to
+// idemmux.RouteTemplate, and any other router with a RouteTemplate of its own):
+//
+//	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: userOf}) // userOf: who sent the request
+//	if err != nil {
+//		return err // e.g. schema idem is not installed: run idemmigrate.Migrate as the owner
 //	}
-//	m, err := idem.New(idem.Options{DB: pool, Principal: userOf}) // userOf: who sent the request
+//	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{}) // expired keys, every minute
 //	if err != nil {
 //		return err
 //	}
+//	defer cleaner.Stop()
 //	mux := http.NewServeMux()
 //	mux.Handle("POST /v1/orders", m.Route(idem.Route{Required: true})(http.HandlerFunc(createOrder)))
+//	mux.Handle("POST /v1/payouts", m.Route(idem.Route{Required: true, Lease: 30 * time.Second})(http.HandlerFunc(pay)))
 //
 //	func createOrder(w http.ResponseWriter, r *http.Request) {
 //		var o Order
@@ -35,8 +49,16 @@
 // Handlers write through TxFrom(r.Context()): only the transaction's writes commit with the
 // key. Work outside the database (a payment provider) goes on a lease route (Route.Lease),
 // whose claim commits on its own and is extended while the work runs; hand the provider
-// ClaimInfo.ProviderKey. Work that is not HTTP uses Do and DoLease. The client side is package
-// github.com/pgidem/pgidem/idemclient.
+// ClaimOf(ctx).ProviderKey, and call Middleware.Shutdown beside the HTTP server's Shutdown.
+// Work that is not HTTP uses Do and DoLease; a transaction of your own, RunTx with
+// Tx.Claim, or Begin and Complete. Operators read the keys with ReadHealth, ReadSummary,
+// ReadKey and ReadStuck, and release a stuck lease claim with ReleaseStuck.
+//
+// The packages beside this one: idemclient (the client that retries safely), idemmigrate
+// (the migrate step), idemprom (Prometheus metrics for Options.Metrics and
+// CleanerOptions.Metrics), idemmux (gorilla/mux's route templates) and idemtest (a real
+// PostgreSQL for your tests). Importing this package pulls in neither gorilla/mux, nor the
+// Prometheus client, nor tern, nor an OpenTelemetry SDK (only its trace API).
 //
 // The behaviour, every status and problem, is in docs/http.md of the repository; the SQL API,
 // for DBAs and other languages, in docs/sql-api.md.
@@ -46,5 +68,5 @@
 // The module is at 0.x: a minor release (0.3.0) may change this package's API, and says so
 // in CHANGELOG.md with what to change; a patch release (0.2.1) does not. The SQL API keeps
 // its signatures across minor releases of 1.x; before 1.0 a change comes with a migration
-// that `Migrate` applies.
+// that idemmigrate.Migrate applies.
 package idem

@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log"
@@ -16,12 +17,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/idem"
-	"github.com/pgidem/pgidem/internal/pgtest"
+	"github.com/pgidem/pgidem/idem/idemtest"
 )
 
-// exampleDB is a database for an example (the tests' own PostgreSQL), and a pool on it.
+// exampleDB is a database with schema idem installed for an example (idemtest finds a
+// PostgreSQL as the package's tests do), and a pool on it.
 func exampleDB() (*pgxpool.Pool, func()) {
-	pool, err := pgxpool.New(context.Background(), pgtest.ExampleDB())
+	pool, err := pgxpool.New(context.Background(), idemtest.ExampleDB())
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -43,26 +45,18 @@ func send(url, key, body string) {
 	fmt.Println(res.StatusCode, res.Header.Get("Idempotent-Replayed") == "true", strings.TrimSpace(string(b)))
 }
 
-// The wiring: the SQL API installed at start, the middleware on a ServeMux route, a handler
-// that writes through the request's transaction. The retry gets the first answer.
+// The wiring: the middleware on a ServeMux route, a handler that writes through the
+// request's transaction. The retry gets the first answer. (The database's owner installed
+// schema idem beforehand, with package idemmigrate; New checks its version.)
 func Example() {
 	ctx := context.Background()
 	pool, done := exampleDB()
 	defer done()
-
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := idem.Migrate(ctx, conn.Conn(), idem.MigrateOptions{}); err != nil { // schema idem
-		log.Fatal(err)
-	}
-	conn.Release()
 	if _, err := pool.Exec(ctx, `CREATE TABLE orders (id serial PRIMARY KEY, sku text NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}
 
-	m, err := idem.New(idem.Options{
+	m, err := idem.New(ctx, idem.Options{
 		DB:        pool,
 		Principal: func(r *http.Request) (string, bool) { return r.Header.Get("X-User"), r.Header.Get("X-User") != "" },
 	})
@@ -105,7 +99,7 @@ func Example() {
 func ExampleRoute_fingerprint() {
 	pool, done := exampleDB()
 	defer done()
-	m, err := idem.New(idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -140,7 +134,7 @@ func ExampleRoute_fingerprint() {
 func ExampleRoute_lease() {
 	pool, done := exampleDB()
 	defer done()
-	m, err := idem.New(idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -202,4 +196,51 @@ func ExampleDo() {
 	// Output:
 	// 1 false <nil>
 	// 1 true <nil>
+}
+
+// The cleaner a service starts beside its routes: a pass every Interval (a minute by default),
+// paced, one process at a time. Here a key whose TTL is a millisecond is gone after the
+// first pass.
+func ExampleStartCleaner() {
+	ctx := context.Background()
+	pool, done := exampleDB()
+	defer done()
+	job := idem.Job{Principal: "mailer", Key: "msg-1", Action: "send", TTL: time.Millisecond}
+	if _, _, err := idem.Do(ctx, pool, job, idem.TxOptions{}, func(context.Context, pgx.Tx) (bool, error) { return true, nil }); err != nil {
+		log.Fatal(err)
+	}
+
+	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{Interval: 100 * time.Millisecond})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleaner.Stop()
+
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if s, err := idem.ReadSummary(ctx, pool, false); err == nil && s[0].Keys == 0 {
+			break
+		}
+	}
+	s, _ := idem.ReadSummary(ctx, pool, false)
+	fmt.Println("keys left:", s[0].Keys)
+	// Output:
+	// keys left: 0
+}
+
+// A database without schema idem: New (and CheckSchema, StartCleaner, the first Do) refuses
+// it at start with an error that says what to run, instead of answering 503 to every request.
+func ExampleCheckSchema() {
+	ctx := context.Background()
+	pool, done := exampleDB()
+	defer done()
+	if _, err := pool.Exec(ctx, `DROP SCHEMA idem CASCADE`); err != nil { // as if nobody had migrated
+		log.Fatal(err)
+	}
+	_, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	var se *idem.SchemaError
+	fmt.Println(errors.Is(err, idem.ErrNotMigrated), errors.As(err, &se) && se.Schema == 0)
+	fmt.Println(strings.Contains(err.Error(), "idemmigrate.Migrate"))
+	// Output:
+	// true true
+	// true
 }

@@ -16,10 +16,12 @@ import (
 	"github.com/gorilla/mux"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmux"
+	"github.com/pgidem/pgidem/idem/idemtest"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
 
 // deposits is the handler of every router below: it writes a deposit through the request's
 // transaction, and waits on hold when the body asks it to.
@@ -97,11 +99,13 @@ func TestSameAnswersOnEveryRouter(t *testing.T) {
 			t.Parallel()
 			pool, _ := pgtest.NewPool(t, 8)
 			pgtest.Exec(t, pool, `CREATE TABLE deposits (id serial PRIMARY KEY, account text, amount int)`)
-			m, err := idem.New(idem.Options{DB: pool, LockTimeout: 200 * time.Millisecond,
+			m, err := idem.New(context.Background(), idem.Options{DB: pool, LockTimeout: 200 * time.Millisecond,
 				Principal: func(*http.Request) (string, bool) { return "alice", true },
 				RouteTemplate: func(r *http.Request) string {
-					s, _ := r.Context().Value(templateKey{}).(string)
-					return s
+					if s, _ := r.Context().Value(templateKey{}).(string); s != "" {
+						return s // the router of one's own
+					}
+					return idemmux.RouteTemplate(r) // gorilla/mux; "" elsewhere: ServeMux's pattern
 				},
 				Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 			if err != nil {

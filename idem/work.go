@@ -2,148 +2,407 @@ package idem
 
 import (
 	"context"
+	"net/http"
+	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
-	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 // The driver of the SQL API, for work that is not HTTP (a queue consumer, a cron job) and
-// for callers that run the key's transaction themselves. Its home is internal/dbidem.
+// for callers that run the key's transaction themselves. Its implementation is in
+// internal/dbidem; the types here are this package's own.
 
-// Tx is the transaction of a unit of work run by RunTx: a pgx.Tx whose Claim method claims a
-// key in the same round trip as BEGIN, and whose CompleteOnCommit and FinalOnCommit store the
-// answer in the same round trip as COMMIT.
-type Tx = dbidem.Tx
+// Querier is what the functions that run one statement take: a pgx.Tx, a *pgx.Conn or a
+// *pgxpool.Pool.
+type Querier interface {
+	// QueryRow runs a query that returns at most one row.
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	// Query runs a query.
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	// Exec runs a statement.
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
 
-// TxOptions configure RunTx: pgx's transaction options, and the retries of a unit of work that
-// fails with a serialization failure, a deadlock or a lock timeout of its own statements.
-type TxOptions = dbidem.TxOptions
+// Pool is what RunTx, Do and DoLease run on: a *pgxpool.Pool.
+type Pool interface {
+	// Acquire takes a connection from the pool.
+	Acquire(ctx context.Context) (*pgxpool.Conn, error)
+	Querier
+}
 
-// Claim is the request that claims a key: principal, key, action, fingerprint, TTL, lease.
-type Claim = dbidem.Claim
+// TxOptions configure RunTx. The zero value is READ COMMITTED, 3 attempts, 10ms backoff.
+type TxOptions struct {
+	// TxOptions are pgx's: isolation level, access mode. Default READ COMMITTED, the level
+	// the SQL API is designed for (it never raises 40001 there).
+	pgx.TxOptions
+	// MaxAttempts is how many times the unit of work runs when it keeps failing with a
+	// serialization failure (40001), a deadlock (40P01) or a lock timeout of its own
+	// statements. Default 0: 3; 1 disables retries.
+	MaxAttempts int
+	// Backoff is the base wait before a retry; the n-th retry waits a random duration in
+	// [0, Backoff·2^n). Default 0: 10ms.
+	Backoff time.Duration
+}
 
-// Decision is what a claim was answered: claimed, replay (with the stored response),
-// mismatch (with the changed fields) or in progress (with how long the lease still runs).
-type Decision = dbidem.Decision
+// Tx is the transaction of a unit of work run by RunTx: a pgx.Tx (write the work through it)
+// whose Claim claims a key in the same round trip as BEGIN, and whose CompleteOnCommit and
+// FinalOnCommit store the answer in the same round trip as COMMIT. RunTx ends it: Commit and
+// Rollback return an error; return from the function instead.
+type Tx struct{ t *dbidem.Tx }
 
-// Outcome is the decision of a claim.
-type Outcome = dbidem.Outcome
-
-// The outcomes of a claim.
-const (
-	Claimed    = dbidem.Claimed
-	Replay     = dbidem.Replay
-	Mismatch   = dbidem.Mismatch
-	InProgress = dbidem.InProgress
-)
-
-// Response is a stored answer: status, headers, body.
-type Response = dbidem.Response
-
-// Job describes work that runs at most once per key, outside HTTP.
-type Job = dbidem.Job
-
-// Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
-// wait in Go for the first, without a connection, and a bounded number wait on a key's row
-// lock held by another process. Nil in a Job: one Gate shared by every Do of the process.
-type Gate = dbidem.Gate
-
-// GateOptions bound what a Gate lets wait: MaxWaitingClaims (row-lock waits at once) and
-// MaxWaitingBytes (what waiting duplicates hold); 0: the defaults.
-type GateOptions = dbidem.GateOptions
-
-// NewGate returns a Gate with these options, for a Job.Gate of its own (a separate bound
-// for one kind of work).
-func NewGate(o GateOptions) *Gate { return dbidem.NewGate(o) }
-
-// LeaseClaim is what the work of DoLease knows of its claim.
-type LeaseClaim = dbidem.LeaseClaim
-
-// Pool is what RunTx, Do and DoLease run on: *pgxpool.Pool.
-type Pool = dbidem.Pool
-
-// The errors of the driver. Each wraps the error it came from.
-var (
-	ErrInProgress        = dbidem.ErrInProgress
-	ErrClaimLost         = dbidem.ErrClaimLost
-	ErrUnknownPrincipal  = dbidem.ErrUnknownPrincipal
-	ErrClaimNotCompleted = dbidem.ErrClaimNotCompleted
-	ErrInvalidArgument   = dbidem.ErrInvalidArgument
-	ErrCommitUnknown     = dbidem.ErrCommitUnknown
-	ErrMismatch          = dbidem.ErrMismatch
-	ErrNotMigrated       = dbidem.ErrNotMigrated
-)
+var _ pgx.Tx = (*Tx)(nil)
 
 // RunTx runs fn in a transaction and commits it when fn returns nil (with a pending answer,
 // in the same round trip as COMMIT), or rolls it back and returns fn's error. A unit of work
-// that fails with a serialization failure, a deadlock or a lock timeout runs again, up to
-// opts.MaxAttempts times.
+// whose statements or commit fail with a serialization failure, a deadlock or a lock timeout
+// runs again, up to opts.MaxAttempts times, so fn must not keep state from a failed run.
 func RunTx(ctx context.Context, db Pool, opts TxOptions, fn func(tx *Tx) error) error {
-	return dbidem.RunTx(ctx, db, opts, fn)
+	return dbidem.RunTx(ctx, db, dbidem.TxOptions(opts), func(t *dbidem.Tx) error { return fn(&Tx{t}) })
+}
+
+// Claim calls idem_begin for c in this transaction, sending BEGIN (if not sent yet),
+// idem_begin and a savepoint in one round trip. One claim per transaction. With a
+// transactional claim (Lease 0) that is Claimed, end the work with CompleteOnCommit or
+// FinalOnCommit; a claim committed without either makes the COMMIT fail
+// (ErrClaimNotCompleted).
+func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
+	d, err := t.t.Claim(ctx, dbidem.Claim(c))
+	return decisionOf(d), err
+}
+
+// CompleteOnCommit stores r as the response of this transaction's claim when it commits, in
+// the same round trip as COMMIT. If the claim was lost (ErrClaimLost), RunTx rolls back and
+// returns the error.
+func (t *Tx) CompleteOnCommit(r Response) { t.t.CompleteOnCommit(dbidem.Response(r)) }
+
+// FinalOnCommit stores r as the final answer to this transaction's claim (a 404, a 422): when
+// the function returns, RunTx rolls the work back to the savepoint taken right after the
+// claim, stores r and commits, in one round trip.
+func (t *Tx) FinalOnCommit(r Response) { t.t.FinalOnCommit(dbidem.Response(r)) }
+
+// Begin starts a nested transaction (a savepoint), as pgx.Tx does.
+func (t *Tx) Begin(ctx context.Context) (pgx.Tx, error) { return t.t.Begin(ctx) }
+
+// Commit returns an error: RunTx commits when the function returns nil.
+func (t *Tx) Commit(ctx context.Context) error { return t.t.Commit(ctx) }
+
+// Rollback returns an error: RunTx rolls back when the function returns an error.
+func (t *Tx) Rollback(ctx context.Context) error { return t.t.Rollback(ctx) }
+
+// CopyFrom copies rows into a table in the transaction.
+func (t *Tx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	return t.t.CopyFrom(ctx, table, columns, src)
+}
+
+// SendBatch sends a batch in the transaction.
+func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return t.t.SendBatch(ctx, b)
+}
+
+// LargeObjects returns the large objects of the transaction.
+func (t *Tx) LargeObjects() pgx.LargeObjects { return t.t.LargeObjects() }
+
+// Prepare prepares a statement on the transaction's connection.
+func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return t.t.Prepare(ctx, name, sql)
+}
+
+// Exec runs a statement in the transaction.
+func (t *Tx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return t.t.Exec(ctx, sql, args...)
+}
+
+// Query runs a query in the transaction.
+func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return t.t.Query(ctx, sql, args...)
+}
+
+// QueryRow runs a query that returns at most one row in the transaction.
+func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return t.t.QueryRow(ctx, sql, args...)
+}
+
+// Conn returns the transaction's connection.
+func (t *Tx) Conn() *pgx.Conn { return t.t.Conn() }
+
+// Claim is the request that claims a key (Begin, Tx.Claim).
+type Claim struct {
+	// Principal owns the key: 1 to 255 characters.
+	Principal string
+	// Key is the client's idempotency key: 1 to 255 visible ASCII characters.
+	Key string
+	// Action names what the request does, for example "POST /v1/transfers": 1 to 1000
+	// characters.
+	Action string
+	// Fingerprint is the SHA-256 of the request (ComputeFingerprint's Sum).
+	Fingerprint [32]byte
+	// Fields are the hex SHA-256 of each top-level member of a JSON object body
+	// (Fingerprint.Fields); nil when unknown. They let a mismatch name what changed.
+	Fields map[string]string
+	// TTL is how long the key's answer stays replayable after it is stored. Default 0: the
+	// SQL API's default (24 hours). At most 10 years; sent with microsecond precision.
+	TTL time.Duration
+	// Lease makes a lease claim that is committed on its own, for work outside the database.
+	// Default 0: a transactional claim, completed in the same transaction. At most 10 years.
+	Lease time.Duration
+	// LockTimeout bounds the wait for a concurrent holder of the key. Default 0: the SQL
+	// API's default (2 seconds). Past it the claim returns ErrInProgress and the transaction
+	// is aborted.
+	LockTimeout time.Duration
+}
+
+// Response is a stored answer: an HTTP response, or for Do a JSON result.
+type Response struct {
+	// Status is the HTTP status, 100 to 599.
+	Status int
+	// Header holds the stored headers (an allowlist chosen by the caller). A header with
+	// several values is stored as one, joined with ", " (RFC 9110, section 5.3).
+	Header http.Header
+	// Body is the body byte for byte; nil when withheld.
+	Body []byte
+	// ResourceID is the id of what the first request created, when the caller named it.
+	ResourceID string
+	// Withheld is "" or why Body is not stored: WithheldOneTimeSecret, WithheldTooLarge.
+	Withheld string
+}
+
+// Reasons a stored response has no body (Response.Withheld).
+const (
+	// WithheldOneTimeSecret: the response carried a secret that must be sent only once.
+	WithheldOneTimeSecret = "one_time_secret"
+	// WithheldTooLarge: the body was larger than the storage limit.
+	WithheldTooLarge = "too_large"
+)
+
+// Outcome is what idem_begin decided.
+type Outcome string
+
+// The outcomes of a claim.
+const (
+	// Claimed: this transaction holds the key; do the work, then complete it.
+	Claimed Outcome = "claimed"
+	// Replay: the key was completed for the same request; answer with Decision.Response.
+	Replay Outcome = "replay"
+	// Mismatch: the key was used for another request; refuse.
+	Mismatch Outcome = "mismatch"
+	// InProgress: a lease claim on the key is still running; retry after
+	// Decision.RetryAfter.
+	InProgress Outcome = "in_progress"
+)
+
+// Decision is what a claim was answered.
+type Decision struct {
+	// Outcome is the decision.
+	Outcome Outcome
+	// Attempt is the fencing token of the claim (Claimed), or of the row's last claim: pass
+	// it to Complete, Release, Yield or Extend. No earlier holder of the key ever had it.
+	Attempt int64
+	// Response is the stored response (Replay only).
+	Response Response
+	// ChangedFields names the top-level fields whose hashes differ (Mismatch only): sorted;
+	// empty (not nil) when the action, method or path changed; nil when unknown.
+	ChangedFields []string
+	// RetryAfter is how long the current lease still runs (InProgress only).
+	RetryAfter time.Duration
+	// ProviderKey is the key to hand an outside provider (a payment provider's own
+	// idempotency key) for the work of this request (Claimed, Replay and InProgress): 64 hex
+	// digits, the same for every attempt of the request (retries, takeovers of its lease after
+	// a crash), different for every other request, including a later one under the same key
+	// after this one expired or was released, and for every other principal.
+	ProviderKey string
+	// Sent is this process's clock just before the claim was sent. A lease claimed by it runs
+	// at least until Sent plus the lease by this process's clock: pass it as
+	// LeaseOptions.Start to KeepAlive.
+	Sent time.Time
+}
+
+func decisionOf(d dbidem.Decision) Decision {
+	return Decision{Outcome: Outcome(d.Outcome), Attempt: d.Attempt, Response: Response(d.Response),
+		ChangedFields: d.ChangedFields, RetryAfter: d.RetryAfter, ProviderKey: d.ProviderKey, Sent: d.Sent}
+}
+
+// Begin claims c.Key for c.Principal in q's transaction (idem_begin), or returns the decision
+// about the row that holds it. With a transactional claim (Lease 0) the transaction must
+// complete the claim (Complete, or SaveFinal after rolling the work back) before it commits.
+// Inside RunTx prefer Tx.Claim, which saves a round trip.
+func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
+	d, err := dbidem.Begin(ctx, q, dbidem.Claim(c))
+	return decisionOf(d), err
+}
+
+// Complete stores r as the response of the claim with this attempt (idem_complete). It
+// returns ErrClaimLost when that claim is no longer in progress (fencing).
+func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
+	return dbidem.Complete(ctx, q, principal, key, attempt, dbidem.Response(r))
+}
+
+// Release abandons the lease claim with this attempt without a response (idem_release), so
+// that the next request under the key starts a new generation with a new provider key: right
+// only when the work certainly did not happen (else Yield). It returns false when no such
+// claim is in progress.
+func Release(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
+	return dbidem.Release(ctx, q, principal, key, attempt)
+}
+
+// Yield ends the lease of the lease claim with this attempt now, without an answer, and keeps
+// the key for its request (idem_yield): the next attempt of the same request takes it over at
+// once with the same provider key; another request under the key gets Mismatch until the key
+// expires. Use it when work outside the database failed and may or may not have had its
+// effect. It returns false when no such lease claim is in progress.
+func Yield(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
+	return dbidem.Yield(ctx, q, principal, key, attempt)
+}
+
+// SaveFinal stores r as the final answer to c in q's transaction (idem_save_final): in the
+// transaction that claimed c (after rolling its work back to a savepoint) it finalizes that
+// claim; for a key nobody holds it inserts the answer. It returns false when a live row for
+// the key already exists. Inside RunTx prefer Tx.FinalOnCommit.
+func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
+	return dbidem.SaveFinal(ctx, q, dbidem.Claim(c), dbidem.Response(r))
+}
+
+// Job describes work that runs at most once per key, outside HTTP (Do, DoLease).
+type Job struct {
+	// Principal, Key and Action are as in Claim: who, which key, what.
+	Principal, Key, Action string
+	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
+	// JSON), so the same key with another input is ErrMismatch. Default nil: no input.
+	Input any
+	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults.
+	TTL, LockTimeout time.Duration
+	// Gate coalesces concurrent calls of this process with the same key. Default nil: one
+	// Gate shared by every Do and DoLease of the process.
+	Gate *Gate
+	// Lease is the lease of a DoLease job: the claim is held that long past its last
+	// extension. Required by DoLease, from a second to 10 years; Do ignores it.
+	Lease time.Duration
+	// Timeout bounds a DoLease job's work (its context ends then). Default 0:
+	// DefaultLeaseTimeout.
+	Timeout time.Duration
+}
+
+func (j Job) internal() dbidem.Job {
+	ij := dbidem.Job{Principal: j.Principal, Key: j.Key, Action: j.Action, Input: j.Input, TTL: j.TTL,
+		LockTimeout: j.LockTimeout, Lease: j.Lease, Timeout: j.Timeout}
+	if j.Gate != nil {
+		ij.Gate = j.Gate.g
+	}
+	return ij
+}
+
+// DefaultLeaseTimeout bounds the work of a lease (DoLease, and a lease route) when its caller
+// sets no bound.
+const DefaultLeaseTimeout = 5 * time.Minute
+
+// LeaseClaim is what the work of DoLease knows of its claim.
+type LeaseClaim struct {
+	// Principal and Key are the job's.
+	Principal, Key string
+	// Attempt is the claim's fencing token: no earlier attempt of the key had it.
+	Attempt int64
+	// ProviderKey is the key to give an outside provider that deduplicates by its own
+	// idempotency key (Decision.ProviderKey).
+	ProviderKey string
+}
+
+// Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
+// wait in Go for the first, without a connection, and a bounded number wait on a key's row
+// lock held by another process. Safe for concurrent use.
+type Gate struct{ g *dbidem.Gate }
+
+// GateOptions bound what a Gate lets wait. The zero value has the defaults.
+type GateOptions struct {
+	// MaxWaitingClaims bounds the claims that wait on a key's row lock (held by another
+	// process) at once; one that finds them all taken gets ErrInProgress at once. Default 0: 4.
+	MaxWaitingClaims int
+	// MaxWaitingBytes bounds what the duplicates waiting in Go hold at once (their inputs
+	// plus 4 KiB each). Default 0: 64 MiB.
+	MaxWaitingBytes int64
+}
+
+// NewGate returns a Gate with these options, for a Job.Gate of its own (a separate bound for
+// one kind of work).
+func NewGate(o GateOptions) *Gate { return &Gate{dbidem.NewGate(dbidem.GateOptions(o))} }
+
+// Stats reads the Gate's figures, now.
+func (g *Gate) Stats() GateStats {
+	return GateStats{Waiting: g.g.Waiting(), WaitingBytes: g.g.WaitingBytes(), LockWaits: g.g.LockWaits(),
+		Coalesced: g.g.Coalesced(), Refused: g.g.Refused()}
+}
+
+// checked holds the pools whose schema Do and DoLease found right.
+var checked sync.Map
+
+// checkOnce runs CheckSchema on db the first time Do or DoLease meets it (again after a
+// failure).
+func checkOnce(ctx context.Context, db Pool) error {
+	if _, ok := checked.Load(db); ok {
+		return nil
+	}
+	if err := CheckSchema(ctx, db); err != nil {
+		return err
+	}
+	checked.Store(db, struct{}{})
+	return nil
 }
 
 // Do runs fn at most once for job.Key, in the same transaction as the key's claim, and
 // stores its result as JSON with it; a repeat returns the stored result with replayed true.
 // Another Input under the key is ErrMismatch; a run still in progress past the lock timeout,
-// ErrInProgress.
+// ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
+// transaction rolls back, nothing is stored, and a later Do runs fn again.
 func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (result T, replayed bool, err error) {
-	return dbidem.Do(ctx, db, job, opts, fn)
+	if err := checkOnce(ctx, db); err != nil {
+		return result, false, err
+	}
+	return dbidem.Do(ctx, db, job.internal(), dbidem.TxOptions(opts), fn)
 }
 
 // DoLease runs fn at most once for job.Key for work outside the database: the lease claim
 // commits on its own, fn runs outside any transaction while a heartbeat extends the lease,
 // and its result is stored afterwards, fenced by the claim's token. fn's context ends with
-// cause ErrLeaseLost when the lease is lost; hand an outside provider claim.ProviderKey.
+// cause ErrLeaseLost when the lease is lost (DoLease then returns ErrLeaseLost); when fn
+// fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
+// with the same claim.ProviderKey: hand an outside provider that key. The first DoLease on a
+// pool checks its schema (CheckSchema).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
-	return dbidem.DoLease(ctx, db, job, fn)
+	if err := checkOnce(ctx, db); err != nil {
+		return result, false, err
+	}
+	return dbidem.DoLease(ctx, db, job.internal(), func(ctx context.Context, c dbidem.LeaseClaim) (T, error) {
+		return fn(ctx, LeaseClaim(c))
+	})
 }
 
-// Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a
-// batch comes back short, and returns how many it deleted: for a service that runs its own
-// cleaner (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so that
-// each batch is a short transaction of its own.
-func Cleanup(ctx context.Context, db Pool, batchSize int) (int, error) {
-	return dbidem.Cleanup(ctx, db, batchSize)
-}
-
-// DefaultCleanupDuty is the share of the time a scheduled cleaner's batches take by default
-// (the reference server's CLEANUP_DUTY): measured to keep the API's p99 within a fifth of
-// its value without cleanup while deleting many times faster than keys expire.
-const DefaultCleanupDuty = dbidem.DefaultCleanupDuty
-
-// CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
-// duty of the time (DefaultCleanupDuty for a cleaner that runs beside the API; 1: no pause;
-// below 0.01 counts as 0.01). When ctx ends, during a batch or a pause, it returns the count
-// so far and ctx.Err().
-func CleanupPaced(ctx context.Context, db Pool, batchSize int, duty float64) (int, error) {
-	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
-}
-
-// Fingerprint identifies a request: its SHA-256 sum, the hashes of its top-level JSON fields,
-// and whether its body was canonicalized as JSON.
-type Fingerprint = canon.Fingerprint
-
-// ComputeFingerprint returns the fingerprint of a request as the middleware computes it:
-// SHA-256 over the upper-case method, "\n", the escaped path (no query), "\n" and the
-// canonical body (RFC 8785 for strictly valid JSON, the raw bytes otherwise). A route whose
-// meaning is narrower than its body sets Route.Fingerprint to a function built on it.
-func ComputeFingerprint(method, escapedPath string, body []byte) Fingerprint {
-	return canon.Compute(method, escapedPath, body)
-}
-
-// MigrateOptions configure Migrate: the application role that is granted the SQL API.
-type MigrateOptions = idemsql.Options
-
-// Migrate installs or upgrades the SQL API (schema idem) in one transaction: the migrations
-// the database lacks, then the functions. Safe to run at every start and from several
-// processes at once. conn's role owns what it creates; run it as the schema's owner.
-func Migrate(ctx context.Context, conn *pgx.Conn, opts MigrateOptions) error {
-	return idemsql.Migrate(ctx, conn, opts)
-}
-
-// SchemaVersion is the schema version this package's SQL brings a database to; after
-// Migrate, idem.idem_version() reports it for the schema and for the functions.
-func SchemaVersion() int { return idemsql.Version() }
+// The errors of the driver. Each wraps the error it came from (errors.As finds a
+// *pgconn.PgError); compare with errors.Is.
+var (
+	// ErrInProgress: a concurrent holder kept the key past the lock timeout (SQLSTATE
+	// 55P03), or a request of this process holds it. Answer 409 and let the client retry.
+	ErrInProgress = dbidem.ErrInProgress
+	// ErrClaimLost: no claim in progress with this token (55000): taken over by a later
+	// attempt, released, completed, or the key expired and was cleaned up.
+	ErrClaimLost = dbidem.ErrClaimLost
+	// ErrUnknownPrincipal: the principal violates a foreign key that the application put on
+	// the key table's principal_id: answer 401.
+	ErrUnknownPrincipal = dbidem.ErrUnknownPrincipal
+	// ErrClaimNotCompleted: COMMIT refused a transactional claim without its completion.
+	ErrClaimNotCompleted = dbidem.ErrClaimNotCompleted
+	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
+	// configuration error, not a reason to retry.
+	ErrInvalidArgument = dbidem.ErrInvalidArgument
+	// ErrCommitUnknown: the connection failed after COMMIT was sent: the transaction may or
+	// may not have committed; a retry with the same key tells which.
+	ErrCommitUnknown = dbidem.ErrCommitUnknown
+	// ErrMismatch is returned by Do and DoLease when the key was used with another input.
+	ErrMismatch = dbidem.ErrMismatch
+	// ErrStoreBusy: the claim found the key table itself locked (a migration's swap, VACUUM
+	// FULL, pg_repack, LOCK TABLE), not a key: nothing was written; try again shortly (the
+	// middleware answers 503 with Retry-After). A claim never waits for such a lock.
+	ErrStoreBusy = dbidem.ErrStoreBusy
+)

@@ -1,40 +1,108 @@
 // Package idemclient is the other half of idempotency: an HTTP client that retries requests
 // safely against any API that takes an Idempotency-Key.
 //
-// Every logical operation gets one key, made before the first attempt (or given by the
-// caller), and every retry of it carries that key and the same body. It retries, with jittered
-// exponential backoff, when the outcome is unknown or temporary: a network error or timeout, a
-// 5xx (but 501 and 505), 408, 429, or 409 request_in_progress, honouring Retry-After (seconds
-// or a date, up to a minute). A final answer (a 2xx, any other 4xx, 501, 505) ends the
-// operation: retrying it would get the same answer; so does an error no retry mends (a URL
-// that is not http or https, an untrusted certificate, TLS to a plain server). The context
-// bounds the whole operation: give it a deadline.
+// Every logical operation gets one key, made before the first attempt (NewKey, a time-ordered
+// UUIDv7, unless the caller gives one), and every retry of it carries that key and the same
+// body. It retries, with jittered exponential backoff, when the outcome is unknown or
+// temporary: a network error or timeout, a 5xx (but 501, 505 and 500
+// idempotency_misconfigured), 408, 429, or 409 request_in_progress, honouring Retry-After
+// (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
+// answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured) ends the operation:
+// retrying it would get the same answer; so does an error no retry mends (a URL that is not
+// http or https, an untrusted certificate, TLS to a plain server). The context bounds the
+// whole operation: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/orders", strings.NewReader(`{"sku":"a1"}`))
 //	req.Header.Set("Content-Type", "application/json")
 //	res, err := c.Do(ctx, req, "") // "": a new key for this operation, in res.Key
 //	if err != nil {
-//		return err // the context ended with the outcome unknown: retry later under res.Key
+//		return err // the outcome is unknown (the context ended, or ErrGaveUp): retry later under res.Key
 //	}
 //	fmt.Println(res.Status, res.Replayed) // 201 false; or 201 true when a lost answer was retried
 //
 // It has no dependency on the server side of this module (no pgx, no database driver).
 package idemclient
 
-import "github.com/pgidem/pgidem/internal/client"
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/client"
+)
 
 // Client sends logical operations and retries them safely. The zero value is ready to use;
-// every field documents its default. A Client is safe for concurrent use.
-type Client = client.Client
+// every field says its default; set them before the first use. A Client is safe for
+// concurrent use.
+type Client struct {
+	// HTTP sends the requests. Default nil: http.DefaultClient.
+	HTTP *http.Client
+	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
+	KeyHeader string
+	// AttemptTimeout bounds one attempt. Default 0: no bound beyond the operation's context.
+	// A client that gives up on an attempt does not know its outcome, and retries with the
+	// same key.
+	AttemptTimeout time.Duration
+	// MaxAttempts bounds the attempts of one operation; past them Do returns ErrGaveUp with
+	// the last answer. Default 0: DefaultMaxAttempts (10). A negative value: no bound, until
+	// the context ends.
+	MaxAttempts int
+	// Backoff is the first retry's wait; each retry doubles it, up to MaxBackoff, and waits a
+	// random duration between half of it and all of it. Default 0: 50ms.
+	Backoff time.Duration
+	// MaxBackoff caps the client's own backoff. Default 0: 2s. A server's Retry-After is
+	// honoured as sent (seconds or an HTTP date), up to a minute, even when it is longer.
+	MaxBackoff time.Duration
+}
 
-// Result is the answer to an operation: the final status, headers and body, whether it was a
-// replay of an earlier attempt's answer, how many attempts it took and the key it used.
-type Result = client.Result
+// DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
+// default backoff (50ms doubling to 2s) about 10 seconds of waiting, longer when the server
+// asks for it with Retry-After.
+const DefaultMaxAttempts = client.DefaultMaxAttempts
+
+// Do sends req as one logical operation under key, and retries it until its answer is final,
+// the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
+// Every attempt carries the same key and the same body: req's body is read once (or taken from
+// req.GetBody) and sent again as it was. An empty key means the key req already carries in the
+// key header, or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
+// req's context, bounds the operation. The response body is read whole into Result.Body.
+func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
+	r, err := (*client.Client)(c).Do(ctx, req, key)
+	return Result(r), err
+}
+
+// Result is the answer to an operation.
+type Result struct {
+	// Status, Header and Body are the final answer's (the last attempt's, when the operation
+	// gave up).
+	Status int
+	Header http.Header
+	Body   []byte
+	// Replayed is true when the answer was a replay of the first execution's (the server sent
+	// Idempotent-Replayed: true): an earlier attempt had taken effect and its answer was lost.
+	Replayed bool
+	// Attempts is how many requests the operation took.
+	Attempts int
+	// Key is the idempotency key the operation used: retry a failed operation later under it.
+	Key string
+}
+
+// JSON decodes the body into v.
+func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
+
+// Code is the problem code of an error answer (its body's "code" member; "" for a success or
+// a body without one).
+func (r Result) Code() string { return client.Result(r).Code() }
 
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its
-// outcome still unknown.
+// outcome still unknown; the last attempt's error or answer is wrapped.
 var ErrGaveUp = client.ErrGaveUp
 
-// NewKey returns a new random idempotency key (a version 4 UUID).
+// NewKey returns a new idempotency key: a UUID of version 7 (RFC 9562), a 48-bit Unix
+// millisecond timestamp, a counter and random bits. The keys of a process are strictly
+// increasing, so keys made close together sort close together: an API that stores them in a
+// B-tree (this project's key table has the primary key (principal_id, key)) writes a client's
+// new keys into one index leaf instead of a random one each (docs/http.md, "The key").
 func NewKey() string { return client.NewKey() }

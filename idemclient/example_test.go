@@ -43,3 +43,12 @@ func ExampleClient_Do() {
 	// 201 true 2 {"order":1,"body":{"sku":"a1"}} <nil>
 	// true true
 }
+
+// Keys made by NewKey are UUIDs of version 7, time-ordered: a later key sorts after an
+// earlier one.
+func ExampleNewKey() {
+	first, second := idemclient.NewKey(), idemclient.NewKey()
+	fmt.Println(len(first), first[14:15], first < second)
+	// Output:
+	// 36 7 true
+}

@@ -345,11 +345,22 @@ SELECT version < 2 AS idem_migration_due FROM idem.schema_version \gset
 \if :idem_migration_due
 -- The role an application is granted (or logs in as a member of). It may call the functions
 -- and nothing else: no privilege on the tables. The name comes from tern data app_role
--- (default idem_app). Roles belong to the cluster, so an existing role is reused.
+-- (default idem_app). Roles belong to the cluster, so an existing role is reused: an owner
+-- that is not a superuser installs after a superuser created the roles once, or granted it
+-- CREATEROLE (docs/sql-api.md, "Installing without a superuser"); without either, the error
+-- says which step is missing.
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_app') THEN
-        CREATE ROLE "idem_app" NOLOGIN;
+        BEGIN
+            CREATE ROLE "idem_app" NOLOGIN;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE EXCEPTION 'idem: the role "idem_app" does not exist, and the installing role % may not create it', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Have a superuser run once: CREATE ROLE "idem_app" NOLOGIN; CREATE ROLE "idem_operator" NOLOGIN; '
+                          || '(or ALTER ROLE ' || quote_ident(current_user) || ' CREATEROLE;), then install again. '
+                          || 'See docs/sql-api.md, "Installing without a superuser".';
+        END;
     END IF;
 END
 $$;
@@ -782,11 +793,20 @@ SELECT version < 5 AS idem_migration_due FROM idem.schema_version \gset
 -- summary of the keys and one key's story with its body (idem_summary, idem_health, idem_key)
 -- and release a stuck lease claim (idem_release_stuck), which the application role may not.
 -- The name comes from tern data operator_role (default idem_operator). Roles belong to the
--- cluster, so an existing role is reused.
+-- cluster, so an existing role is reused; an owner that may not create it is told the
+-- superuser step that is missing (002).
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
-        CREATE ROLE "idem_operator" NOLOGIN;
+        BEGIN
+            CREATE ROLE "idem_operator" NOLOGIN;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE EXCEPTION 'idem: the role "idem_operator" does not exist, and the installing role % may not create it', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Have a superuser run once: CREATE ROLE "idem_operator" NOLOGIN; '
+                          || '(or ALTER ROLE ' || quote_ident(current_user) || ' CREATEROLE;), then install again. '
+                          || 'See docs/sql-api.md, "Installing without a superuser".';
+        END;
     END IF;
 END
 $$;
@@ -2255,6 +2275,83 @@ $$;
 COMMENT ON FUNCTION idem.idem_release_stuck(text, text, bigint, text) IS
     'Ends the lease of the in-progress lease claim with this token (its work is known stuck or dead), so that the retry of the same request takes it over at once with the same provider key; 55000 for a completed, released, taken-over or absent claim. For operators. See docs/operations.md.';
 
+-- idem_stuck: the lease claims in progress that were made (or last taken over) at least
+-- p_older_than ago, oldest first, at most p_limit of them: what an operator needs to release
+-- one (idem_release_stuck takes principal, key and token) without asking the customer for the
+-- key, which logs hold only as a hash. For each: the principal, the key, the token
+-- (attempt), when the claim was made, when its lease ends (by the database's clock) and
+-- whether it ran out (its work is dead, or a retry will take it over), its age, and the
+-- provider key of its request (what an outside provider saw, to look the work up there).
+-- Transactional claims are never listed: others see them only once they are completed. Read
+-- through the partial index on claimed_at, which holds lease claims only. For operators: it
+-- names keys and tokens, so the application role is not granted it.
+CREATE OR REPLACE FUNCTION idem.idem_stuck(
+    p_older_than interval DEFAULT interval '0',
+    p_limit      integer  DEFAULT 100,
+    OUT principal_id     text,
+    OUT key              text,
+    OUT attempt          bigint,
+    OUT claimed_at       timestamptz,
+    OUT lease_expires_at timestamptz,
+    OUT lease_run_out    boolean,
+    OUT age              interval,
+    OUT provider_key     text)
+RETURNS SETOF record
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_problem   text;
+    v_now       timestamptz := clock_timestamp();
+    v_row       record;
+    v_gen       bigint;
+    -- Named as the parameters of the functions that share the provider key's one formula
+    -- (include/provider_key.sql).
+    p_principal text;
+    p_key       text;
+BEGIN
+    v_problem := CASE
+        WHEN p_older_than IS NULL OR p_limit IS NULL
+            THEN '22004 p_older_than and p_limit must not be NULL'
+        WHEN p_older_than < interval '0'
+            THEN format('22023 p_older_than must not be negative, got %s', p_older_than)
+        WHEN p_limit NOT BETWEEN 1 AND 10000
+            THEN format('22023 p_limit must be 1 to 10000, got %s', p_limit)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_stuck: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    FOR v_row IN
+        SELECT k.principal_id, k.key, k.attempt, k.generation, k.claimed_at, k.lease_expires_at
+          FROM idem.idempotency_keys AS k
+         WHERE k.claimed_at IS NOT NULL AND k.claimed_at <= v_now - p_older_than AND k.state = 'p'
+         ORDER BY k.claimed_at, k.principal_id, k.key
+         LIMIT p_limit
+    LOOP
+        p_principal := v_row.principal_id;
+        p_key := v_row.key;
+        v_gen := coalesce(v_row.generation, v_row.attempt);
+        principal_id := v_row.principal_id;
+        key := v_row.key;
+        attempt := v_row.attempt;
+        claimed_at := v_row.claimed_at;
+        lease_expires_at := v_row.lease_expires_at;
+        lease_run_out := v_row.lease_expires_at <= v_now;
+        age := v_now - v_row.claimed_at;
+        provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
+    'The lease claims in progress made at least p_older_than ago, oldest first: principal, key, token, claimed_at, lease end, whether it ran out, age, provider key. For operators (idem_release_stuck takes principal, key and token). See docs/operations.md.';
+
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
@@ -2270,5 +2367,7 @@ GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO 
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
     idem.idem_release_stuck, idem.idem_version
 TO "idem_operator";
+-- The claims in progress with their keys and tokens: for operators only (docs/operations.md).
+GRANT EXECUTE ON FUNCTION idem.idem_stuck TO "idem_operator";
 
 COMMIT;

@@ -16,10 +16,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/tern/v2/migrate"
-)
 
-//go:embed migrations/*.sql migrations/online/*.sql
-var migrationFiles embed.FS
+	"github.com/pgidem/pgidem/sql/migrations"
+)
 
 //go:embed functions/*.sql functions/include/*.sql
 var functionFiles embed.FS
@@ -49,17 +48,11 @@ type Options struct {
 var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 
 // Migrations returns the tern migrations (files named NNN_name.sql).
-func Migrations() fs.FS {
-	sub, _ := fs.Sub(migrationFiles, "migrations")
-	return sub
-}
+func Migrations() fs.FS { return migrations.FS() }
 
 // Version is the schema version these migrations bring a database to (the number of
 // migrations): idem.schema_version holds it once Migrate has run.
-func Version() int {
-	paths, _ := migrate.FindMigrations(Migrations())
-	return len(paths)
-}
+func Version() int { return migrations.Version() }
 
 // Functions returns the tern code package of the SQL API (install.sql and one file per
 // function).

@@ -90,8 +90,32 @@ func psql(t *testing.T, url string, script []byte, args ...string) string {
 	return string(out)
 }
 
+// psqlRoles creates the login roles the docs' psql sessions switch to (\c - ROLE): shop_app in
+// idem_app and ops_alice in idem_operator, with the test server's password when it has one
+// (psql reconnects with PGPASSWORD), unless they exist; they are dropped when the test ends.
+func psqlRoles(t *testing.T, url string) {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	password := ""
+	if cfg.Password != "" {
+		password = " PASSWORD '" + strings.ReplaceAll(cfg.Password, "'", "''") + "'"
+	}
+	admin := pgtest.Connect(t, url)
+	for role, group := range map[string]string{"shop_app": "idem_app", "ops_alice": "idem_operator"} {
+		pgtest.Exec(t, admin, `DO $$ BEGIN
+			IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '`+role+`') THEN
+				CREATE ROLE `+role+` LOGIN`+password+` IN ROLE `+group+`;
+			END IF; END $$`)
+	}
+}
+
 // TestPsqlSessionMatchesDocs runs the psql session of docs/sql-api.md on a fresh database
-// with the SQL API installed alone, and compares what psql prints with the doc.
+// with the SQL API installed alone, as the roles it names (the application's shop_app and the
+// operator's ops_alice, which it switches to with \c), and compares what psql prints with the
+// doc.
 func TestPsqlSessionMatchesDocs(t *testing.T) {
 	t.Parallel()
 	url := pgtest.NewEmptyDB(t)
@@ -99,6 +123,7 @@ func TestPsqlSessionMatchesDocs(t *testing.T) {
 	if err := idemsql.Migrate(context.Background(), conn, idemsql.Options{}); err != nil {
 		t.Fatal(err)
 	}
+	psqlRoles(t, url)
 	script, err := os.ReadFile("../docs/snippets/psql-session.sql")
 	if err != nil {
 		t.Fatal(err)
@@ -106,24 +131,34 @@ func TestPsqlSessionMatchesDocs(t *testing.T) {
 	// Everything from the first statement on: the file's own header comment is not shown.
 	start := regexp.MustCompile(`(?m)^\\set VERBOSITY`).FindIndex(script)
 	out := psql(t, url, script[start[0]:], "-a")
+	for _, want := range []string{"NOTICE:  idem: ops_alice released the stuck lease claim of key payout-9", "permission denied for function idem_key_body"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the session does not show %q", want)
+		}
+	}
 	checkDocBlock(t, "../docs/sql-api.md", "<!-- psql-session:begin", "<!-- psql-session:end -->", "```text\n"+out+"```\n")
 }
 
-// TestPgCronSnippetMatchesDocs: the pg_cron call in docs/sql-api.md is the one the pg_cron
-// test schedules (docs/snippets/pg_cron.sql).
-func TestPgCronSnippetMatchesDocs(t *testing.T) {
-	t.Parallel()
+// pgCronRecipe is the part of docs/snippets/pg_cron.sql that docs/sql-api.md shows: from its
+// first step on (the file's header comment is not shown).
+func pgCronRecipe(t *testing.T) string {
+	t.Helper()
 	raw, err := os.ReadFile("../docs/snippets/pg_cron.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var stmts []string
-	for _, line := range strings.Split(string(raw), "\n") {
-		if line != "" && !strings.HasPrefix(line, "--") {
-			stmts = append(stmts, line)
-		}
+	i := strings.Index(string(raw), "-- As a superuser")
+	if i < 0 {
+		t.Fatal("docs/snippets/pg_cron.sql has no step for the superuser")
 	}
-	checkDocBlock(t, "../docs/sql-api.md", "<!-- pg_cron:begin", "<!-- pg_cron:end -->", "```sql\n"+strings.Join(stmts, "\n")+"\n```\n")
+	return string(raw[i:])
+}
+
+// TestPgCronSnippetMatchesDocs: the pg_cron recipe in docs/sql-api.md is the one the pg_cron
+// test runs (docs/snippets/pg_cron.sql).
+func TestPgCronSnippetMatchesDocs(t *testing.T) {
+	t.Parallel()
+	checkDocBlock(t, "../docs/sql-api.md", "<!-- pg_cron:begin", "<!-- pg_cron:end -->", "```sql\n"+pgCronRecipe(t)+"```\n")
 }
 
 // TestOperationsSQLRuns runs every sql block of docs/operations.md, in order, with psql on a

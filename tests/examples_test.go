@@ -28,29 +28,48 @@ func goCmd(t *testing.T, dir string, env []string, args ...string) string {
 	return string(out)
 }
 
-// TestExampleShop runs the example service's own test (examples/shop, a module of its own that
-// imports this one through a replace) against a database of the test server: the import
-// paths and the wiring of the public packages cannot rot unnoticed.
-func TestExampleShop(t *testing.T) {
-	t.Parallel()
-	goCmd(t, "../examples/shop", nil, "vet", "./...")
-	goCmd(t, "../examples/shop", []string{"TEST_DATABASE_URL=" + pgtest.NewEmptyDB(t)}, "test", "-count=1", "./...")
+// shopRoles makes an empty database of the test server for the example shop, a login role
+// that owns it (and is nothing more: the migrate step runs as it) and a login role that is
+// only a member of idem_app (the shop serves as it), and returns their connection strings.
+func shopRoles(t *testing.T) (owner, app string) {
+	t.Helper()
+	db := pgtest.NewEmptyDB(t)
+	return pgtest.OwnerRole(t, db), pgtest.LoginRole(t, db, "idem_app")
 }
 
-// TestHTTPDocWiringIsTheExample: the wiring that docs/http.md shows is examples/shop/main.go,
-// byte for byte.
+// TestExampleShop runs the example service's own test (examples/shop, a module of its own that
+// imports this one through a replace) against a database of the test server, the migrate step
+// as the database's owner and the shop as a member of idem_app: the import paths, the wiring
+// of the public packages and the two roles cannot rot unnoticed.
+func TestExampleShop(t *testing.T) {
+	t.Parallel()
+	owner, app := shopRoles(t)
+	goCmd(t, "../examples/shop", nil, "vet", "./...")
+	goCmd(t, "../examples/shop", []string{"TEST_DATABASE_URL=" + owner, "TEST_APP_DATABASE_URL=" + app}, "test", "-count=1", "./...")
+}
+
+// TestHTTPDocWiringIsTheExample: the wiring that docs/http.md shows is examples/shop/main.go
+// and examples/shop/migrate/main.go, byte for byte.
 func TestHTTPDocWiringIsTheExample(t *testing.T) {
 	t.Parallel()
-	main, err := os.ReadFile("../examples/shop/main.go")
-	if err != nil {
-		t.Fatal(err)
+	for _, f := range []struct{ path, begin, end string }{
+		{"../examples/shop/main.go", "<!-- shop:begin", "<!-- shop:end -->"},
+		{"../examples/shop/migrate/main.go", "<!-- shop-migrate:begin", "<!-- shop-migrate:end -->"},
+	} {
+		src, err := os.ReadFile(f.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkDocBlock(t, "../docs/http.md", f.begin, f.end, "```go\n"+string(src)+"```\n")
 	}
-	checkDocBlock(t, "../docs/http.md", "<!-- shop:begin", "<!-- shop:end -->", "```go\n"+string(main)+"```\n")
 }
 
 // TestWiringBuildsInAFreshModule does what a new user does: a module of their own (`go mod
 // init example.com/shop`, a replace to this checkout), the wiring of docs/http.md as its
-// main.go, built and run against a fresh database; it serves a keyed POST and replays it.
+// main.go and migrate/main.go, built and run against a fresh database as the two roles: the
+// shop refuses to start before the migrate (saying what to run), the migrate step runs as the
+// database's owner, and the shop, as a member of idem_app, serves a keyed POST and replays it.
+// The module's requirements hold none of the heavy modules (no router, no metrics client).
 func TestWiringBuildsInAFreshModule(t *testing.T) {
 	t.Parallel()
 	root, err := filepath.Abs("..")
@@ -58,12 +77,17 @@ func TestWiringBuildsInAFreshModule(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	main, err := os.ReadFile("../examples/shop/main.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "main.go"), main, 0o644); err != nil {
-		t.Fatal(err)
+	for _, f := range []string{"main.go", "migrate/main.go"} {
+		src, err := os.ReadFile(filepath.Join("../examples/shop", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(dir, f)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), src, 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
 	goCmd(t, dir, nil, "mod", "init", "example.com/shop")
 	// docs/http.md's two commands for a checkout. tidy may fetch the go.mod files of modules
@@ -80,16 +104,42 @@ func TestWiringBuildsInAFreshModule(t *testing.T) {
 		t.Fatal(err)
 	}
 	goCmd(t, dir, env, "mod", "tidy")
-	bin := filepath.Join(dir, "shop")
-	goCmd(t, dir, env, "build", "-o", bin, ".")
+	gomod, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range []string{"github.com/gorilla/mux", "github.com/prometheus/", "go.opentelemetry.io/otel/sdk", "testcontainers"} {
+		if strings.Contains(string(gomod), h) {
+			t.Errorf("the shop's go.mod requires %s:\n%s", h, gomod)
+		}
+	}
+	shopBin, migrateBin := filepath.Join(dir, "shop"), filepath.Join(dir, "shop-migrate")
+	goCmd(t, dir, env, "build", "-o", shopBin, ".")
+	goCmd(t, dir, env, "build", "-o", migrateBin, "./migrate")
+	deps := goCmd(t, dir, env, "list", "-deps", ".")
+	if strings.Contains(deps, "github.com/jackc/tern") {
+		t.Errorf("the shop links tern: the migrate step belongs to its own binary")
+	}
 
+	owner, app := shopRoles(t)
 	port, err := pgcluster.FreePort()
 	if err != nil {
 		t.Fatal(err)
 	}
 	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
-	shop := exec.Command(bin)
-	shop.Env = append(os.Environ(), "DATABASE_URL="+pgtest.NewEmptyDB(t), "LISTEN_ADDR="+addr)
+	early := exec.Command(shopBin)
+	early.Env = append(os.Environ(), "DATABASE_URL="+app, "LISTEN_ADDR="+addr)
+	if out, err := early.CombinedOutput(); err == nil || !strings.Contains(string(out), "idemmigrate.Migrate") {
+		t.Fatalf("the shop before the migrate: %v\n%s\nwant it to stop, naming the migrate", err, out)
+	}
+	mig := exec.Command(migrateBin)
+	mig.Env = append(os.Environ(), "DATABASE_URL="+owner)
+	if out, err := mig.CombinedOutput(); err != nil {
+		t.Fatalf("the migrate step as the owner: %v\n%s", err, out)
+	}
+
+	shop := exec.Command(shopBin)
+	shop.Env = append(os.Environ(), "DATABASE_URL="+app, "LISTEN_ADDR="+addr)
 	var log strings.Builder
 	shop.Stdout, shop.Stderr = &log, &log
 	if err := shop.Start(); err != nil {

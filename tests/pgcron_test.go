@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,9 +15,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
-
-// pgCronSnippet is the schedule call that docs/sql-api.md shows (it includes this file).
-const pgCronSnippet = "../docs/snippets/pg_cron.sql"
 
 // TestPgCronCleanup runs the documented pg_cron schedule, read from docs/snippets/pg_cron.sql,
 // on a private cluster of its own with pg_cron loaded, and shows that one scheduled run of
@@ -32,12 +30,15 @@ const pgCronSnippet = "../docs/snippets/pg_cron.sql"
 // each job over a libpq connection of its own, as the job's user, to cron.host at the
 // server's port. Here that is 127.0.0.1, the cluster's listen address, which initdb's
 // pg_hba.conf trusts.
+//
+// It runs as the roles the recipe names: a superuser creates the roles (the documented
+// superuser step) and a database owned by idem_owner, which is no superuser; idem_owner
+// installs schema idem; the superuser part of the recipe (the grant on schema cron) runs as
+// the superuser, the schedule as idem_owner, so the jobs run as idem_owner, the only role that
+// may vacuum the key table.
 func TestPgCronCleanup(t *testing.T) {
 	t.Parallel()
-	snippet, err := os.ReadFile(pgCronSnippet)
-	if err != nil {
-		t.Fatal(err)
-	}
+	recipe := pgCronRecipe(t)
 	bin, err := pgcluster.BinDir()
 	if err != nil {
 		t.Fatal(err)
@@ -59,11 +60,13 @@ func TestPgCronCleanup(t *testing.T) {
 	}
 	t.Cleanup(stop)
 	admin := pgtest.Connect(t, c.ConnString("postgres"))
-	pgtest.Exec(t, admin, "CREATE DATABASE "+db)
-	conn := pgtest.Connect(t, c.ConnString(db))
-	if err := idemsql.Migrate(ctx, conn, idemsql.Options{}); err != nil {
-		t.Fatal(err)
+	pgtest.Exec(t, admin, `CREATE ROLE idem_app NOLOGIN; CREATE ROLE idem_operator NOLOGIN; CREATE ROLE idem_owner LOGIN`)
+	pgtest.Exec(t, admin, "CREATE DATABASE "+db+" OWNER idem_owner")
+	owner := pgtest.Connect(t, c.ConnString(db)+" user=idem_owner")
+	if err := idemsql.Migrate(ctx, owner, idemsql.Options{}); err != nil {
+		t.Fatalf("install as idem_owner: %v", err)
 	}
+	conn := pgtest.Connect(t, c.ConnString(db)) // the superuser, for the extension and the test's own rows
 	pgtest.Exec(t, conn, "CREATE EXTENSION pg_cron")
 
 	const expired, live = 12000, 300
@@ -73,7 +76,7 @@ func TestPgCronCleanup(t *testing.T) {
 		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'c', 'p', 'live-' || i, sha256(i::text::bytea), 200, '{}'
 		  FROM generate_series(1, $1) AS i`, live)
 	pgtest.Exec(t, conn, `CREATE TABLE public.cleanup_batches (txid bigint, deleted bigint);
-		CREATE FUNCTION public.record_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+		CREATE FUNCTION public.record_batch() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
 		BEGIN
 			INSERT INTO public.cleanup_batches SELECT txid_current(), count(*) FROM gone;
 			RETURN NULL;
@@ -81,10 +84,16 @@ func TestPgCronCleanup(t *testing.T) {
 		CREATE TRIGGER record_batch AFTER DELETE ON idem.idempotency_keys
 			REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.record_batch()`)
 
-	// The documented call, verbatim.
+	// The documented recipe, verbatim, with psql as the superuser (the recipe switches to
+	// idem_owner itself); first its schedule alone as idem_owner, which the grant is for.
+	if out, err := psqlCommand(t, c.ConnString(db)+" user=idem_owner", "-X", "-v", "ON_ERROR_STOP=1", "-c",
+		`SELECT cron.schedule('x', '* * * * *', 'SELECT 1')`).CombinedOutput(); err == nil || !strings.Contains(string(out), "permission denied for schema cron") {
+		t.Fatalf("the schedule without the grant: %v %s, want permission denied for schema cron", err, out)
+	}
 	scheduled := time.Now()
-	if _, err := conn.Exec(ctx, string(snippet)); err != nil {
-		t.Fatalf("%s: %v", pgCronSnippet, err)
+	psql(t, c.ConnString(db), []byte(recipe), "-v", "ON_ERROR_STOP=1")
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM cron.job WHERE username = 'idem_owner'`); n != 2 {
+		t.Fatalf("%d jobs of idem_owner, want the recipe's 2", n)
 	}
 	finished := func(job string) {
 		t.Helper()
@@ -108,7 +117,7 @@ func TestPgCronCleanup(t *testing.T) {
 			}
 			time.Sleep(250 * time.Millisecond)
 		}
-		pgtest.Exec(t, conn, `SELECT cron.unschedule($1)`, job) // no second run while we count
+		pgtest.Exec(t, conn, `SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname = $1`, job) // no second run while we count
 		t.Logf("the first run of %s finished %v after the schedule call: %s, %q",
 			job, time.Since(scheduled).Round(time.Second), status, message)
 		if status != "succeeded" {

@@ -13,9 +13,58 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemprom"
 	"github.com/pgidem/pgidem/internal/pgtest"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 )
+
+// cleaner is the library's cleaner (idem.Cleaner) with its Prometheus metrics, as the server
+// builds it.
+type cleaner struct {
+	*idem.Cleaner
+	reg *prometheus.Registry
+}
+
+// newCleaner returns a cleaner on pool with this batch size, vacuum and duty (1: no pauses,
+// as `server cleanup` runs).
+func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, duty float64, log *slog.Logger) *cleaner {
+	reg := prometheus.NewRegistry()
+	c, err := idem.NewCleaner(pool, idem.CleanerOptions{BatchSize: batchSize, SkipVacuum: !vacuum, Duty: duty, Logger: log,
+		Metrics: idemprom.NewCleanupObserver(reg)})
+	if err != nil {
+		panic(err)
+	}
+	return &cleaner{c, reg}
+}
+
+func (c *cleaner) pass(ctx context.Context) (int, bool, error) { return c.Pass(ctx) }
+
+// metric is the value of the cleaner's metric name (with the result label, when given), and
+// how many series the family has.
+func (c *cleaner) metric(name, result string) (float64, int) {
+	mfs, err := c.reg.Gather()
+	if err != nil {
+		panic(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if result == "" || (len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == result) {
+				return m.GetCounter().GetValue(), len(mf.GetMetric())
+			}
+		}
+	}
+	return 0, 0
+}
+
+func (c *cleaner) vacuums() float64 {
+	v, _ := c.metric("idem_cleanup_vacuums_total", "")
+	return v
+}
 
 func expire(t *testing.T, s *testServer, principal string, n int) {
 	t.Helper()
@@ -61,7 +110,7 @@ func TestCleanupWhileRequestsRun(t *testing.T) {
 			statuses = append(statuses, r.status)
 		}
 	}()
-	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(s.pool, 100, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	n, ran, err := c.pass(ctx)
 	close(stop)
 	wg.Wait()
@@ -96,14 +145,14 @@ func TestTwoInstancesOneCleaner(t *testing.T) {
 	id, _ := s.principal("c")
 	expire(t, s, id, 3000)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	a, b := newCleaner(s.pool, 100, true, nil, log), newCleaner(s.pool, 100, true, nil, log)
+	a, b := newCleaner(s.pool, 100, true, 1, log), newCleaner(s.pool, 100, true, 1, log)
 
 	ctx := context.Background()
 	holder, err := s.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, cleanupLockID); err != nil {
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, idem.CleanupLock); err != nil {
 		t.Fatal(err)
 	}
 	if n, ran, err := b.pass(ctx); err != nil || ran || n != 0 {
@@ -166,12 +215,12 @@ func TestCleanerHoldsOneConnection(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer request.Release()
-	c := newCleaner(pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(pool, 100, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	n, ran, err := c.pass(ctx)
 	if err != nil || !ran || n != 3000 {
 		t.Fatalf("a pass with one connection free: deleted %d, ran %v, %v; want 3000", n, ran, err)
 	}
-	if v := testutil.ToFloat64(c.vacuums); v != 1 {
+	if v := c.vacuums(); v != 1 {
 		t.Fatalf("%v vacuums after deleting 3000 keys, want 1", v)
 	}
 }
@@ -185,7 +234,7 @@ func TestCleanerCleansACoordinator(t *testing.T) {
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "old", 1700, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "old", 450, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "live", 30, false)
-	c := newCleaner(s.pool, 0, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(s.pool, 0, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if n, ran, err := c.pass(context.Background()); err != nil || !ran || n != 2150 {
 		t.Fatalf("a pass on the coordinator: deleted %d, ran %v, %v; want 2150", n, ran, err)
 	}
@@ -201,11 +250,12 @@ func TestScheduledCleanupStopsWithTheServer(t *testing.T) {
 	s := startServer(t, nil)
 	id, _ := s.principal("c")
 	expire(t, s, id, 500)
-	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	stop, err := c.schedule(context.Background(), 1e9/20) // every 50 ms
+	c, err := idem.StartCleaner(context.Background(), s.pool, idem.CleanerOptions{Interval: 50 * time.Millisecond, BatchSize: 100,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
+	stop := c.Stop
 	for i := 0; i < 200 && s.count(`SELECT count(*) FROM idem.idempotency_keys`) > 0; i++ {
 		sleepBriefly()
 	}
@@ -236,15 +286,15 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 
 	expire(t, s, id, 300)
 	before := vacuumCount()
-	c := newCleaner(s.pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(s.pool, 100, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if n, _, err := c.pass(ctx); err != nil || n != 300 {
 		t.Fatalf("owner pass: deleted %d, %v", n, err)
 	}
-	if got := testutil.ToFloat64(c.vacuums); got != 1 || vacuumCount() != before+1 {
+	if got := c.vacuums(); got != 1 || vacuumCount() != before+1 {
 		t.Fatalf("owner pass: %v vacuums counted, vacuum_count %d -> %d", got, before, vacuumCount())
 	}
-	if n, _, err := c.pass(ctx); err != nil || n != 0 || testutil.ToFloat64(c.vacuums) != 1 {
-		t.Fatalf("a pass that deleted nothing: deleted %d, %v, %v vacuums", n, err, testutil.ToFloat64(c.vacuums))
+	if n, _, err := c.pass(ctx); err != nil || n != 0 || c.vacuums() != 1 {
+		t.Fatalf("a pass that deleted nothing: deleted %d, %v, %v vacuums", n, err, c.vacuums())
 	}
 
 	// 20,000 live keys: the threshold becomes 50 + 400 rows.
@@ -259,7 +309,7 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 		if n, _, err := c.pass(ctx); err != nil || n != step.deleted {
 			t.Fatalf("pass %d: deleted %d, %v", i, n, err)
 		}
-		if got := testutil.ToFloat64(c.vacuums); got != float64(step.vacuums) {
+		if got := c.vacuums(); got != float64(step.vacuums) {
 			t.Fatalf("after deleting %d of 20,000 rows: %v vacuums counted, want %d", step.deleted, got, step.vacuums)
 		}
 	}
@@ -278,14 +328,14 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 	}
 	defer app.Close()
 	var log strings.Builder
-	c = newCleaner(app, 100, true, nil, slog.New(slog.NewTextHandler(&log, nil)))
+	c = newCleaner(app, 100, true, 1, slog.New(slog.NewTextHandler(&log, nil)))
 	for i := 0; i < 2; i++ {
 		expire(t, s, id, 50)
 		if n, _, err := c.pass(ctx); err != nil || n != 50 {
 			t.Fatalf("idem_app pass %d: deleted %d, %v", i, n, err)
 		}
 	}
-	if got := testutil.ToFloat64(c.vacuums); got != 0 || vacuumCount() != before+1 {
+	if got := c.vacuums(); got != 0 || vacuumCount() != before+1 {
 		t.Fatalf("idem_app passes: %v vacuums counted, vacuum_count %d -> %d", got, before, vacuumCount())
 	}
 	if k := strings.Count(log.String(), "does not vacuum"); k != 1 {
@@ -301,10 +351,9 @@ func TestPacedPassStopsAtShutdown(t *testing.T) {
 	s := startServer(t, nil)
 	id, _ := s.principal("c")
 	expire(t, s, id, 3000)
-	c := newCleaner(s.pool, 100, false, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	c.duty = 0.01
+	c := newCleaner(s.pool, 100, false, 0.01, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	// A fresh cleaner exports every result at 0, so that the first failure is an increase.
-	if n := testutil.CollectAndCount(c.passes); n != 4 {
+	if _, n := c.metric("idem_cleanup_passes_total", "done"); n != 4 {
 		t.Fatalf("a fresh cleaner exports %d series of idem_cleanup_passes_total, want 4 (done, skipped, failed, stopped)", n)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
@@ -317,10 +366,12 @@ func TestPacedPassStopsAtShutdown(t *testing.T) {
 	if d := time.Since(start); d > 5*time.Second {
 		t.Fatalf("the pass took %v to notice its context ended", d)
 	}
-	if stopped, failed := testutil.ToFloat64(c.passes.WithLabelValues("stopped")), testutil.ToFloat64(c.passes.WithLabelValues("failed")); stopped != 1 || failed != 0 {
+	stopped, _ := c.metric("idem_cleanup_passes_total", "stopped")
+	failed, _ := c.metric("idem_cleanup_passes_total", "failed")
+	if stopped != 1 || failed != 0 {
 		t.Fatalf("passes stopped %v, failed %v; want 1 and 0", stopped, failed)
 	}
-	if d := testutil.ToFloat64(c.deleted); int(d) != n {
+	if d, _ := c.metric("idem_cleanup_deleted_total", ""); int(d) != n {
 		t.Fatalf("idem_cleanup_deleted_total %v, want the %d the pass deleted", d, n)
 	}
 	// The deadline lands in a pause nearly always (a pause is 99 times its batch); should it

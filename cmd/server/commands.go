@@ -23,8 +23,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmigrate"
+	"github.com/pgidem/pgidem/idem/idemprom"
 	"github.com/pgidem/pgidem/internal/pgcluster"
-	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 // Version is the server's version, set at build time with -ldflags "-X main.Version=...".
@@ -81,7 +82,13 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	switch m.Command {
 	case "cleanup":
-		n, _, err := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, nil, m.log).pass(ctx)
+		// One pass by hand, without pauses: for catching up.
+		c, err := idem.NewCleaner(m.pool, idem.CleanerOptions{BatchSize: m.Config.CleanupBatchSize, Duty: 1,
+			SkipVacuum: !m.Config.CleanupVacuum, Logger: m.log})
+		if err != nil {
+			return err
+		}
+		n, _, err := c.Pass(ctx)
 		if err == nil {
 			fmt.Fprintf(m.stdout, "deleted %d expired keys\n", n)
 		}
@@ -230,7 +237,7 @@ func (m *Main) migrate(ctx context.Context) error {
 		return err
 	}
 	defer conn.Release()
-	if err := idemsql.Migrate(ctx, conn.Conn(), idemsql.Options{AppRole: m.Config.AppRole}); err != nil {
+	if err := idemmigrate.Migrate(ctx, conn.Conn(), idemmigrate.Options{AppRole: m.Config.AppRole}); err != nil {
 		return err
 	}
 	// 0.1.0 kept the ledger's version table in public; it moves with the ledger.
@@ -270,7 +277,7 @@ var errNewer = errors.New("the database is newer than this server: run the newer
 // functions belong to, which the application role may call), the ledger through its version
 // table. A schema whose functions belong to another version (an install that stopped half
 // way) is not migrated.
-func checkMigrated(ctx context.Context, db rowQuerier) error {
+func checkMigrated(ctx context.Context, db idem.Querier) error {
 	if err := checkIdemMigrated(ctx, db); err != nil {
 		return err
 	}
@@ -289,30 +296,27 @@ func checkMigrated(ctx context.Context, db rowQuerier) error {
 	return nil
 }
 
-type rowQuerier interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}
-
-// checkIdemMigrated is checkMigrated's half for schema idem (what `server keys` needs).
-func checkIdemMigrated(ctx context.Context, db rowQuerier) error {
-	want := idemsql.Version()
-	var functions, schema int32
-	err := db.QueryRow(ctx, `SELECT functions_version, schema_version FROM idem.idem_version()`).Scan(&functions, &schema)
-	var pgErr *pgconn.PgError
+// checkIdemMigrated is checkMigrated's half for schema idem (what `server keys` needs): the
+// library's own check (idem.CheckSchema), in the server's words.
+func checkIdemMigrated(ctx context.Context, db idem.Querier) error {
+	err := idem.CheckSchema(ctx, db)
+	var se *idem.SchemaError
 	switch {
-	case errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "3F000" || pgErr.Code == "42P01"):
-		// No idem_version() (nothing installed, or a release before 0.2.0).
-		return fmt.Errorf("%w (the idem SQL API is missing or older than this server's, which needs schema version %d)", errNotMigrated, want)
-	case err != nil:
+	case err == nil:
+		return nil
+	case errors.Is(err, idem.ErrPermissionDenied):
+		return err
+	case !errors.As(err, &se):
 		return fmt.Errorf("check the migrations: %w", err)
-	case int(schema) > want:
-		return fmt.Errorf("%w (idem is at schema version %d, this server knows %d)", errNewer, schema, want)
-	case int(schema) < want:
-		return fmt.Errorf("%w (idem is at schema version %d, this server needs %d)", errNotMigrated, schema, want)
-	case functions != schema:
-		return fmt.Errorf("%w (idem's functions belong to schema version %d, the schema is at %d)", errNotMigrated, functions, schema)
+	case se.Schema == 0:
+		// No idem_version() (nothing installed, or a release before 0.2.0).
+		return fmt.Errorf("%w (the idem SQL API is missing or older than this server's, which needs schema version %d)", errNotMigrated, se.Want)
+	case se.Schema > se.Want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server knows %d)", errNewer, se.Schema, se.Want)
+	case se.Schema < se.Want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server needs %d)", errNotMigrated, se.Schema, se.Want)
 	}
-	return nil
+	return fmt.Errorf("%w (idem's functions belong to schema version %d, the schema is at %d)", errNotMigrated, se.Functions, se.Schema)
 }
 
 func countMigrations(fsys fs.FS) int {
@@ -323,8 +327,8 @@ func countMigrations(fsys fs.FS) int {
 func (m *Main) serve(ctx context.Context) error {
 	m.registry = prometheus.NewRegistry()
 	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		newKeyGauges(m.pool, m.log))
-	handler, err := m.routes()
+		idemprom.NewHealthCollector(m.pool, healthEvery, m.log))
+	handler, err := m.routes(ctx)
 	if err != nil {
 		return err
 	}
@@ -337,11 +341,13 @@ func (m *Main) serve(ctx context.Context) error {
 
 	var stopCleanup func()
 	if m.Config.CleanupInterval > 0 {
-		c := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, m.registry, m.log)
-		c.duty = m.Config.CleanupDuty
-		if stopCleanup, err = c.schedule(ctx, m.Config.CleanupInterval); err != nil {
+		c, err := idem.StartCleaner(ctx, m.pool, idem.CleanerOptions{Interval: m.Config.CleanupInterval,
+			BatchSize: m.Config.CleanupBatchSize, Duty: m.Config.CleanupDuty, SkipVacuum: !m.Config.CleanupVacuum,
+			Logger: m.log, Metrics: idemprom.NewCleanupObserver(m.registry)})
+		if err != nil {
 			return err
 		}
+		stopCleanup = c.Stop
 	}
 
 	addr := ln.Addr().String()

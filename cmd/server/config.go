@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net"
 	"regexp"
 	"runtime"
@@ -14,8 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgidem/pgidem/internal/dbidem"
-	idemsql "github.com/pgidem/pgidem/sql"
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmigrate"
 )
 
 // Config is the server's configuration, read from the environment by ParseFlags. Every
@@ -61,7 +60,7 @@ type Config struct {
 	CleanupBatchSize int
 	// CleanupDuty (CLEANUP_DUTY): the share of the time the scheduled cleaner's batches may
 	// take: after each batch it pauses so long that its batches take at most this share of a
-	// pass (1: no pause). Default 0.4 (dbidem.DefaultCleanupDuty). `server cleanup` runs without pauses.
+	// pass (1: no pause). Default 0.4 (idem.DefaultCleanupDuty). `server cleanup` runs without pauses.
 	CleanupDuty float64
 	// CleanupVacuum (CLEANUP_VACUUM): whether cleanup vacuums the key table once its passes
 	// have deleted more rows than autovacuum's threshold for the table (when the server's role
@@ -91,8 +90,8 @@ func DefaultPoolSize() int { return max(4, 2*runtime.GOMAXPROCS(0)) }
 func defaultConfig() Config {
 	return Config{
 		PoolSize: DefaultPoolSize(), ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329,
-		AppRole: idemsql.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
-		CleanupInterval: time.Minute, CleanupDuty: dbidem.DefaultCleanupDuty, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
+		AppRole: idemmigrate.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
+		CleanupInterval: time.Minute, CleanupDuty: idem.DefaultCleanupDuty, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
 		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
@@ -107,6 +106,7 @@ commands:
   cleanup                  delete expired idempotency keys (one full pass), then exit
   principal create NAME    create a principal; prints its id and a bearer token once
   keys [by-principal]      print the summary of the idempotency keys (idem_summary): by state, backlog, oldest claim
+  keys stuck [AGE]         list the lease claims in progress claimed at least AGE ago (idem_stuck; the operator role only)
   keys PRINCIPAL KEY       print one key's story (idem_key): state, times, token, stored status; never its body
   keys release PRINCIPAL KEY TOKEN [REASON]
                            release a stuck lease claim (idem_release_stuck; the operator role only)
@@ -153,8 +153,10 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 			return fmt.Errorf("%s takes no arguments\n\n%s", m.Command, usage)
 		}
 	case "keys":
-		if n := len(m.Args); n == 3 || (n == 1 && m.Args[0] != "by-principal") || (n >= 4 && m.Args[0] != "release") {
-			return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
+		n := len(m.Args)
+		stuck := n >= 1 && m.Args[0] == "stuck"
+		if (stuck && n > 2) || (!stuck && (n == 3 || (n == 1 && m.Args[0] != "by-principal") || (n >= 4 && m.Args[0] != "release"))) {
+			return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys stuck [AGE]`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
 		}
 	case "principal":
 		if len(m.Args) != 2 || m.Args[0] != "create" {
@@ -205,7 +207,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	if v := strings.TrimSpace(getenv("CLEANUP_DUTY")); v != "" {
 		d, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(d >= dbidem.MinCleanupDuty && d <= 1) {
+		if err != nil || !(d >= idem.MinCleanupDuty && d <= 1) {
 			p.fail("CLEANUP_DUTY", v, "want a share of the time from 0.01 to 1, such as 0.4")
 		} else {
 			c.CleanupDuty = d
@@ -307,7 +309,7 @@ func (p *envParser) duration(name string, dst *time.Duration, min time.Duration)
 // maxDuration bounds every duration setting: the SQL API refuses a TTL or a lease over
 // interval '10 years', which PostgreSQL counts as 120 months of 30 days; longer is a unit
 // mistake.
-const maxDuration = 120 * 30 * 24 * time.Hour
+const maxDuration = idem.MaxDuration
 
 // maxLockTimeout is PostgreSQL's largest lock_timeout (INT_MAX milliseconds, about 24 days).
-const maxLockTimeout = math.MaxInt32 * time.Millisecond
+const maxLockTimeout = idem.MaxLockTimeout

@@ -171,6 +171,7 @@ func TestFaults(t *testing.T) {
 	defer cancel()
 	c := client.NewLedger("http://"+p.addr, token)
 	c.AttemptTimeout, c.Backoff, c.MaxBackoff = 3*time.Second, 20*time.Millisecond, 300*time.Millisecond
+	c.MaxAttempts = -1 // through kills and restarts, until the context ends: every operation must get its answer
 	var wg sync.WaitGroup
 	for w := range 6 {
 		wg.Add(1)

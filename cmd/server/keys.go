@@ -6,96 +6,31 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/idem"
 )
 
-// healthEvery is how often, at most, the key gauges ask the database: a scrape in between
-// gets the figures of the last read.
+// healthEvery is how often, at most, the key gauges (idemprom.HealthCollector) ask the
+// database: a scrape in between gets the figures of the last read.
 const healthEvery = 15 * time.Second
 
-// keyGauges exports idem.idem_health() as Prometheus gauges, read at scrape time, at most
-// every healthEvery, so an alert can fire when cleanup falls behind or a claim is stuck.
-type keyGauges struct {
-	pool *pgxpool.Pool
-	log  *slog.Logger
-
-	mu     sync.Mutex
-	read   time.Time
-	health dbidem.Health
-	ok     bool
-	failed sync.Once
-
-	inProgress, runOut, oldest, backlog, bytes, estimated *prometheus.Desc
-}
-
-func newKeyGauges(pool *pgxpool.Pool, log *slog.Logger) *keyGauges {
-	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, nil) }
-	return &keyGauges{pool: pool, log: log,
-		inProgress: d("idempotency_keys_in_progress", "Lease claims in progress (idem_health)."),
-		runOut:     d("idempotency_leases_run_out", "Claims in progress whose lease ran out: their work is dead, or a retry will take them over."),
-		oldest:     d("idempotency_oldest_in_progress_seconds", "Age of the oldest claim in progress (0 when none)."),
-		backlog:    d("idempotency_cleanup_backlog", "Expired keys that cleanup has not deleted yet (counted up to a million)."),
-		bytes:      d("idempotency_key_table_bytes", "Size of the key table, indexes and TOAST included."),
-		estimated:  d("idempotency_keys_estimated", "Keys in the table, as the planner estimates them."),
-	}
-}
-
-// Describe implements prometheus.Collector.
-func (g *keyGauges) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{g.inProgress, g.runOut, g.oldest, g.backlog, g.bytes, g.estimated} {
-		ch <- d
-	}
-}
-
-// Collect implements prometheus.Collector: the last figures, read again when they are older
-// than healthEvery. A failed read exports nothing (the gauges go absent) and is logged once.
-func (g *keyGauges) Collect(ch chan<- prometheus.Metric) {
-	g.mu.Lock()
-	if time.Since(g.read) >= healthEvery {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		h, err := dbidem.ReadHealth(ctx, g.pool)
-		cancel()
-		g.read, g.ok = time.Now(), err == nil
-		if err == nil {
-			g.health = h
-		} else {
-			g.failed.Do(func() { g.log.Warn("the key gauges could not read idem.idem_health()", "error", err) })
-		}
-	}
-	h, ok := g.health, g.ok
-	g.mu.Unlock()
-	if !ok {
-		return
-	}
-	for _, m := range []struct {
-		d *prometheus.Desc
-		v float64
-	}{{g.inProgress, float64(h.InProgress)}, {g.runOut, float64(h.LeasesRunOut)}, {g.oldest, h.OldestAge.Seconds()},
-		{g.backlog, float64(h.CleanupBacklog)}, {g.bytes, float64(h.TableBytes)}, {g.estimated, float64(h.EstimatedKeys)}} {
-		ch <- prometheus.MustNewConstMetric(m.d, prometheus.GaugeValue, m.v)
-	}
-}
-
-// keysCommand is `server keys`: the summary of the keys, per principal, one key's story, or
-// the release of a stuck lease claim, for operators without psql at hand.
+// keysCommand is `server keys`: the summary of the keys, per principal, the lease claims in
+// progress (stuck ones among them), one key's story, or the release of a stuck lease claim,
+// for operators without psql at hand.
 func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []string) error {
 	switch {
 	case len(args) == 0 || (len(args) == 1 && args[0] == "by-principal"):
-		rows, err := dbidem.ReadSummary(ctx, pool, len(args) == 1)
+		rows, err := idem.ReadSummary(ctx, pool, len(args) == 1)
 		if err != nil {
 			return err
 		}
-		h, err := dbidem.ReadHealth(ctx, pool)
+		h, err := idem.ReadHealth(ctx, pool)
 		if err != nil {
 			return err
 		}
@@ -115,8 +50,29 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		fmt.Fprintf(out, "key table: %d bytes, cleanup backlog: %d\n", h.TableBytes, h.CleanupBacklog)
 		return nil
+	case len(args) >= 1 && args[0] == "stuck":
+		var age time.Duration
+		if len(args) == 2 {
+			var err error
+			if age, err = time.ParseDuration(args[1]); err != nil || age < 0 {
+				return fmt.Errorf("keys stuck: AGE must be a duration such as 5m, got %q", args[1])
+			}
+		}
+		claims, err := idem.ReadStuck(ctx, pool, age, 1000)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "%-24s %-36s %12s  %-20s %-20s %-9s %s\n", "principal", "key", "token", "claimed_at", "lease_expires_at",
+			"run_out", "provider_key")
+		for _, c := range claims {
+			fmt.Fprintf(out, "%-24s %-36s %12d  %-20s %-20s %-9v %s\n", c.Principal, c.Key, c.Attempt,
+				c.ClaimedAt.UTC().Format(time.RFC3339), c.LeaseExpiresAt.UTC().Format(time.RFC3339), c.LeaseRunOut, c.ProviderKey)
+		}
+		fmt.Fprintf(out, "%d lease claims in progress claimed at least %s ago; release one whose work is dead with "+
+			"`server keys release PRINCIPAL KEY TOKEN REASON`\n", len(claims), age)
+		return nil
 	case len(args) == 2:
-		k, ok, err := dbidem.ReadKey(ctx, pool, args[0], args[1])
+		k, ok, err := idem.ReadKey(ctx, pool, args[0], args[1])
 		if err != nil {
 			return err
 		}
@@ -161,7 +117,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		if err != nil {
 			return fmt.Errorf("keys release: TOKEN must be the key's attempt (an integer), got %q", args[3])
 		}
-		if err := dbidem.ReleaseStuck(ctx, pool, args[1], args[2], token, strings.Join(args[4:], " ")); err != nil {
+		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, strings.Join(args[4:], " ")); err != nil {
 			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 				return fmt.Errorf("keys release: %s", pgErr.Message) // the function's own words
 			}
@@ -170,5 +126,5 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		fmt.Fprintf(out, "released the lease claim of key %q of principal %q (token %d): a retry runs the work again\n", args[2], args[1], token)
 		return nil
 	}
-	return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
+	return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys stuck [AGE]`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
 }

@@ -31,10 +31,10 @@ func runCommand(t *testing.T, db string, args ...string) (string, error) {
 
 // TestStuckLeaseIsSeenAndReleased: a payout's server process is killed mid-work, so its lease
 // claim stays in progress with nobody to finish it; the client's retries get 409 until the
-// lease runs out. It shows in `server keys`, in one key's story and in the gauges of another
-// server; the operator releases it with the token the story gave, and the client's retry runs
-// the payout again under the same provider key, so the provider pays once. A completed key
-// cannot be released.
+// lease runs out. It shows in `server keys stuck` (with its token), in `server keys`, in one
+// key's story and in the gauges of another server; the operator releases it with the token the
+// list gave, and the client's retry runs the payout again under the same provider key, so the
+// provider pays once. A completed key cannot be released.
 func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
@@ -61,7 +61,19 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 		t.Fatalf("a retry while the dead process's lease runs: %+v, want 409", r)
 	}
 	// Every `server keys` form runs as a login role that is only a member of idem_operator.
+	// The release flow starts from the list of the claims in progress: principal, key, token.
 	ops := loginRoleIn(t, s.db, "idem_operator")
+	list, err := runCommand(t, ops, "keys", "stuck")
+	listed := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(principal) + `\s+stuck-1\s+(\d+)\s+\S+\s+\S+\s+false\s+[0-9a-f]{64}$`).FindStringSubmatch(list)
+	if err != nil || listed == nil || !strings.Contains(list, "1 lease claims in progress") {
+		t.Fatalf("server keys stuck: %v\n%s", err, list)
+	}
+	if none, err := runCommand(t, ops, "keys", "stuck", "1h"); err != nil || !strings.Contains(none, "0 lease claims in progress claimed at least 1h0m0s ago") {
+		t.Fatalf("server keys stuck 1h: %v\n%s", err, none)
+	}
+	if _, err := runCommand(t, loginRole(t, s.db), "keys", "stuck"); err == nil || !strings.Contains(err.Error(), "permission denied") {
+		t.Fatalf("server keys stuck as the application role: %v, want permission denied", err)
+	}
 	summary, err := runCommand(t, ops, "keys")
 	if err != nil || !regexp.MustCompile(`\(all\)\s+\d+\s+1\s`).MatchString(summary) {
 		t.Fatalf("server keys: %v\n%s", err, summary)
@@ -80,6 +92,9 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 		t.Fatalf("no token in the story:\n%s", story)
 	}
 	attempt, _ := strconv.ParseInt(m[1], 10, 64)
+	if listed[1] != m[1] {
+		t.Fatalf("the list gives the token %s, the story %s", listed[1], m[1])
+	}
 
 	// The gauges of a running server (s) see it: one claim in progress, of some age.
 	time.Sleep(1100 * time.Millisecond)

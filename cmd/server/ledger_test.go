@@ -14,10 +14,10 @@ import (
 	"testing"
 
 	"github.com/gorilla/mux"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
-	idemhttp "github.com/pgidem/pgidem/internal/http"
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
 func TestLedgerRoutes(t *testing.T) {
@@ -174,14 +174,10 @@ func TestOpenAPIMatchesRoutes(t *testing.T) {
 			documented[strings.ToUpper(method)+" "+path] = true
 		}
 	}
-	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none") // never connects
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	pool, _ := pgtest.NewPool(t, 4) // idem.New checks the schema
 	m := &Main{Config: Config{TransfersRequireKey: true, MaxBodyBytes: 1, MaxStoredBytes: 1},
 		registry: prometheus.NewRegistry(), log: slog.New(slog.NewTextHandler(io.Discard, nil)), pool: pool}
-	router, _, err := m.router()
+	router, _, err := m.router(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -459,10 +455,10 @@ func TestProblemCodesAreDocumented(t *testing.T) {
 			t.Errorf("openapi.json's stable codes lack %s", code)
 		}
 	}
-	for _, code := range []string{idemhttp.CodeKeyMissing, idemhttp.CodeKeyInvalid, idemhttp.CodeKeyReuse, idemhttp.CodeInProgress,
-		idemhttp.CodeOneTimeSecret, idemhttp.CodeNotReplayable, idemhttp.CodeRequestTooLarge, idemhttp.CodeBodyUnreadable,
-		idemhttp.CodeMalformedBody, idemhttp.CodeUnsupportedMedia, idemhttp.CodePrincipalUnknown, idemhttp.CodeInternalError,
-		idemhttp.CodeMisconfigured, idemhttp.CodeStoreUnavailable, idemhttp.CodeOutcomeUnknown} {
+	for _, code := range []string{idem.CodeKeyMissing, idem.CodeKeyInvalid, idem.CodeKeyReuse, idem.CodeInProgress,
+		idem.CodeOneTimeSecret, idem.CodeNotReplayable, idem.CodeRequestTooLarge, idem.CodeBodyUnreadable,
+		idem.CodeMalformedBody, idem.CodeUnsupportedMedia, idem.CodePrincipalUnknown, idem.CodeInternalError,
+		idem.CodeMisconfigured, idem.CodeStoreUnavailable, idem.CodeOutcomeUnknown} {
 		if !slices.Contains(listed, code) {
 			t.Errorf("openapi.json's stable codes lack the middleware's %s", code)
 		}

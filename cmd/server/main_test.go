@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -160,7 +160,7 @@ func TestHelpStatesTheSQLDefaults(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	conn := pgtest.Connect(t, pgtest.NewDB(t))
-	d, err := dbidem.ReadDefaults(ctx, conn)
+	d, err := idem.ReadDefaults(ctx, conn)
 	if err != nil {
 		t.Fatal(err)
 	}

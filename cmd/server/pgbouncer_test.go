@@ -204,7 +204,7 @@ func TestPgBouncerOneCleaner(t *testing.T) {
 		t.Cleanup(p.Close)
 		return p
 	}
-	a, b := newCleaner(pool(), 100, true, nil, log), newCleaner(pool(), 100, true, nil, log)
+	a, b := newCleaner(pool(), 100, true, 1, log), newCleaner(pool(), 100, true, 1, log)
 	ctx := context.Background()
 	principal := func(name string) string {
 		id, _, err := createPrincipal(ctx, bb.direct, name)
@@ -294,7 +294,7 @@ func TestPgBouncerPoolOfOneCleans(t *testing.T) {
 	pgtest.InsertExpired(t, direct, id, 1500)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	c := newCleaner(pool, 100, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := newCleaner(pool, 100, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if n, ran, err := c.pass(ctx); err != nil || !ran || n != 1500 {
 		t.Fatalf("a pass through a pool of one server connection: deleted %d, ran %v, %v; want 1500", n, ran, err)
 	}

@@ -3,48 +3,26 @@ package main
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-var loginRoles atomic.Int64
 
 // loginRole creates a login role that is only a member of the application role idem_app (not
 // the owner of anything, not a superuser), as docs/operations.md recommends, and returns the
 // connection string of db as that role. The role is dropped when the test ends.
 func loginRole(t *testing.T, db string) string {
 	t.Helper()
-	return loginRoleIn(t, db, "idem_app")
+	return pgtest.LoginRole(t, db, "idem_app")
 }
 
 // loginRoleIn is loginRole for a login role that is only a member of group (idem_app or
 // idem_operator).
 func loginRoleIn(t *testing.T, db, group string) string {
 	t.Helper()
-	owner := pgtest.Connect(t, db)
-	name := fmt.Sprintf("idem_login_%d", loginRoles.Add(1))
-	pgtest.Exec(t, owner, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE IN ROLE %s`, name, group))
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c, err := pgx.Connect(ctx, db)
-		if err != nil {
-			return
-		}
-		defer c.Close(ctx)
-		_, _ = c.Exec(ctx, `DROP OWNED BY `+name+`; DROP ROLE `+name)
-	})
-	cfg, err := pgx.ParseConfig(db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return fmt.Sprintf("host=%s port=%d dbname=%s user=%s password=app-secret sslmode=disable", cfg.Host, cfg.Port, cfg.Database, name)
+	return pgtest.LoginRole(t, db, group)
 }
 
 // TestLeastPrivilegeRole: the server, the README quickstart and the cleaner run as a login

@@ -4,7 +4,6 @@ import (
 	"net/http"
 
 	"github.com/pgidem/pgidem/idem"
-	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
 // problemBase prefixes the ledger's own problem types; idempotency problems use idem's.
@@ -40,7 +39,7 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 	if r.Context().Err() == nil {
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 	}
-	if dbidem.IsUnavailable(err) {
+	if idem.IsUnavailable(err) {
 		w.Header().Set("Retry-After", "1")
 		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; retry with the same Idempotency-Key")
 		return

@@ -15,14 +15,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmux"
+	"github.com/pgidem/pgidem/idem/idemprom"
 )
 
 //go:embed openapi.json
 var openAPI []byte
 
 // routes is the server's handler: the router behind the correlation-id middleware.
-func (m *Main) routes() (http.Handler, error) {
-	r, mw, err := m.router()
+func (m *Main) routes(ctx context.Context) (http.Handler, error) {
+	r, mw, err := m.router(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -32,11 +34,12 @@ func (m *Main) routes() (http.Handler, error) {
 
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
-func (m *Main) router() (*mux.Router, *idem.Middleware, error) {
+func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error) {
 	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
-	idem, err := idem.New(idem.Options{
+	idem, err := idem.New(ctx, idem.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
+		RouteTemplate:      idemmux.RouteTemplate, // gorilla/mux's route templates name the routes
 		TTL:                m.Config.TTL,
 		LockTimeout:        m.Config.LockTimeout,
 		MaxWaitingClaims:   m.Config.MaxWaitingClaims,
@@ -44,12 +47,12 @@ func (m *Main) router() (*mux.Router, *idem.Middleware, error) {
 		MaxBodyBytes:       m.Config.MaxBodyBytes,
 		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
 		Logger:             m.log,
-		Metrics:            idem.NewPrometheusObserver(m.registry),
+		Metrics:            idemprom.NewObserver(m.registry),
 	})
 	if err != nil {
 		return nil, nil, err
 	}
-	idem.RegisterGateMetrics(m.registry)
+	idemprom.RegisterGate(m.registry, idem)
 	r := mux.NewRouter()
 	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet, http.MethodHead) // HEAD: load balancers probe with it
 	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {

@@ -23,7 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/tern/v2/migrate"
 
-	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 	"github.com/pgidem/pgidem/internal/release010"
 	idemsql "github.com/pgidem/pgidem/sql"
@@ -148,18 +148,18 @@ func TestUpgradeFrom010(t *testing.T) {
 	for _, k := range []struct{ key, action, body string }{{"k-done", "POST /v1/transfers", "done"},
 		{"k-final", "POST /v1/transfers", "final"}, {"k-secret", "POST /v1/api-tokens", "secret"},
 		{"k-noheaders", "POST /v1/transfers", "noheaders"}, {"k-oddheaders", "POST /v1/transfers", "oddheaders"}} {
-		d, err := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: k.key, Action: k.action, Fingerprint: sha256.Sum256([]byte(k.body))})
-		if err != nil || d.Outcome != dbidem.Replay {
+		d, err := idem.Begin(ctx, conn, idem.Claim{Principal: "p_alice", Key: k.key, Action: k.action, Fingerprint: sha256.Sum256([]byte(k.body))})
+		if err != nil || d.Outcome != idem.Replay {
 			t.Fatalf("%s through the driver after the upgrade: %+v %v, want a replay", k.key, d, err)
 		}
 	}
-	if d, _ := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: "k-oddheaders", Action: "POST /v1/transfers",
+	if d, _ := idem.Begin(ctx, conn, idem.Claim{Principal: "p_alice", Key: "k-oddheaders", Action: "POST /v1/transfers",
 		Fingerprint: sha256.Sum256([]byte("oddheaders"))}); d.Response.Status != 200 || string(d.Response.Body) != "ok" ||
 		d.Response.Header.Get("X-Count") != "5" || d.Response.Header.Get("X-Flag") != "true" || d.Response.Header.Get("Link") != "<a>, 2" ||
 		d.Response.Header.Get("X-None") != "" || d.Response.Header.Get("Vary") != "" {
 		t.Fatalf("the odd headers after the upgrade: %+v", d.Response)
 	}
-	if d, _ := dbidem.Begin(ctx, conn, dbidem.Claim{Principal: "p_alice", Key: "k-noheaders", Action: "POST /v1/transfers",
+	if d, _ := idem.Begin(ctx, conn, idem.Claim{Principal: "p_alice", Key: "k-noheaders", Action: "POST /v1/transfers",
 		Fingerprint: sha256.Sum256([]byte("noheaders"))}); d.Response.Status != 204 || len(d.Response.Header) != 0 {
 		t.Fatalf("the answer without headers after the upgrade: %+v", d.Response)
 	}

@@ -1,16 +1,24 @@
 // Command shop is a small service that takes orders, made safe to retry with idem: its own
-// table, the SQL API installed at start, the middleware on net/http's ServeMux.
+// table, the middleware on net/http's ServeMux, the cleaner of expired keys, and two roles. The
+// database's owner runs the migrate step (./migrate: schema idem and the shop's table) once
+// per release; the service logs in as a role that is only a member of idem_app, and checks at
+// start that the schema is the one it needs (it links no migration code).
 //
-//	DATABASE_URL=postgres://... LISTEN_ADDR=127.0.0.1:8081 go run .
+//	DATABASE_URL=postgres://shop_owner@localhost/shop go run ./migrate   # as the owner
+//	DATABASE_URL=postgres://shop_app@localhost/shop LISTEN_ADDR=127.0.0.1:8081 go run .
 //	curl -s localhost:8081/orders -H 'X-Customer: c1' -H 'Idempotency-Key: o-1' -H 'Content-Type: application/json' -d '{"sku":"a1","qty":2}'
 package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -18,35 +26,52 @@ import (
 )
 
 func main() {
-	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Getenv("DATABASE_URL"), os.Getenv("LISTEN_ADDR")); err != nil {
 		log.Fatal(err)
 	}
-	defer pool.Close()
-	handler, err := newShop(ctx, pool)
-	if err != nil {
-		log.Fatal(err)
-	}
-	log.Fatal(http.ListenAndServe(os.Getenv("LISTEN_ADDR"), handler))
 }
 
-// newShop installs the SQL API and the shop's table, and returns the shop's routes.
-func newShop(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
-	conn, err := pool.Acquire(ctx)
+// run serves until ctx ends.
+func run(ctx context.Context, databaseURL, addr string) error {
+	pool, err := pgxpool.New(ctx, databaseURL)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	err = idem.Migrate(ctx, conn.Conn(), idem.MigrateOptions{}) // schema idem: safe at every start
-	conn.Release()
+	defer pool.Close()
+	s, err := newShop(ctx, pool)
 	if err != nil {
-		return nil, err
+		return err // a database that is not migrated says so here, with what to run
 	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS orders (
-		id bigserial PRIMARY KEY, customer text NOT NULL, sku text NOT NULL, qty int NOT NULL CHECK (qty > 0))`); err != nil {
-		return nil, err
+	defer s.cleaner.Stop()
+	srv := &http.Server{Addr: addr, Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.ListenAndServe() }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
 	}
-	m, err := idem.New(idem.Options{
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() { _ = s.idem.Shutdown(sctx) }() // lease work, if the shop had lease routes
+	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// shop is the service: its routes, the idempotency middleware and the cleaner.
+type shop struct {
+	handler http.Handler
+	idem    *idem.Middleware
+	cleaner *idem.Cleaner
+}
+
+// newShop checks the schema (idem.New does), starts the cleaner and returns the shop's routes.
+func newShop(ctx context.Context, pool *pgxpool.Pool) (*shop, error) {
+	m, err := idem.New(ctx, idem.Options{
 		DB: pool,
 		// Who sent the request: your authentication. Keys belong to it.
 		Principal: func(r *http.Request) (string, bool) {
@@ -57,9 +82,15 @@ func newShop(ctx context.Context, pool *pgxpool.Pool) (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Expired keys are deleted every minute, paced, by one process at a time: without it the
+	// key table grows forever.
+	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{})
+	if err != nil {
+		return nil, err
+	}
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", m.Route(idem.Route{Required: true})(http.HandlerFunc(createOrder)))
-	return mux, nil
+	return &shop{handler: mux, idem: m, cleaner: cleaner}, nil
 }
 
 // createOrder writes through the request's transaction, which commits with the key.

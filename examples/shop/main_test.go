@@ -2,34 +2,53 @@ package main
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/idem"
 )
 
-// TestShop: an order, its retry (the same answer, replayed), another order under the same key
-// (422), and one order in the table. It needs a PostgreSQL: TEST_DATABASE_URL, a database it
-// may create schema idem and a table in (the repository's tests/examples_test.go runs it so).
+// TestShop: the migrate step as the database's owner, then the shop as a role that is only a
+// member of idem_app: an order, its retry (the same answer, replayed), another order under
+// the same key (422), and one order in the table. Before the migrate the shop refuses to
+// start, saying what to run. It needs two connection strings to one empty database:
+// TEST_DATABASE_URL as its owner, TEST_APP_DATABASE_URL as a login role in idem_app (the
+// repository's tests/examples_test.go makes both).
 func TestShop(t *testing.T) {
-	url := os.Getenv("TEST_DATABASE_URL")
-	if url == "" {
-		t.Fatal("set TEST_DATABASE_URL to a PostgreSQL database (the repository's make test does)")
+	ownerURL, appURL := os.Getenv("TEST_DATABASE_URL"), os.Getenv("TEST_APP_DATABASE_URL")
+	if ownerURL == "" || appURL == "" {
+		t.Fatal("set TEST_DATABASE_URL (the database's owner) and TEST_APP_DATABASE_URL (a login role in idem_app); the repository's make test does")
 	}
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, url)
+	app, err := pgxpool.New(ctx, appURL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pool.Close()
-	handler, err := newShop(ctx, pool)
-	if err != nil {
-		t.Fatal(err)
+	defer app.Close()
+
+	if _, err := newShop(ctx, app); !errors.Is(err, idem.ErrNotMigrated) || !strings.Contains(err.Error(), "idemmigrate.Migrate") {
+		t.Fatalf("the shop before the migrate: %v, want the not-migrated error naming the fix", err)
 	}
-	srv := httptest.NewServer(handler)
+	for range 2 { // the migrate step can run again
+		cmd := exec.Command("go", "run", "./migrate")
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+ownerURL)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("migrate as the owner: %v\n%s", err, out)
+		}
+	}
+	s, err := newShop(ctx, app)
+	if err != nil {
+		t.Fatalf("the shop as the application role: %v", err)
+	}
+	defer s.cleaner.Stop()
+	srv := httptest.NewServer(s.handler)
 	defer srv.Close()
 	post := func(body string) *http.Response {
 		req, _ := http.NewRequest("POST", srv.URL+"/orders", strings.NewReader(body))
@@ -52,7 +71,10 @@ func TestShop(t *testing.T) {
 		t.Fatalf("another order under the key: %d", res.StatusCode)
 	}
 	var n int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&n); err != nil || n != 1 {
+	if err := app.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&n); err != nil || n != 1 {
 		t.Fatalf("%d orders, %v; want 1", n, err)
+	}
+	if _, err := app.Exec(ctx, `CREATE TABLE intruder (id int)`); err == nil {
+		t.Fatal("the application role may create tables: it is not the least-privilege role")
 	}
 }

@@ -4,11 +4,12 @@
 // one key, generated before the first attempt (or given by the caller) and kept across every
 // retry of it, with the same body. An attempt is retried, with jittered exponential backoff,
 // when its outcome is unknown or temporary: a network error or timeout, a 5xx (but 501 and
-// 505), 408, 429, or 409 request_in_progress (honouring Retry-After, in seconds or as a date,
-// up to a minute). A final answer (any other 4xx, 501, 505, or a 2xx) ends the operation:
-// retrying it would get the same answer; so does an error no retry can mend (a URL that is
-// not http or https, a certificate the client does not trust). The context bounds the whole
-// operation, retries included: give it a deadline.
+// 505, and 500 idempotency_misconfigured), 408, 429, or 409 request_in_progress (honouring
+// Retry-After, in seconds or as a date, up to a minute), at most MaxAttempts times (10 by
+// default). A final answer (any other 4xx, 501, 505, 500 idempotency_misconfigured, or a
+// 2xx) ends the operation: retrying it would get the same answer; so does an error no retry
+// can mend (a URL that is not http or https, a certificate the client does not trust). The
+// context bounds the whole operation, retries included: give it a deadline.
 //
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/charges", strings.NewReader(`{"amount":100}`))
 //	req.Header.Set("Content-Type", "application/json")
@@ -25,6 +26,7 @@ import (
 	crand "crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -33,6 +35,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -47,7 +50,8 @@ type Client struct {
 	// AttemptTimeout bounds one attempt (0: none beyond the operation's context). A client
 	// that gives up on an attempt does not know its outcome, and retries with the same key.
 	AttemptTimeout time.Duration
-	// MaxAttempts bounds the attempts of one operation (0: until the context ends).
+	// MaxAttempts bounds the attempts of one operation. 0: DefaultMaxAttempts (10); a
+	// negative value: no bound, until the context ends.
 	MaxAttempts int
 	// Backoff is the first retry's wait; each retry doubles it, up to MaxBackoff, and waits
 	// a random duration between half of it and all of it. Default 50ms.
@@ -88,11 +92,43 @@ func (r Result) Code() string {
 // still unknown; the last attempt's error or answer is wrapped.
 var ErrGaveUp = errors.New("client: gave up")
 
-// NewKey returns a random idempotency key (a UUID, version 4).
+// DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
+// default backoff (50ms doubling to 2s) about 10 seconds of waiting, longer when the server
+// asks for it with Retry-After.
+const DefaultMaxAttempts = 10
+
+// The state of NewKey: the millisecond of the last key and its counter, so that keys made by
+// this process are strictly increasing.
+var (
+	keyMu    sync.Mutex
+	keyMS    int64
+	keyCount uint16
+)
+
+// NewKey returns a new idempotency key: a UUID of version 7 (RFC 9562): a 48-bit Unix
+// timestamp in milliseconds, the version, a 12-bit counter (method 1 of RFC 9562, section
+// 6.2: it starts at a random value below 2048 each millisecond and counts up within it; past
+// 4095 the key borrows the next millisecond), the variant and 62 random bits. The keys of
+// one process are strictly increasing, as bytes and as strings; keys made close together
+// sort close together, so a principal's new keys land in one index leaf of the key table's
+// primary key (principal_id, key) instead of random ones.
 func NewKey() string {
 	var b [16]byte
 	_, _ = crand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
+	keyMu.Lock()
+	ms := time.Now().UnixMilli()
+	if ms > keyMS {
+		keyMS, keyCount = ms, binary.BigEndian.Uint16(b[6:8])&0x07ff
+	} else { // the same millisecond, or the clock went back: count on
+		keyCount++
+		if keyCount > 0x0fff {
+			keyMS, keyCount = keyMS+1, 0
+		}
+	}
+	ms, count := keyMS, keyCount
+	keyMu.Unlock()
+	b[0], b[1], b[2], b[3], b[4], b[5] = byte(ms>>40), byte(ms>>32), byte(ms>>24), byte(ms>>16), byte(ms>>8), byte(ms)
+	b[6], b[7] = 0x70|byte(count>>8), byte(count)
 	b[8] = b[8]&0x3f | 0x80
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
@@ -160,7 +196,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		case permanent(err):
 			return res, fmt.Errorf("client: %w", err) // no retry can mend it
 		}
-		if c.MaxAttempts > 0 && attempt >= c.MaxAttempts {
+		if max := c.maxAttempts(); max > 0 && attempt >= max {
 			if err != nil {
 				return res, fmt.Errorf("%w after %d attempts: %w", ErrGaveUp, attempt, err)
 			}
@@ -172,6 +208,13 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		case <-time.After(wait):
 		}
 	}
+}
+
+func (c *Client) maxAttempts() int {
+	if c.MaxAttempts == 0 {
+		return DefaultMaxAttempts
+	}
+	return c.MaxAttempts
 }
 
 func (c *Client) keyHeader() string {
@@ -274,11 +317,14 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 }
 
 // retryable tells whether an answer leaves the operation's outcome open: 5xx (but 501 Not
-// Implemented and 505 HTTP Version Not Supported, which no retry changes), 408, 429, or 409
+// Implemented, 505 HTTP Version Not Supported and 500 idempotency_misconfigured, which no
+// retry changes: the server's configuration refuses the request), 408, 429, or 409
 // request_in_progress. Every other answer is final.
 func retryable(r Result) bool {
 	switch {
 	case r.Status == http.StatusNotImplemented, r.Status == http.StatusHTTPVersionNotSupported:
+		return false
+	case r.Status == http.StatusInternalServerError && r.Code() == "idempotency_misconfigured":
 		return false
 	case r.Status >= 500, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests:
 		return true

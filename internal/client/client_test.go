@@ -8,6 +8,8 @@ import (
 	"log"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -81,18 +83,48 @@ func TestRetriesUntilFinal(t *testing.T) {
 	}
 }
 
-// TestFinalAnswersAreNotRetried: a 422, a 400 and a 409 other than in-progress are answers.
+// TestFinalAnswersAreNotRetried: a 422, a 400, a 409 other than in-progress and a 500
+// idempotency_misconfigured (the server's configuration refuses the request: it used to be
+// retried until the context ended) are answers; another 500 is retried.
 func TestFinalAnswersAreNotRetried(t *testing.T) {
 	for _, a := range []func(http.ResponseWriter){
 		status(422, `{"code":"insufficient_funds"}`),
 		status(400, `{"code":"malformed_body"}`),
 		status(409, `{"code":"one_time_secret"}`),
+		status(500, `{"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#idempotency_misconfigured","code":"idempotency_misconfigured"}`,
+			"Content-Type", "application/problem+json"),
 	} {
 		s := &script{answers: []func(http.ResponseWriter){a}}
 		res, err := newClient(t, s).Post(context.Background(), "/x", nil)
 		if err != nil || res.Attempts != 1 || len(s.keys) != 1 {
 			t.Fatalf("%+v %v: a final answer was retried", res, err)
 		}
+	}
+	s := &script{answers: []func(http.ResponseWriter){status(500, `{"code":"internal_error"}`), status(201, `{}`)}}
+	if res, err := newClient(t, s).Post(context.Background(), "/x", nil); err != nil || res.Status != 201 || res.Attempts != 2 {
+		t.Fatalf("%+v %v: another 500 is not final", res, err)
+	}
+}
+
+// TestAttemptsAreBoundedByDefault: a zero MaxAttempts stops after DefaultMaxAttempts (10)
+// attempts with ErrGaveUp, however long the context runs; a negative one retries until the
+// context ends.
+func TestAttemptsAreBoundedByDefault(t *testing.T) {
+	s := &script{}
+	for range 1000 {
+		s.answers = append(s.answers, status(503, ``))
+	}
+	c := newClient(t, s)
+	res, err := c.Post(context.Background(), "/x", nil)
+	if !errors.Is(err, ErrGaveUp) || res.Attempts != DefaultMaxAttempts || len(s.keys) != DefaultMaxAttempts {
+		t.Fatalf("%+v %v, want ErrGaveUp after %d attempts", res, err, DefaultMaxAttempts)
+	}
+	c.MaxAttempts = -1
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	res, err = c.Post(ctx, "/x", nil)
+	if !errors.Is(err, context.DeadlineExceeded) || res.Attempts <= DefaultMaxAttempts {
+		t.Fatalf("%+v %v, want more than %d attempts, until the context ended", res, err, DefaultMaxAttempts)
 	}
 }
 
@@ -104,6 +136,7 @@ func TestTheContextBoundsTheOperation(t *testing.T) {
 		s.answers = append(s.answers, status(503, ``))
 	}
 	c := newClient(t, s)
+	c.MaxAttempts = -1
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	if _, err := c.Post(ctx, "/x", nil); !errors.Is(err, context.DeadlineExceeded) {
@@ -133,15 +166,56 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 	}
 }
 
-func TestNewKeyIsAUUID(t *testing.T) {
-	seen := map[string]bool{}
-	for range 100 {
-		k := NewKey()
-		if len(k) != 36 || k[14] != '4' || seen[k] {
-			t.Fatalf("key %q", k)
-		}
-		seen[k] = true
+// TestNewKeyIsAUUIDv7: RFC 9562 version 7: the 48-bit Unix millisecond timestamp of when it
+// was made (or a few milliseconds on, when more than 2048 keys share one), version 7, the
+// variant; the keys of a process strictly increasing, as strings, across threads; the random
+// bits differ.
+func TestNewKeyIsAUUIDv7(t *testing.T) {
+	before := time.Now().UnixMilli()
+	const n = 20000
+	keys := make([]string, 0, n)
+	for range n {
+		keys = append(keys, NewKey())
 	}
+	after := time.Now().UnixMilli()
+	shape := regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+	tails := map[string]bool{}
+	for i, k := range keys {
+		if !shape.MatchString(k) {
+			t.Fatalf("key %q is not a UUIDv7", k)
+		}
+		if i > 0 && k <= keys[i-1] {
+			t.Fatalf("key %d %q is not after %q", i, k, keys[i-1])
+		}
+		ms, _ := strconv.ParseInt(strings.ReplaceAll(k[:13], "-", ""), 16, 64)
+		if ms < before || ms > after+n/2048+1 {
+			t.Fatalf("key %q has the timestamp %d, made between %d and %d", k, ms, before, after)
+		}
+		tails[k[24:]] = true
+	}
+	if len(tails) < n-1 {
+		t.Fatalf("%d distinct random tails in %d keys", len(tails), n)
+	}
+	// From several goroutines at once: every key distinct.
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 1000 {
+				k := NewKey()
+				mu.Lock()
+				if seen[k] {
+					t.Errorf("key %q made twice", k)
+				}
+				seen[k] = true
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // TestAnyRequest: the general client sends any request with a body as one operation: the

@@ -196,6 +196,9 @@ func classify(err error) error {
 	case "42883", "3F000", "42P01":
 		// undefined_function, invalid_schema_name, undefined_table: no idem schema here.
 		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	case "42501":
+		// insufficient_privilege: the role is not a member of the role the API is granted to.
+		return fmt.Errorf("%w: %w", ErrPermissionDenied, err)
 	}
 	return err
 }

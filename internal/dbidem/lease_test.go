@@ -114,7 +114,9 @@ func TestDoLease(t *testing.T) {
 		}
 	}
 	n, replayed, err := dbidem.DoLease(ctx, pool, job, work)
-	if err != nil || n != 42 || !replayed || runs.Load() != 1 || dups < 5 {
+	// Duplicates every 400 ms for 3 s: at least 3 of them, however slow the machine (coverage
+	// and the race detector slow each one down).
+	if err != nil || n != 42 || !replayed || runs.Load() != 1 || dups < 3 {
 		t.Fatalf("after the job: %d, replayed %v, %v; %d runs, %d duplicates", n, replayed, err, runs.Load(), dups)
 	}
 

@@ -2,6 +2,7 @@ package dbidem
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -153,4 +154,47 @@ func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, b
 func ReleaseStuck(ctx context.Context, q Querier, principal, key string, attempt int64, reason string) error {
 	_, err := q.Exec(ctx, `SELECT idem.idem_release_stuck($1, $2, $3, $4)`, principal, key, attempt, nullable(reason))
 	return classify(err)
+}
+
+// StuckClaim is one row of idem.idem_stuck(): a lease claim in progress, with what
+// ReleaseStuck takes.
+type StuckClaim struct {
+	// Principal and Key name the key.
+	Principal, Key string
+	// Attempt is the claim's token.
+	Attempt int64
+	// ClaimedAt is when the claim was made (or last taken over); LeaseExpiresAt when its lease
+	// ends, by the database's clock; LeaseRunOut whether it ran out (the work is dead, or a
+	// retry will take it over).
+	ClaimedAt, LeaseExpiresAt time.Time
+	LeaseRunOut               bool
+	// Age is how long ago the claim was made.
+	Age time.Duration
+	// ProviderKey is the provider key of the claim's request (Decision.ProviderKey).
+	ProviderKey string
+}
+
+// ReadStuck reads idem.idem_stuck(): the lease claims in progress made at least olderThan
+// ago, oldest first, at most limit of them (0: 100). Only the operator role may (42501
+// otherwise).
+func ReadStuck(ctx context.Context, q interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}, olderThan time.Duration, limit int) ([]StuckClaim, error) {
+	if limit == 0 {
+		limit = 100
+	}
+	rows, err := q.Query(ctx, `SELECT principal_id, key, attempt, claimed_at, lease_expires_at, lease_run_out,
+		extract(epoch FROM age)::float8, provider_key FROM idem.idem_stuck($1::interval, $2::integer)`,
+		fmt.Sprintf("%d microseconds", olderThan.Microseconds()), limit)
+	if err != nil {
+		return nil, classify(err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (StuckClaim, error) {
+		var s StuckClaim
+		var age float64
+		err := r.Scan(&s.Principal, &s.Key, &s.Attempt, &s.ClaimedAt, &s.LeaseExpiresAt, &s.LeaseRunOut, &age, &s.ProviderKey)
+		s.Age = time.Duration(age * float64(time.Second))
+		return s, err
+	})
+	return out, classify(err)
 }

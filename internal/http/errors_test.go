@@ -4,8 +4,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -14,8 +12,8 @@ import (
 // handler never runs when the claim fails, and nothing is stored.
 func TestDriverErrorsMapToProblems(t *testing.T) {
 	t.Parallel()
-	reg := prometheus.NewRegistry()
-	a := newApp(t, func(o *idemhttp.Options) { o.Metrics = idemhttp.NewPrometheusObserver(reg) })
+	obs := newObserver()
+	a := newApp(t, func(o *idemhttp.Options) { o.Metrics = obs })
 
 	// A principal longer than the SQL API takes: a configuration problem, not "retry".
 	long := strings.Repeat("p", 256)
@@ -46,7 +44,7 @@ func TestDriverErrorsMapToProblems(t *testing.T) {
 	if a.runs.Load() != 1 || a.effects() != 0 || a.keys() != 0 {
 		t.Fatalf("%d runs, %d effects, %d keys: want only the fk handler run, nothing stored", a.runs.Load(), a.effects(), a.keys())
 	}
-	if got := stateCounts(t, reg); got["store_error"] != 3 {
+	if got := obs.counts(); got["store_error"] != 3 {
 		t.Errorf("states %v: want 3 store_error", got)
 	}
 }
@@ -68,26 +66,4 @@ func TestCommitOutcomeUnknownIsSaid(t *testing.T) {
 	if r.status != 503 || problemCode(t, r) != idemhttp.CodeOutcomeUnknown || strings.Contains(r.body, "nothing was changed") {
 		t.Fatalf("%+v", r)
 	}
-}
-
-func stateCounts(t *testing.T, reg *prometheus.Registry) map[string]float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() != "idempotency_requests_total" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "state" {
-					got[l.GetValue()] += m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return got
 }

@@ -19,7 +19,6 @@ import (
 	"github.com/gorilla/mux"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
@@ -71,7 +70,7 @@ func (p *provider) counts() (calls, keys, payouts int) {
 type payouts struct {
 	t    *testing.T
 	srv  *httptest.Server
-	reg  *prometheus.Registry
+	obs  *observer
 	runs atomic.Int32
 	// causes receives, for every handler run that did not finish its work, its context's cause.
 	causes chan error
@@ -81,11 +80,11 @@ type payouts struct {
 
 func servePayouts(t *testing.T, pool *pgxpool.Pool, prov *provider) *payouts {
 	t.Helper()
-	p := &payouts{t: t, reg: prometheus.NewRegistry(), causes: make(chan error, 10), finished: make(chan error, 10)}
+	p := &payouts{t: t, obs: newObserver(), causes: make(chan error, 10), finished: make(chan error, 10)}
 	m, err := idemhttp.New(idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond,
 		Principal: func(r *http.Request) (string, bool) { return "alice", true },
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Metrics:   idemhttp.NewPrometheusObserver(p.reg)})
+		Metrics:   p.obs, RouteTemplate: muxTemplate})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,7 +170,7 @@ wait:
 	if calls, _, payouts := prov.counts(); calls != 1 || payouts != 1 || p.runs.Load() != 1 {
 		t.Fatalf("%d provider calls, %d payouts, %d runs; want one of each", calls, payouts, p.runs.Load())
 	}
-	if n := testutil.ToFloat64(mustCounter(t, p.reg, "idempotency_lease_extensions_total")); n < 6 {
+	if n, _ := p.obs.leases(); n < 6 {
 		t.Fatalf("%v lease extensions in 3 s of a 1 s lease, want about 9", n)
 	}
 }
@@ -279,29 +278,9 @@ func TestLeaseLostToATakeover(t *testing.T) {
 		t.Fatalf("the provider saw %d calls under %d keys and made %d payouts (answer %s); want 2 calls, 1 key, 1 payout",
 			calls, keys, payouts, second.body)
 	}
-	if n := testutil.ToFloat64(mustCounter(t, a.reg, "idempotency_leases_lost_total")); n != 1 {
+	if _, n := a.obs.leases(); n != 1 {
 		t.Fatalf("leases lost: %v, want 1", n)
 	}
-}
-
-// mustCounter returns the counter family's sum as a collector testutil can read.
-func mustCounter(t *testing.T, reg *prometheus.Registry, name string) prometheus.Collector {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	c := prometheus.NewCounter(prometheus.CounterOpts{Name: name})
-	c.Add(sum)
-	return c
 }
 
 // TestUnkeyedLeaseRequestsGetProviderKeysOfTheirOwn: on a lease route whose key is optional,

@@ -3,8 +3,6 @@ package idemhttp
 import (
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
@@ -48,7 +46,8 @@ func stateOfOutcome(o dbidem.Outcome) State {
 }
 
 // Observer receives the events of keyed requests. Implementations must be safe for
-// concurrent use.
+// concurrent use and must not block: the middleware calls them on the request's path (never
+// while it holds a transaction or a row lock).
 type Observer interface {
 	// Count counts one state of a keyed request of this action (a request may count
 	// StateAcquired and then StateOversize).
@@ -70,87 +69,21 @@ func (nopObserver) Done(State, time.Duration)              {}
 func (nopObserver) LeaseExtended(string)                   {}
 func (nopObserver) LeaseEnded(string, bool, time.Duration) {}
 
-// PrometheusObserver counts states per action (idempotency_requests_total{action,state}),
-// times requests (idempotency_request_duration_seconds{state}), and follows lease routes:
-// idempotency_lease_extensions_total{action}, idempotency_leases_lost_total{action} and
-// idempotency_lease_work_seconds{action}.
-type PrometheusObserver struct {
-	requests   *prometheus.CounterVec
-	duration   *prometheus.HistogramVec
-	extensions *prometheus.CounterVec
-	lost       *prometheus.CounterVec
-	work       *prometheus.HistogramVec
+// GateStats are the figures of the middleware's Gate, for gauges and counters.
+type GateStats struct {
+	// Waiting is how many requests wait, without a connection, for a request of this process
+	// with the same key; WaitingBytes what they hold (their bodies plus 4 KiB each).
+	Waiting, WaitingBytes int64
+	// LockWaits is how many claims wait on a key's row lock held by another process.
+	LockWaits int
+	// Coalesced counts the requests that found their key in flight in this process and
+	// waited; Refused those answered 409 without waiting on the database.
+	Coalesced, Refused uint64
 }
 
-// NewPrometheusObserver registers the metrics with reg and returns the observer.
-func NewPrometheusObserver(reg prometheus.Registerer) *PrometheusObserver {
-	o := &PrometheusObserver{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idempotency_requests_total",
-			Help: "Keyed requests by action and state (acquired, replayed, busy, key_reused, store_error; oversize on top of acquired).",
-		}, []string{"action", "state"}),
-		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idempotency_request_duration_seconds",
-			Help:    "Time from the key check to the answer of keyed requests, by state.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
-		}, []string{"state"}),
-		extensions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idempotency_lease_extensions_total",
-			Help: "Extensions of the leases of lease routes (a heartbeat every third of the lease while the work runs).",
-		}, []string{"action"}),
-		lost: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idempotency_leases_lost_total",
-			Help: "Lease routes' work whose lease was lost (taken over, or not extended in time): its answer was not recorded.",
-		}, []string{"action"}),
-		work: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idempotency_lease_work_seconds",
-			Help:    "How long the work of lease routes ran, its answer recorded.",
-			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
-		}, []string{"action"}),
-	}
-	reg.MustRegister(o.requests, o.duration, o.extensions, o.lost, o.work)
-	return o
-}
-
-// LeaseExtended implements Observer.
-func (o *PrometheusObserver) LeaseExtended(action string) { o.extensions.WithLabelValues(action).Inc() }
-
-// LeaseEnded implements Observer.
-func (o *PrometheusObserver) LeaseEnded(action string, lost bool, worked time.Duration) {
-	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
-	if lost {
-		c.Inc()
-	}
-	o.work.WithLabelValues(action).Observe(worked.Seconds())
-}
-
-// Count implements Observer.
-func (o *PrometheusObserver) Count(action string, state State) {
-	o.requests.WithLabelValues(action, string(state)).Inc()
-}
-
-// Done implements Observer.
-func (o *PrometheusObserver) Done(state State, elapsed time.Duration) {
-	o.duration.WithLabelValues(string(state)).Observe(elapsed.Seconds())
-}
-
-// RegisterGateMetrics registers the metrics of the middleware's Gate with reg:
-// idempotency_waiting_duplicates and idempotency_waiting_duplicate_bytes (gauges),
-// idempotency_coalesced_total and idempotency_refused_total (counters).
-func (m *Middleware) RegisterGateMetrics(reg prometheus.Registerer) {
+// GateStats reads the figures of the middleware's Gate.
+func (m *Middleware) GateStats() GateStats {
 	g := m.gate
-	reg.MustRegister(
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicates",
-			Help: "Requests waiting, without a database connection, for a request of this process with the same key."},
-			func() float64 { return float64(g.Waiting()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicate_bytes",
-			Help: "What the waiting duplicates hold (their bodies plus 4 KiB each), bounded by MaxWaitingBytes."},
-			func() float64 { return float64(g.WaitingBytes()) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_coalesced_total",
-			Help: "Requests that found their key in flight in this process and waited for it."},
-			func() float64 { return float64(g.Coalesced()) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_refused_total",
-			Help: "Requests answered 409 without waiting on the database: their wait ran out, the waiting duplicates held too much, or every wait slot was taken."},
-			func() float64 { return float64(g.Refused()) }),
-	)
+	return GateStats{Waiting: g.Waiting(), WaitingBytes: g.WaitingBytes(), LockWaits: g.LockWaits(),
+		Coalesced: g.Coalesced(), Refused: g.Refused()}
 }

@@ -1,14 +1,12 @@
 package idemhttp
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"time"
 
-	"github.com/gorilla/mux"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/canon"
@@ -32,16 +30,11 @@ var defaultMiddleware = func() *Middleware {
 	return &Middleware{o: o}
 }()
 
-// New checks the options and fills in their defaults.
+// New checks the options against their bounds (the SQL API's own for durations) and fills in
+// their defaults.
 func New(o Options) (*Middleware, error) {
-	if o.DB == nil {
-		return nil, errors.New("idemhttp: Options.DB is required")
-	}
-	if o.Principal == nil {
-		return nil, errors.New("idemhttp: Options.Principal is required")
-	}
-	if o.TTL < 0 || o.LockTimeout < 0 || o.MaxBodyBytes < 0 || o.MaxStoredBodyBytes < 0 || o.MaxWaitingClaims < 0 || o.MaxWaitingBytes < 0 {
-		return nil, errors.New("idemhttp: TTL, LockTimeout, MaxBodyBytes, MaxStoredBodyBytes, MaxWaitingClaims and MaxWaitingBytes must not be negative")
+	if err := o.check(); err != nil {
+		return nil, err
 	}
 	o.defaults()
 	waiting := o.MaxWaitingClaims
@@ -60,15 +53,14 @@ func New(o Options) (*Middleware, error) {
 // stays zero: the SQL API's default applies).
 func (m *Middleware) Options() Options { return m.o }
 
-// Route returns a middleware for one route with this declaration; it is both a
-// mux.MiddlewareFunc and a plain func(http.Handler) http.Handler, for gorilla/mux, net/http's
-// ServeMux or any router:
+// Route returns a middleware for one route with this declaration, a plain
+// func(http.Handler) http.Handler for net/http's ServeMux, gorilla/mux or any router:
 //
-//	r.Handle("/v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers)).Methods("POST")
 //	mux.Handle("POST /v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers))
+//	r.Handle("/v1/transfers", m.Route(idemhttp.Route{Required: true})(transfers)).Methods("POST")
 //
 // It panics on a declaration that cannot work (a lease under a second).
-func (m *Middleware) Route(rt Route) mux.MiddlewareFunc {
+func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 	rt.check()
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, rt, next) })
@@ -91,7 +83,7 @@ func (m *Middleware) Declared() map[string]Route {
 	return out
 }
 
-// Handler is a router-wide mux.MiddlewareFunc (r.Use(m.Handler)): requests to routes
+// Handler is a router-wide middleware (gorilla/mux's r.Use(m.Handler)): requests to routes
 // declared with Declare take part; all others pass through untouched, header or not. It
 // needs a router that matches the route before it runs its middlewares, as gorilla/mux does;
 // with net/http's ServeMux, which matches as it dispatches, wrap each route with Route.
@@ -105,9 +97,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 	})
 }
 
-// template is the route template of r: Options.RouteTemplate's answer, else gorilla/mux's
-// current route, else the pattern net/http's ServeMux matched (Go 1.22 patterns, without their
-// method and host), else the URL path.
+// template is the route template of r: Options.RouteTemplate's answer, else the pattern
+// net/http's ServeMux matched (Go 1.22 patterns, without their method and host), else the URL
+// path.
 func (m *Middleware) template(r *http.Request) string {
 	if m.o.RouteTemplate != nil {
 		if t := m.o.RouteTemplate(r); t != "" {
@@ -118,16 +110,11 @@ func (m *Middleware) template(r *http.Request) string {
 }
 
 // DefaultRouteTemplate is the route template of a request when Options.RouteTemplate gives
-// none: the path template of gorilla/mux's current route ("/v1/accounts/{id}/deposits"), else
-// the path of the pattern that net/http's ServeMux matched (Request.Pattern, Go 1.22+, its
-// method and host left out: "POST /v1/accounts/{id}/deposits" gives
-// "/v1/accounts/{id}/deposits"), else the request's URL path.
+// none: the path of the pattern that net/http's ServeMux matched (Request.Pattern, Go 1.22+,
+// its method and host left out: "POST /v1/accounts/{id}/deposits" gives
+// "/v1/accounts/{id}/deposits"), else the request's URL path. Another router's template
+// (gorilla/mux's current route) comes through Options.RouteTemplate.
 func DefaultRouteTemplate(r *http.Request) string {
-	if route := mux.CurrentRoute(r); route != nil {
-		if t, err := route.GetPathTemplate(); err == nil {
-			return t
-		}
-	}
 	if p := r.Pattern; p != "" {
 		if i := strings.IndexByte(p, '/'); i >= 0 {
 			return p[i:]

@@ -21,7 +21,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -101,6 +100,7 @@ func newApp(t testing.TB, edit func(*idemhttp.Options)) *app {
 		MaxBodyBytes:       1024,
 		MaxStoredBodyBytes: 512,
 		LockTimeout:        5 * time.Second,
+		RouteTemplate:      muxTemplate,
 	}
 	if edit != nil {
 		edit(&opts)
@@ -763,17 +763,17 @@ func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	t.Parallel()
 	var logs bytes.Buffer
 	var mu sync.Mutex
-	reg := prometheus.NewRegistry()
+	obs := newObserver()
 	a := newApp(t, func(o *idemhttp.Options) {
 		o.Logger = slog.New(slog.NewJSONHandler(lockedWriter{&mu, &logs}, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		o.Metrics = idemhttp.NewPrometheusObserver(reg)
+		o.Metrics = obs
 	})
 	const key, secret = "key-visible-in-no-log", "body-visible-in-no-log"
 	a.do("POST", "/transfers", "alice", key, `{"amount":1,"memo":"`+secret+`"}`)
 	a.do("POST", "/transfers", "alice", key, `{"amount":1,"memo":"`+secret+`"}`)
 	a.do("POST", "/transfers", "alice", key, `{"amount":2,"memo":"`+secret+`"}`)
 	a.do("POST", "/transfers", "alice", "k-500", `{"status":500,"memo":"`+secret+`"}`)
-	got := stateCounts(t, reg)
+	got := obs.counts()
 	want := map[string]float64{"acquired": 2, "replayed": 1, "key_reused": 1}
 	for k, v := range want {
 		if got[k] != v {
@@ -811,10 +811,8 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 // the bound instead of growing by the 64 bodies. Not parallel: it reads the process's heap.
 func TestStormOfLargeDuplicatesHoldsBoundedMemory(t *testing.T) {
 	const bound, storm = 8 << 20, 64
-	reg := prometheus.NewRegistry()
 	a := newApp(t, func(o *idemhttp.Options) {
 		o.MaxBodyBytes, o.MaxWaitingBytes = 2<<20, bound
-		o.Metrics = idemhttp.NewPrometheusObserver(reg)
 	})
 	// Not JSON (and sent as text): fingerprinted as its bytes, so the storm costs no
 	// canonicalization, which under the race detector would take seconds per request.
@@ -826,19 +824,9 @@ func TestStormOfLargeDuplicatesHoldsBoundedMemory(t *testing.T) {
 	<-a.started
 
 	gauge := func(name string) float64 {
-		mfs, err := reg.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() == name {
-				return mf.GetMetric()[0].GetGauge().GetValue()
-			}
-		}
-		t.Fatalf("no metric %s", name)
-		return 0
+		s := a.m.GateStats()
+		return map[string]float64{"waiting": float64(s.Waiting), "waiting_bytes": float64(s.WaitingBytes)}[name]
 	}
-	a.m.RegisterGateMetrics(reg)
 	runtime.GC()
 	var before runtime.MemStats
 	runtime.ReadMemStats(&before)
@@ -858,13 +846,13 @@ func TestStormOfLargeDuplicatesHoldsBoundedMemory(t *testing.T) {
 		}()
 	}
 	deadline := time.Now().Add(30 * time.Second)
-	for int(refused.Load())+int(gauge("idempotency_waiting_duplicates")) < storm {
+	for int(refused.Load())+int(gauge("waiting")) < storm {
 		if time.Now().After(deadline) {
-			t.Fatalf("after 30 s: %d refused, %v waiting", refused.Load(), gauge("idempotency_waiting_duplicates"))
+			t.Fatalf("after 30 s: %d refused, %v waiting", refused.Load(), gauge("waiting"))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	waiting, held := gauge("idempotency_waiting_duplicates"), gauge("idempotency_waiting_duplicate_bytes")
+	waiting, held := gauge("waiting"), gauge("waiting_bytes")
 	runtime.GC()
 	var during runtime.MemStats
 	runtime.ReadMemStats(&during)

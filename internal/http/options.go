@@ -19,15 +19,19 @@
 package idemhttp
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/canon"
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
 // Options configure a Middleware. Only DB and Principal are required.
@@ -39,9 +43,9 @@ type Options struct {
 	// principals table from idem.idempotency_keys gets 401 for a principal that is not there.
 	Principal func(*http.Request) (string, bool)
 	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),
-	// for a router other than gorilla/mux and net/http's ServeMux, whose templates the
-	// middleware reads itself (DefaultRouteTemplate); "" falls back to that. The template
-	// names a route in its default Action and finds routes declared with Declare.
+	// for a router other than net/http's ServeMux, whose pattern the middleware reads itself
+	// (DefaultRouteTemplate); "" falls back to that. The template names a route in its default
+	// Action and finds routes declared with Declare.
 	RouteTemplate func(r *http.Request) string
 	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
 	KeyHeader string
@@ -173,11 +177,65 @@ func DefaultFinalStatus(status int) bool {
 	return false
 }
 
+// check returns an error naming the first option that cannot work: a missing DB or
+// Principal, a negative size, a duration outside the SQL API's bounds (a TTL up to 10 years, a
+// lock timeout up to PostgreSQL's largest), a header name that is not a token, more waiting
+// claims than the pool has connections.
+func (o Options) check() error {
+	switch {
+	case o.DB == nil:
+		return errors.New("idem: Options.DB is required")
+	case o.Principal == nil:
+		return errors.New("idem: Options.Principal is required")
+	case o.TTL < 0 || o.TTL > dbidem.MaxInterval || (o.TTL > 0 && o.TTL < time.Microsecond):
+		return fmt.Errorf("idem: Options.TTL must be 0 (the SQL API's default, 24h) or from 1µs to 10 years (the SQL API's bound), got %s", o.TTL)
+	case o.LockTimeout < 0 || o.LockTimeout > dbidem.MaxLockTimeout || (o.LockTimeout > 0 && o.LockTimeout < time.Millisecond):
+		return fmt.Errorf("idem: Options.LockTimeout must be 0 (the SQL API's default, 2s) or from 1ms to %s (PostgreSQL's largest lock_timeout), got %s",
+			dbidem.MaxLockTimeout, o.LockTimeout)
+	case o.MaxBodyBytes < 0 || o.MaxStoredBodyBytes < 0 || o.MaxWaitingBytes < 0 || o.MaxWaitingClaims < 0 || o.MaxAttempts < 0:
+		return errors.New("idem: Options.MaxBodyBytes, MaxStoredBodyBytes, MaxWaitingBytes, MaxWaitingClaims and MaxAttempts must not be negative")
+	case o.MaxWaitingClaims > 0 && o.MaxWaitingClaims >= int(o.DB.Config().MaxConns):
+		return fmt.Errorf("idem: Options.MaxWaitingClaims (%d) must be smaller than the pool's MaxConns (%d), so that requests for other keys find a connection",
+			o.MaxWaitingClaims, o.DB.Config().MaxConns)
+	}
+	for name, h := range map[string]string{"KeyHeader": o.KeyHeader, "ReplayHeader": o.ReplayHeader, "CorrelationHeader": o.CorrelationHeader} {
+		if h != "" && !isToken(h) {
+			return fmt.Errorf("idem: Options.%s %q is not a header name", name, h)
+		}
+	}
+	for _, h := range o.StoredHeaders {
+		if !isToken(h) {
+			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
+		}
+	}
+	return nil
+}
+
+// isToken tells whether s is an RFC 9110 token (what a header name is).
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// MaxActionLength is the longest Route.Action the SQL API takes (characters).
+const MaxActionLength = 1000
+
 // check panics on a declaration that cannot work, as http.Handle does on a bad pattern: it is
 // a programming error, found when the routes are declared.
 func (rt Route) check() {
-	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.LeaseTimeout < 0 {
-		panic(fmt.Sprintf("idemhttp: Route.Lease must be 0 (a transactional route) or at least a second, and LeaseTimeout not negative: got %s, %s",
+	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.Lease > dbidem.MaxInterval || rt.LeaseTimeout < 0 {
+		panic(fmt.Sprintf("idem: Route.Lease must be 0 (a transactional route) or from a second to 10 years, and LeaseTimeout not negative: got %s, %s",
 			rt.Lease, rt.LeaseTimeout))
+	}
+	if utf8.RuneCountInString(rt.Action) > MaxActionLength {
+		panic(fmt.Sprintf("idem: Route.Action must be at most %d characters, got %d", MaxActionLength, utf8.RuneCountInString(rt.Action)))
 	}
 }

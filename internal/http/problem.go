@@ -71,7 +71,11 @@ func errorProblem(err error) (code, detail string) {
 	case errors.Is(err, dbidem.ErrCommitUnknown):
 		return CodeOutcomeUnknown, "the connection to the database was lost while the request was committing: it may or may not have taken effect; retry with the same key to get its answer"
 	case errors.Is(err, dbidem.ErrNotMigrated):
-		return CodeStoreUnavailable, "the database is not migrated; nothing was changed"
+		// New checked the schema at start; a function missing now is a migrate under a running
+		// server (a rolling upgrade), which the servers of the new release answer: retryable.
+		return CodeStoreUnavailable, "the database is not migrated for this server; nothing was changed; retry with the same key"
+	case errors.Is(err, dbidem.ErrPermissionDenied):
+		return CodeMisconfigured, "the server's database role may not call the idempotency store: a server configuration problem; nothing was changed"
 	}
 	return CodeStoreUnavailable, "the request could not be recorded; nothing was changed; retry with the same key"
 }

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/gorilla/mux"
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgidem/pgidem/internal/canon"
 	idemhttp "github.com/pgidem/pgidem/internal/http"
@@ -122,8 +121,8 @@ func TestCustomFingerprint(t *testing.T) {
 // meanwhile, and answers 409 while the lease runs.
 func TestLeaseRouteLifecycle(t *testing.T) {
 	t.Parallel()
-	reg := prometheus.NewRegistry()
-	a := newApp(t, func(o *idemhttp.Options) { o.Metrics = idemhttp.NewPrometheusObserver(reg) })
+	obs := newObserver()
+	a := newApp(t, func(o *idemhttp.Options) { o.Metrics = obs })
 	if r := a.do("POST", "/jobs", "alice", "j1", `{"status":503}`); r.status != 503 {
 		t.Fatalf("failing job: %+v", r)
 	}
@@ -161,7 +160,7 @@ func TestLeaseRouteLifecycle(t *testing.T) {
 	if r.status != 202 || r.header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("after the cancelled client: %+v, want the recorded 202", r)
 	}
-	if got := stateCounts(t, reg); got["busy"] != 1 || got["acquired"] != 3 || got["replayed"] != 1 {
+	if got := obs.counts(); got["busy"] != 1 || got["acquired"] != 3 || got["replayed"] != 1 {
 		t.Fatalf("states %v", got)
 	}
 }
@@ -170,9 +169,9 @@ func TestLeaseRouteLifecycle(t *testing.T) {
 // busy; a response too large to store counts oversize on top of acquired.
 func TestMetricStatesForBusyAndOversize(t *testing.T) {
 	t.Parallel()
-	reg := prometheus.NewRegistry()
+	obs := newObserver()
 	a := newApp(t, func(o *idemhttp.Options) {
-		o.Metrics = idemhttp.NewPrometheusObserver(reg)
+		o.Metrics = obs
 		o.LockTimeout = 100 * time.Millisecond
 	})
 	done := make(chan reply, 1)
@@ -184,7 +183,7 @@ func TestMetricStatesForBusyAndOversize(t *testing.T) {
 	a.unblock()
 	<-done
 	a.do("POST", "/transfers", "alice", "big", `{"big":true}`)
-	if got := stateCounts(t, reg); got["busy"] != 1 || got["oversize"] != 1 || got["acquired"] != 2 {
+	if got := obs.counts(); got["busy"] != 1 || got["oversize"] != 1 || got["acquired"] != 2 {
 		t.Fatalf("states %v", got)
 	}
 }

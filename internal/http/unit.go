@@ -176,10 +176,7 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 		if d.Outcome != dbidem.Claimed {
 			return nil // replay, mismatch, in progress: nothing was written
 		}
-		if !acquired {
-			acquired = true
-			q.m.o.Metrics.Count(q.action, StateAcquired)
-		}
+		acquired = true // counted once the transaction ended: an observer never runs inside it
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
 			ProviderKey: d.ProviderKey}
 		if q.rt.Lease > 0 {
@@ -204,6 +201,11 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 		return nil
 	})
 	endSpan(claimSpan, "error", err) // the claim itself failed (in progress, the store)
+	if acquired {
+		// Once per fresh claim, however often the unit of work ran; after its transaction
+		// ended, so that no observer holds a connection, a row lock or the key's claim.
+		q.m.o.Metrics.Count(q.action, StateAcquired)
+	}
 	switch {
 	case errors.Is(err, errRollBack):
 		endSpan(done, "rolled_back", nil)

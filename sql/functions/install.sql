@@ -32,6 +32,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "idem_defaults.sql" . }}
 {{ template "idem_version.sql" . }}
 {{ template "idem_operators.sql" . }}
+{{ template "idem_stuck.sql" . }}
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
@@ -47,3 +48,5 @@ GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO 
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
     idem.idem_release_stuck, idem.idem_version
 TO "{{.operator_role}}";
+-- The claims in progress with their keys and tokens: for operators only (docs/operations.md).
+GRANT EXECUTE ON FUNCTION idem.idem_stuck TO "{{.operator_role}}";

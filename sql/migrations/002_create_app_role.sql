@@ -1,10 +1,21 @@
 -- The role an application is granted (or logs in as a member of). It may call the functions
 -- and nothing else: no privilege on the tables. The name comes from tern data app_role
--- (default idem_app). Roles belong to the cluster, so an existing role is reused.
+-- (default idem_app). Roles belong to the cluster, so an existing role is reused: an owner
+-- that is not a superuser installs after a superuser created the roles once, or granted it
+-- CREATEROLE (docs/sql-api.md, "Installing without a superuser"); without either, the error
+-- says which step is missing.
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = '{{.app_role}}') THEN
-        CREATE ROLE "{{.app_role}}" NOLOGIN;
+        BEGIN
+            CREATE ROLE "{{.app_role}}" NOLOGIN;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE EXCEPTION 'idem: the role "{{.app_role}}" does not exist, and the installing role % may not create it', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Have a superuser run once: CREATE ROLE "{{.app_role}}" NOLOGIN; CREATE ROLE "{{.operator_role}}" NOLOGIN; '
+                          || '(or ALTER ROLE ' || quote_ident(current_user) || ' CREATEROLE;), then install again. '
+                          || 'See docs/sql-api.md, "Installing without a superuser".';
+        END;
     END IF;
 END
 $$;

@@ -1,0 +1,179 @@
+package idem
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// Cleanup: expired keys stay in the table until something deletes them. A service starts a
+// Cleaner in one call (StartCleaner); pg_cron (docs/sql-api.md) or `server cleanup` do the
+// same from outside. Every minute, paced, one process at a time: the table then holds about
+// one TTL of keys, and the API's latency barely notices the cleaner.
+
+// CleanerOptions configure a Cleaner. The zero value has the defaults; NewCleaner checks the
+// bounds.
+type CleanerOptions struct {
+	// Interval is the time between two passes of a started cleaner. Default 0: a minute
+	// (DefaultCleanupInterval), so the table holds its TTL of keys plus at most a minute's.
+	// From a millisecond to 10 years.
+	Interval time.Duration
+	// BatchSize is the rows deleted per batch, each batch a transaction of its own. Default 0:
+	// the SQL API's default (1000, idem_defaults()). From 1 to 1,000,000.
+	BatchSize int
+	// Duty is the share of the time the batches of a pass may take: after each batch the
+	// cleaner pauses so that batches take at most this share (Pace). Default 0:
+	// DefaultCleanupDuty (0.4); 1: no pause. From 0.01 to 1.
+	Duty float64
+	// SkipVacuum turns off the VACUUM of the key table that a pass runs once the passes of
+	// this process have deleted more keys than autovacuum's threshold for the table. Default
+	// false: vacuum, when the cleaner's role owns the table (on PostgreSQL 15 only the owner
+	// may; a cleaner that runs as the application role logs once that it leaves the table to
+	// autovacuum).
+	SkipVacuum bool
+	// Logger receives a line per pass that deleted keys, and every failure. Default nil:
+	// slog.Default().
+	Logger *slog.Logger
+	// Metrics observes every pass. Default nil: none. The Prometheus adapter is package
+	// github.com/pgidem/pgidem/idem/idemprom.
+	Metrics CleanupObserver
+}
+
+// DefaultCleanupInterval is the time between two passes of a started Cleaner by default.
+const DefaultCleanupInterval = time.Minute
+
+// CleanupLock is the advisory lock that makes one cleanup batch run at a time across every
+// process on a database ("idem" in ASCII, then "clean"): each batch takes it for its own transaction
+// (pg_try_advisory_xact_lock). Holding it (pg_advisory_xact_lock in a transaction of your
+// own) pauses every Cleaner.
+const CleanupLock int64 = 0x6964656d636c6e
+
+// PassResult is how a cleanup pass ended.
+type PassResult string
+
+// The results of a cleanup pass.
+const (
+	// PassDone: the pass deleted every expired key it found (or handed over to another
+	// process's batch), and its vacuum, if any, succeeded.
+	PassDone PassResult = "done"
+	// PassSkipped: another process's batch held the lock: it is cleaning.
+	PassSkipped PassResult = "skipped"
+	// PassFailed: a batch, the read of the defaults or the vacuum failed.
+	PassFailed PassResult = "failed"
+	// PassStopped: the pass's context ended (the service is shutting down).
+	PassStopped PassResult = "stopped"
+)
+
+// PassResults lists every PassResult, in a fixed order.
+func PassResults() []PassResult { return []PassResult{PassDone, PassSkipped, PassFailed, PassStopped} }
+
+// CleanupObserver receives the events of a Cleaner, for metrics. Implementations must be safe
+// for concurrent use and must not block: the pass calls them.
+type CleanupObserver interface {
+	// PassEnded is called once per pass: how it ended, how many keys it deleted (also when it
+	// failed part way), and how long it took, pauses and vacuum included (0 when skipped).
+	PassEnded(result PassResult, deleted int, took time.Duration)
+	// Vacuumed is called after each VACUUM of the key table the cleaner ran.
+	Vacuumed()
+}
+
+type cleanupObserver struct{ o CleanupObserver }
+
+func (a cleanupObserver) PassEnded(result string, deleted int, took time.Duration) {
+	a.o.PassEnded(PassResult(result), deleted, took)
+}
+func (a cleanupObserver) Vacuumed() { a.o.Vacuumed() }
+
+// Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement
+// in a transaction of its own under CleanupLock, until a batch comes back short, pausing after
+// each so that batches take at most Duty of the time. With several processes on one database
+// one of them cleans at a time (the others' passes are skipped); a pass holds at most one
+// connection, and only while a statement runs. Rows that a request holds are skipped, never
+// waited for. Safe for concurrent use.
+type Cleaner struct{ c *dbidem.Cleaner }
+
+// NewCleaner returns a cleaner on db (a pool: each batch is a statement of its own, never
+// run inside a transaction of yours) after checking the options. Start it, or run a Pass by
+// hand.
+func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
+	io := dbidem.CleanerOptions{Interval: o.Interval, BatchSize: o.BatchSize, Duty: o.Duty, SkipVacuum: o.SkipVacuum, Logger: o.Logger}
+	if o.Metrics != nil {
+		io.Observer = cleanupObserver{o.Metrics}
+	}
+	c, err := dbidem.NewCleaner(db, io)
+	if err != nil {
+		return nil, err
+	}
+	return &Cleaner{c}, nil
+}
+
+// StartCleaner checks the options and the database's schema (CheckSchema), and starts a
+// cleaner on db: a pass every Interval until ctx ends or Stop is called. The one call a
+// service makes:
+//
+//	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{})
+//	if err != nil {
+//		return err
+//	}
+//	defer cleaner.Stop()
+func StartCleaner(ctx context.Context, db Querier, o CleanerOptions) (*Cleaner, error) {
+	c, err := NewCleaner(db, o)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckSchema(ctx, db); err != nil {
+		return nil, err
+	}
+	if err := c.Start(ctx); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Start runs a pass every Interval (never two at once in this process; the first one Interval
+// after the start) until Stop is called or ctx ends. A pass that fails is logged at error
+// level, and the next one runs on schedule. A cleaner starts once.
+func (c *Cleaner) Start(ctx context.Context) error { return c.c.Start(ctx) }
+
+// Stop ends the schedule: it cancels a running pass and waits for it (the next pass, in any
+// process, picks up where it stopped). Safe to call more than once, and on a cleaner never
+// started.
+func (c *Cleaner) Stop() { c.c.Stop() }
+
+// Pass runs one pass now and returns how many keys it deleted and whether it ran (false: it
+// was skipped, another process's batch holds the lock). When ctx ends it stops and returns
+// ctx's error. For a command that cleans by hand, set Duty to 1 (no pauses).
+func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) { return c.c.Pass(ctx) }
+
+// Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a
+// batch comes back short, and returns how many it deleted, without pauses and without the
+// cleanup lock (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so
+// that each batch is a short transaction of its own. A Cleaner is what a service runs.
+func Cleanup(ctx context.Context, db Querier, batchSize int) (int, error) {
+	return dbidem.Cleanup(ctx, db, batchSize)
+}
+
+// DefaultCleanupDuty is the share of the time a Cleaner's batches take by default: measured to
+// keep the API's p99 within a fifth of its value without cleanup while deleting many times
+// faster than keys expire (docs/operations.md, "Cleanup").
+const DefaultCleanupDuty = 0.4
+
+// MinCleanupDuty is the smallest duty Pace honours (a pause of at most 99 times the batch).
+const MinCleanupDuty = 0.01
+
+// CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
+// duty of the time (DefaultCleanupDuty beside the API; 1: no pause; below MinCleanupDuty
+// counts as it). When ctx ends, during a batch or a pause, it returns the count so far and
+// ctx.Err().
+func CleanupPaced(ctx context.Context, db Querier, batchSize int, duty float64) (int, error) {
+	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
+}
+
+// Pace waits, after a batch of cleanup that took took, so that batches take at most duty of
+// the time. A duty of 1 or more means no wait; one below MinCleanupDuty counts as
+// MinCleanupDuty; a pause is at most an hour. It returns early with ctx.Err() when ctx ends.
+func Pace(ctx context.Context, duty float64, took time.Duration) error {
+	return dbidem.Pace(ctx, duty, took)
+}

@@ -1,0 +1,29 @@
+// Package idemmux connects package idem to gorilla/mux, so that package idem itself does not
+// import it: gorilla's route template is the request's route for idem.
+//
+//	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: userOf, RouteTemplate: idemmux.RouteTemplate})
+//	r := mux.NewRouter()
+//	r.Handle("/v1/accounts/{id}/deposits", m.Route(idem.Route{Required: true})(deposits)).Methods("POST")
+//	// or: m.Declare("POST", "/v1/accounts/{id}/deposits", idem.Route{Required: true}); r.Use(m.Handler)
+//
+// Without it, a gorilla route's template is the request's URL path: every account's deposits
+// would be a different action, and routes declared with Declare would not be found.
+package idemmux
+
+import (
+	"net/http"
+
+	"github.com/gorilla/mux"
+)
+
+// RouteTemplate is the path template of gorilla/mux's current route
+// ("/v1/accounts/{id}/deposits"), or "" outside a gorilla route (idem then falls back to its
+// default): the function for idem.Options.RouteTemplate.
+func RouteTemplate(r *http.Request) string {
+	if route := mux.CurrentRoute(r); route != nil {
+		if t, err := route.GetPathTemplate(); err == nil {
+			return t
+		}
+	}
+	return ""
+}

@@ -1,0 +1,237 @@
+// Package idemprom exports the metrics of package idem to Prometheus, so that package idem
+// itself does not import the Prometheus client:
+//
+//	reg := prometheus.NewRegistry()
+//	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: userOf, Metrics: idemprom.NewObserver(reg)})
+//	...
+//	idemprom.RegisterGate(reg, m)
+//	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{Metrics: idemprom.NewCleanupObserver(reg)})
+//	reg.MustRegister(idemprom.NewHealthCollector(pool, 15*time.Second, nil))
+//
+// The names, labels and help texts are those docs/operations.md ("Metrics") lists and its
+// alerts and dashboard use.
+package idemprom
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgidem/pgidem/idem"
+)
+
+// Observer is the idem.Observer that counts keyed requests per action and state
+// (idempotency_requests_total{action,state}), times them (idempotency_request_duration_seconds
+// {state}), and follows lease routes: idempotency_lease_extensions_total{action},
+// idempotency_leases_lost_total{action} and idempotency_lease_work_seconds{action}. It never
+// blocks.
+type Observer struct {
+	requests   *prometheus.CounterVec
+	duration   *prometheus.HistogramVec
+	extensions *prometheus.CounterVec
+	lost       *prometheus.CounterVec
+	work       *prometheus.HistogramVec
+}
+
+var _ idem.Observer = (*Observer)(nil)
+
+// NewObserver registers the middleware's metrics with reg and returns the observer to put in
+// idem.Options.Metrics. It panics when reg already has them (prometheus.MustRegister).
+func NewObserver(reg prometheus.Registerer) *Observer {
+	o := &Observer{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_requests_total",
+			Help: "Keyed requests by action and state (acquired, replayed, busy, key_reused, store_error; oversize on top of acquired).",
+		}, []string{"action", "state"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idempotency_request_duration_seconds",
+			Help:    "Time from the key check to the answer of keyed requests, by state.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
+		}, []string{"state"}),
+		extensions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_lease_extensions_total",
+			Help: "Extensions of the leases of lease routes (a heartbeat every third of the lease while the work runs).",
+		}, []string{"action"}),
+		lost: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_leases_lost_total",
+			Help: "Lease routes' work whose lease was lost (taken over, or not extended in time): its answer was not recorded.",
+		}, []string{"action"}),
+		work: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idempotency_lease_work_seconds",
+			Help:    "How long the work of lease routes ran, its answer recorded.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
+		}, []string{"action"}),
+	}
+	reg.MustRegister(o.requests, o.duration, o.extensions, o.lost, o.work)
+	return o
+}
+
+// Count implements idem.Observer.
+func (o *Observer) Count(action string, state idem.State) {
+	o.requests.WithLabelValues(action, string(state)).Inc()
+}
+
+// Done implements idem.Observer.
+func (o *Observer) Done(state idem.State, elapsed time.Duration) {
+	o.duration.WithLabelValues(string(state)).Observe(elapsed.Seconds())
+}
+
+// LeaseExtended implements idem.Observer.
+func (o *Observer) LeaseExtended(action string) { o.extensions.WithLabelValues(action).Inc() }
+
+// LeaseEnded implements idem.Observer.
+func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
+	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
+	if lost {
+		c.Inc()
+	}
+	o.work.WithLabelValues(action).Observe(worked.Seconds())
+}
+
+// RegisterGate registers the figures of m's duplicates with reg, read at scrape time:
+// idempotency_waiting_duplicates and idempotency_waiting_duplicate_bytes (gauges),
+// idempotency_coalesced_total and idempotency_refused_total (counters).
+func RegisterGate(reg prometheus.Registerer, m *idem.Middleware) {
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicates",
+			Help: "Requests waiting, without a database connection, for a request of this process with the same key."},
+			func() float64 { return float64(m.GateStats().Waiting) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicate_bytes",
+			Help: "What the waiting duplicates hold (their bodies plus 4 KiB each), bounded by MaxWaitingBytes."},
+			func() float64 { return float64(m.GateStats().WaitingBytes) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_coalesced_total",
+			Help: "Requests that found their key in flight in this process and waited for it."},
+			func() float64 { return float64(m.GateStats().Coalesced) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_refused_total",
+			Help: "Requests answered 409 without waiting on the database: their wait ran out, the waiting duplicates held too much, or every wait slot was taken."},
+			func() float64 { return float64(m.GateStats().Refused) }),
+	)
+}
+
+// CleanupObserver is the idem.CleanupObserver of a Cleaner: idem_cleanup_deleted_total,
+// idem_cleanup_passes_total{result} (every result exported from the start, at 0),
+// idem_cleanup_pass_duration_seconds (passes that ran) and idem_cleanup_vacuums_total.
+type CleanupObserver struct {
+	deleted  prometheus.Counter
+	passes   *prometheus.CounterVec
+	duration prometheus.Histogram
+	vacuums  prometheus.Counter
+}
+
+var _ idem.CleanupObserver = (*CleanupObserver)(nil)
+
+// NewCleanupObserver registers the cleaner's metrics with reg and returns the observer to put
+// in idem.CleanerOptions.Metrics.
+func NewCleanupObserver(reg prometheus.Registerer) *CleanupObserver {
+	c := &CleanupObserver{
+		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",
+			Help: "Expired idempotency keys deleted by this process."}),
+		passes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_cleanup_passes_total",
+			Help: "Cleanup passes by result: done, skipped (another process held the lock), failed, stopped (by shutdown)."}, []string{"result"}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "idem_cleanup_pass_duration_seconds",
+			Help: "Duration of the cleanup passes this process ran, the pauses between batches included.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}),
+		vacuums: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_vacuums_total",
+			Help: "VACUUMs of the key table this process ran after a cleanup pass."}),
+	}
+	// Every result is exported from the start, at 0: a series that first appears at 1 (the
+	// first failed pass) would never show an increase(), and its alert would not fire.
+	for _, result := range idem.PassResults() {
+		c.passes.WithLabelValues(string(result))
+	}
+	reg.MustRegister(c.deleted, c.passes, c.duration, c.vacuums)
+	return c
+}
+
+// PassEnded implements idem.CleanupObserver.
+func (c *CleanupObserver) PassEnded(result idem.PassResult, deleted int, took time.Duration) {
+	c.deleted.Add(float64(deleted))
+	c.passes.WithLabelValues(string(result)).Inc()
+	if result != idem.PassSkipped {
+		c.duration.Observe(took.Seconds())
+	}
+}
+
+// Vacuumed implements idem.CleanupObserver.
+func (c *CleanupObserver) Vacuumed() { c.vacuums.Inc() }
+
+// HealthCollector exports idem.ReadHealth as gauges, read at scrape time at most every
+// interval (a scrape in between gets the figures of the last read), so an alert can fire when
+// cleanup falls behind or a claim is stuck: idempotency_keys_in_progress,
+// idempotency_leases_run_out, idempotency_oldest_in_progress_seconds,
+// idempotency_cleanup_backlog, idempotency_key_table_bytes, idempotency_keys_estimated. A
+// failed read exports nothing (the gauges go absent) and is logged once.
+type HealthCollector struct {
+	db       idem.Querier
+	interval time.Duration
+	log      *slog.Logger
+
+	mu     sync.Mutex
+	read   time.Time
+	health idem.Health
+	ok     bool
+	failed sync.Once
+
+	inProgress, runOut, oldest, backlog, bytes, estimated *prometheus.Desc
+}
+
+var _ prometheus.Collector = (*HealthCollector)(nil)
+
+// NewHealthCollector returns the collector of db's key figures (register it with
+// reg.MustRegister), read at most every interval (0: 15 seconds); log receives a failed read
+// once (nil: slog.Default()).
+func NewHealthCollector(db idem.Querier, interval time.Duration, log *slog.Logger) *HealthCollector {
+	if interval <= 0 {
+		interval = 15 * time.Second
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, nil) }
+	return &HealthCollector{db: db, interval: interval, log: log,
+		inProgress: d("idempotency_keys_in_progress", "Lease claims in progress (idem_health)."),
+		runOut:     d("idempotency_leases_run_out", "Claims in progress whose lease ran out: their work is dead, or a retry will take them over."),
+		oldest:     d("idempotency_oldest_in_progress_seconds", "Age of the oldest claim in progress (0 when none)."),
+		backlog:    d("idempotency_cleanup_backlog", "Expired keys that cleanup has not deleted yet (counted up to a million)."),
+		bytes:      d("idempotency_key_table_bytes", "Size of the key table, indexes and TOAST included."),
+		estimated:  d("idempotency_keys_estimated", "Keys in the table, as the planner estimates them."),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (g *HealthCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{g.inProgress, g.runOut, g.oldest, g.backlog, g.bytes, g.estimated} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector: the last figures, read again when they are older
+// than the interval.
+func (g *HealthCollector) Collect(ch chan<- prometheus.Metric) {
+	g.mu.Lock()
+	if time.Since(g.read) >= g.interval {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		h, err := idem.ReadHealth(ctx, g.db)
+		cancel()
+		g.read, g.ok = time.Now(), err == nil
+		if err == nil {
+			g.health = h
+		} else {
+			g.failed.Do(func() { g.log.Warn("the key gauges could not read idem.idem_health()", "error", err) })
+		}
+	}
+	h, ok := g.health, g.ok
+	g.mu.Unlock()
+	if !ok {
+		return
+	}
+	for _, m := range []struct {
+		d *prometheus.Desc
+		v float64
+	}{{g.inProgress, float64(h.InProgress)}, {g.runOut, float64(h.LeasesRunOut)}, {g.oldest, h.OldestAge.Seconds()},
+		{g.backlog, float64(h.CleanupBacklog)}, {g.bytes, float64(h.TableBytes)}, {g.estimated, float64(h.EstimatedKeys)}} {
+		ch <- prometheus.MustNewConstMetric(m.d, prometheus.GaugeValue, m.v)
+	}
+}

@@ -1,0 +1,77 @@
+package idem
+
+import (
+	"context"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// Leases for work outside the database run by hand (a lease route and DoLease do all of this
+// themselves): claim with a Lease (Begin, Tx.Claim), commit, start KeepAlive with the claim's
+// Decision.Sent, do the work on Lease.Context, Stop, then Complete (or Yield when the work
+// failed), before Lease.End.
+
+// Extend moves the lease of the in-progress lease claim with this attempt to lease from now
+// (never earlier), and the key's expiry with it, and returns the lease's new end as the
+// database's clock has it (idem_extend). It returns ErrClaimLost when no lease claim with
+// this attempt is in progress. lease: from a microsecond to 10 years.
+func Extend(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (time.Time, error) {
+	return dbidem.Extend(ctx, q, principal, key, attempt, lease)
+}
+
+// LeaseOptions configure KeepAlive.
+type LeaseOptions struct {
+	// Lease is what each extension asks for: the lease then runs until this long after it.
+	// Required: the claim's Lease as a rule.
+	Lease time.Duration
+	// Start is when the lease began by this process's clock, at or before the database began
+	// counting it: the claim's Decision.Sent, or the moment just before an Extend was sent.
+	// The local deadline is Start plus Lease, so it is never later than the database's.
+	// Default zero: now, which is late by the claim's round trips and waits (a takeover may
+	// then begin before this process sees its lease as lost).
+	Start time.Time
+	// Interval is the time between extensions. Default 0: a third of Lease, so that two
+	// extensions in a row may fail before the lease runs out.
+	Interval time.Duration
+	// Timeout bounds the work: the context ends then (cause context.DeadlineExceeded),
+	// whether the lease holds or not. Default 0: no bound.
+	Timeout time.Duration
+	// OnExtend, if set, is called after each extension that succeeded (for metrics); it must
+	// not block.
+	OnExtend func()
+}
+
+// Lease is the heartbeat of one lease claim. Its context is the work's: it ends when the lease
+// is lost (cause ErrLeaseLost), at LeaseOptions.Timeout, when the parent ends, or at Stop.
+type Lease struct{ l *dbidem.Lease }
+
+// KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
+// (or last extended) at opts.Start with opts.Lease, and returns it. Every opts.Interval it
+// extends the lease on q (a pool: a connection is held only while the statement runs). An
+// extension that fails for another reason than a lost claim (the database cannot be reached)
+// is tried again at the next beat; the lease counts as lost when it runs out, by this
+// process's clock, without one having succeeded. Run the work on Lease.Context; call Stop
+// when it is done, then record its answer (Complete, fenced by the same attempt) before
+// Lease.End.
+func KeepAlive(parent context.Context, q Querier, principal, key string, attempt int64, opts LeaseOptions) *Lease {
+	return &Lease{dbidem.KeepAlive(parent, q, principal, key, attempt, dbidem.LeaseOptions(opts))}
+}
+
+// Context is the work's context: it carries the parent's values and ends with cause
+// ErrLeaseLost when the lease is lost.
+func (l *Lease) Context() context.Context { return l.l.Context() }
+
+// End is when the lease runs out by this process's clock, as far as it knows: Start plus the
+// lease, moved on by each extension that succeeded. The database's end is never earlier.
+func (l *Lease) End() time.Time { return l.l.End() }
+
+// Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
+func (l *Lease) Lost() bool { return l.l.Lost() }
+
+// Extensions is how many extensions succeeded.
+func (l *Lease) Extensions() int64 { return l.l.Extensions() }
+
+// Stop ends the heartbeat and the context, and waits for the heartbeat to finish. It reports
+// whether the lease was lost. Safe to call more than once.
+func (l *Lease) Stop() (lost bool) { return l.l.Stop() }

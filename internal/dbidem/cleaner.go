@@ -1,0 +1,303 @@
+package dbidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-co-op/gocron/v2"
+)
+
+// The scheduled cleaner: what the reference server ran in-process (its cmd/server/cleanup.go
+// until 0.2.0), moved here so that any service starts it in one call. One pass deletes
+// expired keys batch by batch under an advisory lock that makes one process clean at a time,
+// paced by a duty share, and vacuums the key table when its role owns it.
+
+// CleanupLock is the advisory lock that makes one cleanup batch run at a time across every
+// process on a database ("idem" in ASCII, then "clean"). Each batch takes it for its own
+// transaction (pg_try_advisory_xact_lock); holding it (pg_advisory_xact_lock in a transaction
+// of your own) pauses every cleaner.
+const CleanupLock int64 = 0x6964656d636c6e
+
+// The results of a cleanup pass, as CleanerObserver.PassEnded reports them.
+const (
+	// PassDone: the pass ran until a batch came back short (or another process's batch took
+	// over), and its vacuum, if any, succeeded.
+	PassDone = "done"
+	// PassSkipped: the pass's first batch found another process's batch holding the lock.
+	PassSkipped = "skipped"
+	// PassFailed: a batch, the defaults' read or the vacuum failed.
+	PassFailed = "failed"
+	// PassStopped: the pass's context ended (the service is shutting down).
+	PassStopped = "stopped"
+)
+
+// PassResults lists every result of a pass, in a fixed order.
+var PassResults = []string{PassDone, PassSkipped, PassFailed, PassStopped}
+
+// CleanerObserver receives the cleaner's events, for metrics. Implementations must be safe for
+// concurrent use and must not block: they are called from the pass.
+type CleanerObserver interface {
+	// PassEnded is called once per pass: its result (PassDone, PassSkipped, PassFailed,
+	// PassStopped), how many keys it deleted (also when it failed part way), and how long it
+	// took, the pauses between batches and the vacuum included (0 for a skipped pass).
+	PassEnded(result string, deleted int, took time.Duration)
+	// Vacuumed is called after each VACUUM of the key table the cleaner ran.
+	Vacuumed()
+}
+
+type nopCleanerObserver struct{}
+
+func (nopCleanerObserver) PassEnded(string, int, time.Duration) {}
+func (nopCleanerObserver) Vacuumed()                            {}
+
+// CleanerOptions configure a Cleaner. The zero value has the defaults.
+type CleanerOptions struct {
+	// Interval is the time between passes of Start. 0: DefaultCleanupInterval.
+	Interval time.Duration
+	// BatchSize is the rows per batch. 0: the SQL API's default (idem.idem_defaults()).
+	BatchSize int
+	// Duty is the share of the time the batches may take (Pace). 0: DefaultCleanupDuty; 1: no
+	// pause.
+	Duty float64
+	// SkipVacuum turns the vacuum of the key table after a pass off.
+	SkipVacuum bool
+	// Logger receives the passes and their failures. Nil: slog.Default().
+	Logger *slog.Logger
+	// Observer receives the passes, for metrics. Nil: none.
+	Observer CleanerObserver
+}
+
+// DefaultCleanupInterval is the time between two passes of a scheduled cleaner by default.
+const DefaultCleanupInterval = time.Minute
+
+// MaxCleanupBatch is the largest batch a Cleaner takes.
+const MaxCleanupBatch = 1_000_000
+
+// Check returns an error naming the first option out of its bounds.
+func (o CleanerOptions) Check() error {
+	switch {
+	case o.Interval != 0 && (o.Interval < time.Millisecond || o.Interval > MaxInterval):
+		return fmt.Errorf("idem: CleanerOptions.Interval must be 0 (a minute) or from 1ms to 10 years, got %s", o.Interval)
+	case o.BatchSize < 0 || o.BatchSize > MaxCleanupBatch:
+		return fmt.Errorf("idem: CleanerOptions.BatchSize must be 0 (the SQL default) or from 1 to %d, got %d", MaxCleanupBatch, o.BatchSize)
+	case o.Duty != 0 && !(o.Duty >= MinCleanupDuty && o.Duty <= 1):
+		return fmt.Errorf("idem: CleanerOptions.Duty must be 0 (%.1f) or from %.2f to 1, got %v", DefaultCleanupDuty, MinCleanupDuty, o.Duty)
+	}
+	return nil
+}
+
+// Cleaner deletes expired idempotency keys in batches, and vacuums the key table once its
+// passes have deleted more rows than autovacuum's threshold for the table (when its role
+// may: on PostgreSQL 15 only the table's owner can).
+type Cleaner struct {
+	db        Querier
+	interval  time.Duration
+	batchSize int
+	duty      float64 // the share of the time its batches may take (1: no pause between them)
+	vacuum    bool
+	log       *slog.Logger
+	observer  CleanerObserver
+
+	unvacuumed    atomic.Int64 // rows this process deleted since its last vacuum
+	vacuumRefused sync.Once
+
+	mu   sync.Mutex
+	stop func() // the schedule's, once started
+}
+
+// NewCleaner returns a cleaner on db (a pool: each batch is a statement of its own) with these
+// options, after checking them.
+func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
+	if db == nil {
+		return nil, errors.New("idem: a Cleaner needs a database (a pool)")
+	}
+	if err := o.Check(); err != nil {
+		return nil, err
+	}
+	c := &Cleaner{db: db, interval: o.Interval, batchSize: o.BatchSize, duty: o.Duty, vacuum: !o.SkipVacuum,
+		log: o.Logger, observer: o.Observer}
+	if c.interval == 0 {
+		c.interval = DefaultCleanupInterval
+	}
+	if c.duty == 0 {
+		c.duty = DefaultCleanupDuty
+	}
+	if c.log == nil {
+		c.log = slog.Default()
+	}
+	if c.observer == nil {
+		c.observer = nopCleanerObserver{}
+	}
+	return c, nil
+}
+
+// batchSQL is one cleanup batch as one statement, in a transaction of its own: under the
+// cleanup lock (transaction-scoped, so it also works behind PgBouncer in transaction mode),
+// idem_cleanup deletes up to $2 expired keys and returns how many; NULL when a batch of
+// another process holds the lock.
+const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
+
+// Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
+// many it deleted and whether it ran. Each batch takes the cleanup lock for its own
+// transaction: a pass whose first batch finds another process's batch running is skipped,
+// and a pass that finds one later stops there (the other process goes on), so one process
+// cleans at a time. The pass holds at most one connection, and only while a statement runs:
+// with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
+// When ctx ends it stops and returns ctx's error.
+func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
+	start := time.Now()
+	batch := c.batchSize
+	if batch <= 0 {
+		d, err := ReadDefaults(ctx, c.db)
+		if err != nil {
+			c.observer.PassEnded(failure(ctx), 0, time.Since(start))
+			return 0, false, err
+		}
+		batch = d.BatchSize
+	}
+	total := 0
+	for {
+		var n *int
+		began := time.Now()
+		if err := c.db.QueryRow(ctx, batchSQL, CleanupLock, batch).Scan(&n); err != nil {
+			c.observer.PassEnded(failure(ctx), total, time.Since(start))
+			return total, true, classify(err)
+		}
+		if n == nil {
+			if total == 0 {
+				c.observer.PassEnded(PassSkipped, 0, 0)
+				return 0, false, nil
+			}
+			break // another process's batch took over
+		}
+		total += *n
+		if *n < batch {
+			break
+		}
+		if err := Pace(ctx, c.duty, time.Since(began)); err != nil {
+			c.observer.PassEnded(failure(ctx), total, time.Since(start))
+			return total, true, err
+		}
+	}
+	var err error
+	if total > 0 && c.vacuum {
+		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)))
+	}
+	if err != nil {
+		c.observer.PassEnded(failure(ctx), total, time.Since(start))
+		return total, true, err
+	}
+	c.observer.PassEnded(PassDone, total, time.Since(start))
+	return total, true, nil
+}
+
+// failure is the result a pass that ended in an error counts as: stopped when its context
+// ended (the service is shutting down, a pause or a batch was cut short), failed otherwise.
+func failure(ctx context.Context) string {
+	if ctx.Err() != nil {
+		return PassStopped
+	}
+	return PassFailed
+}
+
+// vacuumKeys vacuums the key table when deleted, the rows deleted since the last vacuum,
+// passes autovacuum's own threshold for the table (autovacuum_vacuum_threshold plus
+// autovacuum_vacuum_scale_factor times its rows, the table's settings first). Autovacuum
+// applies the same rule, but only when it next looks at the database (autovacuum_naptime, a
+// minute by default); vacuuming at the moment the rows are deleted lets the next claims
+// reuse their space instead of growing the table, and on a large table with a long TTL it
+// rarely happens, since each vacuum reads the whole of both indexes. VACUUM cannot run in a
+// transaction or a function, and on PostgreSQL 15 only the table's owner (or a member of its
+// role) may run it: a cleaner that connects as another role logs that once and leaves the
+// table to autovacuum.
+func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
+	var owner bool
+	var threshold float64
+	if err := c.db.QueryRow(ctx, `
+		SELECT pg_has_role(c.relowner, 'USAGE'),
+		       coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
+		                  WHERE option_name = 'autovacuum_vacuum_threshold'),
+		                current_setting('autovacuum_vacuum_threshold'))::float8
+		     + coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
+		                  WHERE option_name = 'autovacuum_vacuum_scale_factor'),
+		                current_setting('autovacuum_vacuum_scale_factor'))::float8 * greatest(c.reltuples, 0)
+		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`).Scan(&owner, &threshold); err != nil {
+		return err
+	}
+	if !owner {
+		c.unvacuumed.Store(0)
+		c.vacuumRefused.Do(func() {
+			c.log.Info("cleanup does not vacuum the key table: this role does not own it (autovacuum does; see docs/operations.md)")
+		})
+		return nil
+	}
+	if float64(deleted) <= threshold {
+		return nil
+	}
+	if _, err := c.db.Exec(ctx, `VACUUM (SKIP_LOCKED) idem.idempotency_keys`); err != nil {
+		return err
+	}
+	c.unvacuumed.Store(0)
+	c.observer.Vacuumed()
+	return nil
+}
+
+// Start runs a pass every Interval (never two at once in this process) until Stop is called
+// or ctx ends. A pass that fails is logged at error level and the next one runs on schedule.
+// Start once: a second call returns an error.
+func (c *Cleaner) Start(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stop != nil {
+		return errors.New("idem: the cleaner is started already")
+	}
+	s, err := gocron.NewScheduler()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	_, err = s.NewJob(gocron.DurationJob(c.interval),
+		gocron.NewTask(func(ctx context.Context) {
+			n, ran, err := c.Pass(ctx)
+			switch {
+			case err != nil && ctx.Err() == nil:
+				c.log.Error("cleanup pass failed", "error", err, "deleted", n)
+			case ran && n > 0:
+				c.log.Info("cleanup pass", "deleted", n)
+			case ran:
+				c.log.Debug("cleanup pass", "deleted", n)
+			}
+		}),
+		gocron.WithSingletonMode(gocron.LimitModeReschedule),
+		gocron.WithContext(ctx))
+	if err != nil {
+		cancel()
+		return err
+	}
+	s.Start()
+	var once sync.Once
+	c.stop = func() {
+		once.Do(func() {
+			cancel()
+			_ = s.Shutdown()
+		})
+	}
+	return nil
+}
+
+// Stop ends the schedule: it cancels a running pass and waits for it (the next pass, in any
+// process, picks up where it stopped). Safe to call more than once, and on a cleaner that was
+// never started.
+func (c *Cleaner) Stop() {
+	c.mu.Lock()
+	stop := c.stop
+	c.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+}

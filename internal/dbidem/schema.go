@@ -1,0 +1,90 @@
+package dbidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// MaxInterval is the longest TTL or lease the SQL API takes: interval '10 years', which
+// PostgreSQL counts as 120 months of 30 days (3,600 days). Longer is refused (22023).
+const MaxInterval = 120 * 30 * 24 * time.Hour
+
+// MaxLockTimeout is PostgreSQL's largest lock_timeout (INT_MAX milliseconds, about 24 days).
+const MaxLockTimeout = (1<<31 - 1) * time.Millisecond
+
+// ErrSchemaNewer: the database's schema idem was installed by a newer release than the code
+// that calls it: upgrade the code.
+var ErrSchemaNewer = errors.New("dbidem: database schema newer than this code")
+
+// ErrPermissionDenied: the role may not call a function of the SQL API (42501): it is not a
+// member of the application role (or, for the operators' functions, of the operator role).
+// A deployment error, not a reason to retry.
+var ErrPermissionDenied = errors.New("dbidem: permission denied")
+
+// SchemaError is what CheckSchema finds when the database's schema idem is not the one the
+// code needs. It unwraps to ErrNotMigrated, or to ErrSchemaNewer for a newer schema.
+type SchemaError struct {
+	// Want is the schema version the code needs.
+	Want int
+	// Schema is the database's (idem.schema_version); 0 when there is no schema idem, or one
+	// older than 0.2.0 (which had no idem_version()).
+	Schema int
+	// Functions is the schema version the installed functions belong to; 0 when Schema is.
+	Functions int
+}
+
+// migrateHint is how to install or upgrade schema idem, as every error that needs it says.
+const migrateHint = "run idemmigrate.Migrate (package github.com/pgidem/pgidem/idem/idemmigrate), " +
+	"`psql -v ON_ERROR_STOP=1 -f sql/idem.sql` or `server migrate` as the role that owns schema idem, then start again"
+
+func (e *SchemaError) Error() string {
+	switch {
+	case e.Schema == 0:
+		return fmt.Sprintf("idem: schema idem is not installed in this database (or predates 0.2.0), and this code needs version %d: %s",
+			e.Want, migrateHint)
+	case e.Schema < e.Want:
+		return fmt.Sprintf("idem: schema idem is at version %d and this code needs version %d: %s", e.Schema, e.Want, migrateHint)
+	case e.Schema > e.Want:
+		return fmt.Sprintf("idem: schema idem is at version %d, newer than this code's %d: upgrade github.com/pgidem/pgidem", e.Schema, e.Want)
+	}
+	return fmt.Sprintf("idem: the installed functions belong to schema version %d but the schema is at %d (an install stopped half way): %s",
+		e.Functions, e.Schema, migrateHint)
+}
+
+// Unwrap returns ErrSchemaNewer for a newer schema, else ErrNotMigrated.
+func (e *SchemaError) Unwrap() error {
+	if e.Schema > e.Want {
+		return ErrSchemaNewer
+	}
+	return ErrNotMigrated
+}
+
+// CheckSchema reads idem.idem_version() and returns nil when both the schema and its
+// functions are at version want; a *SchemaError when they are not (missing, older, newer, or
+// functions of another version beside the schema); an error wrapping ErrPermissionDenied
+// when the role may not call the API, naming the grant it lacks; the database's error when
+// it cannot be asked (IsUnavailable tells). It changes nothing: the application role may call
+// it.
+func CheckSchema(ctx context.Context, q Querier, want int) error {
+	var functions, schema int32
+	err := q.QueryRow(ctx, `SELECT functions_version, schema_version FROM idem.idem_version()`).Scan(&functions, &schema)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "3F000" || pgErr.Code == "42P01"):
+		return &SchemaError{Want: want}
+	case errors.As(err, &pgErr) && pgErr.Code == "42501":
+		var user string
+		_ = q.QueryRow(ctx, `SELECT current_user`).Scan(&user)
+		return fmt.Errorf("%w: the role %q may not call the idem SQL API (%s): have the schema's owner run GRANT idem_app TO %q "+
+			"(the application role Migrate granted the API to, idem_app by default): %w", ErrPermissionDenied, user, pgErr.Message, user, err)
+	case err != nil:
+		return fmt.Errorf("idem: check the schema version: %w", err)
+	case int(schema) == want && int(functions) == want:
+		return nil
+	}
+	return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions)}
+}
