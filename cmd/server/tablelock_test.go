@@ -132,7 +132,9 @@ func TestLockedKeyTableDegradesToFastAnswers(t *testing.T) {
 	if len(unkeyedLat) < 20 || unkeyedLat[len(unkeyedLat)-1] > 500*time.Millisecond {
 		t.Fatalf("%d unkeyed reads during the lock, the slowest %v: want them flowing, none over 0.5 s", len(unkeyedLat), unkeyedLat[len(unkeyedLat)-1])
 	}
-	if w := maxLockWaitMS.Load(); w > 250 {
+	// A behaviour check: a claim that waited on the lock would wait its 2 s lock timeout; the
+	// probes wait 5 ms each (more on a busy machine, never near a second).
+	if w := maxLockWaitMS.Load(); w >= 1000 {
 		t.Fatalf("a server connection waited %d ms on the locked table: keyed requests must not hold connections waiting on it", w)
 	}
 	if r := deposit("after"); r.status != http.StatusCreated {
