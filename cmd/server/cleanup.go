@@ -64,12 +64,25 @@ func newCleaner(pool *pgxpool.Pool, batchSize int, vacuum bool, reg prometheus.R
 // another process holds the lock.
 const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
 
+// workersSQL is, under the cleanup lock, one pass of idem_cleanup_workers: locked tells
+// whether this transaction took the lock (the pass runs only then), and the array is
+// {deleted, done (0 or 1)}, or NULL where the database has no workers to ask (plain
+// PostgreSQL, a Citus worker) or the lock was not taken.
+const workersSQL = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY[w.deleted, w.done::integer]
+	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w) END
+	  FROM (SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0) AS l`
+
 // pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own
 // transaction: a pass whose first batch finds another process's batch running is skipped,
 // and a pass that finds one later stops there (the other process goes on), so one process
 // cleans at a time. The pass holds at most one connection, and only while a statement runs:
 // with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
+//
+// On a Citus coordinator the pass is passes of idem_cleanup_workers instead, each under the
+// lock: every worker cleans its own shards, paced to the cleaner's duty there, for up to
+// dbidem.CleanupWorkersTime, in parallel, until every node is drained. The coordinator then
+// pays one round of new connections to the workers per CleanupWorkersTime, not per batch.
 func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 	start := time.Now()
 	batch := c.batchSize
@@ -81,7 +94,19 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 		}
 		batch = d.BatchSize
 	}
-	total := 0
+	total, ran, workers, err := c.workersPass(ctx, batch)
+	if err != nil {
+		c.deleted.Add(float64(total))
+		c.passes.WithLabelValues(failure(ctx)).Inc()
+		return total, true, err
+	}
+	if !ran {
+		c.passes.WithLabelValues("skipped").Inc()
+		return 0, false, nil
+	}
+	if workers {
+		return c.finish(ctx, start, total)
+	}
 	for {
 		var n *int
 		began := time.Now()
@@ -107,6 +132,38 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 			return total, true, err
 		}
 	}
+	return c.finish(ctx, start, total)
+}
+
+// workersPass runs passes of idem_cleanup_workers under the cleanup lock until every node is
+// drained. It returns how many keys they deleted, whether the pass ran (false: another
+// process held the lock at the first), and whether the database has workers at all (false:
+// clean batch by batch here). A pass that finds the lock taken later stops there.
+func (c *cleaner) workersPass(ctx context.Context, batch int) (total int, ran, workers bool, err error) {
+	for {
+		var locked bool
+		var r []int64
+		if err := c.pool.QueryRow(ctx, workersSQL, batch, dbidem.WorkerDuty(c.duty), dbidem.CleanupWorkersTime,
+			cleanupLockID).Scan(&locked, &r); err != nil {
+			return total, true, workers, err
+		}
+		switch {
+		case !locked:
+			return total, total > 0 || workers, workers, nil
+		case r == nil:
+			return total, true, false, nil
+		}
+		workers = true
+		total += int(r[0])
+		if r[1] == 1 {
+			return total, true, true, nil
+		}
+	}
+}
+
+// finish ends a pass that deleted total keys: it counts them, vacuums when due, and counts
+// the pass.
+func (c *cleaner) finish(ctx context.Context, start time.Time, total int) (int, bool, error) {
 	c.deleted.Add(float64(total))
 	var err error
 	if total > 0 && c.vacuum {

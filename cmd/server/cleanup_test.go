@@ -176,21 +176,46 @@ func TestCleanerHoldsOneConnection(t *testing.T) {
 	}
 }
 
-// TestCleanerCleansACoordinator: the server's cleaner, unchanged, empties the workers of a
-// Citus coordinator (a stand-in with two workers, pgtest.CitusStandIn): idem_cleanup fans out.
+// TestCleanerCleansACoordinator: the server's cleaner empties the workers of a Citus
+// coordinator (a stand-in with two workers, pgtest.CitusStandIn) through
+// idem_cleanup_workers, each worker cleaning its own keys, never through idem_cleanup's
+// rounds (here made to fail); a pass is skipped while another process holds the cleanup
+// lock, and then asks no worker.
 func TestCleanerCleansACoordinator(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
+	ctx := context.Background()
 	pgtest.CitusStandIn(t, s.pool)
+	pgtest.Exec(t, s.pool, `CREATE OR REPLACE FUNCTION idem.cleanup_on_workers(p_shares jsonb) RETURNS SETOF text LANGUAGE plpgsql
+		AS $$ BEGIN RAISE EXCEPTION 'a round of idem_cleanup on a coordinator'; END $$`)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "old", 1700, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "old", 450, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "live", 30, false)
 	c := newCleaner(s.pool, 0, true, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if n, ran, err := c.pass(context.Background()); err != nil || !ran || n != 2150 {
+
+	holder, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, cleanupLockID); err != nil {
+		t.Fatal(err)
+	}
+	if n, ran, err := c.pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass while another holds the lock: %d, ran %v, %v; want skipped", n, ran, err)
+	}
+	_ = holder.Rollback(ctx)
+	if n := s.count(`SELECT (SELECT count(*) FROM idem.keys_w1) + (SELECT count(*) FROM idem.keys_w2)`); n != 2180 {
+		t.Fatalf("%d keys left on the workers after a skipped pass, want all 2180", n)
+	}
+
+	if n, ran, err := c.pass(ctx); err != nil || !ran || n != 2150 {
 		t.Fatalf("a pass on the coordinator: deleted %d, ran %v, %v; want 2150", n, ran, err)
 	}
 	if n := s.count(`SELECT (SELECT count(*) FROM idem.keys_w1) + (SELECT count(*) FROM idem.keys_w2)`); n != 30 {
 		t.Fatalf("%d keys left on the workers, want the 30 live ones", n)
+	}
+	if v := testutil.ToFloat64(c.passes.WithLabelValues("done")); v != 1 {
+		t.Fatalf("%v passes counted done, want 1", v)
 	}
 }
 

@@ -30,6 +30,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
 {{ template "idem_version.sql" . }}
+{{ template "key_figures.sql" . }}
 {{ template "idem_operators.sql" . }}
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
@@ -37,7 +38,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_extend,
-    idem.idem_cleanup, idem.idem_defaults, idem.idem_version
+    idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
