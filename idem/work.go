@@ -104,7 +104,8 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 // Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a
 // batch comes back short, and returns how many it deleted: for a service that runs its own
 // cleaner (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so that
-// each batch is a short transaction of its own.
+// each batch is a short transaction of its own. On a Citus coordinator every worker cleans
+// its own shards, in parallel (idem_cleanup_workers).
 func Cleanup(ctx context.Context, db Pool, batchSize int) (int, error) {
 	return dbidem.Cleanup(ctx, db, batchSize)
 }
@@ -116,8 +117,8 @@ const DefaultCleanupDuty = dbidem.DefaultCleanupDuty
 
 // CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
 // duty of the time (DefaultCleanupDuty for a cleaner that runs beside the API; 1: no pause;
-// below 0.01 counts as 0.01). When ctx ends, during a batch or a pause, it returns the count
-// so far and ctx.Err().
+// below 0.01 counts as 0.01; on a Citus coordinator each worker paces its own batches). When
+// ctx ends, during a batch or a pause, it returns the count so far and ctx.Err().
 func CleanupPaced(ctx context.Context, db Pool, batchSize int, duty float64) (int, error) {
 	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
 }

@@ -1318,9 +1318,10 @@ IF v_problem IS NOT NULL THEN
 
     v_until := clock_timestamp() + make_interval(secs => p_seconds);
     v_duty := greatest(p_duty, 0.01);
-    -- The coordinator waits on this session for the whole pass: when it goes away (its
-    -- statement was cancelled, its server stopped), end within a second, at the next check,
-    -- instead of cleaning on until p_seconds have passed.
+    -- The coordinator waits on this session for the whole pass. Citus cancels the command
+    -- when the coordinator's statement is cancelled or its session ends; when the coordinator
+    -- goes away without a word (a crash, a lost network), end within a second, at the next
+    -- check, instead of cleaning on until p_seconds have passed.
     PERFORM pg_catalog.set_config('client_connection_check_interval', '1000', false);
     LOOP
         v_began := clock_timestamp();

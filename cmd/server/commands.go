@@ -79,9 +79,10 @@ func (m *Main) Run(ctx context.Context) error {
 	}
 	switch m.Command {
 	case "cleanup":
+		began := time.Now()
 		n, _, err := newCleaner(m.pool, m.Config.CleanupBatchSize, m.Config.CleanupVacuum, nil, m.log).pass(ctx)
 		if err == nil {
-			fmt.Fprintf(m.stdout, "deleted %d expired keys\n", n)
+			fmt.Fprintf(m.stdout, "deleted %d expired keys in %.3f s\n", n, time.Since(began).Seconds())
 		}
 		return err
 	case "keys":
