@@ -61,7 +61,8 @@ port_of() {
 psql_on() { # node, database, psql arguments...
     local node=$1 db=$2
     shift 2
-    as_pg "$BINDIR/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$(port_of "$node")" -U postgres -d "$db" "$@"
+    PGOPTIONS='-c client_min_messages=warning' \
+        as_pg "$BINDIR/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$(port_of "$node")" -U postgres -d "$db" "$@"
 }
 
 url() {
@@ -158,7 +159,11 @@ stop() {
 status() {
     for node in "${NODES[@]}"; do
         printf '%-6s :%s ' "$node" "$(port_of "$node")"
-        as_pg "$BINDIR/pg_ctl" -D "$CITUS_DIR/cluster/$node" status 2>/dev/null | head -1 || echo "not running"
+        if out=$(as_pg "$BINDIR/pg_ctl" -D "$CITUS_DIR/cluster/$node" status 2>/dev/null); then
+            head -1 <<<"$out"
+        else
+            echo "not running"
+        fi
     done
 }
 
