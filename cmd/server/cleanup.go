@@ -105,7 +105,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 		return 0, false, nil
 	}
 	if workers {
-		return c.finish(ctx, start, total)
+		return c.finish(ctx, start, total, true)
 	}
 	for {
 		var n *int
@@ -132,7 +132,7 @@ func (c *cleaner) pass(ctx context.Context) (int, bool, error) {
 			return total, true, err
 		}
 	}
-	return c.finish(ctx, start, total)
+	return c.finish(ctx, start, total, false)
 }
 
 // workersPass runs passes of idem_cleanup_workers under the cleanup lock until every node is
@@ -161,13 +161,13 @@ func (c *cleaner) workersPass(ctx context.Context, batch int) (total int, ran, w
 	}
 }
 
-// finish ends a pass that deleted total keys: it counts them, vacuums when due, and counts
-// the pass.
-func (c *cleaner) finish(ctx context.Context, start time.Time, total int) (int, bool, error) {
+// finish ends a pass that deleted total keys (from a Citus cluster's workers: workers): it
+// counts them, vacuums when due, and counts the pass.
+func (c *cleaner) finish(ctx context.Context, start time.Time, total int, workers bool) (int, bool, error) {
 	c.deleted.Add(float64(total))
 	var err error
 	if total > 0 && c.vacuum {
-		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)))
+		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)), workers)
 	}
 	c.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
@@ -196,8 +196,10 @@ func failure(ctx context.Context) string {
 // rarely happens, since each vacuum reads the whole of both indexes. VACUUM cannot run in a
 // transaction or a function, and on PostgreSQL 15 only the table's owner (or a member of its
 // role) may run it: a server that connects as another role logs that once and leaves the
-// table to autovacuum.
-func (c *cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
+// table to autovacuum. On a Citus coordinator (workers) the table's rows are the estimate of
+// every shard's (idem_health), not the coordinator's own table's (empty), and VACUUM there
+// vacuums every shard on its worker.
+func (c *cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) error {
 	var owner bool
 	var threshold float64
 	if err := c.pool.QueryRow(ctx, `
@@ -207,8 +209,10 @@ func (c *cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
 		                current_setting('autovacuum_vacuum_threshold'))::float8
 		     + coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
 		                  WHERE option_name = 'autovacuum_vacuum_scale_factor'),
-		                current_setting('autovacuum_vacuum_scale_factor'))::float8 * greatest(c.reltuples, 0)
-		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`).Scan(&owner, &threshold); err != nil {
+		                current_setting('autovacuum_vacuum_scale_factor'))::float8
+		       * CASE WHEN $1 THEN (SELECT h.estimated_keys FROM idem.idem_health() AS h)::float8
+		              ELSE greatest(c.reltuples, 0) END
+		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`, workers).Scan(&owner, &threshold); err != nil {
 		return err
 	}
 	if !owner {

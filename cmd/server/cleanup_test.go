@@ -217,6 +217,21 @@ func TestCleanerCleansACoordinator(t *testing.T) {
 	if v := testutil.ToFloat64(c.passes.WithLabelValues("done")); v != 1 {
 		t.Fatalf("%v passes counted done, want 1", v)
 	}
+
+	// The vacuum's threshold is the workers' rows (50 + 2% of them), not the coordinator's own
+	// empty table's: 100 deletions among 20,000 keys wait for more.
+	if v := testutil.ToFloat64(c.vacuums); v != 1 {
+		t.Fatalf("%v vacuums after deleting 2150 keys, want 1", v)
+	}
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "more", 20_000, false)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "again", 100, true)
+	pgtest.Exec(t, s.pool, `ANALYZE idem.keys_w1, idem.keys_w2`)
+	if n, _, err := c.pass(ctx); err != nil || n != 100 {
+		t.Fatalf("a second pass: deleted %d, %v; want 100", n, err)
+	}
+	if v := testutil.ToFloat64(c.vacuums); v != 1 {
+		t.Fatalf("%v vacuums after 100 more deletions among 20,000 keys on the workers, want still 1", v)
+	}
 }
 
 // TestScheduledCleanupStopsWithTheServer: the gocron job runs passes on its interval, and
