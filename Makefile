@@ -51,6 +51,14 @@ vuln: ## scan for known vulnerabilities the code calls (govulncheck, the pinned 
 	test -n "$$dir" || { echo "vuln: could not download $(VULNDB)"; exit 1; }; \
 	$(GO) run ./internal/tools/vulndb -osv "$$dir/data/osv" $(PKGS)
 
+.PHONY: test-citus
+test-citus: ## the Citus tests against the coordinator at CITUS_URL (scripts/citus-dev-cluster.sh; CI has no Citus)
+	@if [ -z "$$CITUS_URL" ]; then \
+		echo 'make test-citus: set CITUS_URL to a Citus coordinator (postgres://...), e.g.' >&2; \
+		echo '  scripts/citus-dev-cluster.sh build && scripts/citus-dev-cluster.sh start' >&2; \
+		echo '  CITUS_URL=$$(scripts/citus-dev-cluster.sh url) make test-citus' >&2; exit 2; fi
+	$(GO) test $(GOFLAGS_TEST) -tags citus -run '^TestCitus' ./tests ./internal/dbidem ./cmd/server
+
 .PHONY: sql
 sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migrations and sql/functions
 	$(GO) run ./internal/tools/sqlbundle
@@ -59,7 +67,9 @@ sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migratio
 lint: ## gofmt, go vet, staticcheck and plpgsql_check over every function
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	$(GO) vet -tags citus $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
+	$(GO) tool staticcheck -tags citus $(PKGS)
 	$(GO) run ./internal/tools/sqllint
 
 .PHONY: bench

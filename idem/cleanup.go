@@ -150,7 +150,8 @@ func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) {
 // Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a
 // batch comes back short, and returns how many it deleted, without pauses and without the
 // cleanup lock (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so
-// that each batch is a short transaction of its own. A Cleaner is what a service runs.
+// that each batch is a short transaction of its own. On a Citus coordinator every worker cleans
+// its own shards, in parallel (idem_cleanup_workers). A Cleaner is what a service runs.
 func Cleanup(ctx context.Context, db Querier, batchSize int) (int, error) {
 	return dbidem.Cleanup(ctx, db, batchSize)
 }
@@ -165,8 +166,8 @@ const MinCleanupDuty = 0.01
 
 // CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
 // duty of the time (DefaultCleanupDuty beside the API; 1: no pause; below MinCleanupDuty
-// counts as it). When ctx ends, during a batch or a pause, it returns the count so far and
-// ctx.Err().
+// counts as it; on a Citus coordinator each worker paces its own batches). When ctx ends,
+// during a batch or a pause, it returns the count so far and ctx.Err().
 func CleanupPaced(ctx context.Context, db Querier, batchSize int, duty float64) (int, error) {
 	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
 }

@@ -1882,6 +1882,163 @@ $$;
 COMMENT ON FUNCTION idem.cleanup_workers(integer[], integer) IS
     'Internal: deletes at most p_batch_size expired keys across these Citus workers, in rounds of equal shares. Used by idem_cleanup.';
 
+-- cleanup_node: on this node, deletes expired keys from the relations that hold them here,
+-- batch after batch, each batch committed, until a batch comes back short (drained) or
+-- p_seconds have passed (at least one batch); after each batch it pauses so that its batches
+-- take at most p_duty of the time (below 0.01 counts as 0.01, as dbidem.Pace). Returns
+-- 'group:deleted:drained'. What each Citus worker runs for idem_cleanup_workers, through
+-- cleanup_pass_on_workers: a procedure (so that it can commit), called outside any
+-- transaction block. Internal: SECURITY INVOKER without SET clauses (a procedure with either
+-- cannot commit); it calls only the schema-qualified internal functions, which run as the
+-- owner, and only the owner may call those.
+CREATE OR REPLACE PROCEDURE idem.cleanup_node(
+    p_batch_size integer,
+    p_duty       double precision,
+    p_seconds    double precision,
+    INOUT p_result text DEFAULT NULL)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_problem text;
+    v_until   timestamptz;
+    v_duty    double precision;
+    v_began   timestamptz;
+    v_pause   double precision;
+    v_n       integer;
+    v_deleted bigint := 0::bigint;
+BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_seconds IS NULL
+            THEN '22004 p_batch_size, p_duty and p_seconds must not be NULL'
+        WHEN p_batch_size < 1 OR NOT (p_duty > 0 AND p_duty <= 1) OR NOT (p_seconds > 0 AND p_seconds <= 3600)
+            THEN format('22023 p_batch_size must be at least 1, p_duty in (0, 1] and p_seconds in (0, 3600], got %s, %s, %s',
+                        p_batch_size, p_duty, p_seconds)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'cleanup_node: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    v_until := clock_timestamp() + make_interval(secs => p_seconds);
+    v_duty := greatest(p_duty, 0.01);
+    -- The coordinator waits on this session for the whole pass. Citus cancels the command
+    -- when the coordinator's statement is cancelled or its session ends; when the coordinator
+    -- goes away without a word (a crash, a lost network), end within a second, at the next
+    -- check, instead of cleaning on until p_seconds have passed.
+    PERFORM pg_catalog.set_config('client_connection_check_interval', '1000', false);
+    LOOP
+        v_began := clock_timestamp();
+        v_n := idem.cleanup_relations(idem.key_relations(), p_batch_size);
+        v_deleted := v_deleted + v_n;
+        COMMIT;
+        EXIT WHEN v_n < p_batch_size OR clock_timestamp() >= v_until;
+        IF v_duty < 1 THEN
+            v_pause := least(extract(epoch FROM clock_timestamp() - v_began)::double precision * (1 - v_duty) / v_duty,
+                             extract(epoch FROM v_until - clock_timestamp())::double precision);
+            PERFORM pg_catalog.pg_sleep(v_pause);
+            COMMIT; -- no snapshot held between batches
+            EXIT WHEN clock_timestamp() >= v_until;
+        END IF;
+    END LOOP;
+    p_result := coalesce(idem.node_group(), 0) || ':' || v_deleted || ':' || (v_n < p_batch_size);
+END
+$$;
+
+COMMENT ON PROCEDURE idem.cleanup_node(integer, double precision, double precision, text) IS
+    'Internal: on this node, deletes expired keys batch after batch, each committed and paced to p_duty, until drained or p_seconds have passed; returns group:deleted:drained. Run on every Citus worker by idem_cleanup_workers.';
+
+-- cleanup_pass_on_workers: asks every active primary worker to run cleanup_node (Citus'
+-- run_command_on_workers: the workers in parallel, each in a session of its own, outside any
+-- transaction block, so that it commits batch by batch) and returns their answers; raises when
+-- one of them failed. One round of new connections for the whole pass, not one per batch. As
+-- cleanup_on_workers, it runs nothing but cleanup there. Internal.
+CREATE OR REPLACE FUNCTION idem.cleanup_pass_on_workers(p_batch_size integer, p_duty double precision, p_seconds double precision)
+RETURNS SETOF text
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- @plpgsql_check_options: performance_warnings = false
+-- (it runs commands that write on the workers: VOLATILE, which the dynamic SQL hides)
+DECLARE
+    v_node    text;
+    v_port    integer;
+    v_success boolean;
+    v_result  text;
+BEGIN
+    FOR v_node, v_port, v_success, v_result IN
+        EXECUTE format('SELECT nodename::text, nodeport::integer, success, result FROM %I($1)', 'run_command_on_workers')
+        USING format('CALL idem.cleanup_node(%s, %L::float8, %L::float8)', p_batch_size, p_duty, p_seconds) LOOP
+        IF NOT v_success THEN
+            RAISE EXCEPTION 'idem cleanup: the worker %:% failed: %', v_node, v_port, v_result
+                USING ERRCODE = '58000';
+        END IF;
+        RETURN NEXT v_result;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idem.cleanup_pass_on_workers(integer, double precision, double precision) IS
+    'Internal: has every Citus worker run cleanup_node, in parallel, and returns their answers; raises when one fails. Used by idem_cleanup_workers.';
+
+-- idem_cleanup_workers: on a Citus coordinator, one pass of cleanup over the whole cluster:
+-- every worker deletes the expired keys of its own shards, batch after batch (each batch its
+-- own transaction there, paced to p_duty), until it is drained or p_max_time has passed, the
+-- workers in parallel, with one connection each for the whole pass (cleanup_node); shards on
+-- the coordinator itself lose one batch per call, in the caller's transaction. One row:
+-- how many keys it deleted, and done when every node is drained (call it again while not
+-- done). No row where there are no workers to ask (plain PostgreSQL, a Citus worker): call
+-- idem_cleanup there. So a caller can try this first everywhere.
+CREATE OR REPLACE FUNCTION idem.idem_cleanup_workers(
+    p_batch_size integer          DEFAULT 1000,
+    p_duty       double precision DEFAULT 1,
+    p_max_time   interval         DEFAULT interval '10 seconds',
+    OUT deleted  bigint,
+    OUT done     boolean)
+RETURNS SETOF record
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+
+AS $$
+-- @plpgsql_check_options: performance_warnings = false
+DECLARE
+    v_problem text;
+    v_result  text;
+BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_max_time IS NULL
+            THEN '22004 p_batch_size, p_duty and p_max_time must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+        WHEN NOT (p_duty > 0 AND p_duty <= 1)
+            THEN format('22023 p_duty must be above 0 and at most 1, got %s', p_duty)
+        WHEN p_max_time <= interval '0' OR p_max_time > interval '1 hour'
+            THEN format('22023 p_max_time must be above 0 and at most 1 hour, got %s', p_max_time)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_cleanup_workers: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    IF cardinality(idem.worker_groups()) = 0 THEN
+        RETURN;
+    END IF;
+    deleted := idem.cleanup_relations(idem.key_relations(), p_batch_size);
+    done := deleted < p_batch_size;
+    FOR v_result IN SELECT r FROM idem.cleanup_pass_on_workers(p_batch_size, p_duty,
+                                                               extract(epoch FROM p_max_time)::double precision) AS r LOOP
+        deleted := deleted + split_part(v_result, ':', 2)::bigint;
+        done := done AND split_part(v_result, ':', 3)::boolean;
+    END LOOP;
+    RETURN NEXT;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_cleanup_workers(integer, double precision, interval) IS
+    'On a Citus coordinator: every worker cleans its shards in batches, paced to p_duty, until drained or p_max_time has passed, in parallel; returns deleted and done. No row elsewhere (use idem_cleanup). See docs/sql-api.md.';
+
 -- idem_cleanup: one batch: from the relations that hold keys on this node and, on a Citus
 -- coordinator, from the workers' (cleanup_workers). Returns how many rows it deleted; call it
 -- again until the count is smaller than the batch size. Safe to run from several sessions at
@@ -1926,17 +2083,43 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
 -- procedure that commits). For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
--- transaction block. SECURITY INVOKER without SET clauses, because a procedure with either
--- cannot commit; it calls only the schema-qualified idem_cleanup, which runs as the owner.
+-- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
+-- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
+-- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
+-- cannot commit; it calls only the schema-qualified idem_cleanup_workers and idem_cleanup,
+-- which run as the owner.
 CREATE OR REPLACE PROCEDURE idem.idem_cleanup_all(
     p_batch_size integer DEFAULT 1000,
     INOUT p_deleted bigint DEFAULT NULL)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_n integer;
+    v_n       integer;
+    v_deleted bigint;
+    v_done    boolean;
+    v_problem text;
 BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL
+            THEN '22004 p_batch_size must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_cleanup_all: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
     p_deleted := 0;
+    LOOP
+        SELECT w.deleted, w.done INTO v_deleted, v_done
+          FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
+        EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
+        p_deleted := p_deleted + v_deleted;
+        COMMIT;
+        IF v_done THEN
+            RETURN;
+        END IF;
+    END LOOP;
     LOOP
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted + v_n;
@@ -1987,6 +2170,134 @@ $$;
 COMMENT ON FUNCTION idem.idem_version() IS
     'The schema version the installed functions belong to, and the version of the schema (idem.schema_version): equal after a complete install. See docs/sql-api.md.';
 
+-- The figures of the keys that idem_health and idem_summary report, node by node: on plain
+-- PostgreSQL the key table's; on a Citus coordinator its own shards' (usually none) and every
+-- worker's, asked in one round (figures_on_workers) and added up by the caller. So the
+-- operators' view is of the whole cluster wherever it is read (on a worker: that worker's).
+
+-- key_figures: the cheap figures of the keys in these relations (key_relations() of this
+-- node), as jsonb: the lease claims in progress, those whose lease ran out, the oldest
+-- claim's time (through the index on claimed_at, which holds lease claims only), the
+-- expired keys waiting for cleanup (through the index on expires_at, counted up to a million
+-- over all the relations), and their size (indexes and TOAST included) and estimated rows.
+-- Without p_counts only the size and the estimate (no index is read). Internal (not
+-- granted): it accepts only tables in schema idem.
+CREATE OR REPLACE FUNCTION idem.key_figures(p_relations regclass[], p_counts boolean)
+RETURNS jsonb
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_problem     text;
+    v_now         timestamptz := clock_timestamp();
+    v_rel         regclass;
+    v_in_progress bigint := 0::bigint;
+    v_run_out     bigint := 0::bigint;
+    v_oldest      timestamptz;
+    v_backlog     bigint := 0::bigint;
+    v_n           bigint;
+    v_r           bigint;
+    v_min         timestamptz;
+BEGIN
+    v_problem := CASE
+        WHEN p_relations IS NULL OR p_counts IS NULL
+            THEN '22004 p_relations and p_counts must not be NULL'
+        WHEN EXISTS (SELECT FROM unnest(p_relations) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r
+                      WHERE c.relnamespace <> 'idem'::regnamespace OR c.relkind <> 'r')
+            THEN '22023 p_relations must name tables in schema idem'
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'key_figures: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    IF p_counts THEN
+        FOREACH v_rel IN ARRAY p_relations LOOP
+            EXECUTE format($q$
+                SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= $1), min(k.claimed_at)
+                  FROM %s AS k
+                 WHERE k.claimed_at IS NOT NULL AND k.state = 'p'
+                $q$, v_rel) USING v_now INTO v_n, v_r, v_min;
+            v_in_progress := v_in_progress + v_n;
+            v_run_out := v_run_out + v_r;
+            v_oldest := least(v_oldest, v_min);
+            IF v_backlog < 1000000 THEN
+                EXECUTE format($q$
+                    SELECT count(*)
+                      FROM (SELECT 1 FROM %s AS k
+                             WHERE k.expires_at <= $1 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $1)
+                             LIMIT $2) AS backlog
+                    $q$, v_rel) USING v_now, 1000000 - v_backlog INTO v_n;
+                v_backlog := v_backlog + v_n;
+            END IF;
+        END LOOP;
+    END IF;
+    RETURN jsonb_build_object(
+        'in_progress', v_in_progress,
+        'leases_run_out', v_run_out,
+        'oldest_in_progress_at', v_oldest,
+        'cleanup_backlog', v_backlog,
+        'table_bytes', (SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint FROM unnest(p_relations) AS r),
+        'estimated_keys', (SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
+                             FROM unnest(p_relations) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r));
+END
+$$;
+
+COMMENT ON FUNCTION idem.key_figures(regclass[], boolean) IS
+    'Internal: the cheap figures of the keys in these relations of schema idem (claims in progress, leases run out, the oldest, the cleanup backlog up to a million, size, estimated rows), as jsonb. Used by idem_health and idem_summary.';
+
+-- figures_on_workers: asks every active primary Citus worker for the figures of the key
+-- relations it holds (run_command_on_workers: one new session on each, in parallel) and
+-- returns them; raises when one of them failed. It runs nothing else there. Internal.
+CREATE OR REPLACE FUNCTION idem.figures_on_workers(p_counts boolean)
+RETURNS SETOF jsonb
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_node    text;
+    v_port    integer;
+    v_success boolean;
+    v_result  text;
+BEGIN
+    FOR v_node, v_port, v_success, v_result IN
+        EXECUTE format('SELECT nodename::text, nodeport::integer, success, result FROM %I($1)', 'run_command_on_workers')
+        USING format('SELECT idem.key_figures(idem.key_relations(), %L)', p_counts) LOOP
+        IF NOT v_success THEN
+            RAISE EXCEPTION 'idem: the worker %:% failed to report its keys'' figures: %', v_node, v_port, v_result
+                USING ERRCODE = '58000';
+        END IF;
+        RETURN NEXT v_result::jsonb;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idem.figures_on_workers(boolean) IS
+    'Internal: every Citus worker''s key_figures of the key relations it holds; raises when one fails. Used by cluster_figures.';
+
+-- cluster_figures: the figures of this node's key relations and, on a Citus coordinator whose
+-- workers hold the key table, every worker's: one row per node. Internal.
+CREATE OR REPLACE FUNCTION idem.cluster_figures(p_counts boolean)
+RETURNS SETOF jsonb
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    RETURN NEXT idem.key_figures(idem.key_relations(), p_counts);
+    IF cardinality(idem.worker_groups()) > 0 THEN
+        RETURN QUERY SELECT f FROM idem.figures_on_workers(p_counts) AS f;
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION idem.cluster_figures(boolean) IS
+    'Internal: key_figures of this node and, on a Citus coordinator, of every worker, one row each. Used by idem_health and idem_summary.';
+
 -- The operators' functions: a view of the keys, and one safe lever. Only idem_key_body returns
 -- a stored body, and only the operator role may call it; nothing releases what a claim's
 -- current holder holds without its token.
@@ -1995,7 +2306,9 @@ COMMENT ON FUNCTION idem.idem_version() IS
 -- claim is seen only once completed) and the oldest of them, the leases that ran out (their
 -- work is dead, or a retry will take them over), the expired keys not cleaned up yet (the
 -- cleanup backlog) and the table's size; per principal on request. Exact: it reads the whole
--- table (seconds on tens of millions of keys); a monitor calls idem_health instead.
+-- table (seconds on tens of millions of keys); a monitor calls idem_health instead. On a Citus
+-- coordinator the counts come from the distributed table and the size is every node's
+-- (cluster_figures).
 CREATE OR REPLACE FUNCTION idem.idem_summary(
     p_by_principal boolean DEFAULT false,
     OUT principal_id           text,
@@ -2019,7 +2332,7 @@ DECLARE
     v_bytes bigint;
 BEGIN
     p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
-    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint INTO v_bytes FROM unnest(idem.key_relations()) AS r;
+    SELECT coalesce(sum((f ->> 'table_bytes')::bigint), 0)::bigint INTO v_bytes FROM idem.cluster_figures(false) AS f;
     RETURN QUERY
     SELECT CASE WHEN p_by_principal THEN k.principal_id END,
            count(*),
@@ -2049,7 +2362,9 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- idem_health: the cheap part of the summary, for a monitor that asks every few seconds: the
 -- claims in progress, the oldest of them and the leases that ran out (through the index on
 -- claimed_at, which holds lease claims only), the cleanup backlog (through the index on
--- expires_at, counted up to a million), the table's size and its estimated keys.
+-- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
+-- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
+-- cluster_figures) and they are added up.
 CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT in_progress            bigint,
     OUT leases_run_out         bigint,
@@ -2063,22 +2378,13 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_now timestamptz := clock_timestamp();
 BEGIN
-    SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= v_now), min(k.claimed_at)
-      INTO in_progress, leases_run_out, oldest_in_progress_at
-      FROM idem.idempotency_keys AS k
-     WHERE k.claimed_at IS NOT NULL AND k.state = 'p';
-    oldest_in_progress_age := v_now - oldest_in_progress_at;
-    SELECT count(*) INTO cleanup_backlog
-      FROM (SELECT FROM idem.idempotency_keys AS k
-             WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
-             LIMIT 1000000) AS backlog;
-    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint, coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
-      INTO table_bytes, estimated_keys
-      FROM unnest(idem.key_relations()) AS r
-      JOIN pg_catalog.pg_class AS c ON c.oid = r;
+    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
+           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
+           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
+      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
+      FROM idem.cluster_figures(true) AS f;
+    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
 END
 $$;
 
@@ -2358,7 +2664,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version
+    idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

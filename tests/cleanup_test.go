@@ -210,3 +210,92 @@ func TestCleanupWalksTheIndex(t *testing.T) {
 			seq, fetched)
 	}
 }
+
+// TestCleanupWorkersOnACoordinator: on a Citus coordinator (the stand-in, whose two "workers"
+// run the command a coordinator sends them in sessions of their own, at once),
+// idem_cleanup_workers has every worker clean its own keys batch after batch until it is
+// drained, in one call: it reports the total and done, touches no live key, and the next call
+// finds nothing. Paced to a small duty with a short time, each worker stops at the time,
+// having deleted a small part, and says it is not done; the next calls finish the work.
+func TestCleanupWorkersOnACoordinator(t *testing.T) {
+	t.Parallel()
+	conn := pgtest.Connect(t, pgtest.NewDB(t))
+	pgtest.CitusStandIn(t, conn)
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 2000, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 750, true)
+	for _, rel := range []string{"idem.keys_w1", "idem.keys_w2"} {
+		pgtest.InsertKeys(t, conn, rel, "live", "live", 300, false)
+	}
+	pass := func(args string) (int64, bool) {
+		t.Helper()
+		var n int64
+		var done bool
+		if err := conn.QueryRow(context.Background(), `SELECT deleted, done FROM idem.idem_cleanup_workers(`+args+`)`).Scan(&n, &done); err != nil {
+			t.Fatalf("idem_cleanup_workers(%s): %v", args, err)
+		}
+		return n, done
+	}
+	if n, done := pass(`100, 1, '1 minute'`); n != 2750 || !done {
+		t.Fatalf("one pass: %d deleted, done %v; want 2750, done", n, done)
+	}
+	for _, rel := range []string{"idem.keys_w1", "idem.keys_w2"} {
+		if n := pgtest.Count(t, conn, `SELECT count(*) FROM `+rel+` WHERE expires_at <= now()`); n != 0 {
+			t.Fatalf("%s: %d expired keys left", rel, n)
+		}
+		if n := pgtest.Count(t, conn, `SELECT count(*) FROM `+rel+` WHERE principal_id = 'live'`); n != 300 {
+			t.Fatalf("%s: %d live keys, want 300", rel, n)
+		}
+	}
+	if n, done := pass(`100`); n != 0 || !done {
+		t.Fatalf("a pass with nothing to do: %d deleted, done %v", n, done)
+	}
+
+	// 200 batches of 100 on each worker; at a duty of 0.01 each batch is followed by a pause
+	// of 99 times its length, so 300 ms hold a few batches, far from all of them (at full
+	// speed they take about a second; at this duty, minutes).
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "more", 20_000, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "more", 20_000, true)
+	began := time.Now()
+	n, done := pass(`100, 0.01, '300 milliseconds'`)
+	if took := time.Since(began); n < 200 || n > 4000 || done || took > 10*time.Second {
+		t.Fatalf("a paced pass of 300 ms: %d deleted (want at least a batch on each worker, at most a tenth), done %v, in %v", n, done, took)
+	}
+	var total int64
+	for i := 0; i < 10 && !done; i++ {
+		var m int64
+		m, done = pass(`5000, 1, '1 minute'`)
+		total += m
+	}
+	if total+n != 40_000 || !done {
+		t.Fatalf("the passes after it deleted %d, done %v; want the %d left", total, done, 40_000-n)
+	}
+}
+
+// TestCleanupWorkersOnPlainPostgres: where there are no workers to ask, idem_cleanup_workers
+// returns no row and deletes nothing (the caller cleans with idem_cleanup); the procedure a
+// worker runs for it, cleanup_node, cleans the node's own keys batch after batch, each
+// committed, and stops at its time after at least one batch.
+func TestCleanupWorkersOnPlainPostgres(t *testing.T) {
+	t.Parallel()
+	conn := pgtest.Connect(t, pgtest.NewDB(t))
+	pgtest.InsertExpired(t, conn, "p", 1050)
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idem_cleanup_workers()`); n != 0 {
+		t.Fatalf("idem_cleanup_workers on plain PostgreSQL: %d rows, want none", n)
+	}
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys`); n != 1050 {
+		t.Fatalf("%d keys left, want the 1050: nothing deleted", n)
+	}
+	var result string
+	if err := conn.QueryRow(context.Background(), `CALL idem.cleanup_node(100, 1, 0.000001, NULL)`).Scan(&result); err != nil || result != "0:100:false" {
+		t.Fatalf("cleanup_node with no time: %q %v, want one batch, not drained (0:100:false)", result, err)
+	}
+	if err := conn.QueryRow(context.Background(), `CALL idem.cleanup_node(100, 0.5, 60, NULL)`).Scan(&result); err != nil || result != "0:950:true" {
+		t.Fatalf("cleanup_node: %q %v, want the other 950, drained (0:950:true)", result, err)
+	}
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys`); n != 0 {
+		t.Fatalf("%d keys left", n)
+	}
+	if _, err := conn.Exec(context.Background(), `BEGIN; CALL idem.cleanup_node(100, 1, 1, NULL)`); sqlstate(err) != "2D000" {
+		t.Fatalf("cleanup_node inside a transaction block: %v, want 2D000 (it cannot commit its batches there)", err)
+	}
+}

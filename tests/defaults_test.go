@@ -45,8 +45,10 @@ func TestDocumentedDefaultsAreTheSQLDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	batch := argDefault("idem_cleanup", "p_batch_size")
-	if b := argDefault("idem_cleanup_all", "p_batch_size"); b != batch {
-		t.Fatalf("idem_cleanup's batch size defaults to %s, idem_cleanup_all's to %s", batch, b)
+	for _, fn := range []string{"idem_cleanup_all", "idem_cleanup_workers"} {
+		if b := argDefault(fn, "p_batch_size"); b != batch {
+			t.Fatalf("idem_cleanup's batch size defaults to %s, %s's to %s", batch, fn, b)
+		}
 	}
 	rows, err := conn.Query(ctx, `SELECT p.proname, substr(c, length('lock_timeout=') + 1) FROM pg_proc p
 		JOIN pg_namespace n ON n.oid = p.pronamespace, unnest(p.proconfig) AS c

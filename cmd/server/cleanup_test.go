@@ -225,21 +225,61 @@ func TestCleanerHoldsOneConnection(t *testing.T) {
 	}
 }
 
-// TestCleanerCleansACoordinator: the server's cleaner, unchanged, empties the workers of a
-// Citus coordinator (a stand-in with two workers, pgtest.CitusStandIn): idem_cleanup fans out.
+// TestCleanerCleansACoordinator: the server's cleaner empties the workers of a Citus
+// coordinator (a stand-in with two workers, pgtest.CitusStandIn) through
+// idem_cleanup_workers, each worker cleaning its own keys, never through idem_cleanup's
+// rounds (here made to fail); a pass is skipped while another process holds the cleanup
+// lock, and then asks no worker.
 func TestCleanerCleansACoordinator(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
+	ctx := context.Background()
 	pgtest.CitusStandIn(t, s.pool)
+	pgtest.Exec(t, s.pool, `CREATE OR REPLACE FUNCTION idem.cleanup_on_workers(p_shares jsonb) RETURNS SETOF text LANGUAGE plpgsql
+		AS $$ BEGIN RAISE EXCEPTION 'a round of idem_cleanup on a coordinator'; END $$`)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "old", 1700, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "old", 450, true)
 	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "live", 30, false)
 	c := newCleaner(s.pool, 0, true, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if n, ran, err := c.pass(context.Background()); err != nil || !ran || n != 2150 {
+
+	holder, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, idem.CleanupLock); err != nil {
+		t.Fatal(err)
+	}
+	if n, ran, err := c.pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass while another holds the lock: %d, ran %v, %v; want skipped", n, ran, err)
+	}
+	_ = holder.Rollback(ctx)
+	if n := s.count(`SELECT (SELECT count(*) FROM idem.keys_w1) + (SELECT count(*) FROM idem.keys_w2)`); n != 2180 {
+		t.Fatalf("%d keys left on the workers after a skipped pass, want all 2180", n)
+	}
+
+	if n, ran, err := c.pass(ctx); err != nil || !ran || n != 2150 {
 		t.Fatalf("a pass on the coordinator: deleted %d, ran %v, %v; want 2150", n, ran, err)
 	}
 	if n := s.count(`SELECT (SELECT count(*) FROM idem.keys_w1) + (SELECT count(*) FROM idem.keys_w2)`); n != 30 {
 		t.Fatalf("%d keys left on the workers, want the 30 live ones", n)
+	}
+	if v, _ := c.metric("idem_cleanup_passes_total", "done"); v != 1 {
+		t.Fatalf("%v passes counted done, want 1", v)
+	}
+
+	// The vacuum's threshold is the workers' rows (50 + 2% of them), not the coordinator's own
+	// empty table's: 100 deletions among 20,000 keys wait for more.
+	if v := c.vacuums(); v != 1 {
+		t.Fatalf("%v vacuums after deleting 2150 keys, want 1", v)
+	}
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "more", 20_000, false)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "again", 100, true)
+	pgtest.Exec(t, s.pool, `ANALYZE idem.keys_w1, idem.keys_w2`)
+	if n, _, err := c.pass(ctx); err != nil || n != 100 {
+		t.Fatalf("a second pass: deleted %d, %v; want 100", n, err)
+	}
+	if v := c.vacuums(); v != 1 {
+		t.Fatalf("%v vacuums after 100 more deletions among 20,000 keys on the workers, want still 1", v)
 	}
 }
 

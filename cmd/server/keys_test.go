@@ -137,3 +137,32 @@ func grepLines(s, prefix string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// TestKeysOnACoordinator: on a Citus coordinator (a stand-in with two workers,
+// pgtest.CitusStandIn) the key gauges appear in /metrics with the whole cluster's figures,
+// and `server keys` answers, as the operator role, with the workers' size and backlog. Both
+// failed on a coordinator: idem_health could not be planned there.
+func TestKeysOnACoordinator(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	pgtest.CitusStandIn(t, s.pool)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w1", "a", "old", 120, true)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "old", 80, true)
+	pgtest.InsertKeys(t, s.pool, "idem.keys_w2", "b", "live", 30, false)
+	bytes := s.count(`SELECT pg_total_relation_size('idem.keys_w1') + pg_total_relation_size('idem.keys_w2')`)
+
+	metrics := s.call("GET", "/metrics", "", "", "").body
+	for _, want := range []string{"idempotency_cleanup_backlog 200\n", fmt.Sprintf("idempotency_key_table_bytes %d\n", bytes),
+		"idempotency_keys_in_progress 0\n", "idempotency_leases_run_out 0\n"} {
+		if !strings.Contains(metrics, want) {
+			t.Fatalf("/metrics on a coordinator lacks %q:\n%s", want, grepLines(metrics, "idempotency_"))
+		}
+	}
+	out, err := runCommand(t, loginRoleIn(t, s.db, "idem_operator"), "keys")
+	if err != nil || !strings.Contains(out, fmt.Sprintf("key table: %d bytes, cleanup backlog: 200", bytes)) {
+		t.Fatalf("server keys on a coordinator: %v\n%s", err, out)
+	}
+	if out, err := runCommand(t, loginRoleIn(t, s.db, "idem_operator"), "keys", "by-principal"); err != nil {
+		t.Fatalf("server keys by-principal on a coordinator: %v\n%s", err, out)
+	}
+}

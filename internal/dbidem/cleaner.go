@@ -142,6 +142,14 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 // another process holds the lock.
 const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
 
+// workersSQL is, under the cleanup lock, one pass of idem_cleanup_workers: locked tells
+// whether this transaction took the lock (the pass runs only then), and the array is
+// {deleted, done (0 or 1)}, or NULL where the database has no workers to ask (plain
+// PostgreSQL, a Citus worker) or the lock was not taken.
+const workersSQL = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY[w.deleted, w.done::integer]
+	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w) END
+	  FROM (SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0) AS l`
+
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own
 // transaction: a pass whose first batch finds another process's batch running is skipped,
@@ -149,6 +157,11 @@ const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_
 // cleans at a time. The pass holds at most one connection, and only while a statement runs:
 // with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
 // When ctx ends it stops and returns ctx's error.
+//
+// On a Citus coordinator the pass is passes of idem_cleanup_workers instead, each under the
+// lock: every worker cleans its own shards, paced to the cleaner's duty there, for up to
+// CleanupWorkersTime, in parallel, until every node is drained. The coordinator then pays one
+// round of new connections to the workers per CleanupWorkersTime, not per batch.
 func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	start := time.Now()
 	batch := c.batchSize
@@ -160,7 +173,18 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 		}
 		batch = d.BatchSize
 	}
-	total := 0
+	total, ran, workers, err := c.workersPass(ctx, batch)
+	if err != nil {
+		c.observer.PassEnded(failure(ctx), total, time.Since(start))
+		return total, true, classify(err)
+	}
+	if !ran {
+		c.observer.PassEnded(PassSkipped, 0, 0)
+		return 0, false, nil
+	}
+	if workers {
+		return c.finish(ctx, start, total, true)
+	}
 	for {
 		var n *int
 		began := time.Now()
@@ -184,9 +208,41 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 			return total, true, err
 		}
 	}
+	return c.finish(ctx, start, total, false)
+}
+
+// workersPass runs passes of idem_cleanup_workers under the cleanup lock until every node is
+// drained. It returns how many keys they deleted, whether the pass ran (false: another
+// process held the lock at the first), and whether the database has workers at all (false:
+// clean batch by batch here). A pass that finds the lock taken later stops there.
+func (c *Cleaner) workersPass(ctx context.Context, batch int) (total int, ran, workers bool, err error) {
+	for {
+		var locked bool
+		var r []int64
+		if err := c.db.QueryRow(ctx, workersSQL, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
+			CleanupLock).Scan(&locked, &r); err != nil {
+			return total, true, workers, err
+		}
+		switch {
+		case !locked:
+			return total, total > 0 || workers, workers, nil
+		case r == nil:
+			return total, true, false, nil
+		}
+		workers = true
+		total += int(r[0])
+		if r[1] == 1 {
+			return total, true, true, nil
+		}
+	}
+}
+
+// finish ends a pass that deleted total keys (from a Citus cluster's workers: workers): it
+// vacuums when due, and reports the pass.
+func (c *Cleaner) finish(ctx context.Context, start time.Time, total int, workers bool) (int, bool, error) {
 	var err error
 	if total > 0 && c.vacuum {
-		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)))
+		err = c.vacuumKeys(ctx, c.unvacuumed.Add(int64(total)), workers)
 	}
 	if err != nil {
 		c.observer.PassEnded(failure(ctx), total, time.Since(start))
@@ -214,8 +270,10 @@ func failure(ctx context.Context) string {
 // rarely happens, since each vacuum reads the whole of both indexes. VACUUM cannot run in a
 // transaction or a function, and on PostgreSQL 15 only the table's owner (or a member of its
 // role) may run it: a cleaner that connects as another role logs that once and leaves the
-// table to autovacuum.
-func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
+// table to autovacuum. On a Citus coordinator (workers) the table's rows are the estimate of
+// every shard's (idem_health), not the coordinator's own table's (empty), and VACUUM there
+// vacuums every shard on its worker.
+func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) error {
 	var owner bool
 	var threshold float64
 	if err := c.db.QueryRow(ctx, `
@@ -225,8 +283,10 @@ func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64) error {
 		                current_setting('autovacuum_vacuum_threshold'))::float8
 		     + coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
 		                  WHERE option_name = 'autovacuum_vacuum_scale_factor'),
-		                current_setting('autovacuum_vacuum_scale_factor'))::float8 * greatest(c.reltuples, 0)
-		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`).Scan(&owner, &threshold); err != nil {
+		                current_setting('autovacuum_vacuum_scale_factor'))::float8
+		       * CASE WHEN $1 THEN (SELECT h.estimated_keys FROM idem.idem_health() AS h)::float8
+		              ELSE greatest(c.reltuples, 0) END
+		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`, workers).Scan(&owner, &threshold); err != nil {
 		return err
 	}
 	if !owner {

@@ -38,6 +38,11 @@ const (
 
 	cleanupSQL = `SELECT idem.idem_cleanup(p_batch_size => $1::integer)`
 
+	// CleanupWorkersSQL is one pass of idem_cleanup_workers as one array, {deleted, done (0
+	// or 1)}: NULL where the database has no workers to ask (it returns no row there).
+	CleanupWorkersSQL = `SELECT (SELECT ARRAY[w.deleted, w.done::integer]
+	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w)`
+
 	defaultsSQL = `SELECT extract(epoch FROM ttl)::float8, extract(epoch FROM lock_timeout)::float8, batch_size
   FROM idem.idem_defaults()`
 )
@@ -211,7 +216,8 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 // API's default (Defaults.BatchSize). Pass a pool or a connection outside any transaction,
 // so that each batch is its own short transaction. When ctx ends first it returns the count
 // so far and ctx.Err(). Safe to run from several processes at once. It runs batch after batch
-// without a pause; CleanupPaced spreads them out.
+// without a pause; CleanupPaced spreads them out. On a Citus coordinator it runs passes of
+// CleanupWorkers instead: every worker cleans its own shards, in parallel.
 func Cleanup(ctx context.Context, q Querier, batchSize int) (int, error) {
 	return CleanupPaced(ctx, q, batchSize, 1)
 }
@@ -253,7 +259,7 @@ func Pace(ctx context.Context, duty float64, took time.Duration) error {
 }
 
 // CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
-// duty of the time (Pace).
+// duty of the time (Pace; on a Citus coordinator each worker paces its own batches).
 func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (int, error) {
 	if batchSize <= 0 {
 		d, err := ReadDefaults(ctx, q)
@@ -263,6 +269,16 @@ func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (
 		batchSize = d.BatchSize
 	}
 	total := 0
+	for {
+		n, done, ok, err := CleanupWorkers(ctx, q, batchSize, duty, CleanupWorkersTime)
+		total += int(n)
+		if err != nil || (ok && done) {
+			return total, err
+		}
+		if !ok {
+			break // no workers: batch by batch, here
+		}
+	}
 	for {
 		if err := ctx.Err(); err != nil {
 			return total, err
@@ -283,6 +299,44 @@ func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (
 			return total, err
 		}
 	}
+}
+
+// CleanupWorkersTime is how long one pass of CleanupWorkers lets the workers clean before
+// they report (and the caller asks again): long enough that the pass's round of new
+// connections to the workers (tens of milliseconds) costs little, short enough that a
+// coordinator's transaction, which waits for the pass, stays short.
+const CleanupWorkersTime = 10 * time.Second
+
+// CleanupWorkers runs one pass of idem_cleanup_workers: on a Citus coordinator every worker
+// deletes the expired keys of its own shards in batches of batchSize (each its own
+// transaction there), paced to duty (as Pace: 1 or more, or NaN, no pause; below
+// MinCleanupDuty counts as MinCleanupDuty), until it is drained or maxTime has passed, the
+// workers in parallel, each through one connection for the whole pass. It returns how many
+// keys the pass deleted and whether every node is drained (done); ok is false, and nothing
+// is deleted, where the database has no workers to ask (plain PostgreSQL, a Citus worker):
+// use Cleanup there. When ctx ends, the pass is cancelled on the workers too.
+func CleanupWorkers(ctx context.Context, q Querier, batchSize int, duty float64, maxTime time.Duration) (deleted int64, done, ok bool, err error) {
+	var r []int64
+	if err := q.QueryRow(ctx, CleanupWorkersSQL, batchSize, WorkerDuty(duty), maxTime).Scan(&r); err != nil {
+		if ctx.Err() != nil {
+			return 0, false, false, ctx.Err()
+		}
+		return 0, false, false, classify(err)
+	}
+	if r == nil {
+		return 0, false, false, nil
+	}
+	return r[0], r[1] == 1, true, nil
+}
+
+// WorkerDuty is duty as idem_cleanup_workers takes it (above 0, at most 1), with Pace's
+// rules: 1 or more, or NaN, is 1; below MinCleanupDuty (zero and negative ones included) is
+// MinCleanupDuty.
+func WorkerDuty(duty float64) float64 {
+	if !(duty < 1) {
+		return 1
+	}
+	return max(duty, MinCleanupDuty)
 }
 
 // Defaults are the SQL API's defaults, which a zero Claim.TTL, Claim.LockTimeout or

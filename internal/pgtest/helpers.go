@@ -2,11 +2,14 @@ package pgtest
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Querier is what the helpers need: a pool, a connection or a transaction.
@@ -66,15 +69,34 @@ func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 	t.Fatalf("never true: %s %v", sql, args)
 }
 
-// CitusStandIn makes the test's database behave, for cleanup, as a Citus coordinator with two
-// workers (groups 1 and 2) whose key relations are idem.keys_w1 and idem.keys_w2 (created here,
-// of the key table's shape): it replaces the four functions that read Citus' catalog or reach
-// the workers (idem.node_group, idem.worker_groups, idem.key_relations,
-// idem.cleanup_on_workers) with stand-ins, which run a "worker's" cleanup_share in the same
-// session with idem.test_group set to its group. Everything else, the fan-out of idem_cleanup included, is the real code.
+// CitusStandIn makes the test's database behave, for cleanup and for the operators' figures,
+// as a Citus coordinator with two workers (groups 1 and 2) whose key relations are
+// idem.keys_w1 and idem.keys_w2 (created here, of the key table's shape): it replaces the
+// functions that read Citus' catalog or reach the workers (idem.node_group,
+// idem.worker_groups, idem.key_relations, idem.cleanup_on_workers,
+// idem.cleanup_pass_on_workers, idem.figures_on_workers) with stand-ins. A "worker" is the
+// same database with idem.test_group set to its group: cleanup_on_workers and
+// figures_on_workers run its cleanup_share or key_figures in the calling session;
+// cleanup_pass_on_workers sends the command a coordinator sends (CALL idem.cleanup_node) to
+// two sessions of their own at once, through dblink (created here), as Citus does, so that
+// they commit batch by batch. Everything else, the fan-outs of idem_cleanup,
+// idem_cleanup_workers, idem_health and idem_summary included, is the real code. q is a
+// *pgx.Conn, a *pgxpool.Pool or a pgx.Tx (its connection string reaches the "workers").
 func CitusStandIn(t testing.TB, q Querier) {
 	t.Helper()
-	Exec(t, q, `CREATE TABLE idem.keys_w1 (LIKE idem.idempotency_keys INCLUDING ALL);
+	var url string
+	switch c := q.(type) {
+	case *pgx.Conn:
+		url = c.Config().ConnString()
+	case *pgxpool.Pool:
+		url = c.Config().ConnConfig.ConnString()
+	case pgx.Tx:
+		url = c.Conn().Config().ConnString()
+	default:
+		t.Fatalf("pgtest.CitusStandIn: %T: want a *pgx.Conn, a *pgxpool.Pool or a pgx.Tx", q)
+	}
+	Exec(t, q, `CREATE EXTENSION IF NOT EXISTS dblink;
+		CREATE TABLE idem.keys_w1 (LIKE idem.idempotency_keys INCLUDING ALL);
 		CREATE TABLE idem.keys_w2 (LIKE idem.idempotency_keys INCLUDING ALL);
 		CREATE OR REPLACE FUNCTION idem.node_group() RETURNS integer LANGUAGE sql STABLE
 			AS $$ SELECT coalesce(nullif(current_setting('idem.test_group', true), ''), '0')::integer $$;
@@ -94,7 +116,42 @@ func CitusStandIn(t testing.TB, q Querier) {
 				RETURN NEXT v_result;
 			END LOOP;
 			PERFORM set_config('idem.test_group', '0', true);
+		END $$;
+		CREATE OR REPLACE FUNCTION idem.figures_on_workers(p_counts boolean) RETURNS SETOF jsonb LANGUAGE plpgsql AS $$
+		DECLARE
+			v_group integer;
+			v_result jsonb;
+		BEGIN
+			FOREACH v_group IN ARRAY ARRAY[1, 2] LOOP
+				PERFORM set_config('idem.test_group', v_group::text, true);
+				v_result := idem.key_figures(idem.key_relations(), p_counts);
+				RETURN NEXT v_result;
+			END LOOP;
+			PERFORM set_config('idem.test_group', '0', true);
 		END $$`)
+	Exec(t, q, fmt.Sprintf(`CREATE OR REPLACE FUNCTION idem.cleanup_pass_on_workers(p_batch_size integer, p_duty double precision,
+			p_seconds double precision) RETURNS SETOF text LANGUAGE plpgsql AS $f$
+		DECLARE
+			v_group integer;
+			v_result text;
+		BEGIN
+			FOREACH v_group IN ARRAY ARRAY[1, 2] LOOP
+				PERFORM public.dblink_connect('idem_w' || v_group, %[1]s);
+				PERFORM public.dblink_exec('idem_w' || v_group, format('SET idem.test_group = %%s', v_group));
+				PERFORM public.dblink_send_query('idem_w' || v_group,
+					format('CALL idem.cleanup_node(%%s, %%L::float8, %%L::float8)', p_batch_size, p_duty, p_seconds));
+			END LOOP;
+			FOREACH v_group IN ARRAY ARRAY[1, 2] LOOP
+				SELECT r.p_result INTO v_result FROM public.dblink_get_result('idem_w' || v_group) AS r(p_result text);
+				PERFORM public.dblink_disconnect('idem_w' || v_group);
+				RETURN NEXT v_result;
+			END LOOP;
+		END $f$`, quoteLiteral(url)))
+}
+
+// quoteLiteral quotes s as an SQL string literal.
+func quoteLiteral(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
 }
 
 // InsertKeys writes n completed keys of principal into rel (idem.idempotency_keys or a

@@ -90,7 +90,7 @@ BEGIN
     SET LOCAL citus.enable_ddl_propagation = off;
     GRANT USAGE ON SCHEMA idem TO %1$I;
     GRANT EXECUTE ON FUNCTION idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release,
-        idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version TO %1$I;
+        idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version TO %1$I;
     GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO %1$I;
 END
 $do$
@@ -100,13 +100,19 @@ $cmd$, r.rolname))
    AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND r.oid = a.grantee;
 
 -- The functions that are not delegated run on the node they are called on: cleanup (on the
--- coordinator it asks every worker for its share, idem.cleanup_share), the defaults and the
--- version. Citus creates them on every worker with the others; this makes sure of it (a
--- NOTICE says when one is distributed already).
+-- coordinator it asks every worker for its share, idem.cleanup_share, or to clean its shards,
+-- idem.cleanup_node), the keys' figures (each worker reports its shards', idem.key_figures),
+-- the defaults and the version. Citus creates them on every worker with the others; this
+-- makes sure of it (a NOTICE says when one is distributed already).
 SELECT create_distributed_function(f::regprocedure)
   FROM unnest(ARRAY['idem.key_relations()', 'idem.cleanup_relations(regclass[],integer)', 'idem.node_group()',
                     'idem.worker_groups()', 'idem.cleanup_on_workers(jsonb)', 'idem.cleanup_share(jsonb)',
                     'idem.cleanup_workers(integer[],integer)', 'idem.idem_cleanup(integer)',
+                    'idem.cleanup_node(integer,double precision,double precision,text)',
+                    'idem.cleanup_pass_on_workers(integer,double precision,double precision)',
+                    'idem.idem_cleanup_workers(integer,double precision,interval)',
+                    'idem.key_figures(regclass[],boolean)', 'idem.figures_on_workers(boolean)',
+                    'idem.cluster_figures(boolean)',
                     'idem.idem_cleanup_all(integer,bigint)', 'idem.idem_defaults()', 'idem.idem_version()',
                     'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)']) AS f;
 

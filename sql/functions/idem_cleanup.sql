@@ -265,6 +265,152 @@ $$;
 COMMENT ON FUNCTION idem.cleanup_workers(integer[], integer) IS
     'Internal: deletes at most p_batch_size expired keys across these Citus workers, in rounds of equal shares. Used by idem_cleanup.';
 
+-- cleanup_node: on this node, deletes expired keys from the relations that hold them here,
+-- batch after batch, each batch committed, until a batch comes back short (drained) or
+-- p_seconds have passed (at least one batch); after each batch it pauses so that its batches
+-- take at most p_duty of the time (below 0.01 counts as 0.01, as dbidem.Pace). Returns
+-- 'group:deleted:drained'. What each Citus worker runs for idem_cleanup_workers, through
+-- cleanup_pass_on_workers: a procedure (so that it can commit), called outside any
+-- transaction block. Internal: SECURITY INVOKER without SET clauses (a procedure with either
+-- cannot commit); it calls only the schema-qualified internal functions, which run as the
+-- owner, and only the owner may call those.
+CREATE OR REPLACE PROCEDURE idem.cleanup_node(
+    p_batch_size integer,
+    p_duty       double precision,
+    p_seconds    double precision,
+    INOUT p_result text DEFAULT NULL)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_problem text;
+    v_until   timestamptz;
+    v_duty    double precision;
+    v_began   timestamptz;
+    v_pause   double precision;
+    v_n       integer;
+    v_deleted bigint := 0::bigint;
+BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_seconds IS NULL
+            THEN '22004 p_batch_size, p_duty and p_seconds must not be NULL'
+        WHEN p_batch_size < 1 OR NOT (p_duty > 0 AND p_duty <= 1) OR NOT (p_seconds > 0 AND p_seconds <= 3600)
+            THEN format('22023 p_batch_size must be at least 1, p_duty in (0, 1] and p_seconds in (0, 3600], got %s, %s, %s',
+                        p_batch_size, p_duty, p_seconds)
+    END;
+{{ template "include/raise.sql" "cleanup_node" }}
+    v_until := clock_timestamp() + make_interval(secs => p_seconds);
+    v_duty := greatest(p_duty, 0.01);
+    -- The coordinator waits on this session for the whole pass. Citus cancels the command
+    -- when the coordinator's statement is cancelled or its session ends; when the coordinator
+    -- goes away without a word (a crash, a lost network), end within a second, at the next
+    -- check, instead of cleaning on until p_seconds have passed.
+    PERFORM pg_catalog.set_config('client_connection_check_interval', '1000', false);
+    LOOP
+        v_began := clock_timestamp();
+        v_n := idem.cleanup_relations(idem.key_relations(), p_batch_size);
+        v_deleted := v_deleted + v_n;
+        COMMIT;
+        EXIT WHEN v_n < p_batch_size OR clock_timestamp() >= v_until;
+        IF v_duty < 1 THEN
+            v_pause := least(extract(epoch FROM clock_timestamp() - v_began)::double precision * (1 - v_duty) / v_duty,
+                             extract(epoch FROM v_until - clock_timestamp())::double precision);
+            PERFORM pg_catalog.pg_sleep(v_pause);
+            COMMIT; -- no snapshot held between batches
+            EXIT WHEN clock_timestamp() >= v_until;
+        END IF;
+    END LOOP;
+    p_result := coalesce(idem.node_group(), 0) || ':' || v_deleted || ':' || (v_n < p_batch_size);
+END
+$$;
+
+COMMENT ON PROCEDURE idem.cleanup_node(integer, double precision, double precision, text) IS
+    'Internal: on this node, deletes expired keys batch after batch, each committed and paced to p_duty, until drained or p_seconds have passed; returns group:deleted:drained. Run on every Citus worker by idem_cleanup_workers.';
+
+-- cleanup_pass_on_workers: asks every active primary worker to run cleanup_node (Citus'
+-- run_command_on_workers: the workers in parallel, each in a session of its own, outside any
+-- transaction block, so that it commits batch by batch) and returns their answers; raises when
+-- one of them failed. One round of new connections for the whole pass, not one per batch. As
+-- cleanup_on_workers, it runs nothing but cleanup there. Internal.
+CREATE OR REPLACE FUNCTION idem.cleanup_pass_on_workers(p_batch_size integer, p_duty double precision, p_seconds double precision)
+RETURNS SETOF text
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- @plpgsql_check_options: performance_warnings = false
+-- (it runs commands that write on the workers: VOLATILE, which the dynamic SQL hides)
+DECLARE
+    v_node    text;
+    v_port    integer;
+    v_success boolean;
+    v_result  text;
+BEGIN
+    FOR v_node, v_port, v_success, v_result IN
+        EXECUTE format('SELECT nodename::text, nodeport::integer, success, result FROM %I($1)', 'run_command_on_workers')
+        USING format('CALL idem.cleanup_node(%s, %L::float8, %L::float8)', p_batch_size, p_duty, p_seconds) LOOP
+        IF NOT v_success THEN
+            RAISE EXCEPTION 'idem cleanup: the worker %:% failed: %', v_node, v_port, v_result
+                USING ERRCODE = '58000';
+        END IF;
+        RETURN NEXT v_result;
+    END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idem.cleanup_pass_on_workers(integer, double precision, double precision) IS
+    'Internal: has every Citus worker run cleanup_node, in parallel, and returns their answers; raises when one fails. Used by idem_cleanup_workers.';
+
+-- idem_cleanup_workers: on a Citus coordinator, one pass of cleanup over the whole cluster:
+-- every worker deletes the expired keys of its own shards, batch after batch (each batch its
+-- own transaction there, paced to p_duty), until it is drained or p_max_time has passed, the
+-- workers in parallel, with one connection each for the whole pass (cleanup_node); shards on
+-- the coordinator itself lose one batch per call, in the caller's transaction. One row:
+-- how many keys it deleted, and done when every node is drained (call it again while not
+-- done). No row where there are no workers to ask (plain PostgreSQL, a Citus worker): call
+-- idem_cleanup there. So a caller can try this first everywhere.
+CREATE OR REPLACE FUNCTION idem.idem_cleanup_workers(
+    p_batch_size integer          DEFAULT {{ template "default_batch_size" }},
+    p_duty       double precision DEFAULT 1,
+    p_max_time   interval         DEFAULT interval '10 seconds',
+    OUT deleted  bigint,
+    OUT done     boolean)
+RETURNS SETOF record
+{{ template "include/attributes.sql" . }}
+AS $$
+-- @plpgsql_check_options: performance_warnings = false
+DECLARE
+    v_problem text;
+    v_result  text;
+BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_max_time IS NULL
+            THEN '22004 p_batch_size, p_duty and p_max_time must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+        WHEN NOT (p_duty > 0 AND p_duty <= 1)
+            THEN format('22023 p_duty must be above 0 and at most 1, got %s', p_duty)
+        WHEN p_max_time <= interval '0' OR p_max_time > interval '1 hour'
+            THEN format('22023 p_max_time must be above 0 and at most 1 hour, got %s', p_max_time)
+    END;
+{{ template "include/raise.sql" "idem_cleanup_workers" }}
+    IF cardinality(idem.worker_groups()) = 0 THEN
+        RETURN;
+    END IF;
+    deleted := idem.cleanup_relations(idem.key_relations(), p_batch_size);
+    done := deleted < p_batch_size;
+    FOR v_result IN SELECT r FROM idem.cleanup_pass_on_workers(p_batch_size, p_duty,
+                                                               extract(epoch FROM p_max_time)::double precision) AS r LOOP
+        deleted := deleted + split_part(v_result, ':', 2)::bigint;
+        done := done AND split_part(v_result, ':', 3)::boolean;
+    END LOOP;
+    RETURN NEXT;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_cleanup_workers(integer, double precision, interval) IS
+    'On a Citus coordinator: every worker cleans its shards in batches, paced to p_duty, until drained or p_max_time has passed, in parallel; returns deleted and done. No row elsewhere (use idem_cleanup). See docs/sql-api.md.';
+
 -- idem_cleanup: one batch: from the relations that hold keys on this node and, on a Citus
 -- coordinator, from the workers' (cleanup_workers). Returns how many rows it deleted; call it
 -- again until the count is smaller than the batch size. Safe to run from several sessions at
@@ -301,17 +447,40 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
 -- procedure that commits). For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
--- transaction block. SECURITY INVOKER without SET clauses, because a procedure with either
--- cannot commit; it calls only the schema-qualified idem_cleanup, which runs as the owner.
+-- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
+-- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
+-- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
+-- cannot commit; it calls only the schema-qualified idem_cleanup_workers and idem_cleanup,
+-- which run as the owner.
 CREATE OR REPLACE PROCEDURE idem.idem_cleanup_all(
     p_batch_size integer DEFAULT {{ template "default_batch_size" }},
     INOUT p_deleted bigint DEFAULT NULL)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_n integer;
+    v_n       integer;
+    v_deleted bigint;
+    v_done    boolean;
+    v_problem text;
 BEGIN
+    v_problem := CASE
+        WHEN p_batch_size IS NULL
+            THEN '22004 p_batch_size must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+    END;
+{{ template "include/raise.sql" "idem_cleanup_all" }}
     p_deleted := 0;
+    LOOP
+        SELECT w.deleted, w.done INTO v_deleted, v_done
+          FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
+        EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
+        p_deleted := p_deleted + v_deleted;
+        COMMIT;
+        IF v_done THEN
+            RETURN;
+        END IF;
+    END LOOP;
     LOOP
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted + v_n;

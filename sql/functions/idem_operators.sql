@@ -6,7 +6,9 @@
 -- claim is seen only once completed) and the oldest of them, the leases that ran out (their
 -- work is dead, or a retry will take them over), the expired keys not cleaned up yet (the
 -- cleanup backlog) and the table's size; per principal on request. Exact: it reads the whole
--- table (seconds on tens of millions of keys); a monitor calls idem_health instead.
+-- table (seconds on tens of millions of keys); a monitor calls idem_health instead. On a Citus
+-- coordinator the counts come from the distributed table and the size is every node's
+-- (cluster_figures).
 CREATE OR REPLACE FUNCTION idem.idem_summary(
     p_by_principal boolean DEFAULT false,
     OUT principal_id           text,
@@ -30,7 +32,7 @@ DECLARE
     v_bytes bigint;
 BEGIN
     p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
-    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint INTO v_bytes FROM unnest(idem.key_relations()) AS r;
+    SELECT coalesce(sum((f ->> 'table_bytes')::bigint), 0)::bigint INTO v_bytes FROM idem.cluster_figures(false) AS f;
     RETURN QUERY
     SELECT CASE WHEN p_by_principal THEN k.principal_id END,
            count(*),
@@ -60,7 +62,9 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- idem_health: the cheap part of the summary, for a monitor that asks every few seconds: the
 -- claims in progress, the oldest of them and the leases that ran out (through the index on
 -- claimed_at, which holds lease claims only), the cleanup backlog (through the index on
--- expires_at, counted up to a million), the table's size and its estimated keys.
+-- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
+-- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
+-- cluster_figures) and they are added up.
 CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT in_progress            bigint,
     OUT leases_run_out         bigint,
@@ -74,22 +78,13 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_now timestamptz := clock_timestamp();
 BEGIN
-    SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= v_now), min(k.claimed_at)
-      INTO in_progress, leases_run_out, oldest_in_progress_at
-      FROM idem.idempotency_keys AS k
-     WHERE k.claimed_at IS NOT NULL AND k.state = 'p';
-    oldest_in_progress_age := v_now - oldest_in_progress_at;
-    SELECT count(*) INTO cleanup_backlog
-      FROM (SELECT FROM idem.idempotency_keys AS k
-             WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
-             LIMIT 1000000) AS backlog;
-    SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint, coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
-      INTO table_bytes, estimated_keys
-      FROM unnest(idem.key_relations()) AS r
-      JOIN pg_catalog.pg_class AS c ON c.oid = r;
+    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
+           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
+           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
+      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
+      FROM idem.cluster_figures(true) AS f;
+    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
 END
 $$;
 

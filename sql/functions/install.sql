@@ -31,6 +31,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
 {{ template "idem_version.sql" . }}
+{{ template "key_figures.sql" . }}
 {{ template "idem_operators.sql" . }}
 {{ template "idem_stuck.sql" . }}
 
@@ -39,7 +40,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_extend, idem.idem_cleanup, idem.idem_defaults, idem.idem_version
+    idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

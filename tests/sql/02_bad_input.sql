@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(57);
+SELECT plan(64);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -58,7 +58,14 @@ INSERT INTO bad VALUES
  ('release', $$SELECT idem.idem_release('p', 'k', NULL)$$, '22004'),
  ('release', $$SELECT idem.idem_release(NULL, 'k', 1)$$, '22004'),
  ('cleanup', $$SELECT idem.idem_cleanup(0)$$, '22023'),
- ('cleanup', $$SELECT idem.idem_cleanup(NULL)$$, '22004');
+ ('cleanup', $$SELECT idem.idem_cleanup(NULL)$$, '22004'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(0)$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 0)$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 1.5)$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 'NaN')$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 1, '0 s')$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 1, '2 hours')$$, '22023'),
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, NULL)$$, '22004');
 
 SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
 SELECT throws_ok($$SELECT idem.idem_cleanup(0)$$, '22023', 'idem_cleanup: p_batch_size must be at least 1, got 0',

@@ -1,7 +1,7 @@
 -- idem_app may call the API and nothing else; PUBLIC may call nothing; no role but the
 -- owner may touch the key table, so the functions are its only writers.
 BEGIN;
-SELECT plan(27);
+SELECT plan(33);
 
 CREATE ROLE idem_test_stranger NOLOGIN;
 
@@ -18,11 +18,16 @@ SELECT ok(has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may execut
     'idem.idem_key(text,text)',
     'idem.idem_cleanup(integer)',
     'idem.idem_cleanup_all(integer,bigint)',
+    'idem.idem_cleanup_workers(integer,double precision,interval)',
     'idem.idem_defaults()']) AS f;
 SELECT ok(NOT has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may not execute the internal ' || f)
   FROM unnest(ARRAY['idem.cleanup_relations(regclass[],integer)', 'idem.key_relations()', 'idem.cleanup_share(jsonb)',
                     'idem.cleanup_workers(integer[],integer)', 'idem.cleanup_on_workers(jsonb)', 'idem.worker_groups()',
-                    'idem.node_group()', 'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)']) AS f;
+                    'idem.node_group()', 'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)',
+                    'idem.cleanup_node(integer,double precision,double precision,text)',
+                    'idem.cleanup_pass_on_workers(integer,double precision,double precision)',
+                    'idem.key_figures(regclass[],boolean)', 'idem.figures_on_workers(boolean)',
+                    'idem.cluster_figures(boolean)']) AS f;
 SELECT is((SELECT count(*) FROM pg_class c, aclexplode(c.relacl) a
             WHERE c.relnamespace = 'idem'::regnamespace AND c.relkind IN ('r', 'S') AND a.grantee <> c.relowner), 0::bigint,
     'no role but the owner holds any privilege on a table or sequence of schema idem');

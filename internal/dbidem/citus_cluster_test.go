@@ -1,0 +1,156 @@
+//go:build citus
+
+package dbidem_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// TestCitusErrorForms: on a real Citus cluster (make test-citus, CITUS_URL), the errors that
+// reach a client through the coordinator have the forms recorded in citus_test.go, and the
+// driver gives each the sentinel it gives on one PostgreSQL: the commit guard's refusal in
+// its one-phase form (XX000, a transaction on one worker) and its two-phase form (23503, on
+// two workers), an unknown principal (23503 from a worker), a wait on a key past the lock
+// timeout, a lost claim; and another table's foreign key failing at a worker's COMMIT is none
+// of them.
+func TestCitusErrorForms(t *testing.T) {
+	db := pgtest.CitusDB(t)
+	pgtest.CitusInstall(t, db)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	// The application's principals, referenced from the key table: a reference table, before
+	// distribute.sql (docs/scale-out.md, "Your principals table").
+	pgtest.Exec(t, pool, `CREATE TABLE public.principals (id text PRIMARY KEY)`)
+	pgtest.Exec(t, pool, `SELECT create_reference_table('public.principals')`)
+	pgtest.Exec(t, pool, `ALTER TABLE idem.idempotency_keys ADD CONSTRAINT idempotency_keys_principal_fkey
+		FOREIGN KEY (principal_id) REFERENCES public.principals (id) ON DELETE CASCADE NOT VALID`)
+	pgtest.CitusDistribute(t, db)
+	pgtest.Exec(t, pool, `INSERT INTO public.principals SELECT 'p' || i FROM generate_series(0, 99) AS i`)
+	// Another table of the application, co-located with the keys, with a deferred foreign key.
+	pgtest.Exec(t, pool, `CREATE TABLE public.parents (principal_id text, id int, PRIMARY KEY (principal_id, id));
+		CREATE TABLE public.children (principal_id text, parent int,
+			FOREIGN KEY (principal_id, parent) REFERENCES public.parents DEFERRABLE INITIALLY DEFERRED)`)
+	pgtest.Exec(t, pool, `SELECT create_distributed_table('public.parents', 'principal_id', colocate_with => 'idem.idempotency_keys')`)
+	pgtest.Exec(t, pool, `SELECT create_distributed_table('public.children', 'principal_id', colocate_with => 'idem.idempotency_keys')`)
+
+	// Two principals whose keys live on two different workers.
+	var a, b string
+	if err := pool.QueryRow(ctx, `WITH p AS (
+		SELECT 'p' || i AS id, (SELECT nodeport FROM citus_shards
+		    WHERE shardid = get_shard_id_for_distribution_column('idem.idempotency_keys', 'p' || i)) AS port
+		  FROM generate_series(0, 99) AS i)
+		SELECT (SELECT min(id) FROM p WHERE port = (SELECT min(port) FROM p)), (SELECT min(id) FROM p WHERE port = (SELECT max(port) FROM p))`).Scan(&a, &b); err != nil {
+		t.Fatal(err)
+	}
+	if a == b {
+		t.Fatal("no two principals on two workers")
+	}
+	at := func(principal, key string) dbidem.Claim {
+		c := claim(key, `{}`)
+		c.Principal = principal
+		return c
+	}
+	pgErr := func(err error) *pgconn.PgError {
+		var e *pgconn.PgError
+		if !errors.As(err, &e) {
+			t.Fatalf("%v: not a PostgreSQL error", err)
+		}
+		return e
+	}
+
+	// The guard, one worker: one-phase commit, XX000.
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		_, err := tx.Claim(ctx, at(a, "forgot"))
+		return err
+	})
+	if e := pgErr(err); !errors.Is(err, dbidem.ErrClaimNotCompleted) || e.Code != "XX000" || e.Routine != "ErrorIfPostCommitFailedShardPlacements" {
+		t.Fatalf("a claim committed without its completion, on one worker: %v (%s %s), want ErrClaimNotCompleted from XX000", err, e.Code, e.Routine)
+	}
+	// The guard, two workers (the claim on one, the work on another): two-phase commit, the
+	// worker's 23503.
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		if _, err := tx.Claim(ctx, at(a, "forgot2")); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO public.parents VALUES ($1, 1)`, b)
+		return err
+	})
+	if e := pgErr(err); !errors.Is(err, dbidem.ErrClaimNotCompleted) || e.Code != "23503" || e.ConstraintName != "" {
+		t.Fatalf("claims committed without completion, on two workers: %v (%s %q), want ErrClaimNotCompleted from a worker's 23503", err, e.Code, e.ConstraintName)
+	}
+	if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM idem.idempotency_keys) + (SELECT count(*) FROM public.parents)`); n != 0 {
+		t.Fatalf("%d rows after the refused commits", n)
+	}
+
+	// An unknown principal: the worker's 23503, without table or constraint.
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		_, err := tx.Claim(ctx, at("mallory", "k"))
+		return err
+	})
+	if e := pgErr(err); !errors.Is(err, dbidem.ErrUnknownPrincipal) || e.Code != "23503" || e.TableName != "" {
+		t.Fatalf("an unknown principal: %v (%s %q), want ErrUnknownPrincipal from a worker's 23503", err, e.Code, e.TableName)
+	}
+
+	// A holder of the key past the lock timeout.
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := dbidem.Begin(ctx, holder, at(a, "busy")); err != nil {
+		t.Fatal(err)
+	}
+	busy := at(a, "busy")
+	busy.LockTimeout = 200 * time.Millisecond
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		_, err := tx.Claim(ctx, busy)
+		return err
+	})
+	if !errors.Is(err, dbidem.ErrInProgress) || !dbidem.IsKeyWait(err) {
+		t.Fatalf("a wait on a held key: %v, want ErrInProgress, a wait on the key", err)
+	}
+	_ = holder.Rollback(ctx)
+
+	// A lost claim: a completion with another token.
+	d, err := dbidem.Begin(ctx, pool, func() dbidem.Claim { c := at(b, "lease"); c.Lease = time.Minute; return c }())
+	if err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("a lease claim: %+v %v", d, err)
+	}
+	err = dbidem.Complete(ctx, pool, b, "lease", d.Attempt+1, dbidem.Response{Status: 200})
+	if e := pgErr(err); !errors.Is(err, dbidem.ErrClaimLost) || e.Code != "55000" {
+		t.Fatalf("a completion with another token: %v, want ErrClaimLost (55000)", err)
+	}
+
+	// Another table's deferred foreign key failing at the worker's COMMIT, the claim completed:
+	// Citus' XX000, and none of the driver's sentinels.
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		if _, err := tx.Claim(ctx, at(a, "effect")); err != nil {
+			return err
+		}
+		tx.CompleteOnCommit(dbidem.Response{Status: 201})
+		_, err := tx.Exec(ctx, `INSERT INTO public.children VALUES ($1, 42)`, a)
+		return err
+	})
+	if err == nil || errors.Is(err, dbidem.ErrClaimNotCompleted) || errors.Is(err, dbidem.ErrUnknownPrincipal) || errors.Is(err, dbidem.ErrCommitUnknown) {
+		t.Fatalf("another table's foreign key at COMMIT: %v, want the error itself", err)
+	}
+	if e := pgErr(err); e.Code != "XX000" && e.Code != "23503" {
+		t.Fatalf("another table's foreign key at COMMIT: %s %s", e.Code, e.Message)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'effect'`); n != 0 {
+		t.Fatalf("the claim of the refused transaction committed (%d rows)", n)
+	}
+}
