@@ -27,8 +27,14 @@ GRANT USAGE ON SEQUENCE provider.payout_ref_seq TO "{{.app_role}}";
 -- The ledger records a payout once per principal and provider reference: a payout of one
 -- principal is never attached to another principal's row (it was once per reference alone, and
 -- the provider's references restarted with the process).
-ALTER TABLE ledger.payouts DROP CONSTRAINT payouts_provider_ref_key;
-ALTER TABLE ledger.payouts ADD CONSTRAINT payouts_principal_provider_ref_key UNIQUE (principal_id, provider_ref);
+-- In a block: on Citus, where ledger.payouts is a reference table, each statement then reaches
+-- the workers on its own (Citus refuses to pass on a text of several commands).
+DO $$
+BEGIN
+    ALTER TABLE ledger.payouts DROP CONSTRAINT payouts_provider_ref_key;
+    ALTER TABLE ledger.payouts ADD CONSTRAINT payouts_principal_provider_ref_key UNIQUE (principal_id, provider_ref);
+END
+$$;
 
 ---- create above / drop below ----
 
