@@ -2,6 +2,7 @@ package history
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -23,6 +24,11 @@ type Result struct {
 	Inconclusive []string
 	// Dir is where the artifacts were written ("" when there was nothing to write).
 	Dir string
+	// Took is how long the check took, explanations included; Slowest is the key whose
+	// check took longest, and how long.
+	Took        time.Duration
+	Slowest     string
+	SlowestTook time.Duration
 }
 
 // Violation is one key whose history the model does not allow.
@@ -78,19 +84,22 @@ func ArtifactsDir() string {
 // against the model with porcupine, in parallel, and for every key it finds illegal writes the
 // timeline and porcupine's HTML visualisation (with the faults as annotations) under
 // Options.Dir/<Name>-<time>/.
-func Check(h *History, o Options) Result {
+func Check(h *History, o Options) (res Result) {
 	if o.Timeout == 0 {
 		o.Timeout = 30 * time.Second
 	}
 	if o.MaxHTML == 0 {
 		o.MaxHTML = 20
 	}
+	started := time.Now()
 	model := Model()
 	parts := partition(h.Operations())
-	res := Result{Keys: len(parts)}
+	res = Result{Keys: len(parts)}
+	defer func() { res.Took = time.Since(started) }()
 	type verdict struct {
 		ops    []porcupine.Operation
 		result porcupine.CheckResult
+		took   time.Duration
 	}
 	verdicts := make([]verdict, len(parts))
 	var wg sync.WaitGroup
@@ -100,7 +109,9 @@ func Check(h *History, o Options) Result {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				verdicts[i] = verdict{parts[i], porcupine.CheckOperationsTimeout(model, parts[i], o.Timeout)}
+				began := time.Now()
+				r := porcupine.CheckOperationsTimeout(model, parts[i], o.Timeout)
+				verdicts[i] = verdict{parts[i], r, time.Since(began)}
 			}
 		}()
 	}
@@ -113,13 +124,18 @@ func Check(h *History, o Options) Result {
 	faults := h.Faults()
 	for _, v := range verdicts {
 		key := v.ops[0].Input.(Input).Key
+		if v.took > res.SlowestTook {
+			res.Slowest, res.SlowestTook = key, v.took
+		}
 		switch v.result {
 		case porcupine.Illegal:
-			res.Violations = append(res.Violations, Violation{Key: key, Kinds: Causes(v.ops, o.Timeout), Timeline: Timeline(v.ops, faults)})
+			timeline, kinds, _ := explain(v.ops, faults, o.Timeout)
+			res.Violations = append(res.Violations, Violation{Key: key, Kinds: kinds, Timeline: timeline})
 		case porcupine.Unknown:
 			res.Inconclusive = append(res.Inconclusive, key)
 		}
 	}
+	res.Violations = append(res.Violations, sharedProviderKeys(parts)...)
 	slices.SortFunc(res.Violations, func(a, b Violation) int { return strings.Compare(a.Key, b.Key) })
 	all := o.All || os.Getenv("HISTORY_TIMELINES") == "all"
 	if len(res.Violations) == 0 && !all {
@@ -155,11 +171,42 @@ func Check(h *History, o Options) Result {
 	}
 	var every strings.Builder
 	for _, p := range parts {
-		every.WriteString(Timeline(p, faults))
+		timeline, _, _ := explain(p, faults, o.Timeout)
+		every.WriteString(timeline)
 		every.WriteString("\n")
 	}
 	_ = os.WriteFile(filepath.Join(res.Dir, "all-timelines.txt"), []byte(every.String()), 0o644)
 	return res
+}
+
+// sharedKind is the kind of violation that no one key's history shows.
+const sharedKind = "a provider key shared by two keys"
+
+// sharedProviderKeys finds provider keys that answers under two different keys reported: a
+// provider key belongs to one generation of one key of one principal. It is the one promise
+// that crosses partitions, so it is checked here rather than by the model.
+func sharedProviderKeys(parts [][]porcupine.Operation) []Violation {
+	owners := map[string]map[string]bool{}
+	for _, p := range parts {
+		for _, op := range p {
+			if pk := op.Output.(Output).ProviderKey; pk != "" {
+				if owners[pk] == nil {
+					owners[pk] = map[string]bool{}
+				}
+				owners[pk][op.Input.(Input).Key] = true
+			}
+		}
+	}
+	var out []Violation
+	for _, pk := range slices.Sorted(maps.Keys(owners)) {
+		if len(owners[pk]) < 2 {
+			continue
+		}
+		keys := slices.Sorted(maps.Keys(owners[pk]))
+		out = append(out, Violation{Key: strings.Join(keys, " + "), Kinds: []string{sharedKind},
+			Timeline: fmt.Sprintf("keys %s: NOT allowed: each reported provider key %s\n", strings.Join(keys, ", "), pk)})
+	}
+	return out
 }
 
 func firstNonEmpty(a, b string) string {
@@ -231,7 +278,14 @@ func Causes(ops []porcupine.Operation, timeout time.Duration) []string {
 	if porcupine.CheckOperationsTimeout(Model(), ops, timeout) != porcupine.Illegal {
 		return nil
 	}
-	legalWithout := func(r rule) bool { return porcupine.CheckOperationsTimeout(relaxing(r), ops, timeout) == porcupine.Ok }
+	return causesOf(ops, timeout)
+}
+
+// causesOf is Causes for a history known to be illegal.
+func causesOf(ops []porcupine.Operation, timeout time.Duration) []string {
+	legalWithout := func(r rule) bool {
+		return porcupine.CheckOperationsTimeout(relaxing(r), ops, timeout/4) == porcupine.Ok
+	}
 	var kinds []string
 	for _, k := range ruleKinds {
 		if legalWithout(k.r) {
@@ -254,8 +308,15 @@ func Causes(ops []porcupine.Operation, timeout time.Duration) []string {
 // when it is illegal, which promises it breaks (Causes) and why the operations no
 // linearization could place fit nowhere.
 func Timeline(ops []porcupine.Operation, faults []Fault) string {
+	timeline, _, _ := explain(ops, faults, 30*time.Second)
+	return timeline
+}
+
+// explain is Timeline, with the causes of a violation (causesOf; none for a legal key) and
+// porcupine's verdict.
+func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (string, []string, porcupine.CheckResult) {
 	model := Model()
-	result, info := porcupine.CheckOperationsVerbose(model, ops, 30*time.Second)
+	result, info := porcupine.CheckOperationsVerbose(model, ops, timeout)
 	var longest []int
 	if partials := info.PartialLinearizations(); len(partials) > 0 {
 		for _, l := range partials[0] {
@@ -298,7 +359,7 @@ func Timeline(ops []porcupine.Operation, faults []Fault) string {
 	switch result {
 	case porcupine.Illegal:
 		verdict = fmt.Sprintf("NOT linearizable; %d of %d operations placed", len(longest), len(ops))
-		causes = Causes(ops, 30*time.Second)
+		causes = causesOf(ops, timeout)
 	case porcupine.Unknown:
 		verdict = "undecided (porcupine timed out)"
 	}
@@ -334,7 +395,7 @@ func Timeline(ops []porcupine.Operation, faults []Fault) string {
 		}
 	}
 	if result != porcupine.Illegal {
-		return b.String()
+		return b.String(), nil, result
 	}
 	fmt.Fprintf(&b, "   state after the placed operations: %s\n", describeStates(states))
 	causeRules := rule(0)
@@ -374,7 +435,7 @@ func Timeline(ops []porcupine.Operation, faults []Fault) string {
 		}
 		fmt.Fprintf(&b, "   why c%d at %s (%s) fits nowhere: %s\n", in.Client, at(int64(in.Call)), out.Outcome, strings.Join(why, "; "))
 	}
-	return b.String()
+	return b.String(), causes, result
 }
 
 func describeOutput(out Output) string {
@@ -396,7 +457,11 @@ func describeOutput(out Output) string {
 
 func describeStates(states []state) string {
 	var d []string
-	for _, s := range states {
+	for i, s := range states {
+		if i == 4 {
+			d = append(d, fmt.Sprintf("and %d more", len(states)-i))
+			break
+		}
 		d = append(d, s.describe())
 	}
 	return "{" + strings.Join(d, "; ") + "}"

@@ -31,6 +31,7 @@
 package history
 
 import (
+	"encoding/binary"
 	"fmt"
 	"hash/fnv"
 	"slices"
@@ -192,6 +193,25 @@ type state struct {
 	pastPKs     string
 	pastEffects string
 	pastUnknown int
+}
+
+// hash is a hash of every field (equal states hash alike).
+func (s state) hash() uint64 {
+	h := fnv.New64a()
+	var b [8]byte
+	releasable := int64(0)
+	if s.releasable {
+		releasable = 1
+	}
+	for _, n := range []int64{int64(s.phase), int64(s.gen), s.since, s.ttl, int64(s.pastUnknown), releasable} {
+		binary.LittleEndian.PutUint64(b[:], uint64(n))
+		h.Write(b[:])
+	}
+	for _, str := range []string{s.fp, s.answer, s.pk, s.effect, s.pastPKs, s.pastEffects} {
+		h.Write([]byte(str))
+		h.Write([]byte{0xff})
+	}
+	return h.Sum64()
 }
 
 func (s state) describe() string {
@@ -587,12 +607,8 @@ func relaxing(relaxed rule) porcupine.Model {
 			}
 			return res
 		},
-		Equal: func(a, b interface{}) bool { return a.(state) == b.(state) },
-		Hash: func(st interface{}) uint64 {
-			h := fnv.New64a()
-			fmt.Fprintf(h, "%v", st.(state))
-			return h.Sum64()
-		},
+		Equal:             func(a, b interface{}) bool { return a.(state) == b.(state) },
+		Hash:              func(st interface{}) uint64 { return st.(state).hash() },
 		DescribeOperation: func(in, out interface{}) string { return describeOp(in.(Input), out.(Output)) },
 		DescribeState:     func(st interface{}) string { return st.(state).describe() },
 	}

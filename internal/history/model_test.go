@@ -233,6 +233,22 @@ func TestModelRejects(t *testing.T) {
 	}
 }
 
+// TestSharedProviderKey: a provider key reported under two keys is a violation no one key's
+// history shows.
+func TestSharedProviderKey(t *testing.T) {
+	t.Parallel()
+	h := New()
+	for _, k := range []string{"alice/a", "bob/a"} {
+		op := h.Begin(Input{Key: k, Client: h.Client(), Request: "pay 5", Fingerprint: "pay 5", Route: Leased, TTL: time.Minute, Lease: time.Second})
+		op.End(Output{Outcome: Answered, Status: 201, Body: "po", ProviderKey: "pk-1"})
+	}
+	h.Close()
+	res := Check(h, Options{Name: "TestSharedProviderKey", Dir: t.TempDir()})
+	if len(res.Violations) != 1 || res.Violations[0].Kinds[0] != sharedKind || !strings.Contains(res.Violations[0].Timeline, "pk-1") {
+		t.Fatalf("%+v", res.Violations)
+	}
+}
+
 // TestCheckReports: Check finds the illegal key among legal ones, and writes its timeline and
 // porcupine's visualisation where it says.
 func TestCheckReports(t *testing.T) {
