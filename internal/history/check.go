@@ -97,10 +97,13 @@ func Check(h *History, o Options) (res Result) {
 	res = Result{Keys: len(parts)}
 	defer func() { res.Took = time.Since(started) }()
 	type verdict struct {
-		ops    []porcupine.Operation
-		result porcupine.CheckResult
-		took   time.Duration
+		ops      []porcupine.Operation
+		result   porcupine.CheckResult
+		took     time.Duration
+		timeline string
+		kinds    []string
 	}
+	faults := h.Faults()
 	verdicts := make([]verdict, len(parts))
 	var wg sync.WaitGroup
 	work := make(chan int)
@@ -110,8 +113,12 @@ func Check(h *History, o Options) (res Result) {
 			defer wg.Done()
 			for i := range work {
 				began := time.Now()
-				r := porcupine.CheckOperationsTimeout(model, parts[i], o.Timeout)
-				verdicts[i] = verdict{parts[i], r, time.Since(began)}
+				v := verdict{ops: parts[i], result: porcupine.CheckOperationsTimeout(model, parts[i], o.Timeout)}
+				v.took = time.Since(began)
+				if v.result == porcupine.Illegal {
+					v.timeline, v.kinds, _ = explain(parts[i], faults, o.Timeout)
+				}
+				verdicts[i] = v
 			}
 		}()
 	}
@@ -121,7 +128,6 @@ func Check(h *History, o Options) (res Result) {
 	}
 	close(work)
 	wg.Wait()
-	faults := h.Faults()
 	for _, v := range verdicts {
 		key := v.ops[0].Input.(Input).Key
 		if v.took > res.SlowestTook {
@@ -129,8 +135,7 @@ func Check(h *History, o Options) (res Result) {
 		}
 		switch v.result {
 		case porcupine.Illegal:
-			timeline, kinds, _ := explain(v.ops, faults, o.Timeout)
-			res.Violations = append(res.Violations, Violation{Key: key, Kinds: kinds, Timeline: timeline})
+			res.Violations = append(res.Violations, Violation{Key: key, Kinds: v.kinds, Timeline: v.timeline})
 		case porcupine.Unknown:
 			res.Inconclusive = append(res.Inconclusive, key)
 		}
@@ -272,34 +277,57 @@ func window(ops []porcupine.Operation) (from, to int64) {
 }
 
 // Causes says which promises a key's illegal history breaks: the rules whose relaxation alone
-// (or, when none does, two at once) makes it legal. Empty when it is legal, or when only
-// relaxing more than two rules would do.
+// (or, when none does, together with one other) makes it legal, among those the first
+// operation that fits nowhere was refused by. Empty when the history is legal, or when no such
+// rule or pair explains it.
 func Causes(ops []porcupine.Operation, timeout time.Duration) []string {
-	if porcupine.CheckOperationsTimeout(Model(), ops, timeout) != porcupine.Illegal {
-		return nil
-	}
-	return causesOf(ops, timeout)
+	_, causes, _ := explain(ops, nil, timeout)
+	return causes
 }
 
-// causesOf is Causes for a history known to be illegal.
-func causesOf(ops []porcupine.Operation, timeout time.Duration) []string {
+// causesOf tries the candidate rules alone, then, when none is enough, each with any other
+// rule.
+func causesOf(ops []porcupine.Operation, candidates rule, timeout time.Duration) []string {
 	legalWithout := func(r rule) bool {
-		return porcupine.CheckOperationsTimeout(relaxing(r), ops, timeout/4) == porcupine.Ok
+		return porcupine.CheckOperationsTimeout(relaxing(r), ops, timeout) == porcupine.Ok
 	}
 	var kinds []string
 	for _, k := range ruleKinds {
-		if legalWithout(k.r) {
+		if candidates&k.r != 0 && legalWithout(k.r) {
 			kinds = append(kinds, k.kind)
 		}
 	}
-	for i := 0; len(kinds) == 0 && i < len(ruleKinds); i++ {
-		for j := i + 1; j < len(ruleKinds); j++ {
-			if legalWithout(ruleKinds[i].r | ruleKinds[j].r) {
-				kinds = append(kinds, ruleKinds[i].kind+" and "+ruleKinds[j].kind)
+	if len(kinds) > 0 {
+		return kinds
+	}
+	tried := map[rule]bool{}
+	for _, k := range ruleKinds {
+		if candidates&k.r == 0 {
+			continue
+		}
+		for _, o := range ruleKinds {
+			pair := k.r | o.r
+			if o.r == k.r || tried[pair] {
+				continue
+			}
+			tried[pair] = true
+			if legalWithout(pair) {
+				kinds = append(kinds, kindsOf(pair))
 			}
 		}
 	}
 	return kinds
+}
+
+// kindsOf names the rules in r, joined with " and ".
+func kindsOf(r rule) string {
+	var names []string
+	for _, k := range ruleKinds {
+		if r&k.r != 0 {
+			names = append(names, k.kind)
+		}
+	}
+	return strings.Join(names, " and ")
 }
 
 // Timeline explains one key's history: one line per operation in call order (call and
@@ -312,11 +340,10 @@ func Timeline(ops []porcupine.Operation, faults []Fault) string {
 	return timeline
 }
 
-// explain is Timeline, with the causes of a violation (causesOf; none for a legal key) and
-// porcupine's verdict.
+// explain is Timeline, with the causes of a violation (none for a legal key) and porcupine's
+// verdict.
 func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (string, []string, porcupine.CheckResult) {
-	model := Model()
-	result, info := porcupine.CheckOperationsVerbose(model, ops, timeout)
+	result, info := porcupine.CheckOperationsVerbose(Model(), ops, timeout)
 	var longest []int
 	if partials := info.PartialLinearizations(); len(partials) > 0 {
 		for _, l := range partials[0] {
@@ -337,7 +364,7 @@ func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (
 			n, _ := step(s, in, out)
 			next = append(next, n...)
 		}
-		states = dedupe(next)
+		states = prune(next)
 		placed[id] = true
 		var g []string
 		for _, s := range states {
@@ -352,6 +379,38 @@ func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return int(ops[a].Call - ops[b].Call) })
+	// Why each operation that fits nowhere was refused, from the states the placed ones left;
+	// the rules that refused the first of them are the candidate causes.
+	reasons := map[int][]reason{}
+	var candidates, all rule
+	if result == porcupine.Illegal {
+		for _, id := range order {
+			if placed[id] {
+				continue
+			}
+			for _, s := range states {
+				st := stepper{}
+				if len(st.step(s, ops[id].Input.(Input), ops[id].Output.(Output))) == 0 {
+					reasons[id] = append(reasons[id], st.why...)
+				}
+			}
+			first := candidates == 0
+			for _, r := range reasons[id] {
+				all |= r.r
+				if first {
+					candidates |= r.r
+				}
+			}
+		}
+		if candidates == 0 {
+			candidates = all
+		}
+		if candidates == 0 {
+			for _, k := range ruleKinds {
+				candidates |= k.r
+			}
+		}
+	}
 	var b strings.Builder
 	in0 := ops[0].Input.(Input)
 	verdict := "linearizable"
@@ -359,7 +418,7 @@ func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (
 	switch result {
 	case porcupine.Illegal:
 		verdict = fmt.Sprintf("NOT linearizable; %d of %d operations placed", len(longest), len(ops))
-		causes = causesOf(ops, timeout)
+		causes = causesOf(ops, candidates, min(timeout, 5*time.Second))
 	case porcupine.Unknown:
 		verdict = "undecided (porcupine timed out)"
 	}
@@ -412,17 +471,11 @@ func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (
 		}
 		in, out := ops[id].Input.(Input), ops[id].Output.(Output)
 		var why, other []string
-		for _, s := range states {
-			var st stepper
-			if len(st.step(s, in, out)) > 0 {
-				continue
-			}
-			for _, r := range st.why {
-				if causeRules == 0 || r.r&causeRules != 0 {
-					why = append(why, r.text)
-				} else {
-					other = append(other, r.text)
-				}
+		for _, r := range reasons[id] {
+			if causeRules == 0 || r.r&causeRules != 0 {
+				why = append(why, r.text)
+			} else {
+				other = append(other, r.text)
 			}
 		}
 		if len(why) == 0 {
@@ -465,14 +518,4 @@ func describeStates(states []state) string {
 		d = append(d, s.describe())
 	}
 	return "{" + strings.Join(d, "; ") + "}"
-}
-
-func dedupe(states []state) []state {
-	var out []state
-	for _, s := range states {
-		if !slices.Contains(out, s) {
-			out = append(out, s)
-		}
-	}
-	return out
 }

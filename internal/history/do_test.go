@@ -173,7 +173,7 @@ func leaseThenDo(weight int) Scenario {
 			func() { first = s.Until(s.Client(0), long, 2, 0) },
 			func() { s.Sleep(k.Lease + 200*time.Millisecond); s.Until(s.Client(1), tx, 4, 0) },
 		)
-		s.Sleep(time.Duration(500+s.Rng.IntN(1500)) * time.Millisecond)
+		s.Sleep(time.Duration(500+s.IntN(1500)) * time.Millisecond)
 		s.Until(s.Client(2), tx, 3, 0)
 		_ = first
 	}}
@@ -189,7 +189,7 @@ func failedLeaseReuse(weight int) Scenario {
 		if out := s.Until(s.Client(0), fail, 2, 0); out.Outcome != Released {
 			return
 		}
-		next := s.Request(k, s.Rng.IntN(2))
+		next := s.Request(k, s.IntN(2))
 		s.Until(s.Client(1), next, 3, 0)
 		s.Until(s.Client(2), next, 2, 0)
 	}}

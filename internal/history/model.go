@@ -31,6 +31,7 @@
 package history
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
@@ -348,9 +349,14 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 			next = append(next, s)
 		case actReplay:
 			switch {
-			case s.phase != done && st.refuse(ruleAnswer, "a replay, but no answer is stored (%s)", s.describe()):
-			case s.phase == done && s.fp != in.Fingerprint &&
-				st.refuse(ruleAnswer, "a replay of another request's answer: the key is bound to %s", short(s.fp, 60)):
+			case s.phase != done:
+				if !st.refuse(ruleAnswer, "a replay, but no answer is stored (%s)", s.describe()) {
+					next = append(next, s) // relaxed: a replay that tells nothing
+				}
+			case s.fp != in.Fingerprint:
+				if !st.refuse(ruleAnswer, "a replay of another request's answer: the key is bound to %s", short(s.fp, 60)) {
+					next = append(next, s)
+				}
 			default:
 				if n, ok := st.bind(s, out, false); ok {
 					next = append(next, n)
@@ -485,11 +491,16 @@ func (s state) newGen(in Input, ttl int64) state {
 // tells: the answer, its effect, its provider key.
 func (st *stepper) bind(s state, out Output, fresh bool) (state, bool) {
 	if !fresh {
-		if s.answer != unknown && s.answer != out.answer() && st.refuse(ruleAnswer,
-			"a replay that differs from the stored answer: stored %s, got %s", short(s.answer, 80), short(out.answer(), 80)) {
-			return s, false
+		switch {
+		case s.answer == unknown:
+			s.answer = out.answer()
+		case s.answer != out.answer():
+			if st.refuse(ruleAnswer, "a replay that differs from the stored answer: stored %s, got %s",
+				short(s.answer, 80), short(out.answer(), 80)) {
+				return s, false
+			}
+			return s, true // relaxed: the replay tells nothing
 		}
-		s.answer = out.answer()
 	}
 	if out.ProviderKey != "" {
 		var ok bool
@@ -499,14 +510,18 @@ func (st *stepper) bind(s state, out Output, fresh bool) (state, bool) {
 	}
 	if eff := out.Effect; eff != "" {
 		switch {
-		case hasSorted(s.pastEffects, eff) && st.refuse(ruleEffects,
-			"the answer names %q, the effect of an earlier generation: generation %d has no effect of its own", eff, s.gen):
-			return s, false
-		case s.effect != "" && s.effect != unknown && s.effect != eff &&
-			st.refuse(ruleEffects, "the answer names %q, the generation's answer named %q", eff, s.effect):
-			return s, false
+		case hasSorted(s.pastEffects, eff):
+			if st.refuse(ruleEffects, "the answer names %q, the effect of an earlier generation: generation %d has no effect of its own",
+				eff, s.gen) {
+				return s, false
+			}
+		case s.effect != "" && s.effect != unknown && s.effect != eff:
+			if st.refuse(ruleEffects, "the answer names %q, the generation's answer named %q", eff, s.effect) {
+				return s, false
+			}
+		default:
+			s.effect = eff
 		}
-		s.effect = eff
 	}
 	return s, true
 }
@@ -515,12 +530,12 @@ func (st *stepper) bind(s state, out Output, fresh bool) (state, bool) {
 // as every other attempt's, and no earlier generation's.
 func (st *stepper) learnPK(s state, pk string) (state, bool) {
 	switch {
-	case s.pk != "" && s.pk != pk && st.refuse(rulePK,
-		"provider key %s, but generation %d's is %s: one generation, two provider keys", short(pk, 16), s.gen, short(s.pk, 16)):
-		return s, false
-	case hasSorted(s.pastPKs, pk) && st.refuse(rulePK,
-		"provider key %s belongs to an earlier generation, and generation %d got it again", short(pk, 16), s.gen):
-		return s, false
+	case s.pk != "" && s.pk != pk:
+		return s, !st.refuse(rulePK, "provider key %s, but generation %d's is %s: one generation, two provider keys",
+			short(pk, 16), s.gen, short(s.pk, 16))
+	case hasSorted(s.pastPKs, pk):
+		return s, !st.refuse(rulePK, "provider key %s belongs to an earlier generation, and generation %d got it again",
+			short(pk, 16), s.gen)
 	}
 	s.pk = pk
 	return s, true
@@ -588,31 +603,75 @@ func splitSorted(list string) []string {
 	return strings.Split(list, "\x00")
 }
 
-// Model is the contract as a porcupine model (a nondeterministic one, turned into a model of
-// sets of states). Its operations' Input and Output are Input and Output; it is meant for
-// one key's history (Check partitions by Input.Key).
+// Model is the contract as a porcupine model. It is nondeterministic (an operation whose
+// outcome is unknown may have done several things), so its state is the set of states the key
+// may be in, without the states another one dominates (one that allows at least as much from
+// then on), sorted so that equal sets are equal slices. Its operations' Input and Output are
+// Input and Output; Partition splits a history by Input.Key.
 func Model() porcupine.Model { return relaxing(0) }
 
 // relaxing is the model with the rules in relaxed not enforced.
 func relaxing(relaxed rule) porcupine.Model {
-	nm := porcupine.NondeterministicModel{
+	return porcupine.Model{
 		Partition: partition,
-		Init:      func() []interface{} { return []interface{}{state{}} },
-		Step: func(st, in, out interface{}) []interface{} {
-			s := stepper{relaxed: relaxed}
-			next := s.step(st.(state), in.(Input), out.(Output))
-			res := make([]interface{}, len(next))
-			for i, n := range next {
-				res[i] = n
+		Init:      func() interface{} { return []state{{}} },
+		Step: func(set, in, out interface{}) (bool, interface{}) {
+			st := stepper{relaxed: relaxed}
+			var next []state
+			for _, s := range set.([]state) {
+				next = append(next, st.step(s, in.(Input), out.(Output))...)
 			}
-			return res
+			next = prune(next)
+			return len(next) > 0, next
 		},
-		Equal:             func(a, b interface{}) bool { return a.(state) == b.(state) },
-		Hash:              func(st interface{}) uint64 { return st.(state).hash() },
+		Equal: func(a, b interface{}) bool { return slices.Equal(a.([]state), b.([]state)) },
+		Hash: func(set interface{}) uint64 {
+			var h uint64
+			for _, s := range set.([]state) {
+				h = h*1099511628211 + s.hash()
+			}
+			return h
+		},
 		DescribeOperation: func(in, out interface{}) string { return describeOp(in.(Input), out.(Output)) },
-		DescribeState:     func(st interface{}) string { return st.(state).describe() },
+		DescribeState:     func(set interface{}) string { return describeStates(set.([]state)) },
 	}
-	return nm.ToModel()
+}
+
+// dominates tells whether every history legal from b is legal from a: the same but for an
+// earlier bound (since), more generations whose effect nobody saw, and the generation number,
+// which only names generations.
+func (a state) dominates(b state) bool {
+	return a.phase == b.phase && (a.gen > 0) == (b.gen > 0) && a.fp == b.fp && a.answer == b.answer && a.pk == b.pk &&
+		a.effect == b.effect && a.ttl == b.ttl && a.pastPKs == b.pastPKs && a.pastEffects == b.pastEffects &&
+		a.releasable == b.releasable && a.since <= b.since && a.pastUnknown >= b.pastUnknown
+}
+
+// prune drops the states another one dominates (of two that dominate each other, the later
+// generation), and sorts the rest.
+func prune(states []state) []state {
+	var out []state
+	for i, s := range states {
+		keep := true
+		for j, o := range states {
+			if i == j || !o.dominates(s) {
+				continue
+			}
+			if !s.dominates(o) || o.gen < s.gen || (o.gen == s.gen && j < i) {
+				keep = false
+				break
+			}
+		}
+		if keep {
+			out = append(out, s)
+		}
+	}
+	slices.SortFunc(out, func(a, b state) int {
+		if c := cmp.Compare(a.hash(), b.hash()); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.gen, b.gen)
+	})
+	return out
 }
 
 func partition(ops []porcupine.Operation) [][]porcupine.Operation {

@@ -88,9 +88,18 @@ type Runner struct {
 type Session struct {
 	r       *Runner
 	ctx     context.Context
-	Rng     *rand.Rand
+	mu      sync.Mutex // rng is shared by the session's goroutines (Parallel)
+	rng     *rand.Rand
 	clients []int
 	worker  int
+}
+
+// IntN is a random number in [0, n), from the session's seeded source; safe from the
+// session's goroutines.
+func (s *Session) IntN(n int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rng.IntN(n)
 }
 
 // Run runs scenarios until Mode.Ops operations were recorded and Mode.Duration passed, or
@@ -126,7 +135,7 @@ func (r *Runner) Run(ctx context.Context) {
 						}
 					}
 				}
-				sc.Run(&Session{r: r, ctx: ctx, Rng: rng, clients: clients, worker: w})
+				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients, worker: w})
 				r.mu.Lock()
 				r.ran[sc.Name]++
 				r.mu.Unlock()
@@ -166,7 +175,10 @@ func (r *Runner) Observe(ctx context.Context) error {
 func (s *Session) Key(route Route) Key {
 	s.r.mu.Lock()
 	defer s.r.mu.Unlock()
-	k := s.r.Harness.NewKey(s.Rng, fmt.Sprintf("k%d", len(s.r.keys)+1), route)
+	s.mu.Lock()
+	rng := rand.New(rand.NewPCG(s.rng.Uint64(), 0))
+	s.mu.Unlock()
+	k := s.r.Harness.NewKey(rng, fmt.Sprintf("k%d", len(s.r.keys)+1), route)
 	s.r.keys = append(s.r.keys, k)
 	return k
 }
@@ -217,7 +229,7 @@ func (s *Session) Until(c int, r Request, attempts int, first time.Duration) Out
 		if out = s.Send(c, r, timeout); Final(out.Outcome) || s.ctx.Err() != nil {
 			return out
 		}
-		s.Sleep(time.Duration(50+s.Rng.IntN(250)) * time.Millisecond)
+		s.Sleep(time.Duration(50+s.IntN(250)) * time.Millisecond)
 	}
 	return out
 }
@@ -257,7 +269,7 @@ func Storm(route Route, weight int) Scenario {
 	return Scenario{Name: "storm " + route.String(), Weight: weight, Run: func(s *Session) {
 		k := s.Key(route)
 		r := s.Request(k, 0)
-		n := 2 + s.Rng.IntN(2)
+		n := 2 + s.IntN(2)
 		var fns []func()
 		for i := range n {
 			c := s.Client(i)
@@ -273,12 +285,12 @@ func Changed(route Route, weight int) Scenario {
 	return Scenario{Name: "changed body " + route.String(), Weight: weight, Run: func(s *Session) {
 		k := s.Key(route)
 		a, b := s.Request(k, 0), s.Request(k, 1)
-		offset := time.Duration(s.Rng.IntN(150)) * time.Millisecond
+		offset := time.Duration(s.IntN(150)) * time.Millisecond
 		s.Parallel(
 			func() { s.Until(s.Client(0), a, 4, 0) },
 			func() { s.Sleep(offset); s.Until(s.Client(1), b, 4, 0) },
 		)
-		s.Until(s.Client(2), []Request{a, b}[s.Rng.IntN(2)], 3, 0)
+		s.Until(s.Client(2), []Request{a, b}[s.IntN(2)], 3, 0)
 	}}
 }
 
@@ -288,10 +300,10 @@ func Hangup(route Route, weight int) Scenario {
 	return Scenario{Name: "hang-up " + route.String(), Weight: weight, Run: func(s *Session) {
 		k := s.Key(route)
 		r := s.Request(k, 0)
-		first := time.Duration(2+s.Rng.IntN(60)) * time.Millisecond
+		first := time.Duration(2+s.IntN(60)) * time.Millisecond
 		s.Parallel(
 			func() { s.Until(s.Client(0), r, 4, first) },
-			func() { s.Sleep(time.Duration(s.Rng.IntN(100)) * time.Millisecond); s.Until(s.Client(1), r, 4, 0) },
+			func() { s.Sleep(time.Duration(s.IntN(100)) * time.Millisecond); s.Until(s.Client(1), r, 4, 0) },
 		)
 	}}
 }
@@ -310,8 +322,8 @@ func Expiry(route Route, weight int) Scenario {
 		if route == Leased {
 			expiry += k.Lease
 		}
-		s.SleepUntil(expiry + time.Duration(s.Rng.IntN(700)-150)*time.Millisecond)
-		next := s.Request(k, s.Rng.IntN(2))
+		s.SleepUntil(expiry + time.Duration(s.IntN(700)-150)*time.Millisecond)
+		next := s.Request(k, s.IntN(2))
 		s.Until(s.Client(1), next, 4, 0)
 		s.Until(s.Client(2), next, 3, 0)
 	}}

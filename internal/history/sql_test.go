@@ -377,7 +377,7 @@ func releaseReuse(weight int) Scenario {
 		if out := s.Until(s.Client(0), rel, 3, 0); out.Outcome != Released {
 			return
 		}
-		next := s.Request(k, s.Rng.IntN(2))
+		next := s.Request(k, s.IntN(2))
 		s.Until(s.Client(1), next, 3, 0)
 		s.Until(s.Client(2), next, 2, 0)
 	}}
