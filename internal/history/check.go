@@ -366,13 +366,14 @@ func explain(ops []porcupine.Operation, faults []Fault, timeout time.Duration) (
 		}
 		states = prune(next)
 		placed[id] = true
-		var g []string
+		var g []int
 		for _, s := range states {
-			if s.gen > 0 && !slices.Contains(g, fmt.Sprint(s.gen)) {
-				g = append(g, fmt.Sprint(s.gen))
+			if s.gen > 0 && !slices.Contains(g, s.gen) {
+				g = append(g, s.gen)
 			}
 		}
-		gens[id] = strings.Join(g, "|")
+		slices.Sort(g)
+		gens[id] = strings.Trim(strings.Join(strings.Fields(fmt.Sprint(g)), "|"), "[]")
 	}
 	order := make([]int, len(ops))
 	for i := range order {

@@ -78,10 +78,12 @@ type Runner struct {
 	// Also, when set, must be true too before the run stops (every fault injected once).
 	Also func() bool
 
-	mu   sync.Mutex
-	keys []Key
-	ran  map[string]int
-	n    atomic.Int64
+	mu      sync.Mutex
+	keys    []Key
+	ran     map[string]int
+	n       atomic.Int64
+	stop    chan struct{} // closed once the run is big enough: scenarios end early
+	stopped sync.Once
 }
 
 // Session is one worker running one scenario.
@@ -106,10 +108,23 @@ func (s *Session) IntN(n int) int {
 // ctx ends. Every scenario runs at least once (in order) before they are drawn by weight.
 func (r *Runner) Run(ctx context.Context) {
 	r.ran = map[string]int{}
+	r.stop = make(chan struct{})
 	started := time.Now()
 	enough := func() bool {
-		return ctx.Err() != nil || (r.H.Len() >= r.Mode.Ops && time.Since(started) >= r.Mode.Duration && (r.Also == nil || r.Also()))
+		if ctx.Err() != nil || (r.H.Len() >= r.Mode.Ops && time.Since(started) >= r.Mode.Duration && (r.Also == nil || r.Also())) {
+			r.stopped.Do(func() { close(r.stop) })
+			return true
+		}
+		return false
 	}
+	go func() { // scenarios that sleep see the end too
+		for !enough() {
+			select {
+			case <-r.stop:
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}()
 	total := 0
 	for _, s := range r.Scenarios {
 		total += s.Weight
@@ -189,9 +204,23 @@ func (s *Session) Request(k Key, variant int) Request { return s.r.Harness.Reque
 // Client is the session's client number i (0 to 3).
 func (s *Session) Client(i int) int { return s.clients[i] }
 
+// stopping tells whether the run is big enough: a scenario sends nothing more.
+func (s *Session) stopping() bool {
+	select {
+	case <-s.r.stop:
+		return true
+	default:
+		return s.ctx.Err() != nil
+	}
+}
+
 // Send sends r once as client c, recorded in the history; the client gives up after timeout
-// (0: the runner's OpTimeout).
+// (0: the runner's OpTimeout). Once the run is big enough it sends nothing and returns an
+// Output whose Outcome is zero (not sent, not recorded).
 func (s *Session) Send(c int, r Request, timeout time.Duration) Output {
+	if s.stopping() {
+		return Output{}
+	}
 	if timeout <= 0 {
 		timeout = s.r.OpTimeout
 	}
@@ -226,7 +255,7 @@ func (s *Session) Until(c int, r Request, attempts int, first time.Duration) Out
 		if i == 0 {
 			timeout = first
 		}
-		if out = s.Send(c, r, timeout); Final(out.Outcome) || s.ctx.Err() != nil {
+		if out = s.Send(c, r, timeout); Final(out.Outcome) || s.stopping() {
 			return out
 		}
 		s.Sleep(time.Duration(50+s.IntN(250)) * time.Millisecond)
@@ -234,11 +263,12 @@ func (s *Session) Until(c int, r Request, attempts int, first time.Duration) Out
 	return out
 }
 
-// Sleep pauses the session (less when the run is stopped).
+// Sleep pauses the session (less once the run is big enough).
 func (s *Session) Sleep(d time.Duration) {
 	select {
 	case <-time.After(d):
 	case <-s.ctx.Done():
+	case <-s.r.stop:
 	}
 }
 
