@@ -286,37 +286,47 @@ func Causes(ops []porcupine.Operation, timeout time.Duration) []string {
 }
 
 // causesOf tries the candidate rules alone, then, when none is enough, each with any other
-// rule.
+// rule; first without relaxing ruleAnswer, which explains too much (a replay that may be wrong
+// tells nothing, so every history with a suspicious replay becomes legal), then with it.
 func causesOf(ops []porcupine.Operation, candidates rule, timeout time.Duration) []string {
 	legalWithout := func(r rule) bool {
 		return porcupine.CheckOperationsTimeout(relaxing(r), ops, timeout) == porcupine.Ok
 	}
-	var kinds []string
+	var every rule
 	for _, k := range ruleKinds {
-		if candidates&k.r != 0 && legalWithout(k.r) {
-			kinds = append(kinds, k.kind)
-		}
+		every |= k.r
 	}
-	if len(kinds) > 0 {
-		return kinds
-	}
-	tried := map[rule]bool{}
-	for _, k := range ruleKinds {
-		if candidates&k.r == 0 {
-			continue
+	for _, allowed := range []rule{every &^ ruleAnswer, every} {
+		var kinds []string
+		for _, k := range ruleKinds {
+			if candidates&allowed&k.r != 0 && legalWithout(k.r) {
+				kinds = append(kinds, k.kind)
+			}
 		}
-		for _, o := range ruleKinds {
-			pair := k.r | o.r
-			if o.r == k.r || tried[pair] {
+		if len(kinds) > 0 {
+			return kinds
+		}
+		tried := map[rule]bool{}
+		for _, k := range ruleKinds {
+			if candidates&allowed&k.r == 0 {
 				continue
 			}
-			tried[pair] = true
-			if legalWithout(pair) {
-				kinds = append(kinds, kindsOf(pair))
+			for _, o := range ruleKinds {
+				pair := k.r | o.r
+				if o.r == k.r || allowed&o.r == 0 || tried[pair] {
+					continue
+				}
+				tried[pair] = true
+				if legalWithout(pair) {
+					kinds = append(kinds, kindsOf(pair))
+				}
 			}
 		}
+		if len(kinds) > 0 {
+			return kinds
+		}
 	}
-	return kinds
+	return nil
 }
 
 // kindsOf names the rules in r, joined with " and ".

@@ -60,6 +60,7 @@ const (
 	Leased
 )
 
+// String is "tx" or "lease".
 func (r Route) String() string {
 	if r == Leased {
 		return "lease"
@@ -107,6 +108,7 @@ const (
 var outcomeNames = map[Outcome]string{Answered: "answered", Replayed: "replayed", Mismatch: "mismatch", Busy: "busy",
 	Failed: "failed", Unknown: "unknown", Held: "held", Released: "released", Lost: "lost", Observed: "observed"}
 
+// String is the outcome's name, as the timelines and the counts show it.
 func (o Outcome) String() string {
 	if s, ok := outcomeNames[o]; ok {
 		return s

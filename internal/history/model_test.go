@@ -179,6 +179,12 @@ func TestModelRejects(t *testing.T) {
 			op(1, "A", 0, 0.1, Released, "", lease(time.Second), pk("p1")),
 			op(2, "B", 0.3, 0.4, Answered, "b", lease(time.Second), pk("p1")),
 		}, "belongs to an earlier generation"},
+		{"a new generation's answer, replayed, names the earlier one's provider key and payout", rulePK, []porcupine.Operation{
+			// Not "a replay that is not the stored answer": that would explain any history away.
+			op(1, "A", 0, 0.1, Answered, "po 1 for A", lease(time.Second), pk("p1"), effect("payout 1")),
+			op(2, "B", 3.2, 3.3, Unknown, "", lease(time.Second)),
+			op(2, "B", 3.4, 3.5, Replayed, "po 1 for B", lease(time.Second), pk("p1"), effect("payout 1")),
+		}, "belongs to an earlier generation"},
 		{"two provider keys in one generation", rulePK, []porcupine.Operation{
 			op(1, "A", 0, 0.1, Held, "", lease(time.Second), pk("p1")),
 			op(2, "A", 1.2, 1.3, Answered, "po", lease(time.Second), pk("p2")),

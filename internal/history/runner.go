@@ -93,7 +93,6 @@ type Session struct {
 	mu      sync.Mutex // rng is shared by the session's goroutines (Parallel)
 	rng     *rand.Rand
 	clients []int
-	worker  int
 }
 
 // IntN is a random number in [0, n), from the session's seeded source; safe from the
@@ -150,7 +149,7 @@ func (r *Runner) Run(ctx context.Context) {
 						}
 					}
 				}
-				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients, worker: w})
+				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients})
 				r.mu.Lock()
 				r.ran[sc.Name]++
 				r.mu.Unlock()
