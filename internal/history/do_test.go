@@ -240,7 +240,7 @@ func TestDoHistory(t *testing.T) {
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
-		Expiry(Leased, 2), failedLeaseReuse(1), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
+		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2), Expiry(Transactional, 2),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)

@@ -421,7 +421,7 @@ func TestSQLHistory(t *testing.T) {
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
-		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(1),
+		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(2),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2),
 		Expiry(Transactional, 2), leaseExpiry(1),
 	}}
