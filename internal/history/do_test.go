@@ -75,6 +75,7 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 		replayed bool
 		err      error
 		pk       string
+		worked   time.Time // when the work returned: its result is stored after
 	)
 	if route == Transactional {
 		res, replayed, err = idem.Do(ctx, h.pool, job, idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (doResult, error) {
@@ -86,6 +87,7 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 			if r.Release {
 				return doResult{}, errInjected
 			}
+			worked = time.Now()
 			return doResult{Effect: id, Amount: in.Amount}, nil
 		})
 	} else {
@@ -99,6 +101,7 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 				case <-ctx.Done():
 					return doResult{}, context.Cause(ctx)
 				}
+				worked = time.Now()
 				return doResult{ProviderKey: claim.ProviderKey, Amount: in.Amount}, nil
 			}
 			var ref string
@@ -116,15 +119,16 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 			case <-ctx.Done():
 				return doResult{}, context.Cause(ctx)
 			}
+			worked = time.Now()
 			return doResult{Ref: ref, ProviderKey: claim.ProviderKey, Amount: in.Amount}, nil
 		})
 	}
 	switch {
 	case err == nil:
 		body, _ := json.Marshal(res)
-		out := Output{Outcome: Answered, Status: 200, Body: string(body), ProviderKey: res.ProviderKey}
+		out := Output{Outcome: Answered, Status: 200, Body: string(body), ProviderKey: res.ProviderKey, StoreSent: worked}
 		if replayed {
-			out.Outcome = Replayed
+			out.Outcome, out.StoreSent = Replayed, time.Time{}
 		}
 		switch {
 		case res.Effect != 0:

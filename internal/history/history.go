@@ -78,6 +78,9 @@ func (op *Op) End(out Output) Output {
 		panic("history: End twice")
 	}
 	op.ended = true
+	if !out.StoreSent.IsZero() {
+		out.StoredAfter = out.StoreSent.Sub(op.h.start)
+	}
 	if out.Outcome == Unknown {
 		out.GaveUp = now
 	} else {

@@ -154,6 +154,13 @@ type Output struct {
 	Return time.Duration
 	// GaveUp is when a client without an answer stopped waiting (Unknown), for the timeline.
 	GaveUp time.Duration
+	// StoreSent is when a client that stores the answer itself (the SQL API, the work of Do
+	// and DoLease) sent what stores it: the answer was stored after it. Zero when unknown.
+	// End turns it into StoredAfter.
+	StoreSent time.Time
+	// StoredAfter is StoreSent since the history began: a better bound than the call for when
+	// an Answered operation's answer was stored. Zero: the call.
+	StoredAfter time.Duration
 	// Note is a readable detail (an error).
 	Note string
 	// Effects are the effects found under the key afterwards (Observed).
@@ -383,6 +390,9 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 				case actClaimStore:
 					c.phase, c.since = done, call
 					if out.Outcome == Answered {
+						c.since = max(call, int64(out.StoredAfter))
+					}
+					if out.Outcome == Answered {
 						c.answer = out.answer()
 						var ok bool
 						if c, ok = st.bind(c, out, true); !ok {
@@ -446,9 +456,10 @@ func (st *stepper) claim(s state, in Input, ret int64) (claims []state) {
 		claims = append(claims, s.newGen(in, ttl))
 	case ret+slack >= s.since+min(s.ttl, ttl):
 		claims = append(claims, s.newGen(in, ttl))
-	case s.phase == done && st.refuse(ruleTTL, "the answer of generation %d can have been stored at %s (the call of the "+
-		"operation that stored it) and is kept the TTL (%s) after it: a new generation cannot start before %s, and this "+
-		"operation returned at %s", s.gen, at(s.since), time.Duration(min(s.ttl, ttl)), at(s.since+min(s.ttl, ttl)), at(ret)):
+	case s.phase == done && st.refuse(ruleTTL, "the answer of generation %d was stored at %s at the earliest (the call of "+
+		"the operation that stored it, or when it sent what stores it) and is kept the TTL (%s) after it: a new generation "+
+		"cannot start before %s, and this operation returned at %s", s.gen, at(s.since), time.Duration(min(s.ttl, ttl)),
+		at(s.since+min(s.ttl, ttl)), at(ret)):
 	case s.phase == held && st.refuse(ruleTTL, "the lease of generation %d can have ended at %s at the earliest and its key "+
 		"lives the TTL (%s) after that: a new generation cannot start before %s, and this operation returned at %s",
 		s.gen, at(s.since), time.Duration(min(s.ttl, ttl)), at(s.since+min(s.ttl, ttl)), at(ret)):

@@ -23,6 +23,7 @@ func lease(d time.Duration) opt { return func(in *Input, _ *Output) { in.Route, 
 func pk(p string) opt           { return func(_ *Input, out *Output) { out.ProviderKey = p } }
 func effect(e string) opt       { return func(_ *Input, out *Output) { out.Effect = e } }
 func ttl(d time.Duration) opt   { return func(in *Input, _ *Output) { in.TTL = d } }
+func stored(s float64) opt      { return func(_ *Input, out *Output) { out.StoredAfter = secs(s) } }
 
 // op is client c sending request fp between call and ret (seconds), learning o (with body for
 // an answer). An Unknown outcome returns at 100 s (the end of the history).
@@ -210,6 +211,13 @@ func TestModelRejects(t *testing.T) {
 			op(1, "A", 0, 0.05, Held, "", lease(time.Second)),
 			op(2, "B", 2.0, 2.1, Answered, "b"),
 		}, "cannot start before +3.000s"},
+		{"a new generation before the TTL after the answer, the answer stored late in a slow takeover", ruleTTL, []porcupine.Operation{
+			// From the takeover's call (2.0 s) the repeat would be legal; from when it sent
+			// its answer (3.0 s) it is not.
+			op(1, "A", 0, 0.05, Held, "", lease(time.Second)),
+			op(2, "A", 2.0, 3.05, Answered, "done", stored(3.0)),
+			op(3, "A", 4.6, 4.65, Answered, "again"),
+		}, "cannot start before +5.000s"},
 		{"the TTL counted from a dead lease, not from the answer", ruleTTL, []porcupine.Operation{
 			// A lease that dies at 1 s; a transactional claim takes it over at 2.0 s and
 			// answers; at 3.5 s (before 2.0 + 2 s) a repeat runs the work again.

@@ -233,6 +233,7 @@ func (h *sqlHarness) tx(ctx context.Context, conn *pgx.Conn, r Request) Output {
 		return failed(err, false)
 	}
 	body := fmt.Sprintf(`{"effect":%d,"request":%q}`, id, r.Text)
+	sent := time.Now()
 	if _, err := tx.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
 		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body)); err != nil {
 		return failed(err, false)
@@ -240,7 +241,7 @@ func (h *sqlHarness) tx(ctx context.Context, conn *pgx.Conn, r Request) Output {
 	if err := tx.Commit(ctx); err != nil {
 		return failed(err, true)
 	}
-	return Output{Outcome: Answered, Status: 201, Body: body, Effect: fmt.Sprintf("row %d", id), ProviderKey: pk}
+	return Output{Outcome: Answered, Status: 201, Body: body, Effect: fmt.Sprintf("row %d", id), ProviderKey: pk, StoreSent: sent}
 }
 
 // lease: idem_begin with a lease (committed on its own), the provider, the work, then
@@ -297,6 +298,7 @@ func (h *sqlHarness) lease(ctx context.Context, conn *pgx.Conn, r Request) Outpu
 		return unknown(ctx.Err())
 	}
 	body := fmt.Sprintf(`{"ref":%q,"provider_key":%q,"request":%q}`, ref, pk, r.Text)
+	sent := time.Now()
 	_, err = conn.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
 		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body))
 	switch {
@@ -305,7 +307,7 @@ func (h *sqlHarness) lease(ctx context.Context, conn *pgx.Conn, r Request) Outpu
 	case err != nil:
 		return unknown(err)
 	}
-	return Output{Outcome: Answered, Status: 201, Body: body, Effect: "payout " + ref, ProviderKey: pk}
+	return Output{Outcome: Answered, Status: 201, Body: body, Effect: "payout " + ref, ProviderKey: pk, StoreSent: sent}
 }
 
 func (h *sqlHarness) Observe(ctx context.Context, k Key) ([]string, error) {
