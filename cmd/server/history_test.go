@@ -7,9 +7,11 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptrace"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -105,8 +107,16 @@ func (h *httpHarness) Send(ctx context.Context, c int, r history.Request) histor
 	req.Header.Set("Authorization", "Bearer "+d.user.token)
 	req.Header.Set("Idempotency-Key", r.Key.Name)
 	req.Header.Set("Content-Type", "application/json")
+	// net/http sends a request with an Idempotency-Key again on a new connection when a reused
+	// one fails, so the last error may be a refused dial after an attempt that reached the
+	// server: only a request none of whose attempts wrote its headers was not sent.
+	var wrote atomic.Bool
+	req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteHeaders: func() { wrote.Store(true) }}))
 	res, err := h.client.Do(req)
-	if err != nil {
+	switch {
+	case err != nil && !wrote.Load():
+		return history.Output{Outcome: history.NotSent, Note: err.Error()}
+	case err != nil:
 		return history.Output{Outcome: history.Unknown, Note: err.Error()}
 	}
 	defer res.Body.Close()

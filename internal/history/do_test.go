@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/idem"
@@ -76,9 +77,11 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 		err      error
 		pk       string
 		worked   time.Time // when the work returned: its result is stored after
+		ran      bool      // the work began: the claim was made
 	)
 	if route == Transactional {
 		res, replayed, err = idem.Do(ctx, h.pool, job, idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (doResult, error) {
+			ran = true
 			var id int64
 			if err := tx.QueryRow(ctx, `INSERT INTO hist.effects (principal, key, fingerprint, attempt) VALUES ($1, $2, $3, 0)
 				RETURNING id`, r.Key.Principal, r.Key.Name, r.Fingerprint).Scan(&id); err != nil {
@@ -92,7 +95,7 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 		})
 	} else {
 		res, replayed, err = idem.DoLease(ctx, h.pool, job, func(ctx context.Context, claim idem.LeaseClaim) (doResult, error) {
-			pk = claim.ProviderKey
+			ran, pk = true, claim.ProviderKey
 			if r.Hold {
 				// Long work without an outside effect (Do may take the job over if the lease
 				// dies, and its effect is a row): long enough for a fault to lose the lease.
@@ -123,7 +126,12 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 			return doResult{Ref: ref, ProviderKey: claim.ProviderKey, Amount: in.Amount}, nil
 		})
 	}
+	var connect *pgconn.ConnectError
 	switch {
+	case err != nil && !ran && errors.As(err, &connect):
+		// No connection for the claim: nothing was sent (a Do's work runs on the claim's
+		// connection, so a connect error after the claim is not this one).
+		return Output{Outcome: NotSent, Note: err.Error()}
 	case err == nil:
 		body, _ := json.Marshal(res)
 		out := Output{Outcome: Answered, Status: 200, Body: string(body), ProviderKey: res.ProviderKey, StoreSent: worked}

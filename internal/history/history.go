@@ -183,6 +183,8 @@ func Label(out Output) string {
 			return fmt.Sprint(out.Status)
 		}
 		return "error"
+	case NotSent:
+		return "not sent"
 	}
 	return out.Outcome.String()
 }

@@ -103,10 +103,14 @@ const (
 	// Observed is not a client's operation: it is the effects found under the key once the
 	// history ended (Output.Effects).
 	Observed
+	// NotSent: the request never left the client (no connection could be made: a refused
+	// dial, a database that does not accept connections), so it did nothing.
+	NotSent
 )
 
 var outcomeNames = map[Outcome]string{Answered: "answered", Replayed: "replayed", Mismatch: "mismatch", Busy: "busy",
-	Failed: "failed", Unknown: "unknown", Held: "held", Released: "released", Lost: "lost", Observed: "observed"}
+	Failed: "failed", Unknown: "unknown", Held: "held", Released: "released", Lost: "lost", Observed: "observed",
+	NotSent: "not sent"}
 
 // String is the outcome's name, as the timelines and the counts show it.
 func (o Outcome) String() string {
@@ -307,6 +311,8 @@ func actions(r Route, o Outcome) []action {
 		return []action{actReplay}
 	case Mismatch:
 		return []action{actMismatch}
+	case NotSent:
+		return []action{actNoop}
 	case Busy:
 		if r == Leased { // a lease lost after the work: 409 too
 			return []action{actNoop, actClaimHold}
@@ -654,9 +660,25 @@ func relaxing(relaxed rule) porcupine.Model {
 // earlier bound (since), more generations whose effect nobody saw, and the generation number,
 // which only names generations.
 func (a state) dominates(b state) bool {
-	return a.phase == b.phase && (a.gen > 0) == (b.gen > 0) && a.fp == b.fp && a.answer == b.answer && a.pk == b.pk &&
-		a.effect == b.effect && a.ttl == b.ttl && a.pastPKs == b.pastPKs && a.pastEffects == b.pastEffects &&
-		a.releasable == b.releasable && a.since <= b.since && a.pastUnknown >= b.pastUnknown
+	return a.phase == b.phase && (a.gen > 0) == (b.gen > 0) && a.fp == b.fp && a.ttl == b.ttl &&
+		a.pastEffects == b.pastEffects && a.since <= b.since && a.pastUnknown >= b.pastUnknown &&
+		// an answer, a provider key or an effect not seen yet binds to anything later
+		(a.answer == b.answer || a.answer == unknown) && (a.pk == b.pk || a.pk == "") &&
+		(a.effect == b.effect || (a.effect == unknown && b.effect == "")) &&
+		(a.releasable || !b.releasable) && subset(a.pastPKs, b.pastPKs)
+}
+
+// subset tells whether every item of the sorted list a is in the sorted list b.
+func subset(a, b string) bool {
+	if a == b || a == "" {
+		return true
+	}
+	for _, item := range splitSorted(a) {
+		if !hasSorted(b, item) {
+			return false
+		}
+	}
+	return true
 }
 
 // prune drops the states another one dominates (of two that dominate each other, the later

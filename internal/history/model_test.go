@@ -65,6 +65,10 @@ func TestModelAccepts(t *testing.T) {
 			op(3, "B", 0.6, 0.7, Busy, ""), // a lock held by anything: refused, nothing changed
 			observe("row 1"),
 		}},
+		{"a request that was never sent (no connection) changes nothing", []porcupine.Operation{
+			op(1, "A", 0, 0.1, NotSent, "", lease(time.Second)),
+			op(2, "B", 0.2, 0.3, Answered, "b", lease(time.Second)),
+		}},
 		{"a lost answer: the retry replays what the unknown attempt stored", []porcupine.Operation{
 			op(1, "A", 0, 0.1, Unknown, ""),
 			op(1, "A", 0.3, 0.4, Replayed, "id 7", effect("row 7")),

@@ -3,6 +3,7 @@ package history
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/pgidem/internal/dbidem"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
 
@@ -46,14 +46,16 @@ const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_bod
 	                     p_ttl => $5::interval, p_lease => $6::interval, p_lock_timeout => '300 milliseconds') AS b`
 
 // sqlProviderKey is the provider key of a claim as the SQL API reports it: idem_begin's
-// provider_key when it returns one; otherwise what the Go driver hands a provider today
-// (dbidem.ProviderKey, a hash of principal and key). The one place to change when the SQL
-// API's provider key is the only one.
+// provider_key column when it has one; before it had one (0.2.0's first lease routes), what
+// the Go driver handed a provider then: 64 hex digits of SHA-256 over a label, the principal
+// and the key, one per key whatever its generation. The one place to change once the column is
+// the only source.
 func sqlProviderKey(reported *string, principal, key string) string {
 	if reported != nil {
 		return *reported
 	}
-	return dbidem.ProviderKey(principal, key)
+	sum := sha256.Sum256([]byte("pgidem provider key v1\x00" + principal + "\x00" + key))
+	return hex.EncodeToString(sum[:])
 }
 
 type sqlHarness struct {
@@ -147,7 +149,7 @@ func effectOf(body []byte) string {
 func (h *sqlHarness) Send(ctx context.Context, c int, r Request) Output {
 	conn, err := h.conn(ctx, c)
 	if err != nil {
-		return Output{Outcome: Failed, Note: "connect: " + err.Error()}
+		return Output{Outcome: NotSent, Note: "connect: " + err.Error()}
 	}
 	route := r.Key.Route
 	if r.RouteSet {
