@@ -169,7 +169,10 @@ func (i *Injector) Run(ctx context.Context, seed uint64, gap func(*rand.Rand) ti
 		}
 		from := i.h.Now()
 		detail, err := f.f(ctx, rng)
-		if err != nil {
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return nil // the run ended during the fault
+		case err != nil:
 			return fmt.Errorf("fault %s: %w", f.kind, err)
 		}
 		i.h.Fault(f.kind, detail, from)
