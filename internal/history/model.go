@@ -85,7 +85,7 @@ const (
 	Mismatch
 	// Busy: the key is in use (HTTP 409 request_in_progress, SQL in_progress or a lock
 	// timeout, ErrInProgress). On a lease route it is also what an attempt whose lease was
-	// lost answers, after it did its work.
+	// lost answers, after it did its work, and one whose store was acknowledged too late.
 	Busy
 	// Failed: an answer that decides nothing (a 5xx, an error from the database): the
 	// operation may have taken effect or not, within its call and return.
@@ -98,7 +98,8 @@ const (
 	// Released: a lease claim was made and released without an answer.
 	Released
 	// Lost: a lease claim was made, then found taken over (idem_complete or idem_extend
-	// raised 55000; ErrLeaseLost): another attempt of the same generation holds the key.
+	// raised 55000; ErrLeaseLost): another attempt of the same generation holds the key, or
+	// (a store retried after its acknowledgement was lost) this one's answer is stored.
 	Lost
 	// Observed is not a client's operation: it is the effects found under the key once the
 	// history ended (Output.Effects).
@@ -314,12 +315,17 @@ func actions(r Route, o Outcome) []action {
 	case NotSent:
 		return []action{actNoop}
 	case Busy:
-		if r == Leased { // a lease lost after the work: 409 too
-			return []action{actNoop, actClaimHold}
+		if r == Leased {
+			// 409 is also what an attempt whose lease was lost answers, after its work; and
+			// one whose answer was stored but whose store's acknowledgement was lost (its
+			// retry of the store finds the claim completed, which reads as taken over).
+			return []action{actNoop, actClaimHold, actClaimStore}
 		}
 		return []action{actNoop}
-	case Held, Lost:
+	case Held:
 		return []action{actClaimHold}
+	case Lost:
+		return []action{actClaimHold, actClaimStore} // as a lease route's 409
 	case Released:
 		return []action{actClaimRelease, actClaimHold} // a release that failed leaves it held
 	case Failed, Unknown:

@@ -123,6 +123,14 @@ func TestModelAccepts(t *testing.T) {
 			op(1, "A", 0.7, 0.8, Answered, "po 1", lease(time.Second), pk("p1"), effect("payout 1")),
 			observe("payout 1"),
 		}},
+		{"a lease route's 409 from the attempt whose store was acknowledged too late", []porcupine.Operation{
+			// Its answer was stored, the acknowledgement lost, the retried store found the claim
+			// completed (as if taken over): 409, and its retry gets the replay.
+			op(1, "A", 0, 0.4, Busy, "", lease(time.Second)),
+			op(2, "A", 0.01, 0.02, Busy, "", lease(time.Second)),
+			op(1, "A", 0.5, 0.6, Replayed, "po 1", lease(time.Second), pk("p1"), effect("payout 1")),
+			observe("payout 1"),
+		}},
 		{"a transactional claim takes over a dead lease; the answer is kept the TTL after it", []porcupine.Operation{
 			op(1, "A", 0, 0.05, Held, "", lease(time.Second)),
 			op(2, "A", 2.0, 2.05, Answered, "done"),
