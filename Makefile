@@ -8,7 +8,7 @@ PKGS := ./...
 
 .PHONY: help
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## build the reference server into bin/server
@@ -58,6 +58,14 @@ test-citus: ## the Citus tests against the coordinator at CITUS_URL (scripts/cit
 		echo '  scripts/citus-dev-cluster.sh build && scripts/citus-dev-cluster.sh start' >&2; \
 		echo '  CITUS_URL=$$(scripts/citus-dev-cluster.sh url) make test-citus' >&2; exit 2; fi
 	$(GO) test $(GOFLAGS_TEST) -tags citus -run '^TestCitus' ./tests ./internal/dbidem ./cmd/server
+
+# The history tests' long run: HISTORY_OPS operations (10,000) per harness, for at least
+# HISTORY_SECONDS (120), through every fault; docs/testing.md says how to read what it finds.
+HISTORY_TESTS := TestHTTPHistory|TestSQLHistory|TestDoHistory
+
+.PHONY: check-history
+check-history: ## histories of real clients through every fault, checked by porcupine (minutes; HISTORY_OPS, HISTORY_SECONDS)
+	HISTORY_MODE=long $(GO) test -count=1 -timeout 90m -v -run '^($(HISTORY_TESTS))$$' ./cmd/server ./internal/history
 
 .PHONY: sql
 sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migrations and sql/functions

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -63,23 +64,31 @@ type process struct {
 
 func (p *process) start() {
 	p.t.Helper()
+	if err := p.startErr(); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+// startErr starts the server and waits until it answers /healthz (any answer); for
+// goroutines that cannot end the test.
+func (p *process) startErr() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	cmd := exec.Command(p.bin, "serve")
 	cmd.Env = p.env
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
-		p.t.Fatal(err)
+		return err
 	}
 	p.cmd = cmd
 	for i := 0; i < 500; i++ {
 		if res, err := http.Get("http://" + p.addr + "/healthz"); err == nil {
 			res.Body.Close()
-			return
+			return nil
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	p.t.Fatal("the server did not come up")
+	return errors.New("the server did not come up")
 }
 
 // kill sends SIGKILL: no shutdown, no rollback from the server's side.

@@ -271,6 +271,18 @@ func (c *Cluster) Stop(ctx context.Context) error {
 	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "fast", "-w", "stop")
 }
 
+// Crash stops the server the way a crash would (immediate shutdown: no checkpoint, every
+// session cut at once); the next Start recovers from the WAL.
+func (c *Cluster) Crash(ctx context.Context) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") != nil {
+		return nil
+	}
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "immediate", "-w", "stop")
+}
+
 // ConnString is a libpq key/value connection string for database dbname as postgres: over
 // the Unix socket when the cluster has one, else over TCP.
 func (c *Cluster) ConnString(dbname string) string {

@@ -1,0 +1,318 @@
+package history
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+)
+
+// The environment of a history run: a private PostgreSQL cluster (a run restarts it, so it
+// cannot be the one the other tests share), a fault proxy in front of it, and an injector
+// that runs faults one after another while the clients work.
+
+// Cluster is a private PostgreSQL cluster that a run may restart or crash.
+type Cluster struct {
+	pg *pgcluster.Cluster
+	mu sync.Mutex // one restart at a time
+}
+
+// StartCluster starts a throwaway cluster (fsync off), removed when the test ends.
+func StartCluster(t testing.TB) *Cluster {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c, stop, err := pgcluster.StartTemp(ctx, "idem-history-", map[string]string{
+		// fsync off is safe here: a crash is PostgreSQL's (pg_ctl -m immediate), not the
+		// machine's, so what was written survives. synchronous_commit stays on: a commit
+		// reported is in the WAL, as the contract assumes.
+		"fsync": "off", "full_page_writes": "off", "max_connections": "200", "shared_buffers": "32MB",
+	})
+	if err != nil {
+		t.Fatalf("history: %v", err)
+	}
+	t.Cleanup(stop)
+	return &Cluster{pg: c}
+}
+
+// Addr is the cluster's TCP address (host:port).
+func (c *Cluster) Addr() string { return c.pg.TCPHostPort() }
+
+// URL is the connection string of database db, straight to the cluster (over TCP).
+func (c *Cluster) URL(db string) string {
+	return fmt.Sprintf("host=127.0.0.1 port=%d user=postgres dbname=%s sslmode=disable", c.pg.Port, db)
+}
+
+// Via is the connection string of database db through a proxy listening on addr.
+func Via(addr, db string) string {
+	host, port, _ := strings.Cut(addr, ":")
+	return fmt.Sprintf("host=%s port=%s user=postgres dbname=%s sslmode=disable", host, port, db)
+}
+
+// CreateDB creates database db.
+func (c *Cluster) CreateDB(t testing.TB, db string) {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), c.URL("postgres"))
+	if err != nil {
+		t.Fatalf("history: %v", err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), "CREATE DATABASE "+db); err != nil {
+		t.Fatalf("history: %v", err)
+	}
+}
+
+// Restart stops the cluster (a fast shutdown, or a crash: immediate, recovered at start) and
+// starts it again.
+func (c *Cluster) Restart(ctx context.Context, crash bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	stop := c.pg.Stop
+	if crash {
+		stop = c.pg.Crash
+	}
+	if err := stop(ctx); err != nil {
+		return err
+	}
+	return c.pg.Start(ctx)
+}
+
+// Proxy is a toxiproxy in front of an upstream (PostgreSQL), in this process.
+type Proxy struct {
+	p *toxiproxy.Proxy
+}
+
+// NewProxy starts a proxy on a free port of 127.0.0.1 in front of upstream, stopped when the
+// test ends.
+func NewProxy(t testing.TB, upstream string) *Proxy {
+	t.Helper()
+	p := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
+		"postgres", "127.0.0.1:0", upstream)
+	if err := p.Start(); err != nil {
+		t.Fatalf("history: %v", err)
+	}
+	t.Cleanup(p.Stop)
+	return &Proxy{p: p}
+}
+
+// Addr is where the proxy listens.
+func (p *Proxy) Addr() string { return p.p.Listen }
+
+// hold adds a toxic (type, stream, attributes as JSON), waits d and removes it.
+func (p *Proxy) hold(ctx context.Context, kind, stream, attrs string, d time.Duration) error {
+	name := "fault-" + kind
+	if _, err := p.p.Toxics.AddToxicJson(strings.NewReader(fmt.Sprintf(
+		`{"name":%q,"type":%q,"stream":%q,"toxicity":1,"attributes":%s}`, name, kind, stream, attrs))); err != nil {
+		return err
+	}
+	defer func() { _ = p.p.Toxics.RemoveToxic(context.Background(), name) }()
+	select {
+	case <-time.After(d):
+	case <-ctx.Done():
+	}
+	return nil
+}
+
+// FaultFunc injects one fault and returns what it did, for the record.
+type FaultFunc func(ctx context.Context, rng *rand.Rand) (detail string, err error)
+
+type namedFault struct {
+	kind string
+	f    FaultFunc
+}
+
+// Injector runs faults one after another while a history is recorded, each recorded in it.
+type Injector struct {
+	h       *History
+	faults  []namedFault
+	covered atomic.Bool
+}
+
+// Covered tells whether every kind of fault was injected at least once.
+func (i *Injector) Covered() bool { return i.covered.Load() }
+
+// NewInjector returns an injector that records into h.
+func NewInjector(h *History) *Injector { return &Injector{h: h} }
+
+// Add adds a kind of fault.
+func (i *Injector) Add(kind string, f FaultFunc) { i.faults = append(i.faults, namedFault{kind, f}) }
+
+// Run injects faults until ctx ends: every kind once first (in the order added), then kinds
+// at random, with a pause drawn by gap between two. It returns the first fault that failed.
+func (i *Injector) Run(ctx context.Context, seed uint64, gap func(*rand.Rand) time.Duration) error {
+	rng := rand.New(rand.NewPCG(seed, 17))
+	for n := 0; ; n++ {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(gap(rng)):
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		f := i.faults[rng.IntN(len(i.faults))]
+		if n < len(i.faults) {
+			f = i.faults[n]
+		}
+		from := i.h.Now()
+		detail, err := f.f(ctx, rng)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return nil // the run ended during the fault
+		case err != nil:
+			return fmt.Errorf("fault %s: %w", f.kind, err)
+		}
+		i.h.Fault(f.kind, detail, from)
+		if n == len(i.faults)-1 {
+			i.covered.Store(true)
+		}
+	}
+}
+
+// ProxyFaults adds the proxy's faults: "cut" (connections reset, either way), "latency"
+// (every packet delayed) and "stall" (no data passes).
+func (i *Injector) ProxyFaults(p *Proxy) {
+	i.Add("cut", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		stream := []string{"downstream", "upstream"}[rng.IntN(2)]
+		d := time.Duration(30+rng.IntN(170)) * time.Millisecond
+		return fmt.Sprintf("reset_peer %s for %s", stream, d),
+			p.hold(ctx, "reset_peer", stream, fmt.Sprintf(`{"timeout":%d}`, rng.IntN(20)), d)
+	})
+	i.Add("latency", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		lat, d := 20+rng.IntN(130), time.Duration(300+rng.IntN(900))*time.Millisecond
+		return fmt.Sprintf("%d ms each way for %s", lat, d),
+			p.hold(ctx, "latency", "downstream", fmt.Sprintf(`{"latency":%d,"jitter":20}`, lat), d)
+	})
+	i.Add("stall", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		d := time.Duration(100+rng.IntN(400)) * time.Millisecond
+		return fmt.Sprintf("no data for %s", d), p.hold(ctx, "timeout", "downstream", `{"timeout":0}`, d)
+	})
+}
+
+// LockFault adds "table-lock": LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE,
+// held for a while, on a connection of its own to url.
+func (i *Injector) LockFault(url string) {
+	i.Add("table-lock", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		d := time.Duration(300+rng.IntN(1200)) * time.Millisecond
+		conn, err := connectRetrying(ctx, url)
+		if err != nil {
+			return "", err
+		}
+		defer conn.Close(context.Background())
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			return "", err
+		}
+		defer func() { _ = tx.Rollback(context.Background()) }()
+		if _, err := tx.Exec(ctx, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+			return "", err
+		}
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+		}
+		return fmt.Sprintf("ACCESS EXCLUSIVE on the key table for %s", d), tx.Commit(context.Background())
+	})
+}
+
+// RestartFault adds "pg-restart": the cluster stopped (a fast shutdown or, every other time, a
+// crash) and started again.
+func (i *Injector) RestartFault(c *Cluster) {
+	var n int
+	i.Add("pg-restart", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		n++
+		crash := n%2 == 0
+		started := time.Now()
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		if err := c.Restart(ctx, crash); err != nil {
+			return "", err
+		}
+		how := "fast shutdown"
+		if crash {
+			how = "crash (immediate shutdown)"
+		}
+		return fmt.Sprintf("%s and start, down %s", how, time.Since(started).Round(time.Millisecond)), nil
+	})
+}
+
+// TerminateFault adds "backend-kill": pg_terminate_backend of up to three backends of the
+// clients (application_name app), as a killed client process would leave them.
+func (i *Injector) TerminateFault(url, app string) {
+	i.Add("backend-kill", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		conn, err := connectRetrying(ctx, url)
+		if err != nil {
+			return "", err
+		}
+		defer conn.Close(context.Background())
+		var n int
+		err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM (SELECT pid FROM pg_stat_activity
+			WHERE application_name = $1 AND pid <> pg_backend_pid() ORDER BY random() LIMIT $2) b`, app, 1+rng.IntN(3)).Scan(&n)
+		return fmt.Sprintf("%d backends terminated", n), err
+	})
+}
+
+// connectRetrying connects to url, trying again for up to 30 seconds (the cluster may be
+// restarting).
+func connectRetrying(ctx context.Context, url string) (*pgx.Conn, error) {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		conn, err := pgx.Connect(ctx, url)
+		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
+			return conn, err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// Mode is the size of a run: short inside `make test`, long in `make check-history`.
+type Mode struct {
+	// Long is true when HISTORY_MODE=long.
+	Long bool
+	// Workers is how many scenarios run at once (HISTORY_WORKERS), twice as many in long mode.
+	Workers int
+	// Ops is the number of operations to reach (HISTORY_OPS), at least.
+	Ops int
+	// Duration is how long the clients run at least (HISTORY_SECONDS).
+	Duration time.Duration
+	// Seed seeds the run (HISTORY_SEED); the same seed makes the same choices, not the same
+	// timings.
+	Seed uint64
+}
+
+// ModeFromEnv reads the run's size: short by default (shortOps operations and at least
+// shortDur, with workers scenarios at once), long with HISTORY_MODE=long (10,000 operations,
+// at least two minutes, twice the workers); HISTORY_OPS, HISTORY_SECONDS, HISTORY_WORKERS and
+// HISTORY_SEED override.
+func ModeFromEnv(shortOps int, shortDur time.Duration, workers int) Mode {
+	m := Mode{Ops: shortOps, Duration: shortDur, Workers: workers, Seed: uint64(time.Now().UnixNano())}
+	if os.Getenv("HISTORY_MODE") == "long" {
+		m.Long, m.Ops, m.Duration, m.Workers = true, 10_000, 2*time.Minute, 2*workers
+	}
+	if n, err := strconv.Atoi(os.Getenv("HISTORY_WORKERS")); err == nil && n > 0 {
+		m.Workers = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("HISTORY_OPS")); err == nil && n > 0 {
+		m.Ops = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("HISTORY_SECONDS")); err == nil && n > 0 {
+		m.Duration = time.Duration(n) * time.Second
+	}
+	if n, err := strconv.ParseUint(os.Getenv("HISTORY_SEED"), 10, 64); err == nil {
+		m.Seed = n
+	}
+	return m
+}

@@ -1,0 +1,413 @@
+package history
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Key is one idempotency key of a run: whose, its name, the route its requests take, and
+// the TTL and lease they claim it with.
+type Key struct {
+	Principal, Name string
+	Route           Route
+	TTL, Lease      time.Duration
+	// Data is the harness's own (the accounts a key's requests move money between).
+	Data any
+}
+
+// String is the key's partition name, principal/name.
+func (k Key) String() string { return k.Principal + "/" + k.Name }
+
+// Request is one request under a key: the same Variant is the same request (fingerprint).
+type Request struct {
+	Key     Key
+	Variant int
+	// Fingerprint binds the key; Text is the request, readable.
+	Fingerprint, Text string
+	// Route overrides the key's route for this request when set (a transactional claim
+	// under a key whose lease died): RouteSet says it is.
+	Route    Route
+	RouteSet bool
+	// Hold and Release ask a driver that claims leases itself to leave the lease held (no
+	// answer) or release it, once claimed.
+	Hold, Release bool
+	// Payload is the harness's own.
+	Payload any
+}
+
+// Harness is what a run needs from the system under test.
+type Harness interface {
+	// NewKey makes a key on this route.
+	NewKey(rng *rand.Rand, name string, route Route) Key
+	// Request is the key's request number variant.
+	Request(k Key, variant int) Request
+	// Send sends r once, as client c, and says what it learned: Unknown when ctx ended first.
+	Send(ctx context.Context, c int, r Request) Output
+	// Observe returns the effects found under the key once the run settled.
+	Observe(ctx context.Context, k Key) ([]string, error)
+}
+
+// Scenario drives one key (or a few) through a session.
+type Scenario struct {
+	// Name counts it in the run's report.
+	Name string
+	// Weight is how often it is drawn, relative to the others.
+	Weight int
+	// Run drives it.
+	Run func(s *Session)
+}
+
+// Runner runs scenarios on Mode.Workers workers (each with clients of its own) until the run
+// is big enough.
+type Runner struct {
+	H         *History
+	Harness   Harness
+	Scenarios []Scenario
+	// Mode is the size of the run.
+	Mode Mode
+	// OpTimeout bounds one operation; a client that waited that long gives up (Unknown).
+	OpTimeout time.Duration
+	// Also, when set, must be true too before the run stops (every fault injected once).
+	Also func() bool
+
+	mu      sync.Mutex
+	keys    []Key
+	ran     map[string]int
+	n       atomic.Int64
+	stop    chan struct{} // closed once the run is big enough: scenarios end early
+	stopped sync.Once
+}
+
+// Session is one worker running one scenario.
+type Session struct {
+	r       *Runner
+	ctx     context.Context
+	mu      sync.Mutex // rng is shared by the session's goroutines (Parallel)
+	rng     *rand.Rand
+	clients []int
+}
+
+// IntN is a random number in [0, n), from the session's seeded source; safe from the
+// session's goroutines.
+func (s *Session) IntN(n int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rng.IntN(n)
+}
+
+// Run runs scenarios until Mode.Ops operations were recorded and Mode.Duration passed, or
+// ctx ends. Every scenario runs at least once (in order) before they are drawn by weight.
+func (r *Runner) Run(ctx context.Context) {
+	r.ran = map[string]int{}
+	r.stop = make(chan struct{})
+	started := time.Now()
+	enough := func() bool {
+		if ctx.Err() != nil || (r.H.Len() >= r.Mode.Ops && time.Since(started) >= r.Mode.Duration && (r.Also == nil || r.Also())) {
+			r.stopped.Do(func() { close(r.stop) })
+			return true
+		}
+		return false
+	}
+	go func() { // scenarios that sleep see the end too
+		for !enough() {
+			select {
+			case <-r.stop:
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}()
+	total := 0
+	for _, s := range r.Scenarios {
+		total += s.Weight
+	}
+	var wg sync.WaitGroup
+	for w := range r.Mode.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(r.Mode.Seed, uint64(w)))
+			clients := []int{r.H.Client(), r.H.Client(), r.H.Client(), r.H.Client()}
+			for !enough() {
+				n := int(r.n.Add(1)) - 1
+				var sc Scenario
+				if n < len(r.Scenarios) {
+					sc = r.Scenarios[n]
+				} else {
+					pick := rng.IntN(total)
+					for _, s := range r.Scenarios {
+						if pick -= s.Weight; pick < 0 {
+							sc = s
+							break
+						}
+					}
+				}
+				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients})
+				r.mu.Lock()
+				r.ran[sc.Name]++
+				r.mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// Keys lists every key the run made.
+func (r *Runner) Keys() []Key {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.keys)
+}
+
+// Ran is how many times each scenario ran.
+func (r *Runner) Ran() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.ran)
+}
+
+// Observe records the effects under every key (after H.Close).
+func (r *Runner) Observe(ctx context.Context) error {
+	for _, k := range r.Keys() {
+		effects, err := r.Harness.Observe(ctx, k)
+		if err != nil {
+			return fmt.Errorf("observe %s: %w", k, err)
+		}
+		r.H.Observe(k.String(), effects)
+	}
+	return nil
+}
+
+// Key makes a new key on this route for the session.
+func (s *Session) Key(route Route) Key {
+	s.r.mu.Lock()
+	defer s.r.mu.Unlock()
+	s.mu.Lock()
+	rng := rand.New(rand.NewPCG(s.rng.Uint64(), 0))
+	s.mu.Unlock()
+	k := s.r.Harness.NewKey(rng, fmt.Sprintf("k%d", len(s.r.keys)+1), route)
+	s.r.keys = append(s.r.keys, k)
+	return k
+}
+
+// Request is the key's request number variant.
+func (s *Session) Request(k Key, variant int) Request { return s.r.Harness.Request(k, variant) }
+
+// Client is the session's client number i (0 to 3).
+func (s *Session) Client(i int) int { return s.clients[i] }
+
+// stopping tells whether the run is big enough: a scenario sends nothing more.
+func (s *Session) stopping() bool {
+	select {
+	case <-s.r.stop:
+		return true
+	default:
+		return s.ctx.Err() != nil
+	}
+}
+
+// Send sends r once as client c, recorded in the history; the client gives up after timeout
+// (0: the runner's OpTimeout). Once the run is big enough it sends nothing and returns an
+// Output whose Outcome is zero (not sent, not recorded).
+func (s *Session) Send(c int, r Request, timeout time.Duration) Output {
+	if s.stopping() {
+		return Output{}
+	}
+	if timeout <= 0 {
+		timeout = s.r.OpTimeout
+	}
+	route := r.Key.Route
+	if r.RouteSet {
+		route = r.Route
+	}
+	op := s.r.H.Begin(Input{Key: r.Key.String(), Client: c, Request: r.Text, Fingerprint: r.Fingerprint, Route: route,
+		TTL: r.Key.TTL, Lease: r.Key.Lease})
+	ctx, cancel := context.WithTimeout(s.ctx, timeout)
+	defer cancel()
+	return op.End(s.r.Harness.Send(ctx, c, r))
+}
+
+// Final tells whether an outcome ends an operation for a client that retries: a decision,
+// or a claim it made itself.
+func Final(o Outcome) bool {
+	switch o {
+	case Answered, Replayed, Mismatch, Held, Released, Lost:
+		return true
+	}
+	return false
+}
+
+// Until sends r as client c until its outcome is final, at most attempts times, with a
+// jittered pause between attempts. The first attempt gives up after first (0: OpTimeout),
+// the next ones after OpTimeout.
+func (s *Session) Until(c int, r Request, attempts int, first time.Duration) Output {
+	var out Output
+	for i := range attempts {
+		timeout := s.r.OpTimeout
+		if i == 0 {
+			timeout = first
+		}
+		if out = s.Send(c, r, timeout); Final(out.Outcome) || s.stopping() {
+			return out
+		}
+		s.Sleep(time.Duration(50+s.IntN(250)) * time.Millisecond)
+	}
+	return out
+}
+
+// Sleep pauses the session (less once the run is big enough).
+func (s *Session) Sleep(d time.Duration) {
+	select {
+	case <-time.After(d):
+	case <-s.ctx.Done():
+	case <-s.r.stop:
+	}
+}
+
+// SleepUntil pauses the session until the history's time t.
+func (s *Session) SleepUntil(t time.Duration) { s.Sleep(t - s.r.H.Now()) }
+
+// Now is the history's time.
+func (s *Session) Now() time.Duration { return s.r.H.Now() }
+
+// Parallel runs the functions at once and waits for them.
+func (s *Session) Parallel(fns ...func()) {
+	var wg sync.WaitGroup
+	for _, f := range fns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			f()
+		}()
+	}
+	wg.Wait()
+}
+
+// The scenarios every harness runs.
+
+// Storm: two or three clients send the same request at once and retry it until each has a
+// final answer.
+func Storm(route Route, weight int) Scenario {
+	return Scenario{Name: "storm " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		r := s.Request(k, 0)
+		n := 2 + s.IntN(2)
+		var fns []func()
+		for i := range n {
+			c := s.Client(i)
+			fns = append(fns, func() { s.Until(c, r, 4, 0) })
+		}
+		s.Parallel(fns...)
+	}}
+}
+
+// Changed: two clients send different requests under one key, the second a moment after
+// the first; each retries until final; one of them repeats afterwards.
+func Changed(route Route, weight int) Scenario {
+	return Scenario{Name: "changed body " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		a, b := s.Request(k, 0), s.Request(k, 1)
+		offset := time.Duration(s.IntN(150)) * time.Millisecond
+		s.Parallel(
+			func() { s.Until(s.Client(0), a, 4, 0) },
+			func() { s.Sleep(offset); s.Until(s.Client(1), b, 4, 0) },
+		)
+		s.Until(s.Client(2), []Request{a, b}[s.IntN(2)], 3, 0)
+	}}
+}
+
+// Hangup: the client gives up on its first attempt a few milliseconds in (it hangs up), then
+// retries; a second client sends the same request meanwhile.
+func Hangup(route Route, weight int) Scenario {
+	return Scenario{Name: "hang-up " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		r := s.Request(k, 0)
+		first := time.Duration(2+s.IntN(60)) * time.Millisecond
+		s.Parallel(
+			func() { s.Until(s.Client(0), r, 4, first) },
+			func() { s.Sleep(time.Duration(s.IntN(100)) * time.Millisecond); s.Until(s.Client(1), r, 4, 0) },
+		)
+	}}
+}
+
+// Expiry: a request answered; around when the key expires (a little before, or after: the TTL
+// after the answer, and for a lease the TTL after the lease's end, which outlasts the answer),
+// the key is used again, by another request or the same one; then that one is repeated.
+func Expiry(route Route, weight int) Scenario {
+	return Scenario{Name: "expiry " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		first := s.Until(s.Client(0), s.Request(k, 0), 4, 0)
+		if !Final(first.Outcome) {
+			return
+		}
+		expiry := first.Return + k.TTL
+		if route == Leased {
+			expiry += k.Lease
+		}
+		s.SleepUntil(expiry + time.Duration(s.IntN(700)-150)*time.Millisecond)
+		next := s.Request(k, s.IntN(2))
+		s.Until(s.Client(1), next, 4, 0)
+		s.Until(s.Client(2), next, 3, 0)
+	}}
+}
+
+// Verify checks the run's history (closed and observed), logs the counts, and fails the
+// test with the timelines of the keys that violate the model (grouped by what they violate)
+// and where their artifacts are.
+func Verify(t testing.TB, h *History, name string) Result {
+	t.Helper()
+	res := Check(h, Options{Name: name})
+	outcomes, faults := h.Counts()
+	t.Logf("%s: %d keys; %s", name, res.Keys, Summary(outcomes, faults))
+	t.Logf("%s: checked in %s (the slowest key, %s, in %s)", name, res.Took.Round(time.Millisecond), res.Slowest,
+		res.SlowestTook.Round(time.Millisecond))
+	if len(res.Inconclusive) > 0 {
+		t.Errorf("porcupine could not decide %d keys in time: %v", len(res.Inconclusive), res.Inconclusive)
+	}
+	if len(res.Violations) == 0 {
+		return res
+	}
+	groups := map[string][]Violation{}
+	for _, v := range res.Violations {
+		kind := strings.Join(v.Kinds, "; or ")
+		if kind == "" {
+			kind = "several promises at once"
+		}
+		groups[kind] = append(groups[kind], v)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d of %d keys violate the idempotency contract (artifacts: %s):\n", len(res.Violations), res.Keys, res.Dir)
+	for _, kind := range slices.Sorted(maps.Keys(groups)) {
+		fmt.Fprintf(&b, "  %d keys: %s\n", len(groups[kind]), kind)
+	}
+	for _, kind := range slices.Sorted(maps.Keys(groups)) {
+		vs := groups[kind]
+		fmt.Fprintf(&b, "\n== %s (%d keys; the first %d) ==\n", kind, len(vs), min(2, len(vs)))
+		for _, v := range vs[:min(2, len(vs))] {
+			b.WriteString(v.Timeline)
+			if v.HTML != "" {
+				fmt.Fprintf(&b, "   visualisation: %s\n", v.HTML)
+			}
+		}
+	}
+	t.Error(b.String())
+	return res
+}
+
+// Require fails the test unless every count in min was reached in got: a run that did
+// nothing must not pass.
+func Require(t testing.TB, what string, got map[string]int, min map[string]int) {
+	t.Helper()
+	for _, k := range slices.Sorted(maps.Keys(min)) {
+		if got[k] < min[k] {
+			t.Errorf("the run did too little: %s %q happened %d times, want at least %d (all: %v)", what, k, got[k], min[k], got)
+		}
+	}
+}

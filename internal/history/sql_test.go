@@ -1,0 +1,488 @@
+package history
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+// The SQL API called directly, from several connections, as a service in another language
+// would: idem_begin (transactional and lease claims), the work, idem_complete, idem_release;
+// leases left to run out and taken over, by a lease claim or by a transactional one.
+
+// historySchema is the test's own effects: a row per transactional effect (written in the
+// claim's transaction) and a simulated provider that deduplicates by provider key (written on
+// its own, as an outside system would), with references unique across restarts.
+const historySchema = `
+CREATE SCHEMA hist;
+CREATE TABLE hist.effects (id bigserial PRIMARY KEY, principal text NOT NULL, key text NOT NULL,
+	fingerprint text NOT NULL, attempt bigint NOT NULL);
+CREATE SEQUENCE hist.refs;
+CREATE TABLE hist.provider (pk text PRIMARY KEY, principal text NOT NULL, key text NOT NULL,
+	ref text NOT NULL, calls integer NOT NULL DEFAULT 1);`
+
+// providerCall pays at the test's provider under a provider key and returns the payout's
+// reference: the first call makes the payout, later ones with the key answer it.
+const providerCall = `INSERT INTO hist.provider AS p (pk, principal, key, ref) VALUES ($1, $2, $3, 'po_' || nextval('hist.refs'))
+	ON CONFLICT (pk) DO UPDATE SET calls = p.calls + 1 RETURNING p.ref`
+
+// beginSQL claims a key; to_jsonb(b)->>'provider_key' is the claim's provider key once
+// idem_begin has that column, NULL before.
+const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_body, to_jsonb(b) ->> 'provider_key'
+	FROM idem.idem_begin(p_principal => $1, p_key => $2, p_action => $3, p_request_sha256 => $4,
+	                     p_ttl => $5::interval, p_lease => $6::interval, p_lock_timeout => '300 milliseconds') AS b`
+
+// sqlProviderKey is the provider key of a claim as the SQL API reports it: idem_begin's
+// provider_key column when it has one; before it had one (0.2.0's first lease routes), what
+// the Go driver handed a provider then: 64 hex digits of SHA-256 over a label, the principal
+// and the key, one per key whatever its generation. The one place to change once the column is
+// the only source.
+func sqlProviderKey(reported *string, principal, key string) string {
+	if reported != nil {
+		return *reported
+	}
+	sum := sha256.Sum256([]byte("pgidem provider key v1\x00" + principal + "\x00" + key))
+	return hex.EncodeToString(sum[:])
+}
+
+type sqlHarness struct {
+	url     string // through the proxy
+	observe *pgxpool.Pool
+
+	mu    sync.Mutex
+	conns map[int]*pgx.Conn
+}
+
+type sqlPayload struct {
+	action string
+	body   string
+	// payOnHold: a lease left held calls the provider first (half the time), so that a
+	// generation may have an effect nobody saw named.
+	payOnHold bool
+}
+
+func (h *sqlHarness) NewKey(rng *rand.Rand, name string, route Route) Key {
+	return Key{Principal: []string{"alice", "bob"}[rng.IntN(2)], Name: name, Route: route, TTL: 2 * time.Second, Lease: time.Second}
+}
+
+func (h *sqlHarness) Request(k Key, variant int) Request {
+	p := sqlPayload{action: "POST /v1/notes", body: fmt.Sprintf(`{"amount":%d}`, 100*(variant+1))}
+	return Request{Key: k, Variant: variant, Fingerprint: p.action + " " + p.body,
+		Text: fmt.Sprintf("amount=%d", 100*(variant+1)), Payload: p}
+}
+
+func (h *sqlHarness) conn(ctx context.Context, c int) (*pgx.Conn, error) {
+	h.mu.Lock()
+	conn := h.conns[c]
+	h.mu.Unlock()
+	if conn != nil && !conn.IsClosed() {
+		return conn, nil
+	}
+	conn, err := pgx.Connect(ctx, h.url)
+	if err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	h.conns[c] = conn
+	h.mu.Unlock()
+	return conn, nil
+}
+
+// drop closes client c's connection after an error: the next operation connects again.
+func (h *sqlHarness) drop(c int) {
+	h.mu.Lock()
+	conn := h.conns[c]
+	delete(h.conns, c)
+	h.mu.Unlock()
+	if conn != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		_ = conn.Close(ctx)
+	}
+}
+
+func (h *sqlHarness) closeAll() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for c, conn := range h.conns {
+		_ = conn.Close(context.Background())
+		delete(h.conns, c)
+	}
+}
+
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
+func effectOf(body []byte) string {
+	var b struct {
+		Effect int64  `json:"effect"`
+		Ref    string `json:"ref"`
+	}
+	_ = json.Unmarshal(body, &b)
+	switch {
+	case b.Effect != 0:
+		return fmt.Sprintf("row %d", b.Effect)
+	case b.Ref != "":
+		return "payout " + b.Ref
+	}
+	return ""
+}
+
+func (h *sqlHarness) Send(ctx context.Context, c int, r Request) Output {
+	conn, err := h.conn(ctx, c)
+	if err != nil {
+		return Output{Outcome: NotSent, Note: "connect: " + err.Error()}
+	}
+	route := r.Key.Route
+	if r.RouteSet {
+		route = r.Route
+	}
+	var out Output
+	if route == Transactional {
+		out = h.tx(ctx, conn, r)
+	} else {
+		out = h.lease(ctx, conn, r)
+	}
+	if out.Outcome == Failed || out.Outcome == Unknown {
+		h.drop(c)
+	}
+	return out
+}
+
+type claimRow struct {
+	outcome  string
+	attempt  int64
+	status   *int32
+	body     []byte
+	reported *string
+}
+
+func (h *sqlHarness) begin(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, r Request, lease time.Duration) (claimRow, error) {
+	p := r.Payload.(sqlPayload)
+	sum := sha256.Sum256([]byte(p.action + "\n" + p.body))
+	var leaseArg *string
+	if lease > 0 {
+		s := fmt.Sprintf("%d milliseconds", lease.Milliseconds())
+		leaseArg = &s
+	}
+	var row claimRow
+	err := q.QueryRow(ctx, beginSQL, r.Key.Principal, r.Key.Name, p.action, sum[:],
+		fmt.Sprintf("%d milliseconds", r.Key.TTL.Milliseconds()), leaseArg).
+		Scan(&row.outcome, &row.attempt, &row.status, &row.body, &row.reported)
+	return row, err
+}
+
+// decided is the output of a claim that was not claimed.
+func decided(row claimRow, pk string) Output {
+	switch row.outcome {
+	case "replay":
+		return Output{Outcome: Replayed, Status: int(*row.status), Body: string(row.body), Effect: effectOf(row.body), ProviderKey: pk}
+	case "mismatch":
+		return Output{Outcome: Mismatch}
+	case "in_progress":
+		return Output{Outcome: Busy, Note: "in_progress"}
+	}
+	return Output{Outcome: Failed, Note: "outcome " + row.outcome}
+}
+
+// tx: BEGIN, idem_begin (transactional), the effect row, idem_complete, COMMIT.
+func (h *sqlHarness) tx(ctx context.Context, conn *pgx.Conn, r Request) Output {
+	failed := func(err error, committing bool) Output {
+		if committing || ctx.Err() != nil {
+			return Output{Outcome: Unknown, Note: err.Error()}
+		}
+		return Output{Outcome: Failed, Note: err.Error()}
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return failed(err, false)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	row, err := h.begin(ctx, tx, r, 0)
+	if sqlState(err) == "55P03" {
+		return Output{Outcome: Busy, Note: "lock timeout"}
+	}
+	if err != nil {
+		return failed(err, false)
+	}
+	pk := sqlProviderKey(row.reported, r.Key.Principal, r.Key.Name)
+	if row.outcome != "claimed" {
+		return decided(row, pk)
+	}
+	var id int64
+	if err := tx.QueryRow(ctx, `INSERT INTO hist.effects (principal, key, fingerprint, attempt) VALUES ($1, $2, $3, $4) RETURNING id`,
+		r.Key.Principal, r.Key.Name, r.Fingerprint, row.attempt).Scan(&id); err != nil {
+		return failed(err, false)
+	}
+	body := fmt.Sprintf(`{"effect":%d,"request":%q}`, id, r.Text)
+	sent := time.Now()
+	if _, err := tx.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
+		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body)); err != nil {
+		return failed(err, false)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return failed(err, true)
+	}
+	return Output{Outcome: Answered, Status: 201, Body: body, Effect: fmt.Sprintf("row %d", id), ProviderKey: pk, StoreSent: sent}
+}
+
+// lease: idem_begin with a lease (committed on its own), the provider, the work, then
+// idem_complete; or the lease left held, or released, as the request asks.
+func (h *sqlHarness) lease(ctx context.Context, conn *pgx.Conn, r Request) Output {
+	unknown := func(err error) Output { return Output{Outcome: Unknown, Note: err.Error()} }
+	row, err := h.begin(ctx, conn, r, r.Key.Lease)
+	if sqlState(err) == "55P03" {
+		return Output{Outcome: Busy, Note: "lock timeout"}
+	}
+	if err != nil {
+		return unknown(err) // the claim may have committed
+	}
+	pk := sqlProviderKey(row.reported, r.Key.Principal, r.Key.Name)
+	if row.outcome != "claimed" {
+		return decided(row, pk)
+	}
+	pay := func() (string, error) {
+		var ref string
+		err := conn.QueryRow(ctx, providerCall, pk, r.Key.Principal, r.Key.Name).Scan(&ref)
+		return ref, err
+	}
+	switch {
+	case r.Hold:
+		if r.Payload.(sqlPayload).payOnHold && rand.IntN(2) == 0 {
+			if _, err := pay(); err != nil {
+				return unknown(err)
+			}
+		}
+		return Output{Outcome: Held, ProviderKey: pk, Note: fmt.Sprintf("attempt %d left to run out", row.attempt)}
+	case r.Release:
+		if rand.IntN(2) == 0 {
+			if _, err := pay(); err != nil {
+				return unknown(err)
+			}
+		}
+		var ok bool
+		if err := conn.QueryRow(ctx, `SELECT idem.idem_release(p_principal => $1, p_key => $2, p_attempt => $3)`,
+			r.Key.Principal, r.Key.Name, row.attempt).Scan(&ok); err != nil {
+			return unknown(err)
+		}
+		if !ok {
+			return Output{Outcome: Lost, ProviderKey: pk, Note: "release: no claim with this attempt"}
+		}
+		return Output{Outcome: Released, ProviderKey: pk}
+	}
+	ref, err := pay()
+	if err != nil {
+		return unknown(err)
+	}
+	select { // the work
+	case <-time.After(time.Duration(20+rand.IntN(150)) * time.Millisecond):
+	case <-ctx.Done():
+		return unknown(ctx.Err())
+	}
+	body := fmt.Sprintf(`{"ref":%q,"provider_key":%q,"request":%q}`, ref, pk, r.Text)
+	sent := time.Now()
+	_, err = conn.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
+		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body))
+	switch {
+	case sqlState(err) == "55000":
+		return Output{Outcome: Lost, ProviderKey: pk, Note: "complete: taken over"}
+	case err != nil:
+		return unknown(err)
+	}
+	return Output{Outcome: Answered, Status: 201, Body: body, Effect: "payout " + ref, ProviderKey: pk, StoreSent: sent}
+}
+
+func (h *sqlHarness) Observe(ctx context.Context, k Key) ([]string, error) {
+	rows, err := h.observe.Query(ctx, `SELECT 'row ' || id FROM hist.effects WHERE principal = $1 AND key = $2
+		UNION ALL SELECT 'payout ' || ref FROM hist.provider WHERE principal = $1 AND key = $2`, k.Principal, k.Name)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// The SQL level's own scenarios, for what only a client of the SQL API can do.
+
+// deadLeaseTakeover: a lease claim dies (left to run out); after its end, a transactional
+// claim of the same request takes the key over and answers; a repeat comes after the dead
+// lease's end plus the TTL, but before the answer plus the TTL: it must get the answer.
+func deadLeaseTakeover(weight int) Scenario {
+	return Scenario{Name: "dead lease, transactional takeover", Weight: weight, Run: func(s *Session) {
+		k := s.Key(Leased)
+		k.TTL = 3 * time.Second
+		hold := s.Request(k, 0)
+		hold.Hold = true
+		held := s.Until(s.Client(0), hold, 3, 0)
+		if held.Outcome != Held {
+			return
+		}
+		s.SleepUntil(held.Return + k.Lease + 1500*time.Millisecond)
+		tx := s.Request(k, 0)
+		tx.Route, tx.RouteSet = Transactional, true
+		answer := s.Until(s.Client(1), tx, 3, 0)
+		if answer.Outcome != Answered {
+			return
+		}
+		s.SleepUntil(answer.Return + 2*time.Second)
+		s.Until(s.Client(2), tx, 3, 0)
+	}}
+}
+
+// leaseExpiry: a lease claim left to run out; another request meanwhile (refused), then after
+// the lease's end plus the TTL (a new generation).
+func leaseExpiry(weight int) Scenario {
+	return Scenario{Name: "lease expiry", Weight: weight, Run: func(s *Session) {
+		k := s.Key(Leased)
+		hold := s.Request(k, 0)
+		hold.Hold = true
+		p := hold.Payload.(sqlPayload)
+		p.payOnHold = true
+		hold.Payload = p
+		held := s.Until(s.Client(0), hold, 3, 0)
+		if held.Outcome != Held {
+			return
+		}
+		other := s.Request(k, 1)
+		s.SleepUntil(held.Return + k.Lease + 300*time.Millisecond)
+		s.Until(s.Client(1), other, 2, 0)
+		s.SleepUntil(held.Return + k.Lease + k.TTL + 300*time.Millisecond)
+		s.Until(s.Client(1), other, 3, 0)
+		s.Until(s.Client(2), other, 2, 0)
+	}}
+}
+
+// releaseReuse: a lease claim released (its work failed), then another request at once: a
+// new generation, with a provider key of its own.
+func releaseReuse(weight int) Scenario {
+	return Scenario{Name: "release, then reuse", Weight: weight, Run: func(s *Session) {
+		k := s.Key(Leased)
+		rel := s.Request(k, 0)
+		rel.Release = true
+		if out := s.Until(s.Client(0), rel, 3, 0); out.Outcome != Released {
+			return
+		}
+		next := s.Request(k, s.IntN(2))
+		s.Until(s.Client(1), next, 3, 0)
+		s.Until(s.Client(2), next, 2, 0)
+	}}
+}
+
+// TestSQLHistory: clients of the SQL API on several connections, through a fault proxy,
+// while connections are cut, slowed and stalled, backends killed, the key table locked and
+// PostgreSQL restarted (and crashed); every call is checked against the model.
+func TestSQLHistory(t *testing.T) {
+	t.Parallel()
+	mode := ModeFromEnv(200, 6*time.Second, 8)
+	c := StartCluster(t)
+	c.CreateDB(t, "hist")
+	ctx := context.Background()
+	admin, err := pgx.Connect(ctx, c.URL("hist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, historySchema); err != nil {
+		t.Fatal(err)
+	}
+	admin.Close(ctx)
+	observe, err := pgxpool.New(ctx, c.URL("hist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer observe.Close()
+	proxy := NewProxy(t, c.Addr())
+	const app = "hist-sql"
+	harness := &sqlHarness{url: Via(proxy.Addr(), "hist") + " application_name=" + app + " connect_timeout=2",
+		observe: observe, conns: map[int]*pgx.Conn{}}
+	defer harness.closeAll()
+
+	h := New()
+	inj := NewInjector(h)
+	inj.ProxyFaults(proxy)
+	inj.LockFault(c.URL("hist"))
+	inj.TerminateFault(c.URL("hist"), app)
+	inj.RestartFault(c)
+	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
+		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(2),
+		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2),
+		Expiry(Transactional, 2), leaseExpiry(1),
+	}}
+	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
+	runFaults(t, h, inj, runner, mode)
+	// Settle: the leases left held run out, the connections the faults broke are gone.
+	time.Sleep(runner.Keys()[0].Lease + 500*time.Millisecond)
+	harness.closeAll()
+	waitIdle(t, observe, app)
+	h.Close()
+	if err := runner.Observe(ctx); err != nil {
+		t.Fatal(err)
+	}
+	Verify(t, h, t.Name())
+	t.Logf("scenarios: %v", runner.Ran())
+	outcomes, faults := h.Counts()
+	Require(t, "the outcome", outcomes, map[string]int{"2xx": 20, "replayed": 5, "mismatch": 3, "held": 2, "released": 1, "busy": 1})
+	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
+	Require(t, "the scenario", runner.Ran(), map[string]int{"dead lease, transactional takeover": 1, "release, then reuse": 1,
+		"lease expiry": 1, "expiry lease": 1, "storm tx": 1, "storm lease": 1})
+}
+
+// runFaults runs the scenarios while the injector injects faults, and stops the injector
+// when the scenarios are done.
+func runFaults(t testing.TB, h *History, inj *Injector, runner *Runner, mode Mode) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), mode.Duration*10+5*time.Minute)
+	defer cancel()
+	faultCtx, stopFaults := context.WithCancel(ctx)
+	faultErr := make(chan error, 1)
+	go func() {
+		faultErr <- inj.Run(faultCtx, mode.Seed, func(rng *rand.Rand) time.Duration {
+			return time.Duration(150+rng.IntN(450)) * time.Millisecond
+		})
+	}()
+	runner.Run(ctx)
+	stopFaults()
+	if err := <-faultErr; err != nil {
+		t.Errorf("%v", err)
+	}
+}
+
+// waitIdle waits (up to 30 seconds) until no backend of the clients is left in a transaction
+// or running a statement, and the cluster answers.
+func waitIdle(t testing.TB, pool *pgxpool.Pool, app string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND state <> 'idle'`, app).Scan(&n)
+		if err == nil && n == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the clients' backends did not settle: %d busy (%v)", n, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
