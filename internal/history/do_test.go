@@ -191,7 +191,7 @@ func leaseThenDo(weight int) Scenario {
 	}}
 }
 
-// failedLeaseReuse: DoLease whose work fails (the claim is released), then the key used
+// failedLeaseReuse: DoLease whose work fails (its lease is given up: Yield), then the key used
 // again at once, by the same job or another.
 func failedLeaseReuse(weight int) Scenario {
 	return Scenario{Name: "failed lease, then reuse", Weight: weight, Run: func(s *Session) {

@@ -3,7 +3,6 @@ package history
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -45,17 +44,13 @@ const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_bod
 	FROM idem.idem_begin(p_principal => $1, p_key => $2, p_action => $3, p_request_sha256 => $4,
 	                     p_ttl => $5::interval, p_lease => $6::interval, p_lock_timeout => '300 milliseconds') AS b`
 
-// sqlProviderKey is the provider key of a claim as the SQL API reports it: idem_begin's
-// provider_key column when it has one; before it had one (0.2.0's first lease routes), what
-// the Go driver handed a provider then: 64 hex digits of SHA-256 over a label, the principal
-// and the key, one per key whatever its generation. The one place to change once the column is
-// the only source.
+// sqlProviderKey is the provider key of a claim as the SQL API reports it (idem_begin's
+// provider_key: set for claimed, replay and in_progress; NULL for a mismatch, which has none).
 func sqlProviderKey(reported *string, principal, key string) string {
 	if reported != nil {
 		return *reported
 	}
-	sum := sha256.Sum256([]byte("pgidem provider key v1\x00" + principal + "\x00" + key))
-	return hex.EncodeToString(sum[:])
+	return ""
 }
 
 type sqlHarness struct {
