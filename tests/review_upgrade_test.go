@@ -1,0 +1,101 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+	"github.com/pgidem/pgidem/internal/release010"
+	idemsql "github.com/pgidem/pgidem/sql"
+)
+
+// TestSwapWaitsOnAReferencedTableHoldingTheKeyTable (review finding): migration 003's swap
+// asks for the key table's ACCESS EXCLUSIVE lock with a 200 ms lock timeout, and then restores
+// the session's lock_timeout (none) for the rest of the transaction. With a foreign key from
+// the key table to another table (the reference server's principals, which 003 explicitly
+// carries over, or any user's), `DROP TABLE idem.idempotency_keys` must take ACCESS EXCLUSIVE
+// on the referenced table too (to drop the foreign key's triggers there). So any transaction
+// that merely read principals (a report, `pg_dump -t principals`, an idle-in-transaction
+// session) makes the swap wait, without a bound, while it holds the key table locked: every
+// claim of the previous release waits out its lock timeout and fails, and every new reader of
+// principals queues behind the DROP, for as long as that unrelated transaction lasts. The
+// issue asks for a swap "in a lock whose length does not grow" and "the longest request of
+// the old release during migrate <= 1 s".
+//
+// The gap is held by a real lock: an open transaction that read principals.
+func TestSwapWaitsOnAReferencedTableHoldingTheKeyTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	if err := release010.Install(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_alice', 'alice')`)
+
+	// A reader of principals, in an open transaction. It holds nothing on the key table.
+	reader := pgtest.Connect(t, url)
+	pgtest.Exec(t, reader, `BEGIN`)
+	pgtest.Exec(t, reader, `SELECT count(*) FROM principals`)
+	ended := false
+	endReader := func() {
+		if !ended {
+			ended = true
+			pgtest.Exec(t, reader, `COMMIT`)
+		}
+	}
+	defer endReader()
+
+	migrator := pgtest.Connect(t, url)
+	var pid uint32
+	if err := migrator.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- idemsql.Migrate(ctx, migrator, idemsql.Options{}) }()
+
+	// The migrate reaches the swap and then waits on principals, holding the key table.
+	pgtest.WaitFor(t, conn, `SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted
+		AND relation = 'principals'::regclass`, pid)
+	held := pgtest.Count(t, conn, `SELECT count(*) FROM pg_locks WHERE pid = $1 AND granted
+		AND relation = 'idem.idempotency_keys'::regclass AND mode = 'AccessExclusiveLock'`, pid)
+	t.Logf("the migrate waits on principals; it holds ACCESS EXCLUSIVE on idem.idempotency_keys: %v", held > 0)
+
+	// The previous release's lease claim of a new key (it commits on its own).
+	began := time.Now()
+	_, err := conn.Exec(ctx, `SELECT outcome FROM idem.idem_begin('p_alice', 'k-during-swap', 'POST /v1/jobs',
+		sha256('job'), p_lease => '1 minute')`)
+	took := time.Since(began)
+	var pgErr *pgconn.PgError
+	code := ""
+	if errors.As(err, &pgErr) {
+		code = pgErr.Code
+	}
+	t.Logf("0.1.0 claim during the swap: %v after %v", err, took.Round(time.Millisecond))
+
+	// An unkeyed read of principals (any request that reads or references them).
+	ctxRead, cancel := context.WithTimeout(ctx, 3*time.Second)
+	began = time.Now()
+	_, rerr := pgtest.Connect(t, url).Exec(ctxRead, `SELECT count(*) FROM principals`)
+	cancel()
+	readTook := time.Since(began)
+	t.Logf("an unkeyed read of principals during the swap: %v after %v", rerr, readTook.Round(time.Millisecond))
+
+	endReader()
+	if err := <-done; err != nil {
+		t.Fatalf("migrate after the reader ended: %v", err)
+	}
+
+	if err != nil || took > time.Second {
+		t.Errorf("a claim of the previous release during the swap: error %v (SQLSTATE %q) after %v; want an answer within 1 s "+
+			"(the swap holds the key table while it waits, without a lock timeout, on a transaction that only read principals)",
+			err, code, took.Round(time.Millisecond))
+	}
+	if rerr != nil || readTook > time.Second {
+		t.Errorf("an unkeyed read of principals during the swap: %v after %v; want it unaffected", rerr, readTook.Round(time.Millisecond))
+	}
+}
