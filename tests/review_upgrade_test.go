@@ -99,3 +99,47 @@ func TestSwapWaitsOnAReferencedTableHoldingTheKeyTable(t *testing.T) {
 		t.Errorf("an unkeyed read of principals during the swap: %v after %v; want it unaffected", rerr, readTook.Round(time.Millisecond))
 	}
 }
+
+// TestSQLBundleBesideAMigrate (review finding): sql/idem.sql decides whether the online
+// rebuild of 003 is due (schema version 1 or 2) before it takes tern's advisory lock, and does
+// not look again once it holds it (RebuildOnline does: "another migrate swapped meanwhile").
+// When another migrate (`server migrate`, idemsql.Migrate) swaps the tables while the bundle
+// waits for the lock, the bundle then runs the 0.1.0 conversion against the new table and
+// stops with an error, though Migrate, tern and the bundle are documented to "take turns on
+// tern's advisory lock" and the bundle "can be run again". The gap is held by the advisory
+// lock itself, taken by the session that then runs the other migrate.
+func TestSQLBundleBesideAMigrate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	if err := release010.Install(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	// The other migrate's session holds tern's lock first.
+	other := pgtest.Connect(t, url)
+	pgtest.Exec(t, other, `SELECT pg_advisory_lock($1)`, idemsql.TernLock)
+
+	type result struct {
+		out []byte
+		err error
+	}
+	psql := make(chan result, 1)
+	cmd := psqlCommand(t, url, "-v", "ON_ERROR_STOP=1", "-f", bundle)
+	go func() {
+		out, err := cmd.CombinedOutput()
+		psql <- result{out, err}
+	}()
+	// The bundle has found the rebuild due and waits for the lock.
+	pgtest.WaitFor(t, conn, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`)
+
+	if err := idemsql.Migrate(ctx, other, idemsql.Options{}); err != nil {
+		t.Fatalf("the other migrate: %v", err)
+	}
+	pgtest.Exec(t, other, `SELECT pg_advisory_unlock($1)`, idemsql.TernLock)
+
+	r := <-psql
+	if r.err != nil {
+		t.Fatalf("psql -f sql/idem.sql beside a migrate that swapped while it waited for the lock: %v\n%s", r.err, lastLines(string(r.out), 6))
+	}
+}
