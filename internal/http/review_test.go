@@ -66,3 +66,45 @@ func TestShutdownEndsLeaseWorkThatClaimedDuringIt(t *testing.T) {
 			"until the process exits under it, its lease not given up")
 	}
 }
+
+// TestYieldedLeaseIsNotReportedAsDead (review finding): since D62 a lease route whose handler
+// fails (a 5xx) gives its lease up with idem_yield, and since 3bdf9c7 an operator's
+// idem_release_stuck does the same: the row stays in progress, its lease in the past, until
+// the client's retry takes it over or the key expires (the TTL past the lease's end: 24 hours
+// by default). idem_health, the gauges idempotency_leases_run_out and
+// idempotency_oldest_in_progress_seconds, idem_stuck and `server keys stuck` count such a key
+// as work that died with its lease held. So every failed payout whose client does not come
+// back keeps IdemLeasesRunOut ("work that died with its lease held: its clients get 409 until
+// a retry takes it over", which is not even true: they take it over at once) and, after ten
+// minutes, IdemClaimStuck firing for a day; and the operator who released a stuck claim sees
+// the same alert, and the same claim in `server keys stuck`, after the release.
+func TestYieldedLeaseIsNotReportedAsDead(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	ctx := context.Background()
+	if r := a.do("POST", "/jobs", "alice", "yield-1", `{"status":503}`); r.status != 503 {
+		t.Fatalf("the failing lease work: %+v", r)
+	}
+	pgtest.WaitFor(t, a.pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'yield-1' AND lease_expires_at <= clock_timestamp()`)
+	var inProgress, runOut int64
+	if err := a.pool.QueryRow(ctx, `SELECT in_progress, leases_run_out FROM idem.idem_health()`).Scan(&inProgress, &runOut); err != nil {
+		t.Fatal(err)
+	}
+	stuck := a.count(`SELECT count(*) FROM idem.idem_stuck()`)
+	t.Logf("after a yield: idem_health in_progress %d, leases_run_out %d; idem_stuck lists %d", inProgress, runOut, stuck)
+	if runOut != 0 || stuck != 0 {
+		t.Errorf("a lease given up on purpose (idem_yield) counts as dead work: leases_run_out %d, idem_stuck %d rows; "+
+			"the alerts IdemLeasesRunOut and (after 10 minutes) IdemClaimStuck fire until the key expires", runOut, stuck)
+	}
+
+	// The operator's release of a stuck claim: the same.
+	var attempt int64
+	if err := a.pool.QueryRow(ctx, `SELECT attempt FROM idem.idem_begin('alice', 'stuck-1', 'POST /jobs', sha256('x'),
+		p_lease => '1 minute')`).Scan(&attempt); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, a.pool, `SELECT idem.idem_release_stuck('alice', 'stuck-1', $1, 'process killed')`, attempt)
+	if n := a.count(`SELECT count(*) FROM idem.idem_stuck() WHERE key = 'stuck-1'`); n != 0 {
+		t.Errorf("after idem_release_stuck the claim is still listed by idem_stuck (and counted by idem_health) as stuck")
+	}
+}
