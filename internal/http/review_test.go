@@ -3,8 +3,15 @@ package idemhttp_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
+
+	"github.com/gorilla/mux"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -106,5 +113,78 @@ func TestYieldedLeaseIsNotReportedAsDead(t *testing.T) {
 	pgtest.Exec(t, a.pool, `SELECT idem.idem_release_stuck('alice', 'stuck-1', $1, 'process killed')`, attempt)
 	if n := a.count(`SELECT count(*) FROM idem.idem_stuck() WHERE key = 'stuck-1'`); n != 0 {
 		t.Errorf("after idem_release_stuck the claim is still listed by idem_stuck (and counted by idem_health) as stuck")
+	}
+}
+
+// TestLeaseCompletionsDoNotHoldThePoolUnderATableLock (review finding): issue 31 asks that
+// while the key table is locked (a swap, VACUUM FULL, pg_repack, LOCK TABLE) keyed requests
+// get fast answers, "hold no pool connection while they wait, and unkeyed requests and lease
+// heartbeats keep flowing". The Gate's probe covers the claim only. A lease route's answer is
+// recorded by idem_complete (and given up by idem_yield, extended by idem_extend), which waits
+// on the table under the function's SET lock_timeout of 2 s, on a pool connection, and the
+// middleware tries it again and again until the lease's end. Four lease works that finish
+// during the lock take the whole pool (the default is 4 on 2 cores) for as long as the lock or
+// their leases last, and an unkeyed request that needs a connection waits with them.
+//
+// The gap is held by a real LOCK TABLE; the lease works are real lease routes.
+func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
+	t.Parallel()
+	const poolSize = 4
+	pool, url := pgtest.NewPool(t, poolSize)
+	ctx := context.Background()
+	m, err := idemhttp.New(idemhttp.Options{DB: pool, MaxWaitingClaims: 1,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started, release := make(chan struct{}, poolSize), make(chan struct{})
+	r := mux.NewRouter()
+	r.Handle("/jobs", m.Route(idemhttp.Route{Lease: time.Minute, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		started <- struct{}{}
+		<-release
+		w.WriteHeader(http.StatusCreated)
+	}))).Methods("POST")
+	srv := httptest.NewServer(r)
+	defer srv.Close()
+
+	replies := make(chan int, poolSize)
+	for i := range poolSize {
+		go func() {
+			status, _, _ := pgtest.Send(t, ctx, "POST", srv.URL+"/jobs", `{}`, "Idempotency-Key", fmt.Sprintf("job-%d", i),
+				"Content-Type", "application/json")
+			replies <- status
+		}()
+	}
+	for range poolSize {
+		<-started
+	}
+
+	// The table is locked (by a session outside the pool), then the works finish.
+	locker := pgtest.Connect(t, url)
+	pgtest.Exec(t, locker, `BEGIN`)
+	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	close(release)
+	pgtest.WaitFor(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+		AND query LIKE '%idem_complete%'`)
+	time.Sleep(100 * time.Millisecond) // every completion is waiting on the lock by now
+	waiting := pgtest.Count(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
+
+	// An unkeyed request's query, on the same pool.
+	began := time.Now()
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	var one int
+	qerr := pool.QueryRow(qctx, `SELECT 1`).Scan(&one)
+	cancel()
+	took := time.Since(began)
+	pgtest.Exec(t, locker, `ROLLBACK`)
+	for range poolSize {
+		<-replies
+	}
+	t.Logf("an unkeyed query on the pool while %d lease completions wait on the locked table: %v after %v", waiting, qerr,
+		took.Round(time.Millisecond))
+	if qerr != nil || took > 500*time.Millisecond {
+		t.Errorf("an unkeyed request waited %v for a pool connection (%v): the lease routes' completions hold the pool while the key "+
+			"table is locked", took.Round(time.Millisecond), qerr)
 	}
 }
