@@ -143,3 +143,103 @@ func TestSQLBundleBesideAMigrate(t *testing.T) {
 		t.Fatalf("psql -f sql/idem.sql beside a migrate that swapped while it waited for the lock: %v\n%s", r.err, lastLines(string(r.out), 6))
 	}
 }
+
+// TestOnlineRebuildKeepsChangesDuringAPausedBackfill (review, passes: pins the online 003
+// rebuild): the backfill is held mid-way by a real row lock (a FOR UPDATE on a row in the
+// middle of the key order, where a batch's FOR KEY SHARE waits) while release 0.1.0 changes
+// rows on both sides of the cursor: a lease claim completed, an expired key claimed again (a
+// token above every other), principals deleted with their keys by the ledger's ON DELETE
+// CASCADE, expired keys cleaned up, new keys claimed. Once the backfill ends, the new table is
+// exactly the conversion of the old one, also when the migrate was killed mid-backfill and run
+// again, and after the swap the sequence starts above every 0.1.0 token.
+func TestOnlineRebuildKeepsChangesDuringAPausedBackfill(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	if err := release010.Install(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_a', 'a'), ('p_a2', 'a2'), ('p_b', 'b'), ('p_c', 'c'), ('p_d', 'd')`)
+	pgtest.Exec(t, conn, `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at, expires_at,
+		action, request_sha256, completed_at, response_status, response_headers, response_body)
+		SELECT p, 'k-' || lpad(g::text, 4, '0'), 'completed', 1, now(), now() + interval '1 day', 'POST /x',
+		       sha256(g::text::bytea), now(), 201, '{"Content-Type": "application/json"}', convert_to(g::text, 'UTF8')
+		  FROM unnest(ARRAY['p_a', 'p_a2', 'p_b', 'p_c', 'p_d']) AS p, generate_series(1, 300) AS g`)
+	pgtest.Exec(t, conn, `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at, expires_at,
+		action, request_sha256, completed_at, response_status, response_headers, response_body)
+		SELECT p, k, 'completed', 1, now() - interval '2 days', now() - interval '1 day', 'POST /x', sha256('old'), now() - interval '2 days',
+		       201, '{}', 'old'
+		  FROM (VALUES ('p_a', 'exp-a'), ('p_a', 'exp2-a'), ('p_d', 'exp-d'), ('p_d', 'exp2-d')) AS v(p, k)`)
+	for _, sql := range []string{
+		`SELECT idem.idem_begin('p_a', 'lease-a', 'POST /x', sha256('lease'), p_lease => '10 minutes')`,
+		`SELECT idem.idem_begin('p_d', 'lease-d', 'POST /x', sha256('lease'), p_lease => '10 minutes')`,
+	} {
+		pgtest.Exec(t, conn, sql)
+	}
+
+	blocker := pgtest.Connect(t, url)
+	pgtest.Exec(t, blocker, `BEGIN`)
+	pgtest.Exec(t, blocker, `SELECT 1 FROM idem.idempotency_keys WHERE principal_id = 'p_b' AND key = 'k-0150' FOR UPDATE`)
+
+	data, err := idemsql.TemplateData(idemsql.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rebuilder := pgtest.Connect(t, url)
+	var pid uint32
+	if err := rebuilder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- idemsql.RebuildOnline(ctx, rebuilder, data, 100) }()
+	pgtest.WaitFor(t, conn, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event IN ('transactionid', 'tuple')`, pid)
+	copied := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys_v3`)
+	t.Logf("the backfill is paused with %d rows copied", copied)
+
+	for _, sql := range []string{
+		// behind the cursor (copied already)
+		`SELECT idem.idem_complete('p_a', 'lease-a', 1, 201, '{"Location": ["/a", "/b"]}', 'done-a')`,
+		`SELECT idem.idem_begin('p_a', 'exp-a', 'POST /x', sha256('again'), p_lease => '10 minutes')`,
+		`DELETE FROM principals WHERE id = 'p_a2'`,
+		`SELECT idem.idem_begin('p_a', 'new-a', 'POST /x', sha256('new'), p_lease => '10 minutes')`,
+		// ahead of the cursor
+		`SELECT idem.idem_complete('p_d', 'lease-d', 1, 200, '{}', 'done-d')`,
+		`SELECT idem.idem_begin('p_d', 'exp-d', 'POST /x', sha256('again'), p_lease => '10 minutes')`,
+		`SELECT idem.idem_begin('p_d', 'exp-d', 'POST /x', sha256('again'), p_lease => '10 minutes')`,
+		`DELETE FROM principals WHERE id = 'p_c'`,
+		`SELECT idem.idem_begin('p_d', 'new-d', 'POST /x', sha256('new'), p_lease => '10 minutes')`,
+		// both sides
+		`SELECT idem.idem_cleanup(100)`,
+	} {
+		pgtest.Exec(t, conn, sql)
+	}
+	// The migrate is killed mid-backfill, and run again.
+	pgtest.Exec(t, conn, `SELECT pg_terminate_backend($1)`, pid)
+	if err := <-done; err == nil {
+		t.Fatal("the killed rebuild reported success")
+	}
+	pgtest.Exec(t, blocker, `COMMIT`)
+	pgtest.Exec(t, conn, `SELECT idem.idem_begin('p_d', 'after-kill', 'POST /x', sha256('new'), p_lease => '10 minutes')`)
+	rebuilder = pgtest.Connect(t, url)
+	if err := idemsql.RebuildOnline(ctx, rebuilder, data, 100); err != nil {
+		t.Fatal(err)
+	}
+
+	diff := pgtest.Count(t, conn, `SELECT count(*) FROM (
+		(SELECT * FROM idem.idempotency_keys_v3 EXCEPT ALL SELECT (idem.v3_row(k)).* FROM idem.idempotency_keys AS k)
+		UNION ALL
+		(SELECT (idem.v3_row(k)).* FROM idem.idempotency_keys AS k EXCEPT ALL SELECT * FROM idem.idempotency_keys_v3)) AS d`)
+	rows := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys`)
+	if diff != 0 || rows != 3*300+7 {
+		t.Fatalf("after the backfill: %d rows differ between the new table and the old one's conversion; %d rows in the old table", diff, rows)
+	}
+	maxOld := pgtest.Count(t, conn, `SELECT max(attempt) FROM idem.idempotency_keys`)
+	if err := idemsql.Migrate(ctx, rebuilder, idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	next := pgtest.Count(t, conn, `SELECT nextval('idem.attempt_seq')`)
+	if maxOld < 2 || next <= maxOld {
+		t.Fatalf("the sequence starts at %d, the largest 0.1.0 token was %d", next, maxOld)
+	}
+}
