@@ -58,7 +58,9 @@ type Options struct {
 	LockTimeout time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
 	// another process) at once; a request that finds them all waiting gets 409 at once, so
-	// requests for other keys always find a connection. Default 0: a quarter of DB's
+	// requests for other keys always find a connection. It also bounds the statements lease
+	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
+	// that a locked key table cannot make them hold the pool. Default 0: a quarter of DB's
 	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns.
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
@@ -221,16 +223,19 @@ func (m *Middleware) Declared() map[string]Route {
 // matches as it dispatches, wrap each route with Route.
 func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handler(next) }
 
-// Shutdown waits for the work of lease routes still in flight (their handlers run on a
-// context that outlives the client, so an HTTP server's own Shutdown does not end them) to
-// finish and record its answers. When ctx ends first, it ends that work's contexts with cause
-// ErrShutdown, waits up to five seconds more for each to give its lease up (the client's
-// retry then runs the work again under the same provider key), and returns ctx's error. Work
-// that starts after that is ended at once. Call it beside the HTTP server's Shutdown, with the
-// same deadline:
+// Shutdown waits for the requests of lease routes still in flight (their work runs on a
+// context that outlives the client, so an HTTP server's own Shutdown does not end it), from
+// those still claiming their key to those recording their answers. When ctx ends first, it
+// ends their work's contexts with cause ErrShutdown, waits up to five seconds more for each to
+// give its lease up (the client's retry then runs the work again under the same provider key),
+// and returns ctx's error. From the moment ctx ends, lease work that starts is ended at once,
+// also when Shutdown had returned early (nothing was in flight). Call it beside the HTTP
+// server's Shutdown, with the same deadline, and wait for both before the process exits:
 //
-//	go func() { errc <- srv.Shutdown(ctx) }()
-//	m.Shutdown(ctx)
+//	leases := make(chan error, 1)
+//	go func() { leases <- m.Shutdown(ctx) }()
+//	err := srv.Shutdown(ctx)
+//	<-leases
 func (m *Middleware) Shutdown(ctx context.Context) error { return m.m.Shutdown(ctx) }
 
 // GateStats are the figures of the duplicates a Middleware (or a Gate) holds back, for gauges

@@ -28,6 +28,9 @@ SELECT version BETWEEN 1 AND 2 AS idem_rebuild_due FROM idem.schema_version \gse
 \if :idem_rebuild_due
 BEGIN;
 SELECT pg_advisory_xact_lock(9628173550095224);
+-- Again under the lock: another migrate may have swapped the tables while this one waited.
+SELECT version BETWEEN 1 AND 2 AS idem_rebuild_due FROM idem.schema_version \gset
+\if :idem_rebuild_due
 CREATE SEQUENCE IF NOT EXISTS idem.attempt_seq AS bigint;
 
 COMMENT ON SEQUENCE idem.attempt_seq IS
@@ -243,8 +246,11 @@ BEGIN
     END LOOP;
 END
 $$;
+\endif
 COMMIT;
+\if :idem_rebuild_due
 CALL idem.rebuild_003(5000);
+\endif
 \endif
 
 BEGIN;
@@ -412,30 +418,44 @@ SELECT version < 3 AS idem_migration_due FROM idem.schema_version \gset
 -- added to the old table (the reference server's principal reference, or your own) are added
 -- again to the new one as NOT VALID. There is no way down: going back to 0.1.0 means
 -- restoring a backup.
--- The swap's lock, asked for with a short lock timeout: while it waits in the queue, the
--- previous release's claims wait behind it, so it never waits long at a time.
--- online: the table was copied beforehand (idem.rebuild_003), so the lock lasts as long as a
+-- The swap's locks, asked for with a short lock timeout: while it waits in the queue, the
+-- previous release's claims wait behind it, so it never waits long at a time. Besides the key
+-- table it needs the tables the key table's foreign keys reference (the commit guard, the
+-- reference server's principals or yours: dropping the old table drops their triggers, adding
+-- the keys to the new one takes a lock on them) and the new table: all are locked here, in one
+-- try, so that no later step waits on a reader of one of them while the key table is locked.
+-- The short lock timeout stays for the rest of the migration, for the same reason.
+-- online: the table was copied beforehand (idem.rebuild_003), so the locks last as long as a
 -- few catalog changes, whatever the table's size.
 DO $$
 DECLARE
     v_tries integer := 0;
-    v_was   text := pg_catalog.current_setting('lock_timeout');
+    v_rel   regclass;
 BEGIN
     LOOP
         BEGIN
             PERFORM pg_catalog.set_config('lock_timeout', '200ms', true);
             LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            FOR v_rel IN
+                SELECT DISTINCT c.confrelid::regclass FROM pg_catalog.pg_constraint AS c
+                 WHERE c.conrelid = 'idem.idempotency_keys'::regclass AND c.contype = 'f'
+                 ORDER BY 1
+            LOOP
+                EXECUTE pg_catalog.format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', v_rel);
+            END LOOP;
+            IF pg_catalog.to_regclass('idem.idempotency_keys_v3') IS NOT NULL THEN
+                LOCK TABLE idem.idempotency_keys_v3 IN ACCESS EXCLUSIVE MODE;
+            END IF;
             EXIT;
         EXCEPTION WHEN lock_not_available THEN
             v_tries := v_tries + 1;
             IF v_tries >= 300 THEN
-                RAISE EXCEPTION 'idem migration 003: idem.idempotency_keys stayed locked through % tries of 200 ms', v_tries
-                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+                RAISE EXCEPTION 'idem migration 003: idem.idempotency_keys or a table it references stayed locked through % tries of 200 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table or a table its foreign keys reference: end it, then run the migrate again.';
             END IF;
             PERFORM pg_catalog.pg_sleep(0.05);
         END;
     END LOOP;
-    PERFORM pg_catalog.set_config('lock_timeout', v_was, true);
 END
 $$;
 
@@ -706,6 +726,8 @@ SELECT setval('idem.attempt_seq', (SELECT r.max_attempt FROM idem.rebuild_003 AS
 
 -- Foreign keys others put on the old table go to the new one (NOT VALID: no scan, no lock on
 -- the referenced table beyond the moment).
+-- online: each statement built here adds a foreign key NOT VALID to the new table, which the
+-- swap holds locked already, as it does the referenced tables.
 DO $$
 DECLARE
     v_fk record;
@@ -1484,7 +1506,10 @@ COMMENT ON FUNCTION idem.idem_release(text, text, bigint) IS
 -- starts a new generation with a new provider key; right only when the work did not happen.)
 -- Fenced by p_attempt: true when the lease claim with this attempt was in progress, false
 -- otherwise (taken over, completed, released, expired and cleaned up, never made, or a
--- transactional claim, whose transaction rolls back instead).
+-- transactional claim, whose transaction rolls back instead). The claim gets a new token (the
+-- generation stays), so the holder that yielded is fenced off like one taken over: its
+-- idem_extend, idem_complete and idem_yield raise 55000 or return false. Its claim time goes:
+-- a lease given up on purpose is not stuck work (idem_health, idem_stuck).
 CREATE OR REPLACE FUNCTION idem.idem_yield(
     p_principal text,
     p_key       text,
@@ -1500,6 +1525,7 @@ AS $$
 DECLARE
     v_problem text;
     v_now     timestamptz;
+    v_token   bigint;
 BEGIN
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
@@ -1523,8 +1549,10 @@ IF v_problem IS NOT NULL THEN
 
     END IF;
     v_now := clock_timestamp();
+    v_token := nextval('idem.attempt_seq');
     UPDATE idem.idempotency_keys AS k
-       SET lease_expires_at = least(k.lease_expires_at, v_now)
+       SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
+           generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
     RETURN FOUND;
@@ -2538,6 +2566,7 @@ DECLARE
     v_state   "char";
     v_attempt bigint;
     v_now     timestamptz;
+    v_token   bigint;
 BEGIN
     v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -2558,8 +2587,12 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     v_now := clock_timestamp();
+    v_token := nextval('idem.attempt_seq');
+    -- A new token (the stuck holder, should it wake, is fenced off), the same generation, and
+    -- no claim time (it is no longer stuck work: idem_health, idem_stuck).
     UPDATE idem.idempotency_keys AS k
-       SET lease_expires_at = least(k.lease_expires_at, v_now)
+       SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
+           generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
     IF NOT FOUND THEN

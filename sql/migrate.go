@@ -8,13 +8,16 @@ package idemsql
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"regexp"
 	"strings"
 	"text/template"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/tern/v2/migrate"
 
 	"github.com/pgidem/pgidem/sql/migrations"
@@ -94,6 +97,33 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 		return fmt.Errorf("idem migrate: render functions: %w", err)
 	}
 
+	// A migration that locks the key table asks for its locks with a short lock timeout, and
+	// keeps it: a later step that would wait long while the key table is locked fails instead
+	// (55P03), rolling everything back, and the whole transaction runs again, a few times.
+	for try := 1; ; try++ {
+		err := migrateOnce(ctx, conn, data, install)
+		if err == nil || try == 5 || !isLockTimeout(err) || ctx.Err() != nil {
+			return err
+		}
+		t := time.NewTimer(time.Duration(try) * 200 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
+}
+
+// isLockTimeout tells whether err is a lock timeout (55P03) that a new try may not meet: not
+// the one a migration raises once it gave up asking (its message names the migration).
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03" && !strings.HasPrefix(pgErr.Message, "idem migration")
+}
+
+// migrateOnce runs the migrations and the install in one transaction.
+func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, install string) error {
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("idem migrate: %w", err)

@@ -20,24 +20,60 @@ import (
 // every row in the migration's one transaction.
 var blocking = []struct {
 	re     *regexp.Regexp
-	unless *regexp.Regexp
+	unless func(code string) bool
 	why    string
 }{
-	{regexp.MustCompile(`(?is)\bCREATE\s+(UNIQUE\s+)?INDEX\s+(IF\s+NOT\s+EXISTS\s+)?\w+\s+ON\s+(ONLY\s+)?idem\.idempotency_keys\b`), nil,
+	// (The text is normalized first: quotes dropped, the schema made explicit; see keysRef.)
+	{regexp.MustCompile(`(?is)\bCREATE\s+(UNIQUE\s+)?INDEX\b[^;]*?\bON\s+(ONLY\s+)?` + keysRef), concurrently,
 		"builds an index under a SHARE lock (use CREATE INDEX CONCURRENTLY, outside the transaction)"},
-	{regexp.MustCompile(`(?is)\bALTER\s+TABLE\s+(ONLY\s+)?(IF\s+EXISTS\s+)?idem\.idempotency_keys\b[^;]*\b(TYPE|SET\s+(LOGGED|UNLOGGED|TABLESPACE)|PRIMARY\s+KEY|UNIQUE|EXCLUDE|NOT\s+NULL|DEFAULT|GENERATED)\b`), nil,
+	{regexp.MustCompile(`(?is)\bALTER\s+TABLE\s+(ONLY\s+)?(IF\s+EXISTS\s+)?` + keysRef + `[^;]*\b(TYPE|SET\s+(LOGGED|UNLOGGED|TABLESPACE)|PRIMARY\s+KEY|UNIQUE|EXCLUDE|NOT\s+NULL|DEFAULT|GENERATED|SERIAL|BIGSERIAL|SMALLSERIAL|SERIAL[248])\b`), nil,
 		"rewrites or scans the table under its ACCESS EXCLUSIVE lock"},
-	{regexp.MustCompile(`(?is)\bALTER\s+TABLE\s+(ONLY\s+)?(IF\s+EXISTS\s+)?idem\.idempotency_keys\b[^;]*\b(CHECK|FOREIGN\s+KEY)\b`),
-		regexp.MustCompile(`(?is)\bNOT\s+VALID\b`),
+	{regexp.MustCompile(`(?is)\bALTER\s+TABLE\s+(ONLY\s+)?(IF\s+EXISTS\s+)?` + keysRef + `[^;]*\b(CHECK|FOREIGN\s+KEY)\b`), allNotValid,
 		"validates a constraint by scanning the table under a lock (add it NOT VALID, VALIDATE it later)"},
-	{regexp.MustCompile(`(?is)\b(CLUSTER|VACUUM\s+FULL|REINDEX\s+(TABLE|INDEX))\b[^;]*\bidem\.idempotency_keys\b`), nil,
+	{regexp.MustCompile(`(?is)\b(CLUSTER|VACUUM\s+FULL)\b[^;]*` + keysRef), nil,
 		"rewrites the table or its indexes under an exclusive lock"},
-	{regexp.MustCompile(`(?is)\bFROM\s+idem\.idempotency_keys\b`), nil,
+	{regexp.MustCompile(`(?is)\bREINDEX\b[^;]*\bidem\.idempotency_keys`), concurrently,
+		"rebuilds an index of the table under a lock that blocks claims (use REINDEX ... CONCURRENTLY)"},
+	{regexp.MustCompile(`(?is)\bFROM\s+(ONLY\s+)?` + keysRef), nil,
 		"reads the whole table in the migration's transaction"},
-	{regexp.MustCompile(`(?is)\b(UPDATE|DELETE\s+FROM)\s+idem\.idempotency_keys\b`), nil,
+	{regexp.MustCompile(`(?is)\b(UPDATE|DELETE\s+FROM)\s+(ONLY\s+)?` + keysRef), nil,
 		"writes every row in the migration's transaction, holding their locks to its end"},
-	{regexp.MustCompile(`(?is)\bLOCK\s+TABLE\s+(ONLY\s+)?idem\.idempotency_keys\b`), nil,
+	{regexp.MustCompile(`(?is)\bLOCK\s+(TABLE\s+)?(ONLY\s+)?` + keysRef), nil,
 		"locks the table"},
+	{regexp.MustCompile(`(?is)\bEXECUTE\b`), triggerOnly,
+		"runs SQL built at run time, which no check can read (justify it)"},
+}
+
+// keysRef matches a reference to the key table in normalized text: idem.idempotency_keys,
+// not a table whose name only starts so (idempotency_keys_v3).
+const keysRef = `idem\.idempotency_keys\b(?:[^_]|$)`
+
+// normalize makes the ways of naming the key table one: quotes go, and where a migration sets
+// its search_path to idem, a bare idempotency_keys is idem.idempotency_keys.
+func normalize(sql string) string {
+	sql = strings.ReplaceAll(sql, `"`, "")
+	if regexp.MustCompile(`(?is)\bsearch_path\b[^;]*\bidem\b`).MatchString(sql) {
+		sql = regexp.MustCompile(`(?i)(^|[^.\w])idempotency_keys\b`).ReplaceAllString(sql, "${1}idem.idempotency_keys")
+	}
+	return sql
+}
+
+// concurrently: the statement runs CONCURRENTLY (outside a transaction; it does not block claims).
+func concurrently(code string) bool {
+	return regexp.MustCompile(`(?is)\b(INDEX|REINDEX)\s+(\(\s*[^)]*\)\s*)?(INDEX\s+|TABLE\s+)?CONCURRENTLY\b`).MatchString(code)
+}
+
+// triggerOnly: every EXECUTE of the statement is a trigger's EXECUTE FUNCTION (or PROCEDURE),
+// not dynamic SQL.
+func triggerOnly(code string) bool {
+	return len(regexp.MustCompile(`(?is)\bEXECUTE\b`).FindAllString(code, -1)) ==
+		len(regexp.MustCompile(`(?is)\bEXECUTE\s+(FUNCTION|PROCEDURE)\b`).FindAllString(code, -1))
+}
+
+// allNotValid: every constraint the statement adds is added NOT VALID.
+func allNotValid(code string) bool {
+	added := len(regexp.MustCompile(`(?is)\b(CHECK|FOREIGN\s+KEY)\b`).FindAllString(code, -1))
+	return added > 0 && added == len(regexp.MustCompile(`(?is)\bNOT\s+VALID\b`).FindAllString(code, -1))
 }
 
 // createsKeys matches the migration that creates the key table (0.1.0's 001).
@@ -55,6 +91,7 @@ func blockingSteps(sql string) []string {
 	if createsKeys.MatchString(sql) {
 		return nil // the table is new, and empty, in this migration
 	}
+	sql = normalize(sql)
 	var out []string
 	// Statements end at a semicolon; a DO block's body is cut into pieces too, which is what
 	// the check wants: each piece is looked at with the comments right above it.
@@ -62,7 +99,7 @@ func blockingSteps(sql string) []string {
 	for i, piece := range pieces {
 		code := regexp.MustCompile(`--[^\n]*`).ReplaceAllString(piece, "")
 		for _, b := range blocking {
-			if !b.re.MatchString(code) || (b.unless != nil && b.unless.MatchString(code)) {
+			if !b.re.MatchString(code) || (b.unless != nil && b.unless(code)) {
 				continue
 			}
 			context := piece

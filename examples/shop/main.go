@@ -55,8 +55,11 @@ func run(ctx context.Context, databaseURL, addr string) error {
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	go func() { _ = s.idem.Shutdown(sctx) }() // lease work, if the shop had lease routes
-	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, http.ErrServerClosed) {
+	leases := make(chan error, 1)
+	go func() { leases <- s.idem.Shutdown(sctx) }() // lease work, if the shop had lease routes
+	err = srv.Shutdown(sctx)
+	<-leases // lease work has ended, or given its lease up, before the process exits
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil

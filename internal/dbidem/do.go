@@ -169,6 +169,13 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		timeout = DefaultLeaseTimeout
 	}
 	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout, Start: won.Sent})
+	if lease.Lost() {
+		// The lease ran out while the claim waited, and another attempt may hold the key now:
+		// the work does not start.
+		lease.Stop()
+		var zero T
+		return zero, false, ErrLeaseLost
+	}
 	result, err = fn(lease.Context(), LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt,
 		ProviderKey: won.ProviderKey})
 	lost := lease.Stop() // before the answer: an extension after it would find the claim completed

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -273,14 +274,20 @@ func sleep(ctx context.Context, d time.Duration) bool {
 }
 
 // IsKeyWait tells whether a lock timeout (55P03) came from waiting on a key's row: the wait
-// for another transaction's claim of the key, or for its row lock. PostgreSQL names the
-// relation in the error's first context line ("while inserting index tuple (0,8) in relation
-// "idempotency_keys""); a timeout on any other lock has no such line.
+// for another transaction's claim of the key, or for its row lock. PostgreSQL names the row and
+// the relation in the error's first context line ("while inserting index tuple (0,8) in
+// relation "idempotency_keys"", "beim Einfügen von Indextupel (0,8) in Relation
+// »idempotency_keys«" on a server with German messages); a timeout on any other lock (the
+// table's, its extension's) has no such line. What decides is what no translation changes: a
+// row's position, (block,offset), and the table's name.
 func IsKeyWait(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
 		return false
 	}
 	first, _, _ := strings.Cut(pgErr.Where, "\n")
-	return strings.HasPrefix(first, "while ") && strings.Contains(first, `relation "`+KeyTable)
+	return rowPosition.MatchString(first) && strings.Contains(first, KeyTable)
 }
+
+// rowPosition matches a row's position in an error's context, (block,offset).
+var rowPosition = regexp.MustCompile(`\(\d+,\d+\)`)

@@ -70,7 +70,10 @@ type Lease struct {
 }
 
 // KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
-// (or last extended) at opts.Start with opts.Lease, and returns it. Every opts.Interval it extends
+// (or last extended) at opts.Start with opts.Lease, and returns it. When the first extension
+// is due already (the claim came back late), KeepAlive makes it before it returns; if that
+// fails because the claim was taken over, or the lease has run out meanwhile, the returned
+// Lease is lost at once (Lost is true): do not start the work. Every opts.Interval it extends
 // the lease on q (a pool: a connection is held only while the statement runs). An extension
 // that fails for another reason (the database cannot be reached) is tried again at the next
 // beat; the lease counts as lost when it runs out, by this process's clock, without one having
@@ -91,6 +94,31 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 	start := opts.Start
 	if start.IsZero() {
 		start = time.Now()
+	}
+	if time.Since(start) >= interval {
+		// The claim came back late (it waited on another holder of the key, or its COMMIT
+		// did): the first extension is due, perhaps the lease's end is past. Extend before
+		// the work starts: fenced by the token, it succeeds only while no other attempt took
+		// the key over, and then the work runs under a lease that runs from now.
+		began := time.Now()
+		ectx, cancel := context.WithTimeout(ctx, interval)
+		_, err := Extend(ectx, q, principal, key, attempt, opts.Lease)
+		cancel()
+		switch {
+		case err == nil:
+			start = began
+			l.beats.Add(1)
+			if opts.OnExtend != nil {
+				opts.OnExtend()
+			}
+		case errors.Is(err, ErrClaimLost) || !time.Now().Before(start.Add(opts.Lease)):
+			// Taken over, or the lease ran out without an extension: the work must not start.
+			end := start.Add(opts.Lease)
+			l.end.Store(&end)
+			l.lose()
+			close(l.done)
+			return l
+		}
 	}
 	end := start.Add(opts.Lease)
 	l.end.Store(&end)

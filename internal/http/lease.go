@@ -9,6 +9,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
@@ -35,11 +38,22 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		timeout = dbidem.DefaultLeaseTimeout
 	}
 	// The work outlives the client but not the middleware's Shutdown.
-	wctx, untrack := q.m.leases.track(context.WithoutCancel(ctx))
+	wctx, untrack := q.m.leases.context(context.WithoutCancel(ctx))
 	defer untrack()
-	l := dbidem.KeepAlive(wctx, q.m.o.DB, claim.Principal, claim.Key, attempt,
+	db := slotted{q: q.m.o.DB, slots: q.m.leaseSlots}
+	l := dbidem.KeepAlive(wctx, db, claim.Principal, claim.Key, attempt,
 		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, Start: d.Sent,
 			OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})
+	if l.Lost() {
+		// The claim waited so long (on another holder of the key) that its lease ran out
+		// before the work could start, and it could not be renewed: another attempt may hold
+		// the key; the work does not start.
+		l.Stop()
+		q.m.o.Logger.Warn("idem: a lease ran out before its work started; the work did not run", "key_hash",
+			keyHash(claim.Principal, claim.Key), "attempt", attempt)
+		q.inProgress(claim.Lease)
+		return StateBusy
+	}
 	hctx, handlerSpan := q.startSpan(l.Context(), "idem.handler")
 	rec, st, v := q.run(hctx, nil, true)
 	endHandlerSpan(handlerSpan, rec, v)
@@ -56,13 +70,13 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	switch {
 	case lost:
 	case v == rollBack:
-		_, err = dbidem.Yield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt)
+		_, err = dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
 	default:
 		resp, big := q.stored(rec, st)
 		if big {
 			q.m.o.Metrics.Count(q.action, StateOversize)
 		}
-		err = q.complete(ctx, claim, attempt, resp)
+		err = q.complete(ctx, db, claim, attempt, resp)
 	}
 	lost = lost || errors.Is(err, dbidem.ErrClaimLost)
 	switch {
@@ -96,9 +110,9 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 
 // complete stores the lease's answer, trying again while a failure may be passing (the
 // heartbeat keeps the lease meanwhile), until ctx ends.
-func (q *request) complete(ctx context.Context, claim dbidem.Claim, attempt int64, resp dbidem.Response) error {
+func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.Claim, attempt int64, resp dbidem.Response) error {
 	for wait := 20 * time.Millisecond; ; wait *= 2 {
-		err := dbidem.Complete(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt, resp)
+		err := dbidem.Complete(ctx, db, claim.Principal, claim.Key, attempt, resp)
 		if err == nil || errors.Is(err, dbidem.ErrClaimLost) || errors.Is(err, dbidem.ErrInvalidArgument) {
 			return err
 		}
@@ -136,22 +150,19 @@ func newLeaseTracker() *leaseTracker {
 	return t
 }
 
-// track returns a context for one piece of lease work that ends when parent ends or the
-// tracker is stopped, and the function to call when the work is done.
-func (t *leaseTracker) track(parent context.Context) (context.Context, func()) {
+// enter counts one request of a lease route in flight, from before its claim (so a Shutdown
+// that comes while it claims waits for it too), and returns the function to call when it is
+// done.
+func (t *leaseTracker) enter() func() {
 	t.mu.Lock()
 	if t.n == 0 {
 		t.idle = make(chan struct{})
 	}
 	t.n++
 	t.mu.Unlock()
-	ctx, cancel := context.WithCancelCause(parent)
-	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
 	var once sync.Once
-	return ctx, func() {
+	return func() {
 		once.Do(func() {
-			stop()
-			cancel(context.Canceled)
 			t.mu.Lock()
 			if t.n--; t.n == 0 {
 				close(t.idle)
@@ -161,26 +172,42 @@ func (t *leaseTracker) track(parent context.Context) (context.Context, func()) {
 	}
 }
 
+// context returns the context of one piece of lease work: it ends when parent ends or the
+// tracker is stopped (at once if it was already), and with the returned function.
+func (t *leaseTracker) context(parent context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(parent)
+	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
+	return ctx, func() {
+		stop()
+		cancel(context.Canceled)
+	}
+}
+
 func (t *leaseTracker) idleChan() <-chan struct{} {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.idle
 }
 
-// Shutdown waits for the work of lease routes still in flight (their handlers run on a
-// context that outlives the client, so an HTTP server's own Shutdown does not end them) to
-// finish and record its answers. When ctx ends first, it ends that work's contexts with cause
-// ErrShutdown, waits up to five seconds more for each to give its lease up (the client's
-// retry then runs the work again under the same provider key), and returns ctx's error. Work
-// that starts after that is ended at once. Call it beside the HTTP server's Shutdown, with the
-// same deadline:
+// Shutdown waits for the requests of lease routes still in flight (their work runs on a
+// context that outlives the client, so an HTTP server's own Shutdown does not end it), from
+// those still claiming their key to those recording their answers. When ctx ends first, it
+// ends their work's contexts with cause ErrShutdown, waits up to five seconds more for each to
+// give its lease up (the client's retry then runs the work again under the same provider key),
+// and returns ctx's error. From the moment ctx ends, lease work that starts is ended at once,
+// also when Shutdown had returned early (nothing was in flight). Call it beside the HTTP
+// server's Shutdown, with the same deadline, and wait for both before the process exits:
 //
 //	go func() { errc <- srv.Shutdown(ctx) }()
-//	m.Shutdown(ctx)
+//	leaseErr := m.Shutdown(ctx)
+//	srvErr := <-errc
 func (m *Middleware) Shutdown(ctx context.Context) error {
+	context.AfterFunc(ctx, func() { m.leases.cancel(ErrShutdown) })
 	select {
 	case <-m.leases.idleChan():
-		return nil
+		if ctx.Err() == nil {
+			return nil
+		}
 	case <-ctx.Done():
 	}
 	m.leases.cancel(ErrShutdown)
@@ -192,3 +219,53 @@ func (m *Middleware) Shutdown(ctx context.Context) error {
 	}
 	return ctx.Err()
 }
+
+// slotted is the database as lease work uses it outside the claim (its extensions, the
+// recording of its answer, the giving up of its lease): at most cap(slots) of those statements
+// run at once, so that while the key table is locked (a migration's swap, VACUUM FULL,
+// pg_repack) they cannot take every connection of the pool waiting on it; the others wait for
+// a slot in Go, without a connection, as long as their context lets them.
+type slotted struct {
+	q     dbidem.Querier
+	slots chan struct{}
+}
+
+func (s slotted) acquire(ctx context.Context) error {
+	select {
+	case s.slots <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s slotted) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := s.acquire(ctx); err != nil {
+		return errRow{err}
+	}
+	return &slottedRow{row: s.q.QueryRow(ctx, sql, args...), release: func() { <-s.slots }}
+}
+
+func (s slotted) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := s.acquire(ctx); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	defer func() { <-s.slots }()
+	return s.q.Exec(ctx, sql, args...)
+}
+
+// slottedRow gives its slot back once scanned (every caller scans).
+type slottedRow struct {
+	row     pgx.Row
+	release func()
+	once    sync.Once
+}
+
+func (r *slottedRow) Scan(dest ...any) error {
+	defer r.once.Do(r.release)
+	return r.row.Scan(dest...)
+}
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }

@@ -21,6 +21,9 @@ type Middleware struct {
 	declared map[string]Route // "METHOD template"
 	tracer   trace.Tracer     // nil: tracing off
 	leases   *leaseTracker    // the work of lease routes in flight, for Shutdown
+	// leaseSlots bound the statements of lease work outside its claim (extensions, the
+	// recording of answers, yields) running at once: as many as MaxWaitingClaims.
+	leaseSlots chan struct{}
 }
 
 // defaultMiddleware writes problems outside a declared route.
@@ -42,7 +45,8 @@ func New(o Options) (*Middleware, error) {
 		waiting = max(1, int(o.DB.Config().MaxConns)/4)
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
-	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, leases: newLeaseTracker()}
+	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, leases: newLeaseTracker(),
+		leaseSlots: make(chan struct{}, waiting)}
 	if o.TracerProvider != nil {
 		m.tracer = o.TracerProvider.Tracer(tracerName)
 	}

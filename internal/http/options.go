@@ -63,7 +63,9 @@ type Options struct {
 	LockTimeout time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
 	// another process) at once; a request that finds them all waiting gets 409 at once, so
-	// requests for other keys always find a connection. 0: a quarter of DB's maximum
+	// requests for other keys always find a connection. It also bounds the statements lease
+	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
+	// that a locked key table cannot make them hold the pool. 0: a quarter of DB's maximum
 	// connections, at least 1.
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with

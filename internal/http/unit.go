@@ -70,7 +70,8 @@ func (q *request) unkeyed() {
 		// Work outside the database without a key: no claim, no retry safety (the client
 		// chose), but a provider key of its own, so that no provider merges it with another.
 		q.providerKey = randomProviderKey()
-		ctx, done := q.m.leases.track(q.r.Context())
+		defer q.m.leases.enter()()
+		ctx, done := q.m.leases.context(q.r.Context())
 		defer done()
 		rec, _, _ := q.run(ctx, nil, false)
 		q.answer(rec)
@@ -160,6 +161,9 @@ func topLevelID(body []byte) string {
 // completion (2xx) or the final answer (a final error) with COMMIT. It returns the
 // request's main state. ctx is the request's, with the idem.request span when tracing.
 func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
+	if q.rt.Lease > 0 {
+		defer q.m.leases.enter()() // Shutdown waits for it from its claim on
+	}
 	var (
 		d        dbidem.Decision
 		rec      *recorder

@@ -209,6 +209,7 @@ DECLARE
     v_state   "char";
     v_attempt bigint;
     v_now     timestamptz;
+    v_token   bigint;
 BEGIN
     v_problem := CASE
 {{ template "include/check_key.sql" . }}
@@ -217,8 +218,12 @@ BEGIN
     END;
 {{ template "include/raise.sql" "idem_release_stuck" }}
     v_now := clock_timestamp();
+    v_token := nextval('idem.attempt_seq');
+    -- A new token (the stuck holder, should it wake, is fenced off), the same generation, and
+    -- no claim time (it is no longer stuck work: idem_health, idem_stuck).
     UPDATE idem.idempotency_keys AS k
-       SET lease_expires_at = least(k.lease_expires_at, v_now)
+       SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
+           generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
     IF NOT FOUND THEN

@@ -8,7 +8,10 @@
 -- starts a new generation with a new provider key; right only when the work did not happen.)
 -- Fenced by p_attempt: true when the lease claim with this attempt was in progress, false
 -- otherwise (taken over, completed, released, expired and cleaned up, never made, or a
--- transactional claim, whose transaction rolls back instead).
+-- transactional claim, whose transaction rolls back instead). The claim gets a new token (the
+-- generation stays), so the holder that yielded is fenced off like one taken over: its
+-- idem_extend, idem_complete and idem_yield raise 55000 or return false. Its claim time goes:
+-- a lease given up on purpose is not stuck work (idem_health, idem_stuck).
 CREATE OR REPLACE FUNCTION idem.idem_yield(
     p_principal text,
     p_key       text,
@@ -19,6 +22,7 @@ AS $$
 DECLARE
     v_problem text;
     v_now     timestamptz;
+    v_token   bigint;
 BEGIN
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
@@ -29,8 +33,10 @@ BEGIN
 {{ template "include/raise.sql" "idem_yield" }}
     END IF;
     v_now := clock_timestamp();
+    v_token := nextval('idem.attempt_seq');
     UPDATE idem.idempotency_keys AS k
-       SET lease_expires_at = least(k.lease_expires_at, v_now)
+       SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
+           generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
     RETURN FOUND;

@@ -32,30 +32,44 @@
 -- added to the old table (the reference server's principal reference, or your own) are added
 -- again to the new one as NOT VALID. There is no way down: going back to 0.1.0 means
 -- restoring a backup.
--- The swap's lock, asked for with a short lock timeout: while it waits in the queue, the
--- previous release's claims wait behind it, so it never waits long at a time.
--- online: the table was copied beforehand (idem.rebuild_003), so the lock lasts as long as a
+-- The swap's locks, asked for with a short lock timeout: while it waits in the queue, the
+-- previous release's claims wait behind it, so it never waits long at a time. Besides the key
+-- table it needs the tables the key table's foreign keys reference (the commit guard, the
+-- reference server's principals or yours: dropping the old table drops their triggers, adding
+-- the keys to the new one takes a lock on them) and the new table: all are locked here, in one
+-- try, so that no later step waits on a reader of one of them while the key table is locked.
+-- The short lock timeout stays for the rest of the migration, for the same reason.
+-- online: the table was copied beforehand (idem.rebuild_003), so the locks last as long as a
 -- few catalog changes, whatever the table's size.
 DO $$
 DECLARE
     v_tries integer := 0;
-    v_was   text := pg_catalog.current_setting('lock_timeout');
+    v_rel   regclass;
 BEGIN
     LOOP
         BEGIN
             PERFORM pg_catalog.set_config('lock_timeout', '200ms', true);
             LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            FOR v_rel IN
+                SELECT DISTINCT c.confrelid::regclass FROM pg_catalog.pg_constraint AS c
+                 WHERE c.conrelid = 'idem.idempotency_keys'::regclass AND c.contype = 'f'
+                 ORDER BY 1
+            LOOP
+                EXECUTE pg_catalog.format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', v_rel);
+            END LOOP;
+            IF pg_catalog.to_regclass('idem.idempotency_keys_v3') IS NOT NULL THEN
+                LOCK TABLE idem.idempotency_keys_v3 IN ACCESS EXCLUSIVE MODE;
+            END IF;
             EXIT;
         EXCEPTION WHEN lock_not_available THEN
             v_tries := v_tries + 1;
             IF v_tries >= 300 THEN
-                RAISE EXCEPTION 'idem migration 003: idem.idempotency_keys stayed locked through % tries of 200 ms', v_tries
-                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+                RAISE EXCEPTION 'idem migration 003: idem.idempotency_keys or a table it references stayed locked through % tries of 200 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table or a table its foreign keys reference: end it, then run the migrate again.';
             END IF;
             PERFORM pg_catalog.pg_sleep(0.05);
         END;
     END LOOP;
-    PERFORM pg_catalog.set_config('lock_timeout', v_was, true);
 END
 $$;
 
@@ -90,6 +104,8 @@ SELECT setval('idem.attempt_seq', (SELECT r.max_attempt FROM idem.rebuild_003 AS
 
 -- Foreign keys others put on the old table go to the new one (NOT VALID: no scan, no lock on
 -- the referenced table beyond the moment).
+-- online: each statement built here adds a foreign key NOT VALID to the new table, which the
+-- swap holds locked already, as it does the referenced tables.
 DO $$
 DECLARE
     v_fk record;

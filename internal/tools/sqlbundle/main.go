@@ -137,9 +137,15 @@ SELECT version BETWEEN 1 AND 2 AS %s FROM %s \gset
 \if :%s
 BEGIN;
 SELECT pg_advisory_xact_lock(%d);
+-- Again under the lock: another migrate may have swapped the tables while this one waited.
+SELECT version BETWEEN 1 AND 2 AS %s FROM %s \gset
+\if :%s
 %s
+\endif
 COMMIT;
+\if :%s
 CALL idem.rebuild_003(%d);
+\endif
 \endif
 
 BEGIN;
@@ -159,7 +165,8 @@ BEGIN
 END
 $idem_bundle$;
 `, last, idemsql.DefaultAppRole, table, last, onlineVar, onlineVar, onlineVar, table, onlineVar, idemsql.TernLock,
-		strings.TrimSpace(shadow), idemsql.DefaultRebuildBatch, idemsql.TernLock, table, table, table, table, last, last, table)
+		onlineVar, table, onlineVar, strings.TrimSpace(shadow), onlineVar, idemsql.DefaultRebuildBatch, idemsql.TernLock,
+		table, table, table, table, last, last, table)
 
 	for _, mig := range m.Migrations {
 		if idemsql.DisablesTx(mig) {
