@@ -2,6 +2,7 @@ package canon
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -408,6 +409,32 @@ func TestAllocationsFlat(t *testing.T) {
 		b := testing.AllocsPerRun(1, func() { Compute("POST", "/a", large) })
 		if b > 2*a+16 {
 			t.Errorf("%s: %.0f allocations at 64 KiB, %.0f at 512 KiB", s.name, a, b)
+		}
+	}
+}
+
+// BenchmarkStdlibDecode is the yardstick of the fingerprint's budget: encoding/json decoding
+// the same bodies into any (reading the bytes once, building a generic value), per shape. The
+// bench tool reports Compute's time over this one's, per shape, so the budget is a ratio that
+// holds on any machine. The raw shapes are not valid JSON: Unmarshal rejects them after its
+// validity scan, so their ratio only tells that Compute reads the whole body, as it must.
+func BenchmarkStdlibDecode(b *testing.B) {
+	for _, size := range benchSizes {
+		for _, s := range shapes {
+			b.Run(fmt.Sprintf("%s/%dKiB", s.name, size>>10), func(b *testing.B) {
+				body := s.gen(size)
+				b.SetBytes(int64(len(body)))
+				// Numbers past float64's range (numbers_mixed, numbers_long) make Unmarshal
+				// return an error after decoding the whole body; only invalid JSON would
+				// stop it early.
+				if !s.raw && !json.Valid(body) {
+					b.Fatalf("%s: not valid JSON to encoding/json", s.name)
+				}
+				for b.Loop() {
+					var v any
+					_ = json.Unmarshal(body, &v)
+				}
+			})
 		}
 	}
 }

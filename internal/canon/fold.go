@@ -71,7 +71,8 @@ func (p *parser) foldHash(s []byte) uint64 {
 
 // fold writes the folded form of s into buf (as long as s: a folded character is never
 // longer than the character) and returns it: ASCII letters upper-cased eight at a time, other
-// characters through foldRune.
+// characters through foldRune. s is valid UTF-8 (a name the parser checked): the paths for
+// two- and four-byte characters decode without checking again.
 func fold(buf, s []byte) []byte {
 	i, j := 0, 0
 	for i < len(s) {
@@ -92,6 +93,33 @@ func fold(buf, s []byte) []byte {
 			buf[j] = c
 			i++
 			j++
+			continue
+		}
+		if c := s[i]; c < 0xE0 && i+1 < len(s) {
+			// Two bytes (Latin, Greek, Cyrillic, ...), decoded and encoded in place: the
+			// folded rune is never greater, so it takes one or two bytes.
+			f := foldRune(rune(c&0x1F)<<6 | rune(s[i+1]&0x3F))
+			if f < utf8.RuneSelf {
+				buf[j] = byte(f)
+				j++
+			} else {
+				buf[j], buf[j+1] = 0xC0|byte(f>>6), 0x80|byte(f&0x3F)
+				j += 2
+			}
+			i += 2
+			continue
+		}
+		if c := s[i]; c >= 0xF0 && i+3 < len(s) {
+			// Four bytes (a supplementary character): the cased ones (Deseret, Osage, ...)
+			// fold within their block, so the folded rune takes four bytes too.
+			r := rune(c&0x07)<<18 | rune(s[i+1]&0x3F)<<12 | rune(s[i+2]&0x3F)<<6 | rune(s[i+3]&0x3F)
+			if f := foldRune(r); f >= 0x10000 {
+				buf[j], buf[j+1], buf[j+2], buf[j+3] = 0xF0|byte(f>>18), 0x80|byte(f>>12&0x3F), 0x80|byte(f>>6&0x3F), 0x80|byte(f&0x3F)
+				j += 4
+			} else {
+				j += utf8.EncodeRune(buf[j:], f)
+			}
+			i += 4
 			continue
 		}
 		r, n := utf8.DecodeRune(s[i:])

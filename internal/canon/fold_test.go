@@ -2,6 +2,7 @@ package canon
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -93,6 +94,77 @@ func TestFold(t *testing.T) {
 		s := []byte(string(in))
 		if got := fold(make([]byte, len(s)), s); !bytes.Equal(got, want) {
 			t.Fatalf("fold(%q) = %q, want %q", s, got, want)
+		}
+	}
+}
+
+// TestValidRune: validRune agrees with utf8.DecodeRune on every one- to four-byte prefix of
+// interest (every lead byte with every second byte, and the third and fourth bytes at their
+// edges), so the parser's fast path rejects exactly what the standard library rejects.
+func TestValidRune(t *testing.T) {
+	edges := []byte{0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xFF}
+	for lead := 0x80; lead <= 0xFF; lead++ {
+		for second := 0; second <= 0xFF; second++ {
+			for _, third := range edges {
+				for _, fourth := range edges {
+					for n := 1; n <= 4; n++ {
+						b := []byte{byte(lead), byte(second), third, fourth}[:n]
+						r, size := utf8.DecodeRune(b)
+						want := size
+						if r == utf8.RuneError && size <= 1 {
+							want = 0
+						}
+						if got := validRune(b); got != want {
+							t.Fatalf("validRune(% x) = %d, utf8.DecodeRune says %d", b, got, want)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestFoldFastPaths: fold's in-place paths for two- and four-byte characters give what
+// decoding and encoding every rune through foldRune gives, for every rune.
+func TestFoldFastPaths(t *testing.T) {
+	slow := func(s []byte) []byte {
+		var out []byte
+		for len(s) > 0 {
+			r, n := utf8.DecodeRune(s)
+			out = utf8.AppendRune(out, foldRune(r))
+			s = s[n:]
+		}
+		return out
+	}
+	check := func(s []byte) {
+		t.Helper()
+		got := fold(make([]byte, len(s)+8), s)
+		if want := slow(s); !bytes.Equal(got, want) {
+			t.Fatalf("fold(% x) = % x, want % x", s, got, want)
+		}
+	}
+	for r := rune(0); r <= unicode.MaxRune; r++ {
+		if r >= 0xD800 && r <= 0xDFFF {
+			continue
+		}
+		check([]byte("x" + string(r) + "y"))
+	}
+}
+
+// TestPlain8: plain8 says true exactly when no byte of the word needs the string parser's
+// attention, for every byte value in every position among plain neighbours.
+func TestPlain8(t *testing.T) {
+	plain := func(c byte) bool { return c >= 0x20 && c < 0x80 && c != '"' && c != '\\' }
+	for pos := range 8 {
+		for v := range 256 {
+			for _, fill := range []byte{'a', ' ', '~', '!', '#', '[', ']'} {
+				b := bytes.Repeat([]byte{fill}, 8)
+				b[pos] = byte(v)
+				want := plain(byte(v))
+				if got := plain8(binary.LittleEndian.Uint64(b)); got != want {
+					t.Fatalf("plain8(% x) = %v, want %v", b, got, want)
+				}
+			}
 		}
 	}
 }

@@ -212,3 +212,28 @@ func TestDuplicates(t *testing.T) {
 		}
 	}
 }
+
+// TestChunkKeyRanks: chunkKey's eight-at-a-time ranking equals ranking each byte through
+// utf16Rank, for every byte value that valid UTF-8 holds (not 0xF5-0xFF) in every position.
+func TestChunkKeyRanks(t *testing.T) {
+	slow := func(s []byte) uint64 {
+		var k uint64
+		for i := 0; i < 7 && i < len(s); i++ {
+			k |= uint64(utf16Rank[s[i]]) << (56 - 8*i)
+		}
+		return k | uint64(min(len(s), 8))
+	}
+	for pos := range 8 {
+		for v := range 0xF5 {
+			for _, fill := range []byte{'a', 0x80, 0xEE, 0xEF, 0xF0, 0xF4} {
+				for n := pos + 1; n <= 9; n++ {
+					s := bytes.Repeat([]byte{fill}, n)
+					s[pos] = byte(v)
+					if got, want := chunkKey(s), slow(s); got != want {
+						t.Fatalf("chunkKey(% x) = %016x, want %016x", s, got, want)
+					}
+				}
+			}
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package canon
 
 import (
+	"encoding/binary"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -33,14 +34,73 @@ func (p *parser) hex4() (rune, error) {
 	return r, nil
 }
 
+// plain8 tells whether none of the eight bytes of w is '"', '\\', below 0x20 or above 0x7F:
+// the bytes a string copies as they are. (x - n*0x01..) &^ x & 0x80.. is non-zero exactly
+// when some byte of x is below n (n <= 0x80); a byte equal to b is a zero byte of x ^ b*0x01...
+func plain8(w uint64) bool {
+	const ones, highs = 0x0101010101010101, 0x8080808080808080
+	q, bs := w^(ones*'"'), w^(ones*'\\')
+	return (w|(w-ones*0x20)&^w|(q-ones)&^q|(bs-ones)&^bs)&highs == 0
+}
+
+// validRune is the length of the valid UTF-8 sequence that b starts with (a lead byte), or 0
+// when it is not valid (RFC 3629: no overlong forms, no surrogates, nothing past U+10FFFF).
+// It checks what utf8.DecodeRune checks without building the rune.
+func validRune(b []byte) int {
+	c := b[0]
+	switch {
+	case c < 0xC2:
+		return 0
+	case c < 0xE0:
+		if len(b) >= 2 && b[1]&0xC0 == 0x80 {
+			return 2
+		}
+		return 0
+	case c < 0xF0:
+		if len(b) < 3 || b[2]&0xC0 != 0x80 {
+			return 0
+		}
+		lo, hi := byte(0x80), byte(0xBF)
+		if c == 0xE0 {
+			lo = 0xA0
+		} else if c == 0xED {
+			hi = 0x9F
+		}
+		if b[1] < lo || b[1] > hi {
+			return 0
+		}
+		return 3
+	case c < 0xF5:
+		if len(b) < 4 || b[2]&0xC0 != 0x80 || b[3]&0xC0 != 0x80 {
+			return 0
+		}
+		lo, hi := byte(0x80), byte(0xBF)
+		if c == 0xF0 {
+			lo = 0x90
+		} else if c == 0xF4 {
+			hi = 0x8F
+		}
+		if b[1] < lo || b[1] > hi {
+			return 0
+		}
+		return 4
+	}
+	return 0
+}
+
 // string decodes the JSON string at p.pos (which is '"'). A string without escapes is
 // returned as a slice of the input.
 func (p *parser) string() (span, error) {
 	p.pos++
 	start := p.pos
-	// Fast path: no escapes, so nothing to copy.
+	// Fast path: no escapes, so nothing to copy. Eight bytes at a time while none of them is
+	// a quote, a backslash, a control character or part of a multi-byte character.
 	for p.pos < len(p.data) {
 		c := p.data[p.pos]
+		if c < utf8.RuneSelf && p.pos+8 <= len(p.data) && plain8(binary.LittleEndian.Uint64(p.data[p.pos:])) {
+			p.pos += 8
+			continue
+		}
 		if c == '"' {
 			p.pos++
 			return span{int32(start), int32(p.pos - 1 - start)}, nil
@@ -48,9 +108,13 @@ func (p *parser) string() (span, error) {
 		if c == '\\' || c < 0x20 {
 			break
 		}
+		if c >= 0xC2 && c < 0xE0 && p.pos+1 < len(p.data) && p.data[p.pos+1]&0xC0 == 0x80 {
+			p.pos += 2 // two bytes, checked here (validRune is not inlined)
+			continue
+		}
 		if c >= utf8.RuneSelf {
-			r, size := utf8.DecodeRune(p.data[p.pos:])
-			if r == utf8.RuneError && size <= 1 {
+			size := validRune(p.data[p.pos:])
+			if size == 0 {
 				return span{}, p.fail("invalid UTF-8")
 			}
 			p.pos += size
