@@ -256,8 +256,9 @@ func (b *bench) estimate(only map[string]bool) time.Duration {
 		"roundtrips":  2,
 		"rows":        15,
 		"fingerprint": 60,
-		// 10 million keys take about 4 minutes to load on a 2-core machine.
-		"scale":   20 + float64(b.scaleKeys)/40_000 + 3*r*(s+1),
+		// 10 million keys take about 4 minutes to load on a 2-core machine, and the part loads
+		// two such tables (random and time-ordered keys).
+		"scale":   20 + 2*float64(b.scaleKeys)/40_000 + 5*r*(s+1),
 		"cleanup": 5 + r*(s+2*(s+7)),
 		"http":    15 + 3*r*s,
 		"pool":    15 + r*float64(len(poolSizes))*(2*s+1),

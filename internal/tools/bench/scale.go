@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/canon"
+	"github.com/pgidem/pgidem/internal/client"
 	"github.com/pgidem/pgidem/internal/dbidem"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
@@ -21,28 +22,47 @@ const (
 	scaleSmall = 100_000
 )
 
-// scaleVariant is one run of the scale part: a table and the session's wal_compression.
+// scaleVariant is one run of the scale part: a table, the session's wal_compression, and
+// whether the clients' keys are time-ordered (UUIDv7, as idemclient makes them) or random
+// (UUIDv4).
 type scaleVariant struct {
 	name, db, walCompression string
+	v7                       bool
 }
+
+// The scale part's databases: random keys and time-ordered keys, each small and large.
+const (
+	scaleSmallDB   = "bench_scale_small"
+	scaleLargeDB   = "bench_scale_large"
+	scaleSmallV7DB = "bench_scale_small_v7"
+	scaleLargeV7DB = "bench_scale_large_v7"
+)
 
 // scalePart measures claim + complete of fresh random keys (UUIDv4 of scalePrincipals
 // principals, no effect) on a large key table (BENCH_SCALE_KEYS, 10 million) against the same
-// on a small one, each run starting at a checkpoint, and the WAL written per transaction; and
-// the large table again with wal_compression=lz4, the operator's lever against full-page
-// images.
+// on a small one, each run starting at a checkpoint, and the WAL written per transaction; the
+// large table again with wal_compression=lz4, the operator's lever against full-page images;
+// and the same small and large comparison on tables filled with, and claimed with,
+// time-ordered keys (UUIDv7).
 func scalePart(ctx context.Context, b *bench) error {
 	large := b.scaleKeys
-	dbs := map[string]int{"bench_scale_small": scaleSmall, "bench_scale_large": large}
-	for _, db := range []string{"bench_scale_small", "bench_scale_large"} {
-		if err := b.scaleDatabase(ctx, db, dbs[db]); err != nil {
+	type table struct {
+		n  int
+		v7 bool
+	}
+	dbs := map[string]table{scaleSmallDB: {scaleSmall, false}, scaleLargeDB: {large, false},
+		scaleSmallV7DB: {scaleSmall, true}, scaleLargeV7DB: {large, true}}
+	for _, db := range []string{scaleSmallDB, scaleLargeDB, scaleSmallV7DB, scaleLargeV7DB} {
+		if err := b.scaleDatabase(ctx, db, dbs[db].n, dbs[db].v7); err != nil {
 			return err
 		}
 	}
 	variants := []scaleVariant{
-		{"small", "bench_scale_small", "off"},
-		{"large", "bench_scale_large", "off"},
-		{"large lz4", "bench_scale_large", "lz4"},
+		{"small", scaleSmallDB, "off", false},
+		{"large", scaleLargeDB, "off", false},
+		{"large lz4", scaleLargeDB, "lz4", false},
+		{"small v7", scaleSmallV7DB, "off", true},
+		{"large v7", scaleLargeV7DB, "off", true},
 	}
 	pools := map[string]*pgxpool.Pool{}
 	for _, v := range variants {
@@ -55,15 +75,18 @@ func scalePart(ctx context.Context, b *bench) error {
 		defer p.Close()
 		pools[v.name] = p
 	}
-	for db, n := range dbs {
+	for _, v := range variants {
+		if v.walCompression != "off" {
+			continue
+		}
 		var idx, heap int64
-		if err := pools[map[string]string{"bench_scale_small": "small", "bench_scale_large": "large"}[db]].QueryRow(ctx,
+		if err := pools[v.name].QueryRow(ctx,
 			`SELECT pg_relation_size('idem.idempotency_keys_pkey'), pg_relation_size('idem.idempotency_keys')`).Scan(&idx, &heap); err != nil {
 			return err
 		}
-		fmt.Printf("%s: %d keys, table %d MiB, primary key %d MiB (%.0f 8 KiB pages)\n", db, n, heap>>20, idx>>20, float64(idx)/8192)
+		fmt.Printf("%s: %d keys, table %d MiB, primary key %d MiB (%.0f 8 KiB pages)\n", v.db, dbs[v.db].n, heap>>20, idx>>20, float64(idx)/8192)
 	}
-	fmt.Printf("scale: claim + complete of fresh UUIDv4 keys of %d principals (no effect), %d clients, %d rounds of %ds per variant, each run after a CHECKPOINT\n",
+	fmt.Printf("scale: claim + complete of fresh keys (UUIDv4, or UUIDv7 in the v7 variants) of %d principals (no effect), %d clients, %d rounds of %ds per variant, each run after a CHECKPOINT\n",
 		scalePrincipals, scaleClients, b.rounds, b.seconds)
 	tps := map[string][]float64{}
 	wal := map[string][]float64{}
@@ -79,7 +102,7 @@ func scalePart(ctx context.Context, b *bench) error {
 				return err
 			}
 			res := drive(ctx, scaleClients, after(time.Duration(b.seconds)*time.Second), func(ctx context.Context, w *worker) error {
-				return scaleTx(ctx, pool, w)
+				return scaleTx(ctx, pool, w, v.v7)
 			})
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -102,9 +125,11 @@ func scalePart(ctx context.Context, b *bench) error {
 		fmt.Printf("%-10s %10.0f %14.0f   %v\n", v.name, med[v.name], medWAL[v.name], rounded(tps[v.name]))
 	}
 	name := fmt.Sprintf("scale: claim+complete, %s keys / %s keys", millions(large), millions(scaleSmall))
-	b.ratio(name, med["large"]/med["small"], ">=", 0.90)
-	b.ratio(name+", wal_compression=lz4", med["large lz4"]/med["small"], ">=", 0.90)
-	b.info("scale: WAL bytes/tx small, large, large lz4", fmt.Sprintf("%.0f %.0f %.0f", medWAL["small"], medWAL["large"], medWAL["large lz4"]))
+	b.ratio(name+", time-ordered keys (UUIDv7)", med["large v7"]/med["small v7"], ">=", 0.95)
+	b.ratio(name+", random keys (UUIDv4), the worst case", med["large"]/med["small"], ">=", 0.90)
+	b.ratio(name+", random keys, wal_compression=lz4", med["large lz4"]/med["small"], "", 0)
+	b.info("scale: WAL bytes/tx small, large, large lz4, small v7, large v7", fmt.Sprintf("%.0f %.0f %.0f %.0f %.0f",
+		medWAL["small"], medWAL["large"], medWAL["large lz4"], medWAL["small v7"], medWAL["large v7"]))
 	return fails.err()
 }
 
@@ -119,9 +144,13 @@ func millions(n int) string {
 	return fmt.Sprint(n)
 }
 
-// scaleTx claims a fresh key of a random principal and completes it, nothing else.
-func scaleTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
+// scaleTx claims a fresh key of a random principal and completes it, nothing else: a random
+// key, or a time-ordered one as idemclient makes it (v7).
+func scaleTx(ctx context.Context, pool *pgxpool.Pool, w *worker, v7 bool) error {
 	r := w.request()
+	if v7 {
+		r.key = client.NewKey()
+	}
 	c := dbidem.Claim{Principal: fmt.Sprintf("p%05d", w.rng.IntN(scalePrincipals)+1), Key: r.key, Action: action,
 		Fingerprint: r.fp.Sum, Fields: r.fp.Fields}
 	return dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
@@ -137,15 +166,21 @@ func scaleTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	})
 }
 
-// scaleDatabase creates db with n completed keys of scalePrincipals principals, with random
-// UUIDv4 keys, as idem_begin and idem_complete store them, inserted in the primary key's
-// order (a bulk load; the runs then insert at random places, as clients do).
-func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
+// scaleDatabase creates db with n completed keys of scalePrincipals principals, as idem_begin
+// and idem_complete store them, inserted in the primary key's order (a bulk load). The keys are
+// random UUIDv4 (the runs then insert at random places, as clients do), or with v7
+// time-ordered UUIDv7 of the last 24 hours, a chunk's keys later than the chunk before (the
+// runs' keys, made now, then go at the end of their principal's keys, as clients' do).
+func (b *bench) scaleDatabase(ctx context.Context, db string, n int, v7 bool) error {
 	if b.ready[db] {
 		return nil
 	}
 	t0 := time.Now()
-	fmt.Printf("setting up database %s: the idem schema, %d completed keys of %d principals\n", db, n, scalePrincipals)
+	kind := "random UUIDv4"
+	if v7 {
+		kind = "time-ordered UUIDv7"
+	}
+	fmt.Printf("setting up database %s: the idem schema, %d completed keys (%s) of %d principals\n", db, n, kind, scalePrincipals)
 	if err := recreate(ctx, b.url, db); err != nil {
 		return err
 	}
@@ -165,6 +200,15 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
 	if _, err := conn.Exec(ctx, `ALTER TABLE idem.idempotency_keys SET (fillfactor = 100)`); err != nil {
 		return err
 	}
+	// A UUIDv7 (RFC 9562) of time t as text, in the layout idemclient writes: 48 bits of Unix
+	// milliseconds, the version, 12 random bits, the variant, 62 random bits.
+	if _, err := conn.Exec(ctx, `CREATE FUNCTION idem_bench_uuidv7(t timestamptz) RETURNS text LANGUAGE sql AS $f$
+		SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(r, 1, 3) || '-' ||
+		       to_hex(8 + (random() * 3)::int) || substr(r, 4, 3) || '-' || substr(r, 7, 12)
+		  FROM (SELECT lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0') AS h,
+		               md5(random()::text) AS r) AS x $f$`); err != nil {
+		return err
+	}
 	const chunk = 1_000_000
 	for done := 0; done < n; done += chunk {
 		m := min(chunk, n-done)
@@ -182,10 +226,13 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int) error {
 			SELECT now() + interval '1 day', nextval('idem.attempt_seq'), hashtextextended($1, 0), 'c', s.p, s.k,
 			       $2, $3, 201, $4::jsonb, $5
 			  FROM (SELECT format('p%s', lpad((1 + (random() * ($6::integer - 1))::integer)::text, 5, '0')) AS p,
-			               gen_random_uuid()::text AS k
+			               CASE WHEN $8 THEN idem_bench_uuidv7(
+			                   now() - interval '1 day' * (1 - ($9::float8 + random() * $7::integer) / $10::float8))
+			                    ELSE gen_random_uuid()::text END AS k
 			          FROM generate_series(1, $7::integer)) AS s
 			 ORDER BY s.p, s.k`,
-			action, fp.Sum[:], fieldsBlob(fp.Fields), responseHeaderJSON, responseBody, scalePrincipals, m); err != nil {
+			action, fp.Sum[:], fieldsBlob(fp.Fields), responseHeaderJSON, responseBody, scalePrincipals, m,
+			v7, float64(done), float64(n)); err != nil {
 			return fmt.Errorf("%s: insert keys: %w", db, err)
 		}
 		if n > chunk {
