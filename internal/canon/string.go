@@ -47,45 +47,39 @@ func plain8(w uint64) bool {
 // when it is not valid (RFC 3629: no overlong forms, no surrogates, nothing past U+10FFFF).
 // It checks what utf8.DecodeRune checks without building the rune.
 func validRune(b []byte) int {
-	c := b[0]
-	switch {
+	switch c := b[0]; {
 	case c < 0xC2:
 		return 0
 	case c < 0xE0:
-		if len(b) >= 2 && b[1]&0xC0 == 0x80 {
-			return 2
-		}
-		return 0
+		return sequence(b, 2, 0x80, 0xBF)
+	case c == 0xE0:
+		return sequence(b, 3, 0xA0, 0xBF) // not overlong
+	case c == 0xED:
+		return sequence(b, 3, 0x80, 0x9F) // not a surrogate
 	case c < 0xF0:
-		if len(b) < 3 || b[2]&0xC0 != 0x80 {
-			return 0
-		}
-		lo, hi := byte(0x80), byte(0xBF)
-		if c == 0xE0 {
-			lo = 0xA0
-		} else if c == 0xED {
-			hi = 0x9F
-		}
-		if b[1] < lo || b[1] > hi {
-			return 0
-		}
-		return 3
-	case c < 0xF5:
-		if len(b) < 4 || b[2]&0xC0 != 0x80 || b[3]&0xC0 != 0x80 {
-			return 0
-		}
-		lo, hi := byte(0x80), byte(0xBF)
-		if c == 0xF0 {
-			lo = 0x90
-		} else if c == 0xF4 {
-			hi = 0x8F
-		}
-		if b[1] < lo || b[1] > hi {
-			return 0
-		}
-		return 4
+		return sequence(b, 3, 0x80, 0xBF)
+	case c == 0xF0:
+		return sequence(b, 4, 0x90, 0xBF) // not overlong
+	case c < 0xF4:
+		return sequence(b, 4, 0x80, 0xBF)
+	case c == 0xF4:
+		return sequence(b, 4, 0x80, 0x8F) // not past U+10FFFF
 	}
 	return 0
+}
+
+// sequence is n when b holds a lead byte, a second byte from lo to hi and n-2 more
+// continuation bytes, else 0.
+func sequence(b []byte, n int, lo, hi byte) int {
+	if len(b) < n || b[1] < lo || b[1] > hi {
+		return 0
+	}
+	for _, x := range b[2:n] {
+		if x&0xC0 != 0x80 {
+			return 0
+		}
+	}
+	return n
 }
 
 // string decodes the JSON string at p.pos (which is '"'). A string without escapes is
