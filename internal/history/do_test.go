@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/idem"
-	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 // The Go library, public package idem: Do (the work in the claim's transaction) and DoLease
@@ -213,26 +212,8 @@ func failedLeaseReuse(weight int) Scenario {
 func TestDoHistory(t *testing.T) {
 	t.Parallel()
 	mode := ModeFromEnv(200, 6*time.Second, 8)
-	c := StartCluster(t)
-	c.CreateDB(t, "hist")
+	c, observe, proxy := historyDB(t)
 	ctx := context.Background()
-	admin, err := pgx.Connect(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, historySchema); err != nil {
-		t.Fatal(err)
-	}
-	admin.Close(ctx)
-	observe, err := pgxpool.New(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer observe.Close()
-	proxy := NewProxy(t, c.Addr())
 	const app = "hist-do"
 	cfg, err := pgxpool.ParseConfig(Via(proxy.Addr(), "hist") + " application_name=" + app + " connect_timeout=2")
 	if err != nil {

@@ -388,26 +388,8 @@ func releaseReuse(weight int) Scenario {
 func TestSQLHistory(t *testing.T) {
 	t.Parallel()
 	mode := ModeFromEnv(200, 6*time.Second, 8)
-	c := StartCluster(t)
-	c.CreateDB(t, "hist")
+	c, observe, proxy := historyDB(t)
 	ctx := context.Background()
-	admin, err := pgx.Connect(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, historySchema); err != nil {
-		t.Fatal(err)
-	}
-	admin.Close(ctx)
-	observe, err := pgxpool.New(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer observe.Close()
-	proxy := NewProxy(t, c.Addr())
 	const app = "hist-sql"
 	harness := &sqlHarness{url: Via(proxy.Addr(), "hist") + " application_name=" + app + " connect_timeout=2",
 		observe: observe, conns: map[int]*pgx.Conn{}}
@@ -480,4 +462,30 @@ func waitIdle(t testing.TB, pool *pgxpool.Pool, app string) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// historyDB starts a cluster with a database "hist" migrated and holding the effects' schema,
+// a pool that observes it directly (closed when the test ends), and a fault proxy in front of
+// it for the clients.
+func historyDB(t *testing.T) (*Cluster, *pgxpool.Pool, *Proxy) {
+	c := StartCluster(t)
+	c.CreateDB(t, "hist")
+	ctx := context.Background()
+	admin, err := pgx.Connect(ctx, c.URL("hist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, historySchema); err != nil {
+		t.Fatal(err)
+	}
+	admin.Close(ctx)
+	observe, err := pgxpool.New(ctx, c.URL("hist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(observe.Close)
+	return c, observe, NewProxy(t, c.Addr())
 }
