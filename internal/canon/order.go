@@ -64,12 +64,11 @@ func chunkKey(s []byte) uint64 {
 		}
 		k |= uint64(len(s))
 	}
-	// Only the bytes from 0xEE up change rank: x >= 0xEE exactly when bit 7 is set and
-	// (x & 0x7F) + 0x12 reaches 0x80 (no carry crosses a byte).
-	// The seven name bytes are ranked eight at a time: 0xF0-0xF4 (the lead bytes of
-	// supplementary characters) move down by 2, 0xEE and 0xEF up by 5, as utf16Rank says; no
-	// byte leaves its place, so nothing carries into its neighbour. Names are valid UTF-8, so
-	// no byte is above 0xF4.
+	// The seven name bytes are ranked eight at a time, as utf16Rank says. Only the bytes from
+	// 0xEE up change rank (names are valid UTF-8, so none is above 0xF4): x >= 0xEE exactly
+	// when bit 7 is set and (x & 0x7F) + 0x12 reaches 0x80, and x >= 0xF0 likewise with 0x10.
+	// 0xF0-0xF4 (the lead bytes of supplementary characters) move down by 2, 0xEE and 0xEF up
+	// by 5; no byte leaves its place, so nothing carries into its neighbour.
 	const low7, high = 0x7F7F7F7F7F7F7F00, 0x8080808080808000
 	if ee := (k&low7 + 0x1212121212121200) & k & high; ee != 0 {
 		f0 := (k&low7 + 0x1010101010101000) & k & high
