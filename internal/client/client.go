@@ -90,7 +90,7 @@ func (r Result) Code() string {
 
 // ErrGaveUp is returned when an operation ran out of attempts (MaxAttempts) with an outcome
 // still unknown; the last attempt's error or answer is wrapped.
-var ErrGaveUp = errors.New("client: gave up")
+var ErrGaveUp = errors.New("idemclient: gave up")
 
 // DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
 // default backoff (50ms doubling to 2s) about 10 seconds of waiting, longer when the server
@@ -147,10 +147,10 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		key = NewKey()
 	}
 	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
-		return Result{Key: key}, fmt.Errorf("client: the URL must be http or https, got %q", req.URL)
+		return Result{Key: key}, fmt.Errorf("idemclient: the URL must be http or https, got %q", req.URL)
 	}
 	if strings.ContainsFunc(key, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
-		return Result{Key: key}, fmt.Errorf("client: the key %q has a control character, which no header may carry", key)
+		return Result{Key: key}, fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
 	}
 	var payload []byte
 	if req.Body != nil && req.Body != http.NoBody {
@@ -158,14 +158,14 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		if req.GetBody != nil {
 			var err error
 			if body, err = req.GetBody(); err != nil {
-				return Result{Key: key}, fmt.Errorf("client: read body: %w", err)
+				return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
 			}
 		}
 		var err error
 		payload, err = io.ReadAll(body)
 		body.Close()
 		if err != nil {
-			return Result{Key: key}, fmt.Errorf("client: read body: %w", err)
+			return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
 		}
 	}
 	backoff := c.Backoff
@@ -194,7 +194,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		case ctx.Err() != nil:
 			return res, ctx.Err()
 		case permanent(err):
-			return res, fmt.Errorf("client: %w", err) // no retry can mend it
+			return res, fmt.Errorf("idemclient: %w", err) // no retry can mend it
 		}
 		if max := c.maxAttempts(); max > 0 && attempt >= max {
 			if err != nil {
@@ -301,7 +301,7 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 	if body != nil {
 		b, err := json.Marshal(body)
 		if err != nil {
-			return Result{}, fmt.Errorf("client: encode body: %w", err)
+			return Result{}, fmt.Errorf("idemclient: encode body: %w", err)
 		}
 		payload = bytes.NewReader(b)
 	}

@@ -145,32 +145,32 @@ var (
 	// ErrInProgress: a concurrent holder kept the key past the lock timeout (SQLSTATE
 	// 55P03), or (from a Gate) a request of this process holds it. The transaction is
 	// aborted; answer 409 and let the client retry.
-	ErrInProgress = errors.New("dbidem: request in progress")
+	ErrInProgress = errors.New("idem: request in progress")
 	// ErrClaimLost: Complete found no claim in progress with this attempt (55000): the
 	// lease was taken over by a later attempt, or the claim was released or completed.
-	ErrClaimLost = errors.New("dbidem: claim lost")
+	ErrClaimLost = errors.New("idem: claim lost")
 	// ErrUnknownPrincipal: the principal violates a foreign key that the application put on
 	// the key table's principal_id (23503 on the key table, not the guard): answer 401.
-	ErrUnknownPrincipal = errors.New("dbidem: unknown principal")
+	ErrUnknownPrincipal = errors.New("idem: unknown principal")
 	// ErrClaimNotCompleted: COMMIT refused a transactional claim without its completion
 	// (23503 on GuardConstraint). Everything in the transaction was rolled back.
-	ErrClaimNotCompleted = errors.New("dbidem: claim committed without its completion")
+	ErrClaimNotCompleted = errors.New("idem: claim committed without its completion")
 	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
 	// configuration error, not a reason to retry.
-	ErrInvalidArgument = errors.New("dbidem: invalid argument")
+	ErrInvalidArgument = errors.New("idem: invalid argument")
 	// ErrCommitUnknown: the connection failed after COMMIT was sent and before its answer
 	// came back: the transaction may or may not have committed. A retry with the same key
 	// tells which (it replays, or it runs).
-	ErrCommitUnknown = errors.New("dbidem: commit outcome unknown")
+	ErrCommitUnknown = errors.New("idem: commit outcome unknown")
 	// ErrMismatch is returned by Do when the key was used with another input.
-	ErrMismatch = errors.New("dbidem: idempotency key reused with another request")
+	ErrMismatch = errors.New("idem: idempotency key reused with another request")
 	// ErrNotMigrated: the database has no (or an older) idem schema: run the migrations.
-	ErrNotMigrated = errors.New("dbidem: database not migrated")
+	ErrNotMigrated = errors.New("idem: database not migrated")
 	// ErrStoreBusy: a claim's probes (Gate) found the key table itself locked, not a key (a
 	// migration's swap, VACUUM FULL, pg_repack, LOCK TABLE): nothing was written; answer 503
 	// with Retry-After and let the client retry. A claim does not wait for such a lock, so a
 	// locked table costs no pool connections and stalls nothing else.
-	ErrStoreBusy = errors.New("dbidem: the key table is locked")
+	ErrStoreBusy = errors.New("idem: the key table is locked")
 )
 
 // classify wraps an error from the SQL API in the sentinel that describes it.

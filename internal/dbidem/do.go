@@ -77,7 +77,7 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 		}
 		body, err := json.Marshal(result)
 		if err != nil {
-			return fmt.Errorf("dbidem: encode result: %w", err)
+			return fmt.Errorf("idem: encode result: %w", err)
 		}
 		tx.CompleteOnCommit(Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
 		return nil
@@ -91,7 +91,7 @@ func (job Job) claim(lease time.Duration) (Claim, []byte, error) {
 	if job.Input != nil {
 		var err error
 		if input, err = json.Marshal(job.Input); err != nil {
-			return Claim{}, nil, fmt.Errorf("dbidem: encode input: %w", err)
+			return Claim{}, nil, fmt.Errorf("idem: encode input: %w", err)
 		}
 	}
 	fp := canon.Compute("DO", job.Action, input)
@@ -144,7 +144,7 @@ type Pool interface {
 // an effect that reached it.
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if job.Lease < time.Second {
-		return result, false, fmt.Errorf("dbidem: DoLease needs a Lease of at least a second, got %s", job.Lease)
+		return result, false, fmt.Errorf("idem: DoLease needs a Lease of at least a second, got %s", job.Lease)
 	}
 	claim, input, err := job.claim(job.Lease)
 	if err != nil {
@@ -195,7 +195,7 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	body, err := json.Marshal(result)
 	if err != nil {
 		_, _ = Yield(done, db, job.Principal, job.Key, attempt)
-		return result, false, fmt.Errorf("dbidem: encode result: %w", err)
+		return result, false, fmt.Errorf("idem: encode result: %w", err)
 	}
 	err = Complete(done, db, job.Principal, job.Key, attempt,
 		Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})

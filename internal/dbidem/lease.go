@@ -18,7 +18,7 @@ import (
 // extension found the claim no longer in progress with its token, or the lease ran out before
 // an extension succeeded (the database could not be reached), so another attempt may have
 // taken the key over. The work should stop; its answer is not recorded.
-var ErrLeaseLost = errors.New("dbidem: lease lost")
+var ErrLeaseLost = errors.New("idem: lease lost")
 
 const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
 

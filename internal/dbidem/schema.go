@@ -18,12 +18,12 @@ const MaxLockTimeout = (1<<31 - 1) * time.Millisecond
 
 // ErrSchemaNewer: the database's schema idem was installed by a newer release than the code
 // that calls it: upgrade the code.
-var ErrSchemaNewer = errors.New("dbidem: database schema newer than this code")
+var ErrSchemaNewer = errors.New("idem: database schema newer than this code")
 
 // ErrPermissionDenied: the role may not call a function of the SQL API (42501): it is not a
 // member of the application role (or, for the operators' functions, of the operator role).
 // A deployment error, not a reason to retry.
-var ErrPermissionDenied = errors.New("dbidem: permission denied")
+var ErrPermissionDenied = errors.New("idem: permission denied")
 
 // SchemaError is what CheckSchema finds when the database's schema idem is not the one the
 // code needs. It unwraps to ErrNotMigrated, or to ErrSchemaNewer for a newer schema.

@@ -90,7 +90,7 @@ func decodeHeader(b []byte) (http.Header, error) {
 	}
 	var m map[string]string
 	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, fmt.Errorf("dbidem: stored headers: %w", err)
+		return nil, fmt.Errorf("idem: stored headers: %w", err)
 	}
 	h := make(http.Header, len(m))
 	for k, v := range m {

@@ -32,7 +32,7 @@ func randomHex(n int) string {
 // ErrTxOwned is returned by Tx.Commit and Tx.Rollback: RunTx ends the transaction when the
 // function returns (nil commits, an error rolls back). Nested transactions (Tx.Begin) are
 // committed and rolled back as usual.
-var ErrTxOwned = errors.New("dbidem: the transaction is RunTx's: return from the function to end it")
+var ErrTxOwned = errors.New("idem: the transaction is RunTx's: return from the function to end it")
 
 // Tx is the transaction of a unit of work run by RunTx. It is a pgx.Tx: write the work
 // through it. BEGIN is sent with the first statement that needs it: with the claim (Claim),
@@ -85,7 +85,7 @@ func isLockTimeout(err error) bool {
 // FinalOnCommit; a claim returned without either makes the COMMIT fail (ErrClaimNotCompleted).
 func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	if t.claim != nil {
-		return Decision{}, errors.New("dbidem: Tx.Claim called twice in one transaction")
+		return Decision{}, errors.New("idem: Tx.Claim called twice in one transaction")
 	}
 	b := &pgx.Batch{}
 	if t.tx == nil {

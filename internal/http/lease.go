@@ -128,7 +128,7 @@ func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.
 // middleware's Shutdown gave up waiting for it: the handler should stop; unless it answers
 // with a 2xx or a final error, its lease then ends at once without an answer, and the
 // client's retry runs the work again under the same ClaimInfo.ProviderKey.
-var ErrShutdown = errors.New("idemhttp: shut down")
+var ErrShutdown = errors.New("idem: shut down")
 
 // shutdownGrace is how long Shutdown waits, once its context ended, for the lease work it
 // cancelled to release its claims.

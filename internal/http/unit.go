@@ -61,7 +61,7 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 }
 
 // errRollBack ends a unit of work without committing.
-var errRollBack = errors.New("idemhttp: roll back")
+var errRollBack = errors.New("idem: roll back")
 
 // unkeyed runs a declared route without idempotency: the same transaction for the handler,
 // committed only for a 2xx.
