@@ -1,4 +1,4 @@
--- idem, schema version 5: the SQL API alone (schema idem), for psql. Install or upgrade with
+-- idem, schema version 6: the SQL API alone (schema idem), for psql. Install or upgrade with
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/idem.sql
 --
@@ -11,7 +11,7 @@
 -- It does what `server migrate` and idemsql.Migrate do for schema idem, and keeps the same
 -- version table (tern's idem.schema_version, one row), so they can be mixed: in one transaction,
 -- under tern's advisory lock, each migration the database lacks runs and sets the version
--- (schema version 5 is the last), then the functions are installed.
+-- (schema version 6 is the last), then the functions are installed.
 
 \set ON_ERROR_STOP on
 
@@ -263,8 +263,8 @@ insert into idem.schema_version(version) select 0 where 0=(select count(*) from 
 
 DO $idem_bundle$
 BEGIN
-    IF (SELECT version FROM idem.schema_version) > 5 THEN
-        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (5): use the sql/idem.sql of that release',
+    IF (SELECT version FROM idem.schema_version) > 6 THEN
+        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (6): use the sql/idem.sql of that release',
             (SELECT version FROM idem.schema_version);
     END IF;
 END
@@ -841,6 +841,70 @@ UPDATE idem.schema_version SET version = 5;
 \endif
 
 -- ---------------------------------------------------------------------------------------
+-- Migration 6: sql/migrations/006_installation_secret.sql, when the database is below version 6.
+SELECT version < 6 AS idem_migration_due FROM idem.schema_version \gset
+\if :idem_migration_due
+-- 006: a secret of this installation, which enters the provider key of every generation that
+-- starts from now on, so that two installations (staging and production, two services, two
+-- tenants' databases sharing one provider account) never hand a provider the same key.
+--
+-- Expand only: nothing here touches the key table, so the previous release serves through it.
+--
+--   - idem.installation_secrets: one row per secret, with the first token it applies to. A
+--     generation (the token of its first claim) takes the secret with the greatest from_token
+--     at or below it, in its own token range (the top 16 bits: a Citus worker's group); a
+--     generation below every secret of its range is one the previous release started, and keeps
+--     the provider key that release gave it (label v2, no secret): an upgrade never changes the
+--     provider key of a generation that exists, so a lease in flight across it keeps its key.
+--   - idem.token_seq: where tokens come from from now on, starting 2^32 above the last token
+--     of idem.attempt_seq. A call of the previous release's functions that was already running
+--     when the new ones were installed still draws from idem.attempt_seq, below the new secret's
+--     from_token, and gives the v2 key that its generation keeps. One sequence with a threshold
+--     could not tell those late draws from new ones. idem.attempt_seq stays for that reason (a
+--     later release drops it).
+--
+-- The secret is readable by the schema's owner only: the SECURITY DEFINER functions read it, no
+-- role is granted it, and nothing returns it. A copy of the database (a restore of a dump, a
+-- clone from a template) carries the secret: give the copy its own with
+-- CALL idem.idem_new_installation_secret() (docs/operations.md).
+CREATE TABLE idem.installation_secrets (
+    from_token bigint PRIMARY KEY,
+    secret     bytea NOT NULL CHECK (octet_length(secret) = 32),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+REVOKE ALL ON idem.installation_secrets FROM PUBLIC;
+COMMENT ON TABLE idem.installation_secrets IS
+    'The installation''s secrets for provider keys, each for the generations from from_token on (in its token range); private to the schema''s owner.';
+
+CREATE SEQUENCE idem.token_seq AS bigint;
+COMMENT ON SEQUENCE idem.token_seq IS
+    'Fencing tokens (attempt) and so generation numbers, from migration 006 on; above every token of idem.attempt_seq.';
+
+DO $$
+DECLARE
+    v_next  bigint := (SELECT s.last_value + CASE WHEN s.is_called THEN 1 ELSE 0 END FROM idem.attempt_seq AS s);
+    v_start bigint := v_next;
+BEGIN
+    -- The 2^32 gap is for the calls of the functions installed now that may still draw from
+    -- idem.attempt_seq after this commits; where none of them does (a new installation, an
+    -- upgrade from 0.1.0), tokens go on where idem.attempt_seq's would have.
+    IF EXISTS (SELECT FROM pg_catalog.pg_proc AS p
+                WHERE p.pronamespace = 'idem'::regnamespace AND p.prosrc LIKE '%idem.attempt_seq%') THEN
+        v_start := v_next + 4294967296;
+    END IF;
+    PERFORM setval('idem.token_seq', v_start, false);
+    -- 32 bytes from the server's strong random source (gen_random_uuid draws 122 bits a UUID).
+    INSERT INTO idem.installation_secrets (from_token, secret)
+    VALUES (v_start, sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')));
+END
+$$;
+
+-- As tern does after each migration: back to the session's settings, then the version.
+RESET ALL;
+UPDATE idem.schema_version SET version = 6;
+\endif
+
+-- ---------------------------------------------------------------------------------------
 -- The functions: sql/functions/install.sql, re-installed every time.
 -- The public SQL API of idem, installed (and re-installed) by `server migrate` after the
 -- migrations in sql/migrations. Each function lives in its own file; include/ holds the
@@ -1054,7 +1118,7 @@ IF p_request_fields IS NOT NULL THEN
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
     -- The fencing token: no holder of any key ever had it.
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
 
     -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
     -- A fresh key leaves at the first RETURN.
@@ -1070,8 +1134,14 @@ IF p_request_fields IS NOT NULL THEN
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
-                provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+                provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_token AND x.from_token >> 48 = v_token >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
                 RETURN;
             END IF;
@@ -1117,8 +1187,14 @@ IF p_request_fields IS NOT NULL THEN
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
-                provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+                provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_token AND x.from_token >> 48 = v_token >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
                 RETURN;
             END IF;
@@ -1157,8 +1233,14 @@ IF p_request_fields IS NOT NULL THEN
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
@@ -1168,8 +1250,14 @@ IF p_request_fields IS NOT NULL THEN
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         ELSIF v_lock THEN
@@ -1188,8 +1276,14 @@ IF p_request_fields IS NOT NULL THEN
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         END IF;
@@ -1397,7 +1491,7 @@ IF p_request_fields IS NOT NULL THEN
     v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, interval '24 hours');
     v_action := hashtextextended(p_action, 0);
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
 
     -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
     -- decides on the committed row. An uncompleted transactional claim that it sees can only
@@ -1549,7 +1643,7 @@ IF v_problem IS NOT NULL THEN
 
     END IF;
     v_now := clock_timestamp();
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
@@ -2192,7 +2286,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT 5, (SELECT v.version FROM idem.schema_version AS v)
+    SELECT 6, (SELECT v.version FROM idem.schema_version AS v)
 $$;
 
 COMMENT ON FUNCTION idem.idem_version() IS
@@ -2587,7 +2681,7 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     v_now := clock_timestamp();
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
     -- A new token (the stuck holder, should it wake, is fenced off), the same generation, and
     -- no claim time (it is no longer stuck work: idem_health, idem_stuck).
     UPDATE idem.idempotency_keys AS k
@@ -2680,8 +2774,14 @@ IF v_problem IS NOT NULL THEN
         lease_expires_at := v_row.lease_expires_at;
         lease_run_out := v_row.lease_expires_at <= v_now;
         age := v_now - v_row.claimed_at;
-        provider_key := encode(sha256('\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-              || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+        provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
+   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
+                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
+                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
         RETURN NEXT;
     END LOOP;
@@ -2690,6 +2790,43 @@ $$;
 
 COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
     'The lease claims in progress made at least p_older_than ago, oldest first: principal, key, token, claimed_at, lease end, whether it ran out, age, provider key. For operators (idem_release_stuck takes principal, key and token). See docs/operations.md.';
+
+-- idem_new_installation_secret: gives this database a secret of its own for the provider keys
+-- of the generations that start from now on. For a copy of a database (a restore of a dump into
+-- staging, a clone from a template), which carries the secret of the original: run it once in
+-- the copy, before it serves, and the copy's new provider keys differ from the original's.
+-- Generations that already exist keep their provider keys (a lease in flight keeps its key).
+--
+-- Two transactions, in this order: the new secret's row commits first, from a token 2^32
+-- above the last one drawn; only then does the sequence jump to that token. A claim reads the
+-- secrets after it drew its token, so a token below the jump takes the earlier secret, and one
+-- at or above it is drawn after the row committed and finds it. A procedure: it commits, so it
+-- cannot be SECURITY DEFINER or pin search_path with a SET clause; every name is qualified.
+-- The schema's owner runs it (nothing is granted).
+CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret()
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_from bigint;
+BEGIN
+    -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
+    -- reads): two runs could otherwise move the sequence backwards.
+    LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
+    v_from := (SELECT s.last_value FROM idem.token_seq AS s) + 4294967296;
+    INSERT INTO idem.installation_secrets (from_token, secret)
+    VALUES (v_from, pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
+        || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')));
+    COMMIT;
+    LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
+    IF pg_catalog.nextval('idem.token_seq') < v_from THEN
+        PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
+    END IF;
+    COMMIT;
+END
+$$;
+
+COMMENT ON PROCEDURE idem.idem_new_installation_secret() IS
+    'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner. See docs/operations.md.';
 
 
 -- Nothing is granted to PUBLIC; the application role may call the API.

@@ -26,7 +26,7 @@ func TestCleanupAcrossRelations(t *testing.T) {
 	for _, rel := range []string{"idem.idempotency_keys", "idem.keys_shard_2"} {
 		pgtest.Exec(t, pool, `INSERT INTO `+rel+` (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
 			response_status, response_headers)
-			SELECT now() + interval '1 hour', nextval('idem.attempt_seq'), 0, 'c', 'live', 'live-' || i, sha256(i::text::bytea), 200, '{}'
+			SELECT now() + interval '1 hour', nextval('idem.token_seq'), 0, 'c', 'live', 'live-' || i, sha256(i::text::bytea), 200, '{}'
 			  FROM generate_series(1, 300) AS i`)
 	}
 	var deleted atomic.Int64

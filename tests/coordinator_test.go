@@ -15,7 +15,7 @@ func insertLeases(t *testing.T, q pgtest.Querier, rel, principal, prefix string,
 	t.Helper()
 	pgtest.Exec(t, q, `INSERT INTO `+rel+` (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
 		claimed_at, lease_expires_at)
-		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'p', $1, $2 || '-' || i, sha256(i::text::bytea),
+		SELECT now() + interval '1 day', nextval('idem.token_seq'), 0, 'p', $1, $2 || '-' || i, sha256(i::text::bytea),
 		       now() - $3::interval, now() + $4::interval
 		  FROM generate_series(1, $5) AS i`, principal, prefix, ago, lease, n)
 }

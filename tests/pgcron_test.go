@@ -73,7 +73,7 @@ func TestPgCronCleanup(t *testing.T) {
 	pgtest.InsertExpired(t, conn, "p", expired)
 	pgtest.Exec(t, conn, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
 		request_sha256, response_status, response_headers)
-		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'c', 'p', 'live-' || i, sha256(i::text::bytea), 200, '{}'
+		SELECT now() + interval '1 day', nextval('idem.token_seq'), 0, 'c', 'p', 'live-' || i, sha256(i::text::bytea), 200, '{}'
 		  FROM generate_series(1, $1) AS i`, live)
 	pgtest.Exec(t, conn, `CREATE TABLE public.cleanup_batches (txid bigint, deleted bigint);
 		CREATE FUNCTION public.record_batch() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$

@@ -238,7 +238,7 @@ func TestOnlineRebuildKeepsChangesDuringAPausedBackfill(t *testing.T) {
 	if err := idemsql.Migrate(ctx, rebuilder, idemsql.Options{}); err != nil {
 		t.Fatal(err)
 	}
-	next := pgtest.Count(t, conn, `SELECT nextval('idem.attempt_seq')`)
+	next := pgtest.Count(t, conn, `SELECT nextval('idem.token_seq')`)
 	if maxOld < 2 || next <= maxOld {
 		t.Fatalf("the sequence starts at %d, the largest 0.1.0 token was %d", next, maxOld)
 	}

@@ -340,7 +340,7 @@ func TestCleanupVacuumsTheKeyTable(t *testing.T) {
 	// 20,000 live keys: the threshold becomes 50 + 400 rows.
 	pgtest.Exec(t, s.pool, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
 		request_sha256, response_status, response_headers)
-		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'c', $1, 'live-' || i, sha256(i::text::bytea), 200, '{}'
+		SELECT now() + interval '1 day', nextval('idem.token_seq'), 0, 'c', $1, 'live-' || i, sha256(i::text::bytea), 200, '{}'
 		  FROM generate_series(1, 20000) AS i`, id)
 	pgtest.Exec(t, s.pool, `ANALYZE idem.idempotency_keys`)
 	before = vacuumCount()

@@ -35,7 +35,7 @@ func TestPgRepackUnderTraffic(t *testing.T) {
 	pgtest.Exec(t, s.pool, `INSERT INTO ledger.principals (id, name) VALUES ('p_fill', 'fill')`)
 	pgtest.Exec(t, s.pool, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
 		request_sha256, response_status, response_headers, response_body)
-		SELECT now() + interval '1 day', nextval('idem.attempt_seq'), 0, 'c', 'p_fill', 'fill-' || g, sha256(g::text::bytea),
+		SELECT now() + interval '1 day', nextval('idem.token_seq'), 0, 'c', 'p_fill', 'fill-' || g, sha256(g::text::bytea),
 		       201, '{}', convert_to(repeat('x', 200), 'UTF8')
 		  FROM generate_series(1, 100000) AS g`)
 	pgtest.Exec(t, s.pool, `DELETE FROM idem.idempotency_keys WHERE principal_id = 'p_fill' AND key LIKE '%0'`)

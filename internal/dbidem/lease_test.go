@@ -134,7 +134,7 @@ func TestDoLease(t *testing.T) {
 		done <- err
 	}()
 	pgtest.WaitFor(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'job-2'`)
-	pgtest.Exec(t, pool, `UPDATE idem.idempotency_keys SET attempt = nextval('idem.attempt_seq') WHERE key = 'job-2'`)
+	pgtest.Exec(t, pool, `UPDATE idem.idempotency_keys SET attempt = nextval('idem.token_seq') WHERE key = 'job-2'`)
 	if cause := <-causes; !errors.Is(cause, dbidem.ErrLeaseLost) {
 		t.Fatalf("the job's context ended with %v, want ErrLeaseLost", cause)
 	}

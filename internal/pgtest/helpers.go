@@ -43,7 +43,7 @@ func InsertExpired(t testing.TB, q Querier, principal string, n int) {
 	t.Helper()
 	Exec(t, q, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
 		request_sha256, response_status, response_headers)
-		SELECT now() - interval '1 day' + i * interval '1 ms', nextval('idem.attempt_seq'), 0, 'c', $1, 'old-' || i,
+		SELECT now() - interval '1 day' + i * interval '1 ms', nextval('idem.token_seq'), 0, 'c', $1, 'old-' || i,
 		       sha256(i::text::bytea), 200, '{}'
 		  FROM generate_series(1, $2) AS i`, principal, n)
 }
@@ -165,6 +165,6 @@ func InsertKeys(t testing.TB, q Querier, rel, principal, prefix string, n int, e
 	}
 	Exec(t, q, `INSERT INTO `+rel+` (expires_at, attempt, action_hash, state, principal_id, key,
 		request_sha256, response_status, response_headers)
-		SELECT `+at+`, nextval('idem.attempt_seq'), 0, 'c', $1, $2 || '-' || i, sha256(i::text::bytea), 200, '{}'
+		SELECT `+at+`, nextval('idem.token_seq'), 0, 'c', $1, $2 || '-' || i, sha256(i::text::bytea), 200, '{}'
 		  FROM generate_series(1, $3) AS i`, principal, prefix, n)
 }

@@ -29,6 +29,12 @@ SELECT create_distributed_table('idem.idempotency_keys', 'principal_id', shard_c
  WHERE NOT EXISTS (SELECT FROM pg_dist_partition
                     WHERE logicalrelid = 'idem.idempotency_keys'::regclass AND partmethod = 'h');
 
+-- The installation's secrets for provider keys (migration 006), on every node: a worker computes
+-- the provider key of the claims it runs.
+SELECT create_reference_table('idem.installation_secrets')
+ WHERE NOT EXISTS (SELECT FROM pg_dist_partition
+                    WHERE logicalrelid = 'idem.installation_secrets'::regclass AND partmethod = 'n' AND repmodel = 't');
+
 -- Reference tables on every node, a worker added since included (a shard cannot move to a
 -- node without them). block_writes: the default mode needs wal_level = logical.
 SELECT replicate_reference_tables('block_writes');
@@ -56,6 +62,33 @@ BEGIN
 END
 $do$
 $cmd$);
+
+-- 4b. Since migration 006 tokens come from idem.token_seq: on every worker, in the worker's own
+--     range, above every token its idem.attempt_seq gave (the previous release's generations keep
+--     their provider keys). Each worker's first new token gets a row of the installation's secret,
+--     so that the generations it starts take the secret, and those before it do not. (Not run on
+--     a Citus cluster by CI: `make test-citus` covers it.)
+SELECT run_command_on_workers($cmd$
+DO $do$
+DECLARE
+    v_group bigint := (SELECT groupid FROM pg_catalog.pg_dist_local_group);
+    v_start bigint;
+BEGIN
+    v_start := greatest((SELECT last_value FROM idem.attempt_seq) + 4294967296, (v_group << 48) + 1);
+    IF to_regclass('idem.token_seq') IS NULL THEN
+        EXECUTE format('CREATE SEQUENCE idem.token_seq AS bigint MINVALUE %s START %s', v_start, v_start);
+    ELSIF (SELECT last_value FROM idem.token_seq) < (v_group << 48) + 1 THEN
+        EXECUTE format('ALTER SEQUENCE idem.token_seq MINVALUE %s RESTART %s', v_start, v_start);
+    END IF;
+END
+$do$
+$cmd$);
+INSERT INTO idem.installation_secrets (from_token, secret)
+SELECT w.result::bigint, (SELECT s.secret FROM idem.installation_secrets AS s ORDER BY s.from_token LIMIT 1)
+  FROM run_command_on_workers($$SELECT min_value FROM pg_catalog.pg_sequences
+                                 WHERE schemaname = 'idem' AND sequencename = 'token_seq'$$) AS w
+ WHERE w.success AND w.result <> ''
+ON CONFLICT (from_token) DO NOTHING;
 
 -- 5. The API: each claim, completion, final answer, release and lease extension runs on the worker that holds
 --    p_principal's shard, in the caller's transaction (force_delegation).

@@ -102,7 +102,7 @@ BEGIN
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
     -- The fencing token: no holder of any key ever had it.
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
 
     -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
     -- A fresh key leaves at the first RETURN.

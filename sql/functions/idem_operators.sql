@@ -218,7 +218,7 @@ BEGIN
     END;
 {{ template "include/raise.sql" "idem_release_stuck" }}
     v_now := clock_timestamp();
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
     -- A new token (the stuck holder, should it wake, is fenced off), the same generation, and
     -- no claim time (it is no longer stuck work: idem_health, idem_stuck).
     UPDATE idem.idempotency_keys AS k

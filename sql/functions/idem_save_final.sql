@@ -49,7 +49,7 @@ BEGIN
     v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
     v_action := hashtextextended(p_action, 0);
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
 
     -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
     -- decides on the committed row. An uncompleted transactional claim that it sees can only

@@ -33,7 +33,7 @@ BEGIN
 {{ template "include/raise.sql" "idem_yield" }}
     END IF;
     v_now := clock_timestamp();
-    v_token := nextval('idem.attempt_seq');
+    v_token := nextval('idem.token_seq');
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL

@@ -34,6 +34,7 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 {{ template "key_figures.sql" . }}
 {{ template "idem_operators.sql" . }}
 {{ template "idem_stuck.sql" . }}
+{{ template "idem_new_installation_secret.sql" . }}
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;

@@ -8,12 +8,12 @@ SELECT plan(14);
 SELECT pg_temp.expired('p', 'old', 25);
 INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
     response_status, response_headers)
-SELECT now() + interval '1 hour', nextval('idem.attempt_seq'), 0, 'c', 'p', 'live-' || i, sha256(i::text::bytea), 200, '{}'
+SELECT now() + interval '1 hour', nextval('idem.token_seq'), 0, 'c', 'p', 'live-' || i, sha256(i::text::bytea), 200, '{}'
   FROM generate_series(1, 5) AS i;
 -- A row whose TTL ran out while a lease on it still runs (a lease now extends the key, but
 -- 0.1.0 stored such rows).
 INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, lease_expires_at, state, principal_id, key, request_sha256)
-VALUES (now() - interval '1 hour', nextval('idem.attempt_seq'), 0, now() + interval '1 hour', 'p', 'p', 'leased', sha256('l'));
+VALUES (now() - interval '1 hour', nextval('idem.token_seq'), 0, now() + interval '1 hour', 'p', 'p', 'leased', sha256('l'));
 
 SELECT is(idem.idem_cleanup(10), 10, 'a full batch of 10');
 SELECT is((SELECT count(*) FROM idem.idempotency_keys WHERE key IN ('old-25', 'old-16')), 0::bigint,

@@ -66,7 +66,7 @@ func cleanupPart(ctx context.Context, b *bench) error {
 		if _, err := pool.Exec(ctx, `INSERT INTO idem.idempotency_keys
 			  (expires_at, attempt, action_hash, state, principal_id, key, request_sha256, request_fields,
 			   response_status, response_headers, response_body)
-			SELECT now() - interval '1 hour' - i * interval '1 millisecond', nextval('idem.attempt_seq'),
+			SELECT now() - interval '1 hour' - i * interval '1 millisecond', nextval('idem.token_seq'),
 			       hashtextextended($1, 0), 'c', $2, k.key, sha256(convert_to(k.key, 'UTF8')), $3, 201, $4::jsonb, $5
 			  FROM generate_series(1, $6::integer) AS i,
 			       LATERAL (SELECT format('%s-0000-4000-8000-%s', lpad($7::text, 8, '0'), lpad(i::text, 12, '0')) AS key) AS k`,

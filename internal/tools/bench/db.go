@@ -312,7 +312,7 @@ func insertReplayKeys(ctx context.Context, conn *pgx.Conn) error {
 	_, err := conn.Exec(ctx, `INSERT INTO idem.idempotency_keys
 		  (expires_at, attempt, action_hash, state, principal_id, key, request_sha256, request_fields,
 		   response_status, response_headers, response_body)
-		SELECT now() + interval '30 days', nextval('idem.attempt_seq'), hashtextextended($1, 0), 'c', $2,
+		SELECT now() + interval '30 days', nextval('idem.token_seq'), hashtextextended($1, 0), 'c', $2,
 		       u.key, u.sha, u.fields, 201, $3::jsonb, $4
 		  FROM unnest($5::text[], $6::bytea[], $7::bytea[]) AS u(key, sha, fields)`,
 		action, principal, responseHeaderJSON, responseBody, keys, shas, fields)

@@ -223,7 +223,7 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int, v7 bool) er
 		if _, err := conn.Exec(ctx, `INSERT INTO idem.idempotency_keys
 			  (expires_at, attempt, action_hash, state, principal_id, key, request_sha256, request_fields,
 			   response_status, response_headers, response_body)
-			SELECT now() + interval '1 day', nextval('idem.attempt_seq'), hashtextextended($1, 0), 'c', s.p, s.k,
+			SELECT now() + interval '1 day', nextval('idem.token_seq'), hashtextextended($1, 0), 'c', s.p, s.k,
 			       $2, $3, 201, $4::jsonb, $5
 			  FROM (SELECT format('p%s', lpad((1 + (random() * ($6::integer - 1))::integer)::text, 5, '0')) AS p,
 			               CASE WHEN $8 THEN idem_bench_uuidv7(

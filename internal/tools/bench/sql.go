@@ -171,7 +171,7 @@ func handwritten(ctx context.Context, tx pgx.Tx, r request) error {
 	var attempt int64
 	err := tx.QueryRow(ctx, `INSERT INTO idem.idempotency_keys
 		  (expires_at, attempt, action_hash, state, uncompleted, principal_id, key, request_sha256, request_fields)
-		VALUES (now() + interval '24 hours', nextval('idem.attempt_seq'), hashtextextended('POST /v1/transfers', 0), 'p', true,
+		VALUES (now() + interval '24 hours', nextval('idem.token_seq'), hashtextextended('POST /v1/transfers', 0), 'p', true,
 		        $1, $2, $3, $4)
 		ON CONFLICT DO NOTHING RETURNING attempt`,
 		principal, r.key, r.fp.Sum[:], fieldsBlob(r.fp.Fields)).Scan(&attempt)

@@ -26,7 +26,7 @@ CREATE FUNCTION pg_temp.h(v text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELE
 CREATE FUNCTION pg_temp.expired(p text, prefix text, n int) RETURNS void LANGUAGE sql AS $$
     INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
         response_status, response_headers)
-    SELECT now() - i * interval '1 minute', nextval('idem.attempt_seq'), 0, 'c', p, prefix || '-' || i,
+    SELECT now() - i * interval '1 minute', nextval('idem.token_seq'), 0, 'c', p, prefix || '-' || i,
            sha256(i::text::bytea), 200, '{}'
       FROM generate_series(1, n) AS i;
 $$;
