@@ -56,6 +56,24 @@ type Options struct {
 	// request_in_progress. Default 0: the SQL API's default, 2 seconds. From a millisecond to
 	// MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
 	LockTimeout time.Duration
+	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
+	// its claim to its commit. The work does not end when the client goes away (a disconnect,
+	// the client's own attempt timeout, a proxy's): it runs to its end and commits with its
+	// answer, which the client's retry gets (it waits for the work while it runs, and replays
+	// it after); it ends at this server-side deadline, and when Shutdown gives up waiting for
+	// it, and then rolls back. Default 0: DefaultWorkTimeout (30 seconds); Route.WorkTimeout
+	// overrides it for one route. Not negative.
+	WorkTimeout time.Duration
+	// DuplicateWait bounds how long a duplicate of a request that is still running waits for
+	// that request's answer before it gets 409 request_in_progress, on every route: on a
+	// transactional route it waits on the key (in Go for a request of this process, or on the
+	// key's row lock with a wait slot), on a lease route for the holder's answer, without a
+	// connection (woken at once by a holder in this process, else by one look at the key every
+	// DefaultAnswerPoll per key and process). The duplicate then answers as the first did, soon
+	// after the answer is stored. Past the wait, its 409's Retry-After estimates the rest of
+	// the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait (10
+	// minutes).
+	DuplicateWait time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
 	// another process) at once; a request that finds them all waiting gets 409 at once, so
 	// requests for other keys always find a connection. It also bounds the statements lease
@@ -129,6 +147,9 @@ type Route struct {
 	// gives up answers 5xx, which gives the lease up. Default 0: five minutes
 	// (DefaultLeaseTimeout). Not negative.
 	LeaseTimeout time.Duration
+	// WorkTimeout bounds the unit of work of a keyed request on this transactional route
+	// (Options.WorkTimeout, which it overrides). Default 0: Options.WorkTimeout. Not negative.
+	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body,
 	// ComputeFingerprint) for a route whose meaning is narrower than its body. Default nil.
 	Fingerprint func(r *http.Request, body []byte) Fingerprint
@@ -160,6 +181,7 @@ func New(ctx context.Context, o Options) (*Middleware, error) {
 	o.KeyHeader, o.ReplayHeader, o.CorrelationHeader = io.KeyHeader, io.ReplayHeader, io.CorrelationHeader
 	o.MaxWaitingBytes, o.MaxBodyBytes, o.MaxStoredBodyBytes = io.MaxWaitingBytes, io.MaxBodyBytes, io.MaxStoredBodyBytes
 	o.StoredHeaders, o.FinalStatus, o.ProblemBase, o.Logger = io.StoredHeaders, io.FinalStatus, io.ProblemBase, io.Logger
+	o.WorkTimeout, o.DuplicateWait = io.WorkTimeout, io.DuplicateWait
 	return &Middleware{m: im, o: o, declared: map[string]Route{}}, nil
 }
 
@@ -168,7 +190,8 @@ func (o Options) internal() idemhttp.Options {
 		ReplayHeader: o.ReplayHeader, CorrelationHeader: o.CorrelationHeader, TTL: o.TTL, LockTimeout: o.LockTimeout,
 		MaxWaitingClaims: o.MaxWaitingClaims, MaxWaitingBytes: o.MaxWaitingBytes, MaxBodyBytes: o.MaxBodyBytes,
 		MaxStoredBodyBytes: o.MaxStoredBodyBytes, StoredHeaders: o.StoredHeaders, FinalStatus: o.FinalStatus,
-		ProblemBase: o.ProblemBase, MaxAttempts: o.MaxAttempts, Logger: o.Logger, TracerProvider: o.TracerProvider}
+		ProblemBase: o.ProblemBase, MaxAttempts: o.MaxAttempts, Logger: o.Logger, TracerProvider: o.TracerProvider,
+		WorkTimeout: o.WorkTimeout, DuplicateWait: o.DuplicateWait}
 	if o.Metrics != nil {
 		io.Metrics = observer{o.Metrics}
 	}
@@ -176,7 +199,8 @@ func (o Options) internal() idemhttp.Options {
 }
 
 func (rt Route) internal() idemhttp.Route {
-	ir := idemhttp.Route{Action: rt.Action, Required: rt.Required, Lease: rt.Lease, LeaseTimeout: rt.LeaseTimeout}
+	ir := idemhttp.Route{Action: rt.Action, Required: rt.Required, Lease: rt.Lease, LeaseTimeout: rt.LeaseTimeout,
+		WorkTimeout: rt.WorkTimeout}
 	if f := rt.Fingerprint; f != nil {
 		ir.Fingerprint = func(r *http.Request, body []byte) canon.Fingerprint { return canon.Fingerprint(f(r, body)) }
 	}
@@ -223,19 +247,22 @@ func (m *Middleware) Declared() map[string]Route {
 // matches as it dispatches, wrap each route with Route.
 func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handler(next) }
 
-// Shutdown waits for the requests of lease routes still in flight (their work runs on a
-// context that outlives the client, so an HTTP server's own Shutdown does not end it), from
-// those still claiming their key to those recording their answers. When ctx ends first, it
-// ends their work's contexts with cause ErrShutdown, waits up to five seconds more for each to
-// give its lease up (the client's retry then runs the work again under the same provider key),
-// and returns ctx's error. From the moment ctx ends, lease work that starts is ended at once,
-// also when Shutdown had returned early (nothing was in flight). Call it beside the HTTP
-// server's Shutdown, with the same deadline, and wait for both before the process exits:
+// Shutdown waits for the keyed requests still in flight, whose work runs on a context that
+// outlives the client (so an HTTP server's own Shutdown, which does not wait for a handler whose
+// client went away, does not end it): from those still claiming their key to those committing
+// or recording their answers. Duplicates waiting for another request's answer stop waiting at
+// once (409 request_in_progress; the client retries, against another process). When ctx ends
+// first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
+// back and stores nothing; lease work gives its lease up, and the client's retry runs it again
+// under the same provider key), waits up to five seconds more for them, and returns ctx's
+// error. From the moment ctx ends, keyed work that starts is ended at once, also when Shutdown
+// had returned early (nothing was in flight). Call it beside the HTTP server's Shutdown, with
+// the same deadline, and wait for both before the process exits:
 //
-//	leases := make(chan error, 1)
-//	go func() { leases <- m.Shutdown(ctx) }()
+//	work := make(chan error, 1)
+//	go func() { work <- m.Shutdown(ctx) }()
 //	err := srv.Shutdown(ctx)
-//	<-leases
+//	<-work
 func (m *Middleware) Shutdown(ctx context.Context) error { return m.m.Shutdown(ctx) }
 
 // GateStats are the figures of the duplicates a Middleware (or a Gate) holds back, for gauges
@@ -281,11 +308,25 @@ type ClaimInfo struct {
 // stop; its answer is not recorded.
 var ErrLeaseLost = idemhttp.ErrLeaseLost
 
-// ErrShutdown is the cause (context.Cause) of a lease route's handler context when the
-// middleware's Shutdown gave up waiting for it: the handler should stop; unless it answers
-// with a 2xx or a final error, its lease then ends at once without an answer, and the
+// ErrShutdown is the cause (context.Cause) of a keyed request's work context when the
+// middleware's Shutdown gave up waiting for it: the handler should stop. On a transactional
+// route the unit of work rolls back and nothing is stored; on a lease route, unless the handler
+// answers with a 2xx or a final error, its lease ends at once without an answer, and the
 // client's retry runs the work again under the same ClaimInfo.ProviderKey.
 var ErrShutdown = idemhttp.ErrShutdown
+
+// The defaults and bounds of Options.WorkTimeout and Options.DuplicateWait.
+const (
+	// DefaultWorkTimeout is Options.WorkTimeout's default: 30 seconds.
+	DefaultWorkTimeout = idemhttp.DefaultWorkTimeout
+	// DefaultDuplicateWait is Options.DuplicateWait's default: 10 seconds.
+	DefaultDuplicateWait = idemhttp.DefaultDuplicateWait
+	// MaxDuplicateWait is Options.DuplicateWait's bound: 10 minutes.
+	MaxDuplicateWait = idemhttp.MaxDuplicateWait
+	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in another
+	// process looks at the key: once per key and process, however many duplicates wait on it.
+	DefaultAnswerPoll = idemhttp.DefaultAnswerPoll
+)
 
 // TxFrom returns the transaction of the request's unit of work: the handler's writes through
 // it commit together with the key, or not at all. Nil outside a declared transactional route

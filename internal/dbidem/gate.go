@@ -168,6 +168,31 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	}
 }
 
+// Hold counts bytes held by a duplicate that waits for an answer outside the Gate (a lease
+// route's duplicate, which waits without a connection for the holder's answer) toward
+// MaxWaitingBytes, as a wait in Go does; false, and nothing counted, when that would pass the
+// bound. Release it with Unhold.
+func (g *Gate) Hold(held int64) bool {
+	weight := held + WaitOverhead
+	if g.waitingBytes.Add(weight) > g.maxBytes {
+		g.waitingBytes.Add(-weight)
+		g.refused.Add(1)
+		return false
+	}
+	g.waiting.Add(1)
+	return true
+}
+
+// Unhold ends what Hold counted.
+func (g *Gate) Unhold(held int64) {
+	g.waitingBytes.Add(-(held + WaitOverhead))
+	g.waiting.Add(-1)
+}
+
+// IsFull tells whether err is the ErrInProgress a Gate gives when the duplicates waiting in
+// this process already hold MaxWaitingBytes: waiting longer would hold more.
+func IsFull(err error) bool { return errors.Is(err, errFull) }
+
 // LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0.
 func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Duration, error) {
 	if c.LockTimeout > 0 {
@@ -201,11 +226,20 @@ func (g *Gate) Run(ctx context.Context, db Acquirer, opts TxOptions, c Claim, fn
 // RunHolding is Run for a caller that holds held bytes (a request body) while it waits in
 // Go: they count toward GateOptions.MaxWaitingBytes.
 func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
+	return g.RunDetached(ctx, ctx, db, opts, c, held, fn)
+}
+
+// RunDetached is RunHolding with two contexts: wait bounds the wait in Go for another
+// request of this process with the same key (a caller whose client went away stops waiting),
+// and work runs the unit of work itself, claim, fn and commit (work that must outlive the
+// client runs on a context that the client's leaving does not end).
+func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
+	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
 	if err != nil {
 		return err
 	}
-	leave, err := g.enter(ctx, c.Principal, c.Key, lockTimeout, held)
+	leave, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}

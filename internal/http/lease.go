@@ -38,7 +38,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		timeout = dbidem.DefaultLeaseTimeout
 	}
 	// The work outlives the client but not the middleware's Shutdown.
-	wctx, untrack := q.m.leases.context(context.WithoutCancel(ctx))
+	wctx, untrack := q.m.work.context(context.WithoutCancel(ctx))
 	defer untrack()
 	db := slotted{q: q.m.o.DB, slots: q.m.leaseSlots}
 	l := dbidem.KeepAlive(wctx, db, claim.Principal, claim.Key, attempt,
@@ -88,6 +88,14 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		endSpan(done, [...]string{commit: "completed", final: "final"}[v], err)
 	}
 	q.m.o.Metrics.LeaseEnded(q.action, lost, time.Since(start))
+	if !lost {
+		// The duplicates of this process waiting on the key claim again now: a replay, or a
+		// takeover of the lease this attempt gave up.
+		q.m.watches.signal(watchKey{claim.Principal, claim.Key})
+		if v != rollBack && err == nil {
+			q.m.typical.add(q.action, time.Since(start))
+		}
+	}
 	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	switch {
@@ -122,102 +130,6 @@ func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.
 		case <-time.After(wait/2 + rand.N(wait/2)):
 		}
 	}
-}
-
-// ErrShutdown is the cause (context.Cause) of a lease route's handler context when the
-// middleware's Shutdown gave up waiting for it: the handler should stop; unless it answers
-// with a 2xx or a final error, its lease then ends at once without an answer, and the
-// client's retry runs the work again under the same ClaimInfo.ProviderKey.
-var ErrShutdown = errors.New("idem: shut down")
-
-// shutdownGrace is how long Shutdown waits, once its context ended, for the lease work it
-// cancelled to release its claims.
-const shutdownGrace = 5 * time.Second
-
-// leaseTracker counts the work of lease routes in flight and ends it at Shutdown.
-type leaseTracker struct {
-	mu     sync.Mutex
-	n      int
-	idle   chan struct{} // closed while n == 0
-	stop   context.Context
-	cancel context.CancelCauseFunc
-}
-
-func newLeaseTracker() *leaseTracker {
-	stop, cancel := context.WithCancelCause(context.Background())
-	t := &leaseTracker{idle: make(chan struct{}), stop: stop, cancel: cancel}
-	close(t.idle)
-	return t
-}
-
-// enter counts one request of a lease route in flight, from before its claim (so a Shutdown
-// that comes while it claims waits for it too), and returns the function to call when it is
-// done.
-func (t *leaseTracker) enter() func() {
-	t.mu.Lock()
-	if t.n == 0 {
-		t.idle = make(chan struct{})
-	}
-	t.n++
-	t.mu.Unlock()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			t.mu.Lock()
-			if t.n--; t.n == 0 {
-				close(t.idle)
-			}
-			t.mu.Unlock()
-		})
-	}
-}
-
-// context returns the context of one piece of lease work: it ends when parent ends or the
-// tracker is stopped (at once if it was already), and with the returned function.
-func (t *leaseTracker) context(parent context.Context) (context.Context, func()) {
-	ctx, cancel := context.WithCancelCause(parent)
-	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
-	return ctx, func() {
-		stop()
-		cancel(context.Canceled)
-	}
-}
-
-func (t *leaseTracker) idleChan() <-chan struct{} {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.idle
-}
-
-// Shutdown waits for the requests of lease routes still in flight (their work runs on a
-// context that outlives the client, so an HTTP server's own Shutdown does not end it), from
-// those still claiming their key to those recording their answers. When ctx ends first, it
-// ends their work's contexts with cause ErrShutdown, waits up to five seconds more for each to
-// give its lease up (the client's retry then runs the work again under the same provider key),
-// and returns ctx's error. From the moment ctx ends, lease work that starts is ended at once,
-// also when Shutdown had returned early (nothing was in flight). Call it beside the HTTP
-// server's Shutdown, with the same deadline, and wait for both before the process exits:
-//
-//	go func() { errc <- srv.Shutdown(ctx) }()
-//	leaseErr := m.Shutdown(ctx)
-//	srvErr := <-errc
-func (m *Middleware) Shutdown(ctx context.Context) error {
-	context.AfterFunc(ctx, func() { m.leases.cancel(ErrShutdown) })
-	select {
-	case <-m.leases.idleChan():
-		if ctx.Err() == nil {
-			return nil
-		}
-	case <-ctx.Done():
-	}
-	m.leases.cancel(ErrShutdown)
-	grace := time.NewTimer(shutdownGrace)
-	defer grace.Stop()
-	select {
-	case <-m.leases.idleChan():
-	case <-grace.C:
-	}
-	return ctx.Err()
 }
 
 // slotted is the database as lease work uses it outside the claim (its extensions, the

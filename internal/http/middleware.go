@@ -20,7 +20,9 @@ type Middleware struct {
 	gate     *dbidem.Gate
 	declared map[string]Route // "METHOD template"
 	tracer   trace.Tracer     // nil: tracing off
-	leases   *leaseTracker    // the work of lease routes in flight, for Shutdown
+	work     *workTracker     // the keyed requests in flight, for Shutdown
+	watches  *watches         // the duplicates of lease requests waiting for answers
+	typical  typicals         // how long lease work takes here, per action (Retry-After)
 	// leaseSlots bound the statements of lease work outside its claim (extensions, the
 	// recording of answers, yields) running at once: as many as MaxWaitingClaims.
 	leaseSlots chan struct{}
@@ -45,7 +47,7 @@ func New(o Options) (*Middleware, error) {
 		waiting = max(1, int(o.DB.Config().MaxConns)/4)
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
-	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, leases: newLeaseTracker(),
+	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, work: newWorkTracker(), watches: newWatches(),
 		leaseSlots: make(chan struct{}, waiting)}
 	if o.TracerProvider != nil {
 		m.tracer = o.TracerProvider.Tracer(tracerName)

@@ -379,7 +379,7 @@ func TestMismatch(t *testing.T) {
 
 func TestConcurrentRepeatWaitsThen409(t *testing.T) {
 	t.Parallel()
-	a := newApp(t, func(o *idemhttp.Options) { o.LockTimeout = 300 * time.Millisecond })
+	a := newApp(t, func(o *idemhttp.Options) { o.LockTimeout, o.DuplicateWait = 300*time.Millisecond, 300*time.Millisecond })
 	done := make(chan reply, 1)
 	go func() { done <- a.do("POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`) }()
 	<-a.started
@@ -727,37 +727,6 @@ func TestLeaseRoute(t *testing.T) {
 	}
 }
 
-func TestCancelledClientLeavesNothing(t *testing.T) {
-	t.Parallel()
-	a := newApp(t, nil)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan reply, 1)
-	go func() { done <- a.doCtx(ctx, "POST", "/transfers", "alice", "k1", `{"amount":1,"block":true}`) }()
-	<-a.started
-	cancel()
-	<-done
-	// The server learns of the disconnect when it next reads the connection: only then has
-	// the request's context ended, which is what rolls the work back.
-	select {
-	case <-(*a.blocked.Load()).Done():
-	case <-time.After(5 * time.Second):
-		t.Fatal("the server never saw the client go")
-	}
-	a.unblock()
-	// Wait for the handler to return and for its unit of work to give its connection back:
-	// only then has it committed or rolled back for good.
-	<-a.finished
-	deadline := time.Now().Add(5 * time.Second)
-	for a.pool.Stat().AcquiredConns() > 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	if a.keys() != 0 || a.effects() != 0 {
-		t.Fatalf("%d keys, %d effects after a cancelled request", a.keys(), a.effects())
-	}
-	if r := a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`); r.status != 201 {
-		t.Fatalf("the retry: %+v", r)
-	}
-}
 
 func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	t.Parallel()

@@ -61,6 +61,20 @@ type Options struct {
 	// process (in Go, without a connection) and on the database; past it the answer is 409
 	// request_in_progress. 0: the SQL API's default (2 seconds), read from the database.
 	LockTimeout time.Duration
+	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
+	// its claim to its commit. The work does not end when the client goes away (a disconnect,
+	// the client's own attempt timeout): it runs to its end and commits with its answer, which
+	// the client's retry gets; it ends at this server-side deadline, and at Shutdown's. 0:
+	// DefaultWorkTimeout (30 seconds). Route.WorkTimeout overrides it for one route.
+	WorkTimeout time.Duration
+	// DuplicateWait bounds how long a duplicate of a request that is still running waits for
+	// its answer, without a connection, before it gets 409 request_in_progress: on a
+	// transactional route it waits on the key (in Go, or on the row lock with a wait slot), on
+	// a lease route for the holder's answer (woken at once when the holder is in this
+	// process, else by a look at the key every DefaultAnswerPoll). Whatever the route, the
+	// answer reaches the duplicate soon after it is stored. 0: DefaultDuplicateWait (10
+	// seconds). At most 10 minutes.
+	DuplicateWait time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
 	// another process) at once; a request that finds them all waiting gets 409 at once, so
 	// requests for other keys always find a connection. It also bounds the statements lease
@@ -128,6 +142,9 @@ type Route struct {
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
 	// gives up answers 5xx, which releases the key. 0: five minutes.
 	LeaseTimeout time.Duration
+	// WorkTimeout bounds the unit of work of a keyed request on this transactional route
+	// (Options.WorkTimeout). 0: Options.WorkTimeout.
+	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body) for a
 	// route whose meaning is narrower than its body.
 	Fingerprint func(r *http.Request, body []byte) canon.Fingerprint
@@ -164,6 +181,12 @@ func (o *Options) defaults() {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
+	if o.WorkTimeout == 0 {
+		o.WorkTimeout = DefaultWorkTimeout
+	}
+	if o.DuplicateWait == 0 {
+		o.DuplicateWait = DefaultDuplicateWait
+	}
 	if o.Metrics == nil {
 		o.Metrics = nopObserver{}
 	}
@@ -194,6 +217,9 @@ func (o Options) check() error {
 	case o.LockTimeout < 0 || o.LockTimeout > dbidem.MaxLockTimeout || (o.LockTimeout > 0 && o.LockTimeout < time.Millisecond):
 		return fmt.Errorf("idem: Options.LockTimeout must be 0 (the SQL API's default, 2s) or from 1ms to %s (PostgreSQL's largest lock_timeout), got %s",
 			dbidem.MaxLockTimeout, o.LockTimeout)
+	case o.WorkTimeout < 0 || o.DuplicateWait < 0 || o.DuplicateWait > MaxDuplicateWait:
+		return fmt.Errorf("idem: Options.WorkTimeout must not be negative, and Options.DuplicateWait must be 0 (the default, %s) or up to %s, got %s, %s",
+			DefaultDuplicateWait, MaxDuplicateWait, o.WorkTimeout, o.DuplicateWait)
 	case o.MaxBodyBytes < 0 || o.MaxStoredBodyBytes < 0 || o.MaxWaitingBytes < 0 || o.MaxWaitingClaims < 0 || o.MaxAttempts < 0:
 		return errors.New("idem: Options.MaxBodyBytes, MaxStoredBodyBytes, MaxWaitingBytes, MaxWaitingClaims and MaxAttempts must not be negative")
 	case o.MaxWaitingClaims > 0 && o.MaxWaitingClaims >= int(o.DB.Config().MaxConns):
@@ -227,15 +253,29 @@ func isToken(s string) bool {
 	return true
 }
 
+// The defaults and bounds of the waits and deadlines of keyed requests.
+const (
+	// DefaultWorkTimeout is Options.WorkTimeout's default.
+	DefaultWorkTimeout = 30 * time.Second
+	// DefaultDuplicateWait is Options.DuplicateWait's default.
+	DefaultDuplicateWait = 10 * time.Second
+	// MaxDuplicateWait is Options.DuplicateWait's bound.
+	MaxDuplicateWait = 10 * time.Minute
+	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in
+	// another process looks at the key (one look per key and process, whatever the number of
+	// duplicates waiting on it).
+	DefaultAnswerPoll = 100 * time.Millisecond
+)
+
 // MaxActionLength is the longest Route.Action the SQL API takes (characters).
 const MaxActionLength = 1000
 
 // check panics on a declaration that cannot work, as http.Handle does on a bad pattern: it is
 // a programming error, found when the routes are declared.
 func (rt Route) check() {
-	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.Lease > dbidem.MaxInterval || rt.LeaseTimeout < 0 {
-		panic(fmt.Sprintf("idem: Route.Lease must be 0 (a transactional route) or from a second to 10 years, and LeaseTimeout not negative: got %s, %s",
-			rt.Lease, rt.LeaseTimeout))
+	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.Lease > dbidem.MaxInterval || rt.LeaseTimeout < 0 || rt.WorkTimeout < 0 {
+		panic(fmt.Sprintf("idem: Route.Lease must be 0 (a transactional route) or from a second to 10 years, and LeaseTimeout and WorkTimeout not negative: got %s, %s, %s",
+			rt.Lease, rt.LeaseTimeout, rt.WorkTimeout))
 	}
 	if utf8.RuneCountInString(rt.Action) > MaxActionLength {
 		panic(fmt.Sprintf("idem: Route.Action must be at most %d characters, got %d", MaxActionLength, utf8.RuneCountInString(rt.Action)))

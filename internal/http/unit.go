@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"runtime/debug"
+	"time"
 
 	"github.com/go-json-experiment/json"
 	"github.com/go-json-experiment/json/jsontext"
@@ -70,8 +71,8 @@ func (q *request) unkeyed() {
 		// Work outside the database without a key: no claim, no retry safety (the client
 		// chose), but a provider key of its own, so that no provider merges it with another.
 		q.providerKey = randomProviderKey()
-		defer q.m.leases.enter()()
-		ctx, done := q.m.leases.context(q.r.Context())
+		defer q.m.work.enter()()
+		ctx, done := q.m.work.context(q.r.Context())
 		defer done()
 		rec, _, _ := q.run(ctx, nil, false)
 		q.answer(rec)
@@ -158,12 +159,45 @@ func topLevelID(body []byte) string {
 }
 
 // keyed runs a keyed request: claim, then the handler in the same transaction, then the
-// completion (2xx) or the final answer (a final error) with COMMIT. It returns the
-// request's main state. ctx is the request's, with the idem.request span when tracing.
+// completion (2xx) or the final answer (a final error) with COMMIT. A duplicate of a request
+// still running waits for that request's answer and claims again (awaitAnswer), up to
+// Options.DuplicateWait. It returns the request's main state. ctx is the request's, with the
+// idem.request span when tracing.
 func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
-	if q.rt.Lease > 0 {
-		defer q.m.leases.enter()() // Shutdown waits for it from its claim on
+	defer q.m.work.enter()() // Shutdown waits for it from its claim on
+	until := time.Now().Add(q.m.o.DuplicateWait)
+	for {
+		st, b := q.keyedOnce(ctx, claim, until)
+		if b == nil {
+			return st
+		}
+		if !q.awaitAnswer(ctx, claim, b, until) {
+			q.m.o.Metrics.Count(q.action, StateBusy)
+			q.inProgressAfter(b.retryAfter)
+			return StateBusy
+		}
 	}
+}
+
+// workContext is the context of a keyed request's unit of work: the request's values without
+// its cancellation (the work outlives a client that goes away, so that its retry gets the
+// answer), ended by Shutdown and, on a transactional route, by the route's WorkTimeout.
+func (q *request) workContext(ctx context.Context) (context.Context, func()) {
+	wctx, done := q.m.work.context(context.WithoutCancel(ctx))
+	if q.rt.Lease > 0 {
+		return wctx, done // the claim; the lease's work has its own deadline (LeaseTimeout)
+	}
+	timeout := q.rt.WorkTimeout
+	if timeout <= 0 {
+		timeout = q.m.o.WorkTimeout
+	}
+	wctx, cancel := context.WithTimeout(wctx, timeout)
+	return wctx, func() { cancel(); done() }
+}
+
+// keyedOnce claims once and answers, or returns what it knows of the holder of the key when
+// the key is in progress and waiting may get its answer (nothing was answered then).
+func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.Time) (State, *busy) {
 	var (
 		d        dbidem.Decision
 		rec      *recorder
@@ -172,8 +206,17 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 		oversize bool
 		done     trace.Span // idem.complete, while the answer is recorded
 	)
+	wctx, end := q.workContext(ctx)
+	defer end()
+	if left := time.Until(until); left > 0 {
+		// The last wait on the key ends with the duplicate's wait, not a lock timeout later.
+		if lt, err := q.m.gate.LockTimeout(wctx, q.m.o.DB, claim); err == nil && left < lt {
+			claim.LockTimeout = max(left, time.Millisecond)
+		}
+	}
+	started := time.Now()
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
-	err := q.m.gate.RunHolding(ctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
+	err := q.m.gate.RunDetached(ctx, wctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
 		claimSpan = nil
@@ -187,11 +230,11 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 			return nil // a lease claim commits on its own; the handler runs after
 		}
 		var st *state
-		hctx, handlerSpan := q.startSpan(ctx, "idem.handler")
+		hctx, handlerSpan := q.startSpan(wctx, "idem.handler")
 		rec, st, v = q.run(hctx, tx, true)
 		endHandlerSpan(handlerSpan, rec, v)
 		endSpan(done, "run_again", nil)
-		_, done = q.startSpan(ctx, "idem.complete")
+		_, done = q.startSpan(wctx, "idem.complete")
 		if v == rollBack {
 			return errRollBack
 		}
@@ -214,23 +257,29 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	case errors.Is(err, errRollBack):
 		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
-		return StateAcquired
+		return StateAcquired, nil
+	case err != nil && waitable(err) && q.r.Context().Err() == nil:
+		endSpan(done, "in_progress", err)
+		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
 	case err != nil:
 		endSpan(done, "error", err)
 		st := q.storeError(err)
 		q.m.o.Metrics.Count(q.action, st)
-		return st
+		return st, nil
 	}
 	endSpan(done, [...]string{commit: "completed", final: "final", rollBack: "rolled_back"}[v], nil)
 	if d.Outcome == dbidem.Claimed {
 		if q.rt.Lease > 0 {
-			return q.lease(ctx, claim, d)
+			return q.lease(ctx, claim, d), nil
 		}
 		if oversize {
 			q.m.o.Metrics.Count(q.action, StateOversize)
 		}
 		rec.sendTo(q.w)
-		return StateAcquired
+		return StateAcquired, nil
+	}
+	if d.Outcome == dbidem.InProgress {
+		return "", &busy{lease: true, rest: d.RetryAfter}
 	}
 	st := stateOfOutcome(d.Outcome)
 	q.m.o.Metrics.Count(q.action, st)
@@ -244,8 +293,6 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 				p.ChangedFields = &changed
 			}
 		})
-	default:
-		q.inProgress(d.RetryAfter)
 	}
-	return st
+	return st, nil
 }

@@ -1,0 +1,258 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"math"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// A duplicate of a request that is still running waits for its answer, up to
+// Options.DuplicateWait, without holding a connection, and then answers as the first did:
+//
+//   - on a transactional route the key's claim is uncommitted: the duplicate claims again,
+//     which waits in Go on a holder of this process (the Gate) or on the row lock of another
+//     process's holder (with a wait slot), and is answered the moment the holder commits;
+//   - on a lease route the claim is committed and the holder works outside the database: the
+//     duplicate waits on the key's watch, which the holder wakes when it records its answer
+//     (a holder in this process) or which one look at the key every DefaultAnswerPoll wakes
+//     (a holder elsewhere: one look per key and process however many duplicates wait), and
+//     then claims again (a replay, or a takeover of a lease that ran out).
+//
+// Past the wait, 409 request_in_progress with a Retry-After that estimates the rest of the
+// work (busy.retryAfter).
+
+// busy is what a claim that found the key in progress knows.
+type busy struct {
+	lease      bool          // the holder is a lease claim (committed; the watch applies)
+	rest       time.Duration // the rest of the holder's lease, when known
+	err        error         // the ErrInProgress of a transactional claim
+	claimedAt  time.Time     // when the holder claimed, when the watch saw it
+	quick      bool          // the claim came back without waiting (no wait slot): pause before the next
+	retryAfter time.Duration // set by the wait: the Retry-After of the final 409
+}
+
+// watchKey names one key.
+type watchKey struct{ principal, key string }
+
+// watches let the duplicates of lease requests wait for an answer together.
+type watches struct {
+	mu   sync.Mutex
+	keys map[watchKey]*watch
+}
+
+// watch is one key's: changed is closed when the key may have an answer (its holder recorded
+// one or gave its lease up, in this process; or a look at the key found it no longer held).
+type watch struct {
+	changed   chan struct{}
+	waiters   int
+	claimedAt time.Time // the holder's claim time, from the last look
+}
+
+func newWatches() *watches { return &watches{keys: map[watchKey]*watch{}} }
+
+// signal wakes the duplicates of this process that wait on the key.
+func (ws *watches) signal(id watchKey) {
+	ws.mu.Lock()
+	w := ws.keys[id]
+	if w != nil {
+		delete(ws.keys, id)
+		close(w.changed)
+	}
+	ws.mu.Unlock()
+}
+
+// end closes w if it is still the key's watch.
+func (ws *watches) end(id watchKey, w *watch) {
+	ws.mu.Lock()
+	if ws.keys[id] == w {
+		delete(ws.keys, id)
+		close(w.changed)
+	}
+	ws.mu.Unlock()
+}
+
+// look tells whether the key may have an answer now (it is no longer a lease in progress
+// whose lease runs), and the holder's claim time when it is held.
+type look func(ctx context.Context, id watchKey) (changed bool, claimedAt time.Time, err error)
+
+// wait waits until the key's watch is woken or ctx ends; the first waiter of a key starts the
+// looks, which end when the key changed or nobody waits any more.
+func (ws *watches) wait(ctx context.Context, id watchKey, every time.Duration, lookAt look) (claimedAt time.Time, err error) {
+	ws.mu.Lock()
+	w := ws.keys[id]
+	if w == nil {
+		w = &watch{changed: make(chan struct{})}
+		ws.keys[id] = w
+		go ws.poll(id, w, every, lookAt)
+	}
+	w.waiters++
+	ws.mu.Unlock()
+	defer func() {
+		ws.mu.Lock()
+		w.waiters--
+		claimedAt = w.claimedAt
+		ws.mu.Unlock()
+	}()
+	select {
+	case <-w.changed:
+		return claimedAt, nil
+	case <-ctx.Done():
+		return claimedAt, ctx.Err()
+	}
+}
+
+func (ws *watches) poll(id watchKey, w *watch, every time.Duration, lookAt look) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-w.changed:
+			return
+		case <-t.C:
+		}
+		ws.mu.Lock()
+		idle := w.waiters == 0
+		ws.mu.Unlock()
+		if idle {
+			ws.end(id, w)
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), max(every, time.Second))
+		changed, claimedAt, err := lookAt(ctx, id)
+		cancel()
+		if err == nil {
+			ws.mu.Lock()
+			w.claimedAt = claimedAt
+			ws.mu.Unlock()
+		}
+		if changed {
+			ws.end(id, w)
+			return
+		}
+	}
+}
+
+// lookAtKey is the look of a Middleware: idem_key (granted to the application role) tells the
+// key's state and lease without its body; the statement takes one of the lease slots, so
+// that looks cannot hold the pool while the key table is locked.
+func (m *Middleware) lookAtKey(ctx context.Context, id watchKey) (bool, time.Time, error) {
+	db := slotted{q: m.o.DB, slots: m.leaseSlots}
+	var held bool
+	var claimedAt *time.Time
+	err := db.QueryRow(ctx, `SELECT coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false),
+		max(k.claimed_at) FROM idem.idem_key($1, $2) AS k`, id.principal, id.key).Scan(&held, &claimedAt)
+	if err != nil {
+		return false, time.Time{}, err
+	}
+	if claimedAt == nil {
+		return !held, time.Time{}, nil
+	}
+	return !held, *claimedAt, nil
+}
+
+// awaitAnswer waits for the answer of the request that holds the key, up to until, and tells
+// whether to claim again (true) or answer 409 (false, with b.retryAfter set).
+func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, until time.Time) bool {
+	b.retryAfter = q.estimate(b)
+	left := time.Until(until)
+	if left <= 0 || ctx.Err() != nil || q.m.work.draining.Err() != nil {
+		return false
+	}
+	// The wait ends at until, when the client goes away, and when Shutdown starts.
+	wctx, cancel := context.WithDeadline(ctx, until)
+	defer cancel()
+	defer context.AfterFunc(q.m.work.draining, cancel)()
+	if !b.lease {
+		if !b.quick {
+			return true // the claim itself waited (in Go, or on the row lock): claim again
+		}
+		// No wait slot: pause before the next try, without a connection.
+		return sleep(wctx, DefaultAnswerPoll)
+	}
+	if !q.m.gate.Hold(int64(cap(q.body))) {
+		return false // the duplicates waiting here hold enough already
+	}
+	defer q.m.gate.Unhold(int64(cap(q.body)))
+	claimedAt, err := q.m.watches.wait(wctx, watchKey{claim.Principal, claim.Key}, DefaultAnswerPoll, q.m.lookAtKey)
+	if !claimedAt.IsZero() {
+		b.claimedAt = claimedAt
+	}
+	if err != nil {
+		b.retryAfter = q.estimate(b)
+		return false
+	}
+	return true
+}
+
+// sleep waits d or until ctx ends (false).
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// estimate is the Retry-After of a 409 request_in_progress: the rest of the work, as this
+// process knows it (the typical length of this action's lease work here, less how long the
+// holder has worked), at least a second, at most the rest of the holder's lease. Without a
+// figure, a second: the retry waits for the answer again (DuplicateWait), which costs no
+// connection.
+func (q *request) estimate(b *busy) time.Duration {
+	est := time.Second
+	if typical := q.m.typical.get(q.action); typical > 0 && !b.claimedAt.IsZero() {
+		est = max(typical-time.Since(b.claimedAt), time.Second)
+	}
+	if b.rest > 0 {
+		est = min(est, max(b.rest, time.Second))
+	}
+	return est
+}
+
+// inProgressAfter answers 409 request_in_progress with Retry-After: after (whole seconds,
+// rounded up, at least 1).
+func (q *request) inProgressAfter(after time.Duration) {
+	q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(after.Seconds())), 1)))
+	q.m.problem(q.w, q.r, CodeInProgress, "a request with this "+q.m.o.KeyHeader+" is still running; retry later with the same key", nil)
+}
+
+// typicals keeps, per action, a moving average of how long lease work takes in this process.
+type typicals struct {
+	mu sync.Mutex
+	m  map[string]time.Duration
+}
+
+func (t *typicals) add(action string, d time.Duration) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]time.Duration{}
+	}
+	if old, ok := t.m[action]; ok {
+		d = (old*7 + d) / 8
+	} else if len(t.m) >= 1024 {
+		return // actions are the routes: a bounded set; never grow without bound
+	}
+	t.m[action] = d
+}
+
+func (t *typicals) get(action string) time.Duration {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[action]
+}
+
+// waitable tells whether a failed claim found the key busy in a way that waiting may end: an
+// ErrInProgress of the key (not a locked table, whose 503 comes at once, and not a full
+// waiting room).
+func waitable(err error) bool {
+	return errors.Is(err, dbidem.ErrInProgress) && !errors.Is(err, dbidem.ErrStoreBusy) && !dbidem.IsFull(err)
+}
