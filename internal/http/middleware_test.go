@@ -727,7 +727,6 @@ func TestLeaseRoute(t *testing.T) {
 	}
 }
 
-
 func TestMetricsAndLogsHoldNoKeysOrBodies(t *testing.T) {
 	t.Parallel()
 	var logs bytes.Buffer
