@@ -131,7 +131,7 @@ func TestNewChecksTheSchema(t *testing.T) {
 	db := pgtest.NewDB(t)
 	stranger := newPool(t, pgtest.LoginRole(t, db, "pg_read_all_stats"))
 	_, err = idem.New(ctx, idem.Options{DB: stranger, Principal: alice})
-	if !errors.Is(err, idem.ErrPermissionDenied) || !strings.Contains(err.Error(), "GRANT idem_app TO") {
+	if !errors.Is(err, idem.ErrPermissionDenied) || !strings.Contains(err.Error(), "have a superuser (or a role with ADMIN OPTION on idem_app, or CREATEROLE) run GRANT idem_app TO") {
 		t.Fatalf("New as a role outside idem_app: %v", err)
 	}
 	app := newPool(t, pgtest.LoginRole(t, db, "idem_app"))
