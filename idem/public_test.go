@@ -92,7 +92,8 @@ func TestNewChecksTheSchema(t *testing.T) {
 	_, err := idem.New(ctx, idem.Options{DB: empty, Principal: alice})
 	var se *idem.SchemaError
 	if !errors.Is(err, idem.ErrNotMigrated) || !errors.As(err, &se) || se.Schema != 0 || se.Want != want ||
-		!strings.Contains(err.Error(), "idemmigrate.Migrate") || !strings.Contains(err.Error(), "owns schema idem") {
+		!strings.Contains(err.Error(), "idemmigrate.Migrate") || !strings.Contains(err.Error(), "owns schema idem") ||
+		!strings.Contains(err.Error(), "-f sql/idem.sql") {
 		t.Fatalf("New on an empty database: %v", err)
 	}
 	if _, err := idem.StartCleaner(ctx, empty, idem.CleanerOptions{}); !errors.Is(err, idem.ErrNotMigrated) {

@@ -38,8 +38,9 @@ type SchemaError struct {
 }
 
 // migrateHint is how to install or upgrade schema idem, as every error that needs it says.
-const migrateHint = "run idemmigrate.Migrate (package github.com/pgidem/pgidem/idem/idemmigrate), " +
-	"`psql -v ON_ERROR_STOP=1 -f sql/idem.sql` or `server migrate` as the role that owns schema idem, then start again"
+// A library user has the first two; the reference server's command comes last.
+const migrateHint = "as the role that owns schema idem, run idemmigrate.Migrate (package github.com/pgidem/pgidem/idem/idemmigrate) " +
+	"or `psql -v ON_ERROR_STOP=1 -f sql/idem.sql` (or, for the reference server, `server migrate`), then start again"
 
 func (e *SchemaError) Error() string {
 	switch {
