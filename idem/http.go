@@ -122,8 +122,10 @@ type Route struct {
 	// no transaction, and the response is stored afterwards, fenced by the claim's token.
 	// While the handler runs, the lease is extended every third of it; the handler's context
 	// does not end when the client disconnects, and ends with cause ErrLeaseLost when the
-	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. Default 0: a transactional
-	// claim, whose handler's writes commit with the key. From a second to 10 years.
+	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey.
+	// Default 0: a transactional claim, whose handler's writes commit with the key. From a
+	// second to 10 years. The example ExampleRoute_lease in idem/example_test.go (pkg.go.dev
+	// shows it under Route) runs a lease route against a provider that counts its calls.
 	Lease time.Duration
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
 	// gives up answers 5xx, which gives the lease up. Default 0: five minutes
