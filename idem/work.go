@@ -268,7 +268,12 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 
 // Job describes work that runs at most once per key, outside HTTP (Do, DoLease).
 type Job struct {
-	// Principal, Key and Action are as in Claim: who, which key, what.
+	// Principal, Key and Action are as in Claim: who, which key, what. Principal is the one
+	// that owns the key space of the work; keys of different principals never collide. A
+	// consumer of messages from one producer uses the producer's identity, or a fixed name for
+	// the queue or the consumer ("orders-consumer"): the same for every delivery of a message
+	// and on every replica of the consumer, so that a redelivery finds the key. Key is the
+	// message's own id (not a delivery's).
 	Principal, Key, Action string
 	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
 	// JSON), so the same key with another input is ErrMismatch. Default nil: no input.
