@@ -140,8 +140,11 @@ type Route struct {
 	// no transaction, and the response is stored afterwards, fenced by the claim's token.
 	// While the handler runs, the lease is extended every third of it; the handler's context
 	// does not end when the client disconnects, and ends with cause ErrLeaseLost when the
-	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. Default 0: a transactional
-	// claim, whose handler's writes commit with the key. From a second to 10 years.
+	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. TxFrom is nil in the
+	// handler: write through your own pool, idempotently (TxFrom says how). Default 0: a
+	// transactional claim, whose handler's writes commit with the key. From a second to 10
+	// years. The example ExampleRoute_lease in idem/example_test.go (pkg.go.dev shows it
+	// under Route) runs a lease route against a provider that counts its calls.
 	Lease time.Duration
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
 	// gives up answers 5xx, which gives the lease up. Default 0: five minutes
@@ -329,9 +332,13 @@ const (
 )
 
 // TxFrom returns the transaction of the request's unit of work: the handler's writes through
-// it commit together with the key, or not at all. Nil outside a declared transactional route
-// (and on a lease route). Do not call Commit or Rollback on it: answer, and the middleware
-// ends it.
+// it commit together with the key, or not at all. Nil outside a declared transactional route,
+// and nil on a lease route: there is no transaction there, the claim committed on its own
+// before the handler ran. A lease handler writes through its own pool in a transaction of its
+// own, and makes those writes idempotent themselves, because a takeover runs the handler
+// again: key them by ClaimOf(ctx).ProviderKey with a unique constraint and insert with
+// ON CONFLICT DO NOTHING. Do not call Commit or Rollback on the transaction TxFrom returns:
+// answer, and the middleware ends it.
 func TxFrom(ctx context.Context) pgx.Tx { return idemhttp.Tx(ctx) }
 
 // ClaimOf returns the claim of the request's unit of work, or false for a request that runs

@@ -92,7 +92,8 @@ func TestNewChecksTheSchema(t *testing.T) {
 	_, err := idem.New(ctx, idem.Options{DB: empty, Principal: alice})
 	var se *idem.SchemaError
 	if !errors.Is(err, idem.ErrNotMigrated) || !errors.As(err, &se) || se.Schema != 0 || se.Want != want ||
-		!strings.Contains(err.Error(), "idemmigrate.Migrate") || !strings.Contains(err.Error(), "owns schema idem") {
+		!strings.Contains(err.Error(), "idemmigrate.Migrate") || !strings.Contains(err.Error(), "owns schema idem") ||
+		!strings.Contains(err.Error(), "-f sql/idem.sql") {
 		t.Fatalf("New on an empty database: %v", err)
 	}
 	if _, err := idem.StartCleaner(ctx, empty, idem.CleanerOptions{}); !errors.Is(err, idem.ErrNotMigrated) {
@@ -131,7 +132,7 @@ func TestNewChecksTheSchema(t *testing.T) {
 	db := pgtest.NewDB(t)
 	stranger := newPool(t, pgtest.LoginRole(t, db, "pg_read_all_stats"))
 	_, err = idem.New(ctx, idem.Options{DB: stranger, Principal: alice})
-	if !errors.Is(err, idem.ErrPermissionDenied) || !strings.Contains(err.Error(), "GRANT idem_app TO") {
+	if !errors.Is(err, idem.ErrPermissionDenied) || !strings.Contains(err.Error(), "have a superuser (or a role with ADMIN OPTION on idem_app, or CREATEROLE) run GRANT idem_app TO") {
 		t.Fatalf("New as a role outside idem_app: %v", err)
 	}
 	app := newPool(t, pgtest.LoginRole(t, db, "idem_app"))

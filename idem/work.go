@@ -268,7 +268,12 @@ func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error
 
 // Job describes work that runs at most once per key, outside HTTP (Do, DoLease).
 type Job struct {
-	// Principal, Key and Action are as in Claim: who, which key, what.
+	// Principal, Key and Action are as in Claim: who, which key, what. Principal is the one
+	// that owns the key space of the work; keys of different principals never collide. A
+	// consumer of messages from one producer uses the producer's identity, or a fixed name for
+	// the queue or the consumer ("orders-consumer"): the same for every delivery of a message
+	// and on every replica of the consumer, so that a redelivery finds the key. Key is the
+	// message's own id (not a delivery's).
 	Principal, Key, Action string
 	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
 	// JSON), so the same key with another input is ErrMismatch. Default nil: no input.
@@ -368,8 +373,10 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // and its result is stored afterwards, fenced by the claim's token. fn's context ends with
 // cause ErrLeaseLost when the lease is lost (DoLease then returns ErrLeaseLost); when fn
 // fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
-// with the same claim.ProviderKey: hand an outside provider that key. The first DoLease on a
-// pool checks its schema (CheckSchema).
+// with the same claim.ProviderKey: hand an outside provider that key. fn's own writes to the
+// database go through db in a transaction of fn's own, idempotent themselves (keyed by
+// claim.ProviderKey with a unique constraint, ON CONFLICT DO NOTHING), because a takeover runs
+// fn again. The first DoLease on a pool checks its schema (CheckSchema).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err

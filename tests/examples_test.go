@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgidem/pgidem/internal/pgcluster"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -133,7 +135,11 @@ func TestWiringBuildsInAFreshModule(t *testing.T) {
 		t.Fatalf("the shop before the migrate: %v\n%s\nwant it to stop, naming the migrate", err, out)
 	}
 	mig := exec.Command(migrateBin)
-	mig.Env = append(os.Environ(), "DATABASE_URL="+owner)
+	appCfg, err := pgx.ParseConfig(app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mig.Env = append(os.Environ(), "DATABASE_URL="+owner, "SHOP_APP_ROLE="+appCfg.User)
 	if out, err := mig.CombinedOutput(); err != nil {
 		t.Fatalf("the migrate step as the owner: %v\n%s", err, out)
 	}

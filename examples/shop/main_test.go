@@ -20,7 +20,8 @@ import (
 // the same key (422), and one order in the table. Before the migrate the shop refuses to
 // start, saying what to run. It needs two connection strings to one empty database:
 // TEST_DATABASE_URL as its owner, TEST_APP_DATABASE_URL as a login role in idem_app (the
-// repository's tests/examples_test.go makes both).
+// repository's tests/examples_test.go makes both), which the migrate step grants the shop's
+// table to.
 func TestShop(t *testing.T) {
 	ownerURL, appURL := os.Getenv("TEST_DATABASE_URL"), os.Getenv("TEST_APP_DATABASE_URL")
 	if ownerURL == "" || appURL == "" {
@@ -38,7 +39,8 @@ func TestShop(t *testing.T) {
 	}
 	for range 2 { // the migrate step can run again
 		cmd := exec.Command("go", "run", "./migrate")
-		cmd.Env = append(os.Environ(), "DATABASE_URL="+ownerURL)
+		// The shop's table is granted to the shop's own login role, not to idem_app.
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+ownerURL, "SHOP_APP_ROLE="+app.Config().ConnConfig.User)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("migrate as the owner: %v\n%s", err, out)
 		}

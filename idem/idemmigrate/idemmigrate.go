@@ -32,6 +32,9 @@ type Options struct {
 	// AppRole is the role granted USAGE on schema idem and EXECUTE on the API's functions:
 	// the role the services log in as members of. Default "idem_app". A lower-case SQL
 	// identifier (a-z, 0-9, _; at most 63 bytes); created NOLOGIN when it does not exist.
+	// Grant a service's own tables to the service's login role, not to this role: every
+	// member of it, the login role of every service that uses idem on the cluster, would get
+	// them.
 	AppRole string
 	// OperatorRole is the role granted the operators' functions (idem_summary, idem_health,
 	// idem_key with bodies, idem_stuck, idem_release_stuck). Default "idem_operator"; the same

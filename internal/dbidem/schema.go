@@ -38,8 +38,9 @@ type SchemaError struct {
 }
 
 // migrateHint is how to install or upgrade schema idem, as every error that needs it says.
-const migrateHint = "run idemmigrate.Migrate (package github.com/pgidem/pgidem/idem/idemmigrate), " +
-	"`psql -v ON_ERROR_STOP=1 -f sql/idem.sql` or `server migrate` as the role that owns schema idem, then start again"
+// A library user has the first two; the reference server's command comes last.
+const migrateHint = "as the role that owns schema idem, run idemmigrate.Migrate (package github.com/pgidem/pgidem/idem/idemmigrate) " +
+	"or `psql -v ON_ERROR_STOP=1 -f sql/idem.sql` (or, for the reference server, `server migrate`), then start again"
 
 func (e *SchemaError) Error() string {
 	switch {
@@ -79,8 +80,11 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 	case errors.As(err, &pgErr) && pgErr.Code == "42501":
 		var user string
 		_ = q.QueryRow(ctx, `SELECT current_user`).Scan(&user)
-		return fmt.Errorf("%w: the role %q may not call the idem SQL API (%s): have the schema's owner run GRANT idem_app TO %q "+
-			"(the application role Migrate granted the API to, idem_app by default): %w", ErrPermissionDenied, user, pgErr.Message, user, err)
+		// The schema's owner may not grant idem_app unless it has ADMIN OPTION on it (or
+		// CREATEROLE): an owner made as docs/sql-api.md says has neither. A superuser may.
+		return fmt.Errorf("%w: the role %q may not call the idem SQL API (%s): have a superuser (or a role with ADMIN OPTION on "+
+			"idem_app, or CREATEROLE) run GRANT idem_app TO %q (idem_app: the application role Migrate granted the API to): %w",
+			ErrPermissionDenied, user, pgErr.Message, user, err)
 	case err != nil:
 		return fmt.Errorf("idem: check the schema version: %w", err)
 	case int(schema) == want && int(functions) == want:

@@ -1,11 +1,14 @@
 // Command migrate is the shop's migrate step, run by the database's owner once per release,
 // before the shop starts: schema idem (idempotent: safe to run again), then the shop's own
-// table, which the service's login role reads and writes as a member of idem_app.
+// table, granted to the shop's login role (SHOP_APP_ROLE, default shop_app, a member of
+// idem_app), not to idem_app: every member of idem_app, the login role of every other service
+// of the cluster that uses idem, would get it.
 //
-//	DATABASE_URL=postgres://shop_owner@localhost/shop go run ./migrate
+//	DATABASE_URL=postgres://shop_owner@localhost/shop SHOP_APP_ROLE=shop_app go run ./migrate
 package main
 
 import (
+	"cmp"
 	"context"
 	"log"
 	"os"
@@ -25,10 +28,11 @@ func main() {
 	if err := idemmigrate.Migrate(ctx, conn, idemmigrate.Options{}); err != nil {
 		log.Fatal(err) // a missing role says which superuser step is missing
 	}
+	app := pgx.Identifier{cmp.Or(os.Getenv("SHOP_APP_ROLE"), "shop_app")}.Sanitize()
 	if _, err := conn.Exec(ctx, `CREATE TABLE IF NOT EXISTS orders (
 		id bigserial PRIMARY KEY, customer text NOT NULL, sku text NOT NULL, qty int NOT NULL CHECK (qty > 0));
-		GRANT SELECT, INSERT ON orders TO idem_app;
-		GRANT USAGE ON SEQUENCE orders_id_seq TO idem_app`); err != nil {
+		GRANT SELECT, INSERT ON orders TO `+app+`;
+		GRANT USAGE ON SEQUENCE orders_id_seq TO `+app); err != nil {
 		log.Fatal(err)
 	}
 	log.Print("migrated")

@@ -1,0 +1,135 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+)
+
+// connectError says why a connection failed. When the server answered with an error (a wrong
+// password, an unknown role or database), that answer is the reason, and it is all the
+// message says besides where: pgx's own error also lists every attempt it made, a refused TLS
+// attempt of sslmode=prefer first.
+func connectError(cfg *pgx.ConnConfig, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return fmt.Errorf("connect to PostgreSQL at %s:%d as %q, database %q: %s (SQLSTATE %s)",
+			cfg.Host, cfg.Port, cfg.User, cfg.Database, pgErr.Message, pgErr.Code)
+	}
+	return fmt.Errorf("connect to PostgreSQL: %w", err)
+}
+
+func (m *Main) openDatabase(ctx context.Context) error {
+	url := m.Config.DatabaseURL
+	if url == "" {
+		dir, err := filepath.Abs(m.Config.DataDir)
+		if err != nil {
+			return err
+		}
+		m.cluster = &pgcluster.Cluster{Dir: dir, TCPAddr: "127.0.0.1", Port: m.Config.DataPort}
+		if err := m.cluster.Init(ctx); err != nil {
+			return err
+		}
+		if err := m.cluster.Start(ctx); err != nil {
+			return err
+		}
+		if m.cluster.Started() {
+			m.log.Info("started the private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+		} else {
+			m.log.Info("reusing the running private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+		}
+		url = m.cluster.ConnString("postgres")
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	cfg.MaxConns = int32(m.Config.PoolSize)
+	if m.cluster == nil {
+		if err := m.statementCacheMode(ctx, cfg, url); err != nil {
+			return connectError(cfg.ConnConfig, err)
+		}
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	m.pool = pool
+	if err := pool.Ping(ctx); err != nil {
+		return connectError(cfg.ConnConfig, err)
+	}
+	if m.cluster != nil && m.Command != "migrate" {
+		return m.migrate(ctx) // the embedded default is always up to date
+	}
+	return nil
+}
+
+// statementCacheMode keeps pgx's statement cache away from a connection pooler.
+//
+// The cache (pgx's default mode, QueryExecModeCacheStatement) prepares named statements
+// (stmtcache_<hash>) on a server connection and runs them in later transactions. PgBouncer in
+// transaction mode (1.18, or a later one without max_prepared_statements) gives each
+// transaction whichever server connection is free, so under concurrency those statements
+// fail: SQLSTATE 26000, prepared statement "stmtcache_..." does not exist (this server
+// connection never saw it), or 42P05, ... already exists (another client prepared it here).
+//
+// A pooler shows itself at connect: it hands the client a cancel key of its own, so the
+// process id the connection reports is not the backend's pg_backend_pid(). Then, unless
+// DATABASE_URL chooses default_query_exec_mode itself, the pool runs in QueryExecModeExec
+// (every statement of the SQL API and the ledger casts its parameters, and JSON goes as text)
+// and the log says so. With the cache still on (chosen explicitly, or a pooler that went
+// unnoticed), the first of those errors logs what to change.
+func (m *Main) statementCacheMode(ctx context.Context, cfg *pgxpool.Config, url string) error {
+	explicit := strings.Contains(url, "default_query_exec_mode")
+	if cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig.Copy())
+		if err != nil {
+			return err
+		}
+		var backend int64
+		err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`, pgx.QueryExecModeSimpleProtocol).Scan(&backend)
+		reported := int64(conn.PgConn().PID())
+		_ = conn.Close(ctx)
+		if err != nil {
+			return err
+		}
+		switch {
+		case backend == reported:
+		case explicit:
+			m.log.Warn("DATABASE_URL leads to a connection pooler and sets default_query_exec_mode=cache_statement: "+
+				"behind PgBouncer in transaction mode that fails unless PgBouncer has max_prepared_statements (1.21 or later)",
+				"pooler_pid", reported, "backend_pid", backend)
+		default:
+			cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+			m.log.Warn("DATABASE_URL leads to a connection pooler (PgBouncer?): pgx's statement cache is off and queries run "+
+				"in default_query_exec_mode=exec; add default_query_exec_mode=exec to DATABASE_URL to choose it yourself",
+				"pooler_pid", reported, "backend_pid", backend)
+		}
+	}
+	if cfg.ConnConfig.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		return nil
+	}
+	var told atomic.Bool
+	next := cfg.ConnConfig.OnPgError
+	cfg.ConnConfig.OnPgError = func(c *pgconn.PgConn, e *pgconn.PgError) bool {
+		if (e.Code == "26000" || e.Code == "42P05") && strings.Contains(e.Message, "stmtcache_") && told.CompareAndSwap(false, true) {
+			m.log.Error("pgx's statement cache fails: DATABASE_URL leads to a connection pooler in transaction mode "+
+				"(PgBouncer?) that does not keep prepared statements; add default_query_exec_mode=exec to DATABASE_URL",
+				"sqlstate", e.Code, "error", e.Message)
+		}
+		if next == nil {
+			return !strings.EqualFold(e.Severity, "FATAL")
+		}
+		return next(c, e)
+	}
+	return nil
+}

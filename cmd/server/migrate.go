@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+
+	"github.com/jackc/tern/v2/migrate"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmigrate"
+)
+
+//go:embed migrations/*.sql
+var ledgerMigrations embed.FS
+
+// ledgerVersionTable is the tern version table of the ledger's migrations.
+const ledgerVersionTable = "ledger.schema_version"
+
+func ledgerFS() fs.FS {
+	sub, _ := fs.Sub(ledgerMigrations, "migrations")
+	return sub
+}
+
+// migrate installs idem (migrations and functions), then the ledger's own migrations.
+func (m *Main) migrate(ctx context.Context) error {
+	conn, err := m.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	if err := idemmigrate.Migrate(ctx, conn.Conn(), idemmigrate.Options{AppRole: m.Config.AppRole}); err != nil {
+		return err
+	}
+	// 0.1.0 kept the ledger's version table in public; it moves with the ledger.
+	if _, err := conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS ledger;
+		DO $$ BEGIN
+			IF to_regclass('public.ledger_schema_version') IS NOT NULL AND to_regclass('ledger.schema_version') IS NULL THEN
+				ALTER TABLE public.ledger_schema_version SET SCHEMA ledger;
+				ALTER TABLE ledger.ledger_schema_version RENAME TO schema_version;
+			END IF;
+		END $$`); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	mig, err := migrate.NewMigrator(ctx, conn.Conn(), ledgerVersionTable)
+	if err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	mig.Data = map[string]any{"app_role": m.Config.AppRole}
+	if err := mig.LoadMigrations(ledgerFS()); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	if err := mig.Migrate(ctx); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	m.log.Info("migrated")
+	return nil
+}
+
+// errNotMigrated is what serve, cleanup and principal create say on a database that lacks
+// the migrations of this version, or whose SQL API functions are not those of its schema.
+var errNotMigrated = errors.New("database not migrated: run `server migrate`")
+
+// errNewer is what they say on a database migrated by a newer release.
+var errNewer = errors.New("the database is newer than this server: run the newer server")
+
+// checkMigrated compares the database with the migrations and functions this binary carries:
+// idem through idem.idem_version() (the schema's version and the version its installed
+// functions belong to, which the application role may call), the ledger through its version
+// table. A schema whose functions belong to another version (an install that stopped half
+// way) is not migrated.
+func checkMigrated(ctx context.Context, db idem.Querier) error {
+	if err := checkIdemMigrated(ctx, db); err != nil {
+		return err
+	}
+	wantLedger := countMigrations(ledgerFS())
+	var have int32
+	if err := db.QueryRow(ctx, `SELECT CASE WHEN to_regclass('`+ledgerVersionTable+`') IS NULL THEN 0
+		ELSE (SELECT version FROM `+ledgerVersionTable+`) END`).Scan(&have); err != nil {
+		return fmt.Errorf("check the migrations: %w", err)
+	}
+	switch {
+	case int(have) < wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, ledgerVersionTable, have, wantLedger)
+	case int(have) > wantLedger:
+		return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
+	}
+	return nil
+}
+
+// checkIdemMigrated is checkMigrated's half for schema idem (what `server keys` needs): the
+// library's own check (idem.CheckSchema), in the server's words.
+func checkIdemMigrated(ctx context.Context, db idem.Querier) error {
+	err := idem.CheckSchema(ctx, db)
+	var se *idem.SchemaError
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, idem.ErrPermissionDenied):
+		return err
+	case !errors.As(err, &se):
+		return fmt.Errorf("check the migrations: %w", err)
+	case se.Schema == 0:
+		// No idem_version() (nothing installed, or a release before 0.2.0).
+		return fmt.Errorf("%w (the idem SQL API is missing or older than this server's, which needs schema version %d)", errNotMigrated, se.Want)
+	case se.Schema > se.Want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server knows %d)", errNewer, se.Schema, se.Want)
+	case se.Schema < se.Want:
+		return fmt.Errorf("%w (idem is at schema version %d, this server needs %d)", errNotMigrated, se.Schema, se.Want)
+	}
+	return fmt.Errorf("%w (idem's functions belong to schema version %d, the schema is at %d)", errNotMigrated, se.Functions, se.Schema)
+}
+
+func countMigrations(fsys fs.FS) int {
+	paths, _ := migrate.FindMigrations(fsys)
+	return len(paths)
+}

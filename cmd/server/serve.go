@@ -1,0 +1,82 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemprom"
+)
+
+func (m *Main) serve(ctx context.Context) error {
+	m.registry = prometheus.NewRegistry()
+	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		idemprom.NewHealthCollector(m.pool, healthEvery, m.log))
+	handler, err := m.routes(ctx)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", m.Config.ListenAddr)
+	if err != nil {
+		return fmt.Errorf("LISTEN_ADDR=%s: %w", m.Config.ListenAddr, err)
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: time.Minute,
+		IdleTimeout: 2 * time.Minute}
+
+	var stopCleanup func()
+	if m.Config.CleanupInterval > 0 {
+		c, err := idem.StartCleaner(ctx, m.pool, idem.CleanerOptions{Interval: m.Config.CleanupInterval,
+			BatchSize: m.Config.CleanupBatchSize, Duty: m.Config.CleanupDuty, SkipVacuum: !m.Config.CleanupVacuum,
+			Logger: m.log, Metrics: idemprom.NewCleanupObserver(m.registry)})
+		if err != nil {
+			return err
+		}
+		stopCleanup = c.Stop
+	}
+
+	addr := ln.Addr().String()
+	m.log.Info("serving", "addr", addr, "version", Version)
+	if m.cluster != nil {
+		m.log.Info("quickstart: create a principal with `go run ./cmd/server principal create alice` " +
+			"(PostgreSQL at " + m.cluster.ConnString("postgres") + "), then: curl -s http://" + addr +
+			"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'")
+	}
+	m.Addr <- addr
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		if stopCleanup != nil {
+			stopCleanup()
+		}
+		return err
+	case <-ctx.Done():
+	}
+	m.log.Info("shutting down", "timeout", m.Config.ShutdownTimeout.String())
+	sctx, cancel := context.WithTimeout(context.Background(), m.Config.ShutdownTimeout)
+	defer cancel()
+	// Stop accepting and let in-flight requests finish; lease work (which outlives its client)
+	// is ended by the middleware's Shutdown when the timeout passes, so that it gives its
+	// lease up for the client's retry instead of being cut off by the exit.
+	leases := make(chan error, 1)
+	go func() { leases <- m.idem.Shutdown(sctx) }()
+	err = srv.Shutdown(sctx)
+	if lerr := <-leases; lerr != nil {
+		m.log.Warn("lease work still running at the shutdown timeout was ended", "error", lerr)
+	}
+	if stopCleanup != nil {
+		stopCleanup() // cancels a running pass and waits for it
+	}
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("shutdown: %w", err)
+	}
+	m.log.Info("stopped")
+	return nil
+}
