@@ -42,7 +42,8 @@ var (
 
 // Binary returns the path of release 0.2.0's server, built once: in os.TempDir(), under a
 // directory named by Commit and the Go version, so that every test binary of a run (and the
-// runs after it) share one build. The first call of a process may take a minute (a cold build
+// runs after it) share one build; test binaries that need it at once wait for one build (a
+// file lock). The first call of a process may take a minute (a cold build
 // cache); a binary already there is used as it is.
 func Binary() (string, error) {
 	buildOnce.Do(func() { buildBin, buildErr = build() })
@@ -55,6 +56,23 @@ func build() (string, error) {
 	if fi, err := os.Stat(bin); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
 		return bin, nil
 	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", fmt.Errorf("release020: %w", err)
+	}
+	// One build at a time across the test binaries of a run (go test runs packages at once):
+	// the others wait for it and take its binary.
+	lock, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return "", fmt.Errorf("release020: %w", err)
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return "", fmt.Errorf("release020: lock %s: %w", lock.Name(), err)
+	}
+	defer func() { _ = syscall.Flock(int(lock.Fd()), syscall.LOCK_UN) }()
+	if fi, err := os.Stat(bin); err == nil && fi.Mode().IsRegular() {
+		return bin, nil
+	}
 	root, err := repoRoot()
 	if err != nil {
 		return "", err
@@ -63,9 +81,6 @@ func build() (string, error) {
 		return "", fmt.Errorf("release020: commit %s (release 0.2.0) is not in the git repository at %s (%v %s): "+
 			"the upgrade tests build that release's server from it; fetch the history (git fetch --unshallow, or a full clone)",
 			Commit, root, err, strings.TrimSpace(string(out)))
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", fmt.Errorf("release020: %w", err)
 	}
 	src, err := os.MkdirTemp(dir, "src-")
 	if err != nil {
