@@ -22,6 +22,11 @@ type Result struct {
 	Violations []Violation
 	// Inconclusive lists the keys porcupine could not decide within the timeout.
 	Inconclusive []string
+	// Chains is how many retrying clients (Session.Retry) the liveness check checked, Excused
+	// how many of them it did not hold to the bound because a fault overlapped them, and
+	// Liveness the ones that did not converge in time, each with its key's timeline.
+	Chains, Excused int
+	Liveness        []Violation
 	// Dir is where the artifacts were written ("" when there was nothing to write).
 	Dir string
 	// Took is how long the check took, explanations included; Slowest is the key whose
@@ -142,8 +147,9 @@ func Check(h *History, o Options) (res Result) {
 	}
 	res.Violations = append(res.Violations, sharedProviderKeys(parts)...)
 	slices.SortFunc(res.Violations, func(a, b Violation) int { return strings.Compare(a.Key, b.Key) })
+	res.Chains, res.Excused, res.Liveness = checkLiveness(h, parts, faults, o.Timeout)
 	all := o.All || os.Getenv("HISTORY_TIMELINES") == "all"
-	if len(res.Violations) == 0 && !all {
+	if len(res.Violations) == 0 && len(res.Liveness) == 0 && !all {
 		return res
 	}
 	name := strings.NewReplacer("/", "_", " ", "_").Replace(o.Name)
@@ -173,6 +179,14 @@ func Check(h *History, o Options) (res Result) {
 	}
 	if len(res.Violations) > 0 {
 		_ = os.WriteFile(filepath.Join(res.Dir, "violations.txt"), []byte(illegal.String()), 0o644)
+	}
+	if len(res.Liveness) > 0 {
+		var late strings.Builder
+		for _, v := range res.Liveness {
+			late.WriteString(v.Timeline)
+			late.WriteString("\n")
+		}
+		_ = os.WriteFile(filepath.Join(res.Dir, "liveness.txt"), []byte(late.String()), 0o644)
 	}
 	var every strings.Builder
 	for _, p := range parts {

@@ -129,6 +129,9 @@ type Output struct {
 	// StoredAfter is StoreSent since the history began: a better bound than the call for when
 	// an Answered operation's answer was stored. Zero: the call.
 	StoredAfter time.Duration
+	// RetryAfter is how long the answer asked the client to wait before it retries (HTTP
+	// Retry-After); 0 when it did not say. A client that retries (Session.Retry) honours it.
+	RetryAfter time.Duration
 	// Note is a readable detail (an error).
 	Note string
 	// Effects are the effects found under the key afterwards (Observed).

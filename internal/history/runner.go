@@ -218,18 +218,28 @@ func (s *Session) Send(c int, r Request, timeout time.Duration) Output {
 	if s.stopping() {
 		return Output{}
 	}
+	return s.send(c, r, timeout)
+}
+
+// send is Send, whether or not the run is big enough.
+func (s *Session) send(c int, r Request, timeout time.Duration) Output {
 	if timeout <= 0 {
 		timeout = s.r.OpTimeout
 	}
+	op := s.r.H.Begin(input(c, r))
+	ctx, cancel := context.WithTimeout(s.ctx, timeout)
+	defer cancel()
+	return op.End(s.r.Harness.Send(ctx, c, r))
+}
+
+// input is what client c sends for r.
+func input(c int, r Request) Input {
 	route := r.Key.Route
 	if r.RouteSet {
 		route = r.Route
 	}
-	op := s.r.H.Begin(Input{Key: r.Key.String(), Client: c, Request: r.Text, Fingerprint: r.Fingerprint, Route: route,
-		TTL: r.Key.TTL, Lease: r.Key.Lease})
-	ctx, cancel := context.WithTimeout(s.ctx, timeout)
-	defer cancel()
-	return op.End(s.r.Harness.Send(ctx, c, r))
+	return Input{Key: r.Key.String(), Client: c, Request: r.Text, Fingerprint: r.Fingerprint, Route: route,
+		TTL: r.Key.TTL, Lease: r.Key.Lease}
 }
 
 // Final tells whether an outcome ends an operation for a client that retries: a decision,

@@ -69,3 +69,35 @@ func Expiry(route Route, weight int) Scenario {
 		s.Until(s.Client(2), next, 3, 0)
 	}}
 }
+
+// The liveness scenarios: clients that keep retrying (Session.Retry), their keys watched
+// (Session.Watch); the liveness check holds them to the bound.
+
+// Outlast: one client retries a request whose work takes longer than each of its attempts
+// (the harness makes the route's work slow: attempt must be shorter than it): every attempt
+// gives up after attempt, and the client retries, honouring Retry-After, for up to span. It
+// must get the answer, within the bound after it was stored.
+func Outlast(route Route, attempt, span time.Duration, weight int) Scenario {
+	return Scenario{Name: "outlast " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		r := s.Request(k, 0)
+		defer s.Watch(k, r)()
+		s.Retry(s.Client(0), r, RetryOptions{AttemptTimeout: attempt, For: span})
+	}}
+}
+
+// Duplicate: a client sends a request and waits for its answer (attempts of the runner's
+// OpTimeout, longer than the work); a second client sends the same request offset later,
+// while the work runs, and retries, honouring Retry-After, for up to span. Both must get the
+// answer, the second within the bound after the first's was stored.
+func Duplicate(route Route, offset, span time.Duration, weight int) Scenario {
+	return Scenario{Name: "duplicate " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		r := s.Request(k, 0)
+		defer s.Watch(k, r)()
+		s.Parallel(
+			func() { s.Retry(s.Client(0), r, RetryOptions{For: span}) },
+			func() { s.pause(offset); s.Retry(s.Client(1), r, RetryOptions{For: span}) },
+		)
+	}}
+}
