@@ -28,6 +28,9 @@
 // Check runs porcupine over each key's history and, for a key that no linearization
 // explains, writes a timeline (one line per operation, with the generation it was placed in
 // and why the rest could not be) and porcupine's HTML visualisation.
+//
+// Check also checks liveness (liveness.go): a client that keeps retrying (Session.Retry) must
+// end with the answer, and have it within LivenessBound plus LivenessSlack of it being stored.
 package history
 
 import (
