@@ -15,7 +15,8 @@ import (
 // without faults, against a server whose work is slow:
 //
 //   - outlast tx: a deposit or transfer whose work (2.5 s) is longer than each of the client's
-//     attempts (1 s), the client retrying under the same key for up to 5 s;
+//     attempts (1 s), the client retrying under the same key for up to 5 s (9 s in the long
+//     mode);
 //   - duplicate lease: a payout (2 s at the provider, under a 10 s lease) and the same request
 //     200 ms later from a second client, which honours Retry-After, for up to 4 s.
 //
@@ -53,6 +54,13 @@ func TestHTTPLiveness(t *testing.T) {
 	if mode.Long && os.Getenv("HISTORY_OPS") == "" {
 		mode.Ops = 100 // the duration decides: these scenarios last seconds each
 	}
+	// How long the client of "outlast tx" retries: the work and the bound, with room. In the long
+	// mode two slow works may want the same account (a deposit and a transfer lock theirs
+	// before the slow insert), so one may wait for the other's 2.5 s first.
+	outlastFor := 5 * time.Second
+	if mode.Long {
+		outlastFor = 9 * time.Second
+	}
 	bin := serverBinary(t)
 	c, db := ledgerCluster(t)
 	ctx := context.Background()
@@ -74,7 +82,7 @@ func TestHTTPLiveness(t *testing.T) {
 	hist := history.New()
 	runner := &history.Runner{H: hist, Harness: h, Mode: mode, OpTimeout: 5 * time.Second,
 		Scenarios: []history.Scenario{
-			history.Outlast(history.Transactional, liveAttempt, 5*time.Second, 1),
+			history.Outlast(history.Transactional, liveAttempt, outlastFor, 1),
 			history.Duplicate(history.Leased, 200*time.Millisecond, 4*time.Second, 1),
 		}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
