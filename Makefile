@@ -72,8 +72,9 @@ test-citus: ## the Citus tests against the coordinator at CITUS_URL (scripts/cit
 	$(GO) test $(GOFLAGS_TEST) -tags citus -run '^TestCitus' ./tests ./internal/dbidem ./cmd/server
 
 # The history tests' long run: HISTORY_OPS operations (10,000) per harness, for at least
-# HISTORY_SECONDS (120), through every fault; docs/testing.md says how to read what it finds.
-HISTORY_TESTS := TestHTTPHistory|TestSQLHistory|TestDoHistory
+# HISTORY_SECONDS (120), through every fault, and the liveness scenarios (TestHTTPLiveness) for
+# two minutes; docs/testing.md says how to read what they find.
+HISTORY_TESTS := TestHTTPHistory|TestHTTPLiveness|TestSQLHistory|TestDoHistory
 
 .PHONY: check-history
 check-history: ## histories of real clients through every fault, checked by porcupine (minutes; HISTORY_OPS, HISTORY_SECONDS)

@@ -3,12 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptrace"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -43,6 +45,8 @@ type httpHarness struct {
 	db     *pgxpool.Pool // straight to the cluster, for the effects
 	users  []httpUser
 	admin  string // a token for the provider's counts
+	// ttl and lease are the server's IDEMPOTENCY_TTL and PAYOUTS_LEASE.
+	ttl, lease time.Duration
 
 	mu sync.Mutex
 	// pks are the provider keys the answers under each key reported; refs what the provider
@@ -76,7 +80,7 @@ func (h *httpHarness) NewKey(rng *rand.Rand, name string, route history.Route) h
 	if route == history.Transactional {
 		kind = []string{"deposit", "transfer"}[rng.IntN(2)]
 	}
-	return history.Key{Principal: u.id, Name: name, Route: route, TTL: httpTTL, Lease: httpLease,
+	return history.Key{Principal: u.id, Name: name, Route: route, TTL: h.ttl, Lease: h.lease,
 		Data: httpKey{kind: kind, user: u, a: u.accounts[i], b: u.accounts[j]}}
 }
 
@@ -134,6 +138,9 @@ func (h *httpHarness) Send(ctx context.Context, c int, r history.Request) histor
 	_ = json.Unmarshal(b, &problem)
 	replayed := res.Header.Get("Idempotent-Replayed") == "true"
 	out := history.Output{Status: res.StatusCode, Body: body, Note: problem.Code}
+	if secs, err := strconv.Atoi(res.Header.Get("Retry-After")); err == nil && secs >= 0 {
+		out.RetryAfter = time.Duration(secs) * time.Second
+	}
 	switch {
 	case res.StatusCode == http.StatusUnprocessableEntity && problem.Code == "idempotency_key_reuse":
 		out.Outcome = history.Mismatch
@@ -162,6 +169,20 @@ func (h *httpHarness) Send(ctx context.Context, c int, r history.Request) histor
 		}
 	}
 	return out
+}
+
+// Stored is the answer stored under the key, straight from the key table (a
+// history.StoreWatcher: the liveness check learns when an answer no client got fresh was
+// stored).
+func (h *httpHarness) Stored(ctx context.Context, k history.Key) (int, string, bool, error) {
+	var status int32
+	var body []byte
+	err := h.db.QueryRow(ctx, `SELECT response_status, response_body FROM idem.idempotency_keys
+		WHERE principal_id = $1 AND key = $2 AND state = 'c'`, k.Principal, k.Name).Scan(&status, &body)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, "", false, nil
+	}
+	return int(status), string(body), err == nil, err
 }
 
 // provider asks the simulated provider what it knows of a provider key: its payout's
@@ -254,12 +275,10 @@ func (h *httpHarness) Observe(ctx context.Context, k history.Key) ([]string, err
 	return pgx.CollectRows(rows, pgx.RowTo[string])
 }
 
-// TestHTTPHistory: the reference server through every fault, checked against the model. See
-// docs/testing.md for the long run (make check-history) and how to read a violation.
-func TestHTTPHistory(t *testing.T) {
-	t.Parallel()
-	mode := history.ModeFromEnv(250, 8*time.Second, 10)
-	bin := serverBinary(t)
+// ledgerCluster starts a private cluster with the database "ledger" migrated, and a pool that
+// reaches it directly (closed when the test ends).
+func ledgerCluster(t *testing.T) (*history.Cluster, *pgxpool.Pool) {
+	t.Helper()
 	c := history.StartCluster(t)
 	c.CreateDB(t, "ledger")
 	mig := NewMain(io.Discard, io.Discard)
@@ -270,27 +289,21 @@ func TestHTTPHistory(t *testing.T) {
 		t.Fatalf("migrate: %v", err)
 	}
 	_ = mig.Close()
+	db, err := pgxpool.New(context.Background(), c.URL("ledger"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	return c, db
+}
+
+// newHTTPHarness is the harness of the server at base (its TTL and payouts lease), with two
+// principals (alice, bob) of four accounts each, funded.
+func newHTTPHarness(t *testing.T, base string, db *pgxpool.Pool, ttl, lease time.Duration) *httpHarness {
+	t.Helper()
 	ctx := context.Background()
-	db, err := pgxpool.New(ctx, c.URL("ledger"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-
-	proxy := history.NewProxy(t, c.Addr())
-	port, err := pgcluster.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
-		"DATABASE_URL="+history.Via(proxy.Addr(), "ledger"), "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port),
-		"IDEMPOTENCY_TTL="+httpTTL.String(), "IDEMPOTENCY_LOCK_TIMEOUT=300ms", "PAYOUTS_LEASE="+httpLease.String(),
-		"PAYOUT_PROVIDER_DELAY=150ms", "CLEANUP_INTERVAL=1s", "LOG_LEVEL=error", "DATABASE_POOL_SIZE=8")}
-	p.start()
-	defer p.kill()
-
-	h := &httpHarness{t: t, base: "http://" + p.addr, db: db, pks: map[string]map[string]bool{}, refs: map[string]map[string]bool{},
-		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
+	h := &httpHarness{t: t, base: base, db: db, ttl: ttl, lease: lease, pks: map[string]map[string]bool{},
+		refs: map[string]map[string]bool{}, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
 	for _, name := range []string{"alice", "bob"} {
 		id, token, err := createPrincipal(ctx, db, name)
 		if err != nil {
@@ -311,6 +324,31 @@ func TestHTTPHistory(t *testing.T) {
 		h.users = append(h.users, u)
 		h.admin = token
 	}
+	return h
+}
+
+// TestHTTPHistory: the reference server through every fault, checked against the model. See
+// docs/testing.md for the long run (make check-history) and how to read a violation.
+func TestHTTPHistory(t *testing.T) {
+	t.Parallel()
+	mode := history.ModeFromEnv(250, 8*time.Second, 10)
+	bin := serverBinary(t)
+	c, db := ledgerCluster(t)
+	ctx := context.Background()
+
+	proxy := history.NewProxy(t, c.Addr())
+	port, err := pgcluster.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
+		"DATABASE_URL="+history.Via(proxy.Addr(), "ledger"), "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port),
+		"IDEMPOTENCY_TTL="+httpTTL.String(), "IDEMPOTENCY_LOCK_TIMEOUT=300ms", "PAYOUTS_LEASE="+httpLease.String(),
+		"PAYOUT_PROVIDER_DELAY=150ms", "CLEANUP_INTERVAL=1s", "LOG_LEVEL=error", "DATABASE_POOL_SIZE=8")}
+	p.start()
+	defer p.kill()
+
+	h := newHTTPHarness(t, "http://"+p.addr, db, httpTTL, httpLease)
 
 	hist := history.New()
 	inj := history.NewInjector(hist)

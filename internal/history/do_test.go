@@ -235,6 +235,7 @@ func TestDoHistory(t *testing.T) {
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2), Expiry(Transactional, 2),
+		Duplicate(Transactional, 50*time.Millisecond, 8*time.Second, 1), Duplicate(Leased, 50*time.Millisecond, 8*time.Second, 1),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
 	runFaults(t, h, inj, runner, mode)
@@ -251,5 +252,5 @@ func TestDoHistory(t *testing.T) {
 	Require(t, "the outcome", outcomes, map[string]int{"2xx": 20, "replayed": 5, "mismatch": 3, "released": 1, "busy": 1})
 	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
 	Require(t, "the scenario", runner.Ran(), map[string]int{"DoLease then Do": 1, "failed lease, then reuse": 1,
-		"expiry lease": 1, "storm tx": 1, "storm lease": 1})
+		"expiry lease": 1, "storm tx": 1, "storm lease": 1, "duplicate tx": 1, "duplicate lease": 1})
 }

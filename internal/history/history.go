@@ -23,6 +23,8 @@ type History struct {
 	closed   bool
 	end      time.Duration
 	observed map[string][]string
+	chains   []*Chain
+	stored   []storeSeen
 }
 
 // Op is one operation in flight or done: Begin records its call, End its return.

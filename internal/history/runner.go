@@ -6,10 +6,8 @@ import (
 	"maps"
 	"math/rand/v2"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
-	"testing"
 	"time"
 )
 
@@ -220,18 +218,28 @@ func (s *Session) Send(c int, r Request, timeout time.Duration) Output {
 	if s.stopping() {
 		return Output{}
 	}
+	return s.send(c, r, timeout)
+}
+
+// send is Send, whether or not the run is big enough.
+func (s *Session) send(c int, r Request, timeout time.Duration) Output {
 	if timeout <= 0 {
 		timeout = s.r.OpTimeout
 	}
+	op := s.r.H.Begin(input(c, r))
+	ctx, cancel := context.WithTimeout(s.ctx, timeout)
+	defer cancel()
+	return op.End(s.r.Harness.Send(ctx, c, r))
+}
+
+// input is what client c sends for r.
+func input(c int, r Request) Input {
 	route := r.Key.Route
 	if r.RouteSet {
 		route = r.Route
 	}
-	op := s.r.H.Begin(Input{Key: r.Key.String(), Client: c, Request: r.Text, Fingerprint: r.Fingerprint, Route: route,
-		TTL: r.Key.TTL, Lease: r.Key.Lease})
-	ctx, cancel := context.WithTimeout(s.ctx, timeout)
-	defer cancel()
-	return op.End(s.r.Harness.Send(ctx, c, r))
+	return Input{Key: r.Key.String(), Client: c, Request: r.Text, Fingerprint: r.Fingerprint, Route: route,
+		TTL: r.Key.TTL, Lease: r.Key.Lease}
 }
 
 // Final tells whether an outcome ends an operation for a client that retries: a decision,
@@ -288,126 +296,4 @@ func (s *Session) Parallel(fns ...func()) {
 		}()
 	}
 	wg.Wait()
-}
-
-// The scenarios every harness runs.
-
-// Storm: two or three clients send the same request at once and retry it until each has a
-// final answer.
-func Storm(route Route, weight int) Scenario {
-	return Scenario{Name: "storm " + route.String(), Weight: weight, Run: func(s *Session) {
-		k := s.Key(route)
-		r := s.Request(k, 0)
-		n := 2 + s.IntN(2)
-		var fns []func()
-		for i := range n {
-			c := s.Client(i)
-			fns = append(fns, func() { s.Until(c, r, 4, 0) })
-		}
-		s.Parallel(fns...)
-	}}
-}
-
-// Changed: two clients send different requests under one key, the second a moment after
-// the first; each retries until final; one of them repeats afterwards.
-func Changed(route Route, weight int) Scenario {
-	return Scenario{Name: "changed body " + route.String(), Weight: weight, Run: func(s *Session) {
-		k := s.Key(route)
-		a, b := s.Request(k, 0), s.Request(k, 1)
-		offset := time.Duration(s.IntN(150)) * time.Millisecond
-		s.Parallel(
-			func() { s.Until(s.Client(0), a, 4, 0) },
-			func() { s.Sleep(offset); s.Until(s.Client(1), b, 4, 0) },
-		)
-		s.Until(s.Client(2), []Request{a, b}[s.IntN(2)], 3, 0)
-	}}
-}
-
-// Hangup: the client gives up on its first attempt a few milliseconds in (it hangs up), then
-// retries; a second client sends the same request meanwhile.
-func Hangup(route Route, weight int) Scenario {
-	return Scenario{Name: "hang-up " + route.String(), Weight: weight, Run: func(s *Session) {
-		k := s.Key(route)
-		r := s.Request(k, 0)
-		first := time.Duration(2+s.IntN(60)) * time.Millisecond
-		s.Parallel(
-			func() { s.Until(s.Client(0), r, 4, first) },
-			func() { s.Sleep(time.Duration(s.IntN(100)) * time.Millisecond); s.Until(s.Client(1), r, 4, 0) },
-		)
-	}}
-}
-
-// Expiry: a request answered; around when the key expires (a little before, or after: the TTL
-// after the answer, and for a lease the TTL after the lease's end, which outlasts the answer),
-// the key is used again, by another request or the same one; then that one is repeated.
-func Expiry(route Route, weight int) Scenario {
-	return Scenario{Name: "expiry " + route.String(), Weight: weight, Run: func(s *Session) {
-		k := s.Key(route)
-		first := s.Until(s.Client(0), s.Request(k, 0), 4, 0)
-		if !Final(first.Outcome) {
-			return
-		}
-		expiry := first.Return + k.TTL
-		if route == Leased {
-			expiry += k.Lease
-		}
-		s.SleepUntil(expiry + time.Duration(s.IntN(700)-150)*time.Millisecond)
-		next := s.Request(k, s.IntN(2))
-		s.Until(s.Client(1), next, 4, 0)
-		s.Until(s.Client(2), next, 3, 0)
-	}}
-}
-
-// Verify checks the run's history (closed and observed), logs the counts, and fails the
-// test with the timelines of the keys that violate the model (grouped by what they violate)
-// and where their artifacts are.
-func Verify(t testing.TB, h *History, name string) Result {
-	t.Helper()
-	res := Check(h, Options{Name: name})
-	outcomes, faults := h.Counts()
-	t.Logf("%s: %d keys; %s", name, res.Keys, Summary(outcomes, faults))
-	t.Logf("%s: checked in %s (the slowest key, %s, in %s)", name, res.Took.Round(time.Millisecond), res.Slowest,
-		res.SlowestTook.Round(time.Millisecond))
-	if len(res.Inconclusive) > 0 {
-		t.Errorf("porcupine could not decide %d keys in time: %v", len(res.Inconclusive), res.Inconclusive)
-	}
-	if len(res.Violations) == 0 {
-		return res
-	}
-	groups := map[string][]Violation{}
-	for _, v := range res.Violations {
-		kind := strings.Join(v.Kinds, "; or ")
-		if kind == "" {
-			kind = "several promises at once"
-		}
-		groups[kind] = append(groups[kind], v)
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "%d of %d keys violate the idempotency contract (artifacts: %s):\n", len(res.Violations), res.Keys, res.Dir)
-	for _, kind := range slices.Sorted(maps.Keys(groups)) {
-		fmt.Fprintf(&b, "  %d keys: %s\n", len(groups[kind]), kind)
-	}
-	for _, kind := range slices.Sorted(maps.Keys(groups)) {
-		vs := groups[kind]
-		fmt.Fprintf(&b, "\n== %s (%d keys; the first %d) ==\n", kind, len(vs), min(2, len(vs)))
-		for _, v := range vs[:min(2, len(vs))] {
-			b.WriteString(v.Timeline)
-			if v.HTML != "" {
-				fmt.Fprintf(&b, "   visualisation: %s\n", v.HTML)
-			}
-		}
-	}
-	t.Error(b.String())
-	return res
-}
-
-// Require fails the test unless every count in min was reached in got: a run that did
-// nothing must not pass.
-func Require(t testing.TB, what string, got map[string]int, min map[string]int) {
-	t.Helper()
-	for _, k := range slices.Sorted(maps.Keys(min)) {
-		if got[k] < min[k] {
-			t.Errorf("the run did too little: %s %q happened %d times, want at least %d (all: %v)", what, k, got[k], min[k], got)
-		}
-	}
 }

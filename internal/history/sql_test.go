@@ -14,8 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 // The SQL API called directly, from several connections, as a service in another language
@@ -316,72 +314,6 @@ func (h *sqlHarness) Observe(ctx context.Context, k Key) ([]string, error) {
 	return pgx.CollectRows(rows, pgx.RowTo[string])
 }
 
-// The SQL level's own scenarios, for what only a client of the SQL API can do.
-
-// deadLeaseTakeover: a lease claim dies (left to run out); after its end, a transactional
-// claim of the same request takes the key over and answers; a repeat comes after the dead
-// lease's end plus the TTL, but before the answer plus the TTL: it must get the answer.
-func deadLeaseTakeover(weight int) Scenario {
-	return Scenario{Name: "dead lease, transactional takeover", Weight: weight, Run: func(s *Session) {
-		k := s.Key(Leased)
-		k.TTL = 3 * time.Second
-		hold := s.Request(k, 0)
-		hold.Hold = true
-		held := s.Until(s.Client(0), hold, 3, 0)
-		if held.Outcome != Held {
-			return
-		}
-		s.SleepUntil(held.Return + k.Lease + 1500*time.Millisecond)
-		tx := s.Request(k, 0)
-		tx.Route, tx.RouteSet = Transactional, true
-		answer := s.Until(s.Client(1), tx, 3, 0)
-		if answer.Outcome != Answered {
-			return
-		}
-		s.SleepUntil(answer.Return + 2*time.Second)
-		s.Until(s.Client(2), tx, 3, 0)
-	}}
-}
-
-// leaseExpiry: a lease claim left to run out; another request meanwhile (refused), then after
-// the lease's end plus the TTL (a new generation).
-func leaseExpiry(weight int) Scenario {
-	return Scenario{Name: "lease expiry", Weight: weight, Run: func(s *Session) {
-		k := s.Key(Leased)
-		hold := s.Request(k, 0)
-		hold.Hold = true
-		p := hold.Payload.(sqlPayload)
-		p.payOnHold = true
-		hold.Payload = p
-		held := s.Until(s.Client(0), hold, 3, 0)
-		if held.Outcome != Held {
-			return
-		}
-		other := s.Request(k, 1)
-		s.SleepUntil(held.Return + k.Lease + 300*time.Millisecond)
-		s.Until(s.Client(1), other, 2, 0)
-		s.SleepUntil(held.Return + k.Lease + k.TTL + 300*time.Millisecond)
-		s.Until(s.Client(1), other, 3, 0)
-		s.Until(s.Client(2), other, 2, 0)
-	}}
-}
-
-// releaseReuse: a lease claim released (its work failed), then another request at once: a
-// new generation, with a provider key of its own.
-func releaseReuse(weight int) Scenario {
-	return Scenario{Name: "release, then reuse", Weight: weight, Run: func(s *Session) {
-		k := s.Key(Leased)
-		rel := s.Request(k, 0)
-		rel.Release = true
-		if out := s.Until(s.Client(0), rel, 3, 0); out.Outcome != Released {
-			return
-		}
-		next := s.Request(k, s.IntN(2))
-		s.Until(s.Client(1), next, 3, 0)
-		s.Until(s.Client(2), next, 2, 0)
-	}}
-}
-
 // TestSQLHistory: clients of the SQL API on several connections, through a fault proxy,
 // while connections are cut, slowed and stalled, backends killed, the key table locked and
 // PostgreSQL restarted (and crashed); every call is checked against the model.
@@ -423,69 +355,4 @@ func TestSQLHistory(t *testing.T) {
 	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
 	Require(t, "the scenario", runner.Ran(), map[string]int{"dead lease, transactional takeover": 1, "release, then reuse": 1,
 		"lease expiry": 1, "expiry lease": 1, "storm tx": 1, "storm lease": 1})
-}
-
-// runFaults runs the scenarios while the injector injects faults, and stops the injector
-// when the scenarios are done.
-func runFaults(t testing.TB, h *History, inj *Injector, runner *Runner, mode Mode) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), mode.Duration*10+5*time.Minute)
-	defer cancel()
-	faultCtx, stopFaults := context.WithCancel(ctx)
-	faultErr := make(chan error, 1)
-	go func() {
-		faultErr <- inj.Run(faultCtx, mode.Seed, func(rng *rand.Rand) time.Duration {
-			return time.Duration(150+rng.IntN(450)) * time.Millisecond
-		})
-	}()
-	runner.Run(ctx)
-	stopFaults()
-	if err := <-faultErr; err != nil {
-		t.Errorf("%v", err)
-	}
-}
-
-// waitIdle waits (up to 30 seconds) until no backend of the clients is left in a transaction
-// or running a statement, and the cluster answers.
-func waitIdle(t testing.TB, pool *pgxpool.Pool, app string) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var n int
-		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND state <> 'idle'`, app).Scan(&n)
-		if err == nil && n == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the clients' backends did not settle: %d busy (%v)", n, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// historyDB starts a cluster with a database "hist" migrated and holding the effects' schema,
-// a pool that observes it directly (closed when the test ends), and a fault proxy in front of
-// it for the clients.
-func historyDB(t *testing.T) (*Cluster, *pgxpool.Pool, *Proxy) {
-	c := StartCluster(t)
-	c.CreateDB(t, "hist")
-	ctx := context.Background()
-	admin, err := pgx.Connect(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, historySchema); err != nil {
-		t.Fatal(err)
-	}
-	admin.Close(ctx)
-	observe, err := pgxpool.New(ctx, c.URL("hist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(observe.Close)
-	return c, observe, NewProxy(t, c.Addr())
 }
