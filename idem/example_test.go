@@ -31,7 +31,11 @@ func exampleDB() (*pgxpool.Pool, func()) {
 }
 
 // send POSTs body under key and prints the status, whether it was a replay, and the body.
-func send(url, key, body string) {
+func send(url, key, body string) { fmt.Println(answer(url, key, body)) }
+
+// answer sends body to url under key and returns the status, whether it was a replay, and the
+// body.
+func answer(url, key, body string) string {
 	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
@@ -42,7 +46,7 @@ func send(url, key, body string) {
 	}
 	defer res.Body.Close()
 	b, _ := io.ReadAll(res.Body)
-	fmt.Println(res.StatusCode, res.Header.Get("Idempotent-Replayed") == "true", strings.TrimSpace(string(b)))
+	return fmt.Sprint(res.StatusCode, " ", res.Header.Get("Idempotent-Replayed") == "true", " ", strings.TrimSpace(string(b)))
 }
 
 // The wiring: the middleware on a ServeMux route, a handler that writes through the
@@ -130,7 +134,7 @@ func ExampleRoute_fingerprint() {
 
 // A lease route for work outside the database: the provider deduplicates by the claim's
 // provider key, which every attempt of the request shares. The lease is extended while the
-// work runs; a repeat meanwhile gets 409, and after it the recorded answer.
+// work runs; a repeat meanwhile waits for the answer and replays it, as does one after it.
 func ExampleRoute_lease() {
 	pool, done := exampleDB()
 	defer done()
@@ -158,10 +162,13 @@ func ExampleRoute_lease() {
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
-	go send(srv.URL+"/payouts", "p1", `{"amount":700}`)
-	time.Sleep(1300 * time.Millisecond)              // past the first lease's end
-	send(srv.URL+"/payouts", "p1", `{"amount":700}`) // still running: 409 with Retry-After
-	time.Sleep(2 * time.Second)
+	first := make(chan string, 1)
+	go func() { first <- answer(srv.URL+"/payouts", "p1", `{"amount":700}`) }()
+	time.Sleep(1300 * time.Millisecond) // past the first lease's end
+	// Still running: the duplicate waits for the answer (without a connection), then replays it.
+	duplicate := answer(srv.URL+"/payouts", "p1", `{"amount":700}`)
+	fmt.Println(<-first)
+	fmt.Println(duplicate)
 	send(srv.URL+"/payouts", "p1", `{"amount":700}`) // done: the recorded answer
 	mu.Lock()
 	for _, n := range calls {
@@ -169,8 +176,8 @@ func ExampleRoute_lease() {
 	}
 	mu.Unlock()
 	// Output:
-	// 409 false {"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#request_in_progress","title":"A request with this idempotency key is in progress","status":409,"detail":"a request with this Idempotency-Key is still running; retry later with the same key","code":"request_in_progress"}
 	// 201 false {"payout":"po_1"}
+	// 201 true {"payout":"po_1"}
 	// 201 true {"payout":"po_1"}
 	// provider keys: 1 calls under it: 1
 }
