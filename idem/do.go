@@ -1,0 +1,160 @@
+package idem
+
+// Work outside HTTP (Do, DoLease): a job, its claim, the gate that coalesces its duplicates.
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// Job describes work that runs at most once per key, outside HTTP (Do, DoLease).
+type Job struct {
+	// Principal, Key and Action are as in Claim: who, which key, what. Principal is the one
+	// that owns the key space of the work; keys of different principals never collide. A
+	// consumer of messages from one producer uses the producer's identity, or a fixed name for
+	// the queue or the consumer ("orders-consumer"): the same for every delivery of a message
+	// and on every replica of the consumer, so that a redelivery finds the key. Key is the
+	// message's own id (not a delivery's).
+	Principal, Key, Action string
+	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
+	// JSON), so the same key with another input is ErrMismatch. Default nil: no input.
+	Input any
+	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults.
+	TTL, LockTimeout time.Duration
+	// Gate coalesces concurrent calls of this process with the same key. Default nil: one
+	// Gate shared by every Do and DoLease of the process.
+	Gate *Gate
+	// Lease is the lease of a DoLease job: the claim is held that long past its last
+	// extension. Required by DoLease, from a second to 10 years; Do ignores it.
+	Lease time.Duration
+	// Timeout bounds a DoLease job's work (its context ends then). Default 0:
+	// DefaultLeaseTimeout.
+	Timeout time.Duration
+}
+
+func (j Job) internal() dbidem.Job {
+	ij := dbidem.Job{Principal: j.Principal, Key: j.Key, Action: j.Action, Input: j.Input, TTL: j.TTL,
+		LockTimeout: j.LockTimeout, Lease: j.Lease, Timeout: j.Timeout}
+	if j.Gate != nil {
+		ij.Gate = j.Gate.g
+	}
+	return ij
+}
+
+// DefaultLeaseTimeout bounds the work of a lease (DoLease, and a lease route) when its caller
+// sets no bound.
+const DefaultLeaseTimeout = 5 * time.Minute
+
+// LeaseClaim is what the work of DoLease knows of its claim.
+type LeaseClaim struct {
+	// Principal and Key are the job's.
+	Principal, Key string
+	// Attempt is the claim's fencing token: no earlier attempt of the key had it.
+	Attempt int64
+	// ProviderKey is the key to give an outside provider that deduplicates by its own
+	// idempotency key (Decision.ProviderKey).
+	ProviderKey string
+}
+
+// Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
+// wait in Go for the first, without a connection, and a bounded number wait on a key's row
+// lock held by another process. Safe for concurrent use.
+type Gate struct{ g *dbidem.Gate }
+
+// GateOptions bound what a Gate lets wait. The zero value has the defaults.
+type GateOptions struct {
+	// MaxWaitingClaims bounds the claims that wait on a key's row lock (held by another
+	// process) at once; one that finds them all taken gets ErrInProgress at once. Default 0: 4.
+	MaxWaitingClaims int
+	// MaxWaitingBytes bounds what the duplicates waiting in Go hold at once (their inputs
+	// plus 4 KiB each). Default 0: 64 MiB.
+	MaxWaitingBytes int64
+}
+
+// NewGate returns a Gate with these options, for a Job.Gate of its own (a separate bound for
+// one kind of work).
+func NewGate(o GateOptions) *Gate { return &Gate{dbidem.NewGate(dbidem.GateOptions(o))} }
+
+// Stats reads the Gate's figures, now.
+func (g *Gate) Stats() GateStats {
+	return GateStats{Waiting: g.g.Waiting(), WaitingBytes: g.g.WaitingBytes(), LockWaits: g.g.LockWaits(),
+		Coalesced: g.g.Coalesced(), Refused: g.g.Refused()}
+}
+
+// checked holds the pools whose schema Do and DoLease found right.
+var checked sync.Map
+
+// checkOnce runs CheckSchema on db the first time Do or DoLease meets it (again after a
+// failure).
+func checkOnce(ctx context.Context, db Pool) error {
+	if _, ok := checked.Load(db); ok {
+		return nil
+	}
+	if err := CheckSchema(ctx, db); err != nil {
+		return err
+	}
+	checked.Store(db, struct{}{})
+	return nil
+}
+
+// Do runs fn at most once for job.Key, in the same transaction as the key's claim, and
+// stores its result as JSON with it; a repeat returns the stored result with replayed true.
+// Another Input under the key is ErrMismatch; a run still in progress past the lock timeout,
+// ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
+// transaction rolls back, nothing is stored, and a later Do runs fn again.
+func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (result T, replayed bool, err error) {
+	if err := checkOnce(ctx, db); err != nil {
+		return result, false, err
+	}
+	return dbidem.Do(ctx, db, job.internal(), dbidem.TxOptions(opts), fn)
+}
+
+// DoLease runs fn at most once for job.Key for work outside the database: the lease claim
+// commits on its own, fn runs outside any transaction while a heartbeat extends the lease,
+// and its result is stored afterwards, fenced by the claim's token. fn's context ends with
+// cause ErrLeaseLost when the lease is lost (DoLease then returns ErrLeaseLost); when fn
+// fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
+// with the same claim.ProviderKey: hand an outside provider that key. fn's own writes to the
+// database go through db in a transaction of fn's own, idempotent themselves (keyed by
+// claim.ProviderKey with a unique constraint, ON CONFLICT DO NOTHING), because a takeover runs
+// fn again. The first DoLease on a pool checks its schema (CheckSchema).
+func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
+	if err := checkOnce(ctx, db); err != nil {
+		return result, false, err
+	}
+	return dbidem.DoLease(ctx, db, job.internal(), func(ctx context.Context, c dbidem.LeaseClaim) (T, error) {
+		return fn(ctx, LeaseClaim(c))
+	})
+}
+
+// The errors of the driver. Each wraps the error it came from (errors.As finds a
+// *pgconn.PgError); compare with errors.Is.
+var (
+	// ErrInProgress: a concurrent holder kept the key past the lock timeout (SQLSTATE
+	// 55P03), or a request of this process holds it. Answer 409 and let the client retry.
+	ErrInProgress = dbidem.ErrInProgress
+	// ErrClaimLost: no claim in progress with this token (55000): taken over by a later
+	// attempt, released, completed, or the key expired and was cleaned up.
+	ErrClaimLost = dbidem.ErrClaimLost
+	// ErrUnknownPrincipal: the principal violates a foreign key that the application put on
+	// the key table's principal_id: answer 401.
+	ErrUnknownPrincipal = dbidem.ErrUnknownPrincipal
+	// ErrClaimNotCompleted: COMMIT refused a transactional claim without its completion.
+	ErrClaimNotCompleted = dbidem.ErrClaimNotCompleted
+	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
+	// configuration error, not a reason to retry.
+	ErrInvalidArgument = dbidem.ErrInvalidArgument
+	// ErrCommitUnknown: the connection failed after COMMIT was sent: the transaction may or
+	// may not have committed; a retry with the same key tells which.
+	ErrCommitUnknown = dbidem.ErrCommitUnknown
+	// ErrMismatch is returned by Do and DoLease when the key was used with another input.
+	ErrMismatch = dbidem.ErrMismatch
+	// ErrStoreBusy: the claim found the key table itself locked (a migration's swap, VACUUM
+	// FULL, pg_repack, LOCK TABLE), not a key: nothing was written; try again shortly (the
+	// middleware answers 503 with Retry-After). A claim never waits for such a lock.
+	ErrStoreBusy = dbidem.ErrStoreBusy
+)

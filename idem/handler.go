@@ -1,0 +1,117 @@
+package idem
+
+// What a handler behind the middleware uses: its claim, its transaction, its body, its own
+// problems.
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/jackc/pgx/v5"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+)
+
+// ClaimInfo is what a handler knows about the key its request works under (ClaimOf).
+type ClaimInfo struct {
+	// Principal owns the key.
+	Principal string
+	// Key is the client's idempotency key as the middleware read it from the header: a
+	// quoted sf-string ("k1") is unquoted, so it is the key the database stores.
+	Key string
+	// Attempt is the fencing token of this claim: no earlier claim of the key had it.
+	Attempt int64
+	// ProviderKey is the key to give an outside provider that deduplicates by its own
+	// idempotency key (a payment provider's Idempotency-Key): the same for every attempt of
+	// this request (retries, a takeover of its lease after a crash), different for every
+	// other request, a later one under the same key after this one expired or was released
+	// included, and for every other principal. It comes from the database with the claim and
+	// is 64 hex digits. On a lease route a request without a key gets one of its own
+	// (ClaimOf's ok is false then).
+	ProviderKey string
+}
+
+// ErrLeaseLost is the cause (context.Cause) of a lease route's handler context, and the error
+// of DoLease, when the lease was lost: another attempt may hold the key, so the work should
+// stop; its answer is not recorded.
+var ErrLeaseLost = idemhttp.ErrLeaseLost
+
+// ErrShutdown is the cause (context.Cause) of a keyed request's work context when the
+// middleware's Shutdown gave up waiting for it: the handler should stop. On a transactional
+// route the unit of work rolls back and nothing is stored; on a lease route, unless the handler
+// answers with a 2xx or a final error, its lease ends at once without an answer, and the
+// client's retry runs the work again under the same ClaimInfo.ProviderKey.
+var ErrShutdown = idemhttp.ErrShutdown
+
+// The defaults and bounds of Options.WorkTimeout and Options.DuplicateWait.
+const (
+	// DefaultWorkTimeout is Options.WorkTimeout's default: 30 seconds.
+	DefaultWorkTimeout = idemhttp.DefaultWorkTimeout
+	// DefaultDuplicateWait is Options.DuplicateWait's default: 10 seconds.
+	DefaultDuplicateWait = idemhttp.DefaultDuplicateWait
+	// MaxDuplicateWait is Options.DuplicateWait's bound: 10 minutes.
+	MaxDuplicateWait = idemhttp.MaxDuplicateWait
+	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in another
+	// process looks at the key: once per key and process, however many duplicates wait on it.
+	DefaultAnswerPoll = idemhttp.DefaultAnswerPoll
+)
+
+// TxFrom returns the transaction of the request's unit of work: the handler's writes through
+// it commit together with the key, or not at all. Nil outside a declared transactional route,
+// and nil on a lease route: there is no transaction there, the claim committed on its own
+// before the handler ran. A lease handler writes through its own pool in a transaction of its
+// own, and makes those writes idempotent themselves, because a takeover runs the handler
+// again: key them by ClaimOf(ctx).ProviderKey with a unique constraint and insert with
+// ON CONFLICT DO NOTHING. Do not call Commit or Rollback on the transaction TxFrom returns:
+// answer, and the middleware ends it.
+func TxFrom(ctx context.Context) pgx.Tx { return idemhttp.Tx(ctx) }
+
+// ClaimOf returns the claim of the request's unit of work, or false for a request that runs
+// without a key. On a lease route, a request without a key still gets a ProviderKey of its
+// own (a random one, used by no other request), so a handler can hand its provider
+// ClaimInfo.ProviderKey whether the client sent a key or not.
+func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
+	c, ok := idemhttp.ClaimOf(ctx)
+	return ClaimInfo(c), ok
+}
+
+// DecodeJSON reads the request's JSON body into v strictly (exact-case member names; unknown
+// and duplicate members, invalid UTF-8 and trailing data refused), decoding the canonical text
+// that was fingerprinted, so that two requests with one fingerprint mean the same thing. On
+// failure it writes 400 malformed_body or 415 unsupported_media_type (final answers, stored
+// for a keyed request) and returns false.
+func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
+	return idemhttp.DecodeJSON(w, r, v)
+}
+
+// MarkOneTimeSecret marks the response as a one-time secret (a token shown once): it is sent,
+// stored without its body, and a repeat gets 409 one_time_secret.
+func MarkOneTimeSecret(ctx context.Context) { idemhttp.MarkOneTimeSecret(ctx) }
+
+// SetResourceID names what the request created; a repeat of a response whose body is not
+// stored names it. Default: the body's top-level "id", else the Location header.
+func SetResourceID(ctx context.Context, id string) { idemhttp.SetResourceID(ctx, id) }
+
+// WriteProblem writes an application's own RFC 9457 problem in the middleware's shape:
+// application/problem+json, nosniff, the status, and a type that is base followed by code.
+func WriteProblem(w http.ResponseWriter, status int, base, code, title, detail, correlationID string) {
+	idemhttp.WriteProblem(w, status, base, code, title, detail, correlationID)
+}
+
+// Refuse writes one of the middleware's problems (a Code constant) from a handler, with the
+// options of the request's route: for a body that DecodeJSON accepted but the handler cannot
+// take (a required member missing: CodeMalformedBody). Any other code is answered 500
+// internal_error and logged; an application's own problems go through WriteProblem.
+func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
+	idemhttp.Refuse(w, r, code, detail)
+}
+
+// DefaultFinalStatus is the default of Options.FinalStatus: the error statuses that a retry
+// of the same request would get again, stored and replayed (400, 403, 404, 409, 410, 412, 413,
+// 415, 422).
+func DefaultFinalStatus(status int) bool { return idemhttp.DefaultFinalStatus(status) }
+
+// DefaultRouteTemplate is the route template the middleware uses when Options.RouteTemplate
+// gives none: the path of net/http's ServeMux pattern (without its method and host), else the
+// URL path.
+func DefaultRouteTemplate(r *http.Request) string { return idemhttp.DefaultRouteTemplate(r) }

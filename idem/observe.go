@@ -1,0 +1,130 @@
+package idem
+
+// Problems, and what an Observer sees of keyed requests.
+
+import (
+	"time"
+
+	idemhttp "github.com/pgidem/pgidem/internal/http"
+)
+
+// Problem is an RFC 9457 problem details object, as the middleware writes them: decode an
+// answer's body into it to read the code.
+type Problem struct {
+	// Type is a URI that identifies the problem and documents it (Options.ProblemBase + Code).
+	Type string `json:"type"`
+	// Title is a short, stable summary of the problem type.
+	Title string `json:"title"`
+	// Status is the HTTP status.
+	Status int `json:"status"`
+	// Detail explains this occurrence.
+	Detail string `json:"detail,omitempty"`
+	// Code is the stable machine-readable code (a Code constant; the anchor of Type).
+	Code string `json:"code"`
+	// CorrelationID is the request's correlation id, when it has one.
+	CorrelationID string `json:"correlation_id,omitempty"`
+	// ChangedFields names the top-level request fields that differ (idempotency_key_reuse):
+	// empty when only the method, path or action changed; absent when unknown.
+	ChangedFields *[]string `json:"changed_fields,omitempty"`
+	// ResourceID is the id of what the first request created (response_not_replayable,
+	// one_time_secret), when it is known.
+	ResourceID string `json:"resource_id,omitempty"`
+	// Header names the request header the problem is about (idempotency_key_missing,
+	// idempotency_key_invalid).
+	Header string `json:"header,omitempty"`
+}
+
+// Problem codes: the code member of the problems the middleware writes, and the anchors of
+// their documentation in docs/http.md.
+const (
+	// CodeKeyMissing: 400, the route requires a key and the request has none.
+	CodeKeyMissing = "idempotency_key_missing"
+	// CodeKeyInvalid: 400, the key is not 1 to 255 visible ASCII characters, or sent twice.
+	CodeKeyInvalid = "idempotency_key_invalid"
+	// CodeKeyReuse: 422, the key was used for another request.
+	CodeKeyReuse = "idempotency_key_reuse"
+	// CodeInProgress: 409 with Retry-After, a request with the key is still running.
+	CodeInProgress = "request_in_progress"
+	// CodeOneTimeSecret: 409, the first answer was a one-time secret, sent once.
+	CodeOneTimeSecret = "one_time_secret"
+	// CodeNotReplayable: 409, the first answer was too large to store.
+	CodeNotReplayable = "response_not_replayable"
+	// CodeRequestTooLarge: 413, the body is over Options.MaxBodyBytes.
+	CodeRequestTooLarge = "request_too_large"
+	// CodeBodyUnreadable: 400, the body could not be read.
+	CodeBodyUnreadable = "request_body_unreadable"
+	// CodeMalformedBody: 400, the body is ambiguous, not strictly valid JSON, or not what the
+	// route takes.
+	CodeMalformedBody = "malformed_body"
+	// CodeUnsupportedMedia: 415, the body's Content-Type is not JSON.
+	CodeUnsupportedMedia = "unsupported_media_type"
+	// CodePrincipalUnknown: 401, the application's principals table does not know the
+	// principal.
+	CodePrincipalUnknown = "principal_unknown"
+	// CodeInternalError: 500, the handler failed (a panic); nothing was kept.
+	CodeInternalError = "internal_error"
+	// CodeMisconfigured: 500, the store refused the server's configuration (an action or a
+	// principal too long, a role that may not call the API): final, retrying does not help.
+	CodeMisconfigured = "idempotency_misconfigured"
+	// CodeStoreUnavailable: 503 with Retry-After, the database failed; nothing was changed.
+	CodeStoreUnavailable = "store_unavailable"
+	// CodeOutcomeUnknown: 503 with Retry-After, the connection was lost while committing.
+	CodeOutcomeUnknown = "outcome_unknown"
+)
+
+// Observer receives the events of keyed requests, for metrics (package idemprom adapts it to
+// Prometheus). Implementations must be safe for concurrent use and must not block: the
+// middleware calls them on the request's path, though never while it holds a transaction,
+// a row lock or a connection.
+type Observer interface {
+	// Count counts one state of a keyed request of this action (a request may count
+	// StateAcquired and then StateOversize).
+	Count(action string, state State)
+	// Done times a keyed request from the key check to its answer, by its main state.
+	Done(state State, elapsed time.Duration)
+	// LeaseExtended counts one extension of a lease route's lease (the heartbeat).
+	LeaseExtended(action string)
+	// LeaseEnded is called once the work of a lease route has ended and its answer is
+	// recorded (or not): lost tells whether the lease was lost, worked is how long the
+	// handler and the recording took. A failure to record or release the answer is logged at
+	// error level, not counted as a state.
+	LeaseEnded(action string, lost bool, worked time.Duration)
+}
+
+// observer adapts an Observer to the implementation's.
+type observer struct{ o Observer }
+
+func (a observer) Count(action string, s idemhttp.State)  { a.o.Count(action, State(s)) }
+func (a observer) Done(s idemhttp.State, d time.Duration) { a.o.Done(State(s), d) }
+func (a observer) LeaseExtended(action string)            { a.o.LeaseExtended(action) }
+func (a observer) LeaseEnded(action string, lost bool, worked time.Duration) {
+	a.o.LeaseEnded(action, lost, worked)
+}
+
+// State is what happened to a keyed request, as Observer counts it. The set of values is
+// frozen: dashboards and alerts depend on it.
+type State string
+
+// The states of idempotency_requests_total.
+const (
+	// StateAcquired: the request claimed the key (counted once per fresh claim): the
+	// denominator of the other rates.
+	StateAcquired State = "acquired"
+	// StateReplayed: a stored response was sent again (or 409 for a stored response whose
+	// body is withheld).
+	StateReplayed State = "replayed"
+	// StateBusy: another request held the key: 409 request_in_progress.
+	StateBusy State = "busy"
+	// StateKeyReused: the key belongs to another request: 422 idempotency_key_reuse.
+	StateKeyReused State = "key_reused"
+	// StateStoreError: the database failed; the client got a 5xx.
+	StateStoreError State = "store_error"
+	// StateOversize: counted on top of StateAcquired for a response too large to store for
+	// replay, so oversize ÷ acquired is the uncacheable rate.
+	StateOversize State = "oversize"
+)
+
+// States lists every State, in a fixed order.
+func States() []State {
+	return []State{StateAcquired, StateReplayed, StateBusy, StateKeyReused, StateStoreError, StateOversize}
+}
