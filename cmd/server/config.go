@@ -41,6 +41,12 @@ type Config struct {
 	// LockTimeout (IDEMPOTENCY_LOCK_TIMEOUT): how long a repeat waits for the first
 	// request. 0: the SQL API's default, 2s.
 	LockTimeout time.Duration
+	// WorkTimeout (IDEMPOTENCY_WORK_TIMEOUT): the server-side deadline of a keyed request's
+	// unit of work, which outlives a client that goes away. 0: idem.DefaultWorkTimeout, 30s.
+	WorkTimeout time.Duration
+	// DuplicateWait (IDEMPOTENCY_DUPLICATE_WAIT): how long a duplicate of a request still
+	// running waits for its answer before 409. 0: idem.DefaultDuplicateWait, 10s.
+	DuplicateWait time.Duration
 	// MaxWaitingClaims (IDEMPOTENCY_MAX_WAITING_CLAIMS): how many requests may wait on a
 	// key's row lock at once. 0: a quarter of PoolSize.
 	MaxWaitingClaims int
@@ -122,6 +128,8 @@ environment (docs/operations.md):
   IDEM_APP_ROLE                   the role migrate grants the API to (idem_app)
   IDEMPOTENCY_TTL                 how long an answer stays replayable after it was given (the SQL default, 24h)
   IDEMPOTENCY_LOCK_TIMEOUT        how long a repeat waits for the first request (the SQL default, 2s)
+  IDEMPOTENCY_WORK_TIMEOUT        the deadline of a keyed request's work, which outlives its client (30s)
+  IDEMPOTENCY_DUPLICATE_WAIT      how long a duplicate waits for the first's answer before 409 (10s)
   IDEMPOTENCY_MAX_WAITING_CLAIMS  requests that may wait on a key's row lock at once (a quarter of the pool)
   IDEMPOTENCY_MAX_WAITING_BYTES   what duplicates waiting for a request of this process may hold (16 x MAX_BODY_BYTES, at least 16 MiB)
   MAX_BODY_BYTES                  the largest request body (1048576)
@@ -190,6 +198,11 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.duration("IDEMPOTENCY_LOCK_TIMEOUT", &c.LockTimeout, time.Millisecond)
 	if c.LockTimeout > maxLockTimeout {
 		p.fail("IDEMPOTENCY_LOCK_TIMEOUT", c.LockTimeout.String(), fmt.Sprintf("want at most %s, PostgreSQL's largest lock_timeout", maxLockTimeout))
+	}
+	p.duration("IDEMPOTENCY_WORK_TIMEOUT", &c.WorkTimeout, time.Millisecond)
+	p.duration("IDEMPOTENCY_DUPLICATE_WAIT", &c.DuplicateWait, time.Millisecond)
+	if c.DuplicateWait > idem.MaxDuplicateWait {
+		p.fail("IDEMPOTENCY_DUPLICATE_WAIT", c.DuplicateWait.String(), fmt.Sprintf("want at most %s", idem.MaxDuplicateWait))
 	}
 	p.integer("IDEMPOTENCY_MAX_WAITING_CLAIMS", &c.MaxWaitingClaims, 1, 10_000)
 	maxBody := int(c.MaxBodyBytes)

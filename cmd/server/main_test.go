@@ -31,6 +31,9 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"IDEMPOTENCY_TTL", "87000h"}, // over interval '10 years' (86400h), under 365-day years
 		{"IDEMPOTENCY_LOCK_TIMEOUT", "720h"},
 		{"IDEMPOTENCY_LOCK_TIMEOUT", "0"},
+		{"IDEMPOTENCY_WORK_TIMEOUT", "-1s"},
+		{"IDEMPOTENCY_DUPLICATE_WAIT", "11m"},
+		{"IDEMPOTENCY_DUPLICATE_WAIT", "soon"},
 		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "0"},
 		{"MAX_BODY_BYTES", "0"},
 		{"MAX_STORED_RESPONSE_BYTES", "-1"},

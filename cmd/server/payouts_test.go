@@ -15,12 +15,14 @@ import (
 
 // TestPayoutOutlastsItsLease is the issue's case through the reference server: a payout whose
 // provider call takes 2.5 s on a route with a 1 s lease, and a client that retries every half
-// second. The heartbeat keeps the lease, so every retry during the work gets 409 with
-// Retry-After, the retry after it gets the recorded payout, and the provider, asked from
+// second, each waiting 0.2 s for the answer. The heartbeat keeps the lease, so every retry
+// during the work gets 409 with Retry-After, the retry after it gets the recorded payout, and the provider, asked from
 // outside, received one call.
 func TestPayoutOutlastsItsLease(t *testing.T) {
 	t.Parallel()
-	s := startServer(t, map[string]string{"PAYOUTS_LEASE": "1s", "PAYOUT_PROVIDER_DELAY": "2500ms"})
+	// Duplicates wait 0.2 s for the answer, so that the retries see the lease held.
+	s := startServer(t, map[string]string{"PAYOUTS_LEASE": "1s", "PAYOUT_PROVIDER_DELAY": "2500ms",
+		"IDEMPOTENCY_DUPLICATE_WAIT": "200ms"})
 	_, token := s.principal("payer")
 	account := int(s.call("POST", "/v1/accounts", token, "", `{"name":"main","currency":"EUR"}`).json(t)["id"].(float64))
 	body := fmt.Sprintf(`{"account":%d,"amount":700}`, account)

@@ -42,6 +42,8 @@ func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error
 		RouteTemplate:      idemmux.RouteTemplate, // gorilla/mux's route templates name the routes
 		TTL:                m.Config.TTL,
 		LockTimeout:        m.Config.LockTimeout,
+		WorkTimeout:        m.Config.WorkTimeout,
+		DuplicateWait:      m.Config.DuplicateWait,
 		MaxWaitingClaims:   m.Config.MaxWaitingClaims,
 		MaxWaitingBytes:    m.Config.MaxWaitingBytes,
 		MaxBodyBytes:       m.Config.MaxBodyBytes,

@@ -11,6 +11,8 @@
 //	latency     functions, seed 001 and no key through an in-process proxy that adds
 //	            0.5 ms to every round trip, 4 clients
 //	roundtrips  the round trips a keyed request adds through the idemhttp middleware
+//	duplicate   how soon a duplicate of a request still running has its answer, on a
+//	            transactional and a lease route, from this process and from another
 //	rows        the bytes a key stores beyond the response, and on disk
 //	fingerprint internal/canon's BenchmarkCompute: every body shape at 64 KiB and at the
 //	            1 MiB body limit
@@ -62,6 +64,7 @@ var parts = []struct {
 	{"sql", sqlPart},
 	{"latency", latencyPart},
 	{"roundtrips", roundTripsPart},
+	{"duplicate", duplicatePart},
 	{"rows", rowsPart},
 	{"fingerprint", fingerprintPart},
 	{"scale", scalePart},
@@ -254,6 +257,7 @@ func (b *bench) estimate(only map[string]bool) time.Duration {
 		"sql":         10 + float64(len(sqlVariants))*r*(s+0.5),
 		"latency":     5 + float64(len(latencyVariants))*r*(s+0.3),
 		"roundtrips":  2,
+		"duplicate":   10,
 		"rows":        15,
 		"fingerprint": 60,
 		// 10 million keys take about 4 minutes to load on a 2-core machine, and the part loads
