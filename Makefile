@@ -1,7 +1,7 @@
 # idem: idempotency keys decided inside PostgreSQL. `make help` lists the targets.
 SHELL := /bin/bash
 GO ?= go
-GOFLAGS_TEST ?= -race -count=1
+GOFLAGS_TEST ?= -race -count=1 -timeout 25m
 PKGS := ./...
 
 .DEFAULT_GOAL := help
