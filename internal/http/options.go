@@ -7,8 +7,11 @@
 //     key; a 2xx response is stored with the effect in the same commit;
 //   - a repeat gets the stored response byte for byte, plus Idempotent-Replayed: true;
 //   - a different request under the same key gets 422 idempotency_key_reuse;
-//   - a repeat while the first still runs waits up to the lock timeout, then answers as the
-//     first did, or 409 request_in_progress with Retry-After;
+//   - a repeat while the first still runs waits for its answer (without a connection, up to
+//     Options.DuplicateWait), then answers as the first did, or 409 request_in_progress with
+//     Retry-After;
+//   - the work of a keyed request outlives a client that goes away, up to
+//     Options.WorkTimeout, and commits with its answer for the client's retry;
 //   - a final error (400, 403, 404, 409, 410, 412, 413, 415, 422) is rolled back to a
 //     savepoint taken right after the claim and stored in the same transaction; other errors
 //     (401, 408, 428, 429, 3xx, 5xx, a panic) are rolled back and not stored.
