@@ -344,6 +344,9 @@ func TestHTTPHistory(t *testing.T) {
 	p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
 		"DATABASE_URL="+history.Via(proxy.Addr(), "ledger"), "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port),
 		"IDEMPOTENCY_TTL="+httpTTL.String(), "IDEMPOTENCY_LOCK_TIMEOUT=300ms", "PAYOUTS_LEASE="+httpLease.String(),
+		// Duplicates wait 0.3 s for an answer (not 10 s), so that the history also holds the
+		// 409 request_in_progress of a wait that ran out; TestHTTPLiveness runs the default.
+		"IDEMPOTENCY_DUPLICATE_WAIT=300ms",
 		"PAYOUT_PROVIDER_DELAY=150ms", "CLEANUP_INTERVAL=1s", "LOG_LEVEL=error", "DATABASE_POOL_SIZE=8")}
 	p.start()
 	defer p.kill()
