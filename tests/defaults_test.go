@@ -105,7 +105,7 @@ func TestDocumentedDefaultsAreTheSQLDefaults(t *testing.T) {
 		{"docs/operations.md", "`IDEMPOTENCY_TTL` \\| the SQL default, `([^`]+)`", "ttl"},
 		{"docs/operations.md", "`IDEMPOTENCY_LOCK_TIMEOUT` \\| the SQL default, `([^`]+)`", "lock"},
 		{"docs/operations.md", "`CLEANUP_BATCH_SIZE` \\| the SQL default, `([^`]+)`", "batch"},
-		{"docs/http.md", `waits up to the lock timeout \(default ([0-9]+ ?\w+)\)`, "lock"},
+		{"docs/http.md", `each wait of the lock timeout \(default ([0-9]+ ?\w+)\)`, "lock"},
 		{"docs/DECISIONS.md", `The TTL \(([0-9]+ \w+)\), the lock timeout`, "ttl"},
 		{"docs/DECISIONS.md", `the lock timeout \(([0-9]+ \w+)\) and the cleanup batch size`, "lock"},
 		{"docs/DECISIONS.md", `the cleanup batch size \(([0-9]+)\) are defined`, "batch"},
