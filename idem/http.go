@@ -270,9 +270,9 @@ func (m *Middleware) Shutdown(ctx context.Context) error { return m.m.Shutdown(c
 // GateStats are the figures of the duplicates a Middleware (or a Gate) holds back, for gauges
 // and counters (package idemprom exports them).
 type GateStats struct {
-	// Waiting is how many requests wait, without a connection, for a request of this process
-	// with the same key; WaitingBytes what they hold (their bodies plus 4 KiB each, bounded by
-	// Options.MaxWaitingBytes).
+	// Waiting is how many requests wait, without a connection, for a request with the same
+	// key: of this process (in Go), or holding a lease (for its answer); WaitingBytes what they
+	// hold (their bodies plus 4 KiB each, bounded by Options.MaxWaitingBytes).
 	Waiting, WaitingBytes int64
 	// LockWaits is how many claims wait on a key's row lock held by another process (bounded
 	// by Options.MaxWaitingClaims).

@@ -81,7 +81,7 @@ func NewGate(o GateOptions) *Gate {
 }
 
 // Waiting is how many requests wait in Go for another request of this process with the same
-// key (a gauge).
+// key, or (Hold) for an answer outside the Gate (a gauge).
 func (g *Gate) Waiting() int64 { return g.waiting.Load() }
 
 // WaitingBytes is what the requests counted by Waiting hold, as MaxWaitingBytes counts it (a

@@ -71,8 +71,9 @@ func (nopObserver) LeaseEnded(string, bool, time.Duration) {}
 
 // GateStats are the figures of the middleware's Gate, for gauges and counters.
 type GateStats struct {
-	// Waiting is how many requests wait, without a connection, for a request of this process
-	// with the same key; WaitingBytes what they hold (their bodies plus 4 KiB each).
+	// Waiting is how many requests wait, without a connection, for a request with the same
+	// key: of this process (in Go), or holding a lease (for its answer); WaitingBytes what they
+	// hold (their bodies plus 4 KiB each).
 	Waiting, WaitingBytes int64
 	// LockWaits is how many claims wait on a key's row lock held by another process.
 	LockWaits int
