@@ -105,7 +105,12 @@ func checkOnce(ctx context.Context, db Pool) error {
 // stores its result as JSON with it; a repeat returns the stored result with replayed true.
 // Another Input under the key is ErrMismatch; a run still in progress past the lock timeout,
 // ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
-// transaction rolls back, nothing is stored, and a later Do runs fn again.
+// transaction rolls back, nothing is stored, and a later Do runs fn again. ctx bounds the
+// whole unit of work, as Go callers expect: when it ends first, the transaction rolls back
+// (unlike the HTTP middleware, whose work outlives a client that goes away; an HTTP client's
+// disconnect is not the server's decision, a Go caller's cancellation is). Work that should
+// finish whatever happens to its caller passes context.WithoutCancel(ctx) with a deadline of
+// its own.
 func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err
