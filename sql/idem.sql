@@ -898,6 +898,9 @@ BEGIN
     VALUES (v_start, sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')));
 END
 $$;
+-- Statistics, so that the functions' plans read this one-row table as such (without them the
+-- planner assumes hundreds of rows, and a bitmap scan and a sort every claim).
+ANALYZE idem.installation_secrets;
 
 -- As tern does after each migration: back to the session's settings, then the version.
 RESET ALL;
@@ -973,7 +976,9 @@ COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz
 -- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
 -- column generation remembers it once the row's attempt has moved on). provider_key is derived
 -- from the principal, the key and the generation: the same for every attempt of one request,
--- different for any other (docs/sql-api.md, "Generations and provider keys").
+-- different for any other (docs/sql-api.md, "Generations and provider keys"). The read of an
+-- existing row also reads the installation's secret of its generation (one statement, not two);
+-- a fresh claim reads it with its provider key.
 --
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
@@ -1149,13 +1154,21 @@ IF p_request_fields IS NOT NULL THEN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld,
+                   (SELECT x.secret FROM idem.installation_secrets AS x
+  WHERE x.from_token <= coalesce(k.generation, k.attempt) AND x.from_token >> 48 = (coalesce(k.generation, k.attempt)) >> 48
+  ORDER BY x.from_token DESC LIMIT 1)
+ AS secret
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSE
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld,
+                   (SELECT x.secret FROM idem.installation_secrets AS x
+  WHERE x.from_token <= coalesce(k.generation, k.attempt) AND x.from_token >> 48 = (coalesce(k.generation, k.attempt)) >> 48
+  ORDER BY x.from_token DESC LIMIT 1)
+ AS secret
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -1233,14 +1246,11 @@ IF p_request_fields IS NOT NULL THEN
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
@@ -1250,14 +1260,11 @@ IF p_request_fields IS NOT NULL THEN
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         ELSIF v_lock THEN
@@ -1276,14 +1283,11 @@ IF p_request_fields IS NOT NULL THEN
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
             RETURN;
         END IF;
