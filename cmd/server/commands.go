@@ -15,7 +15,7 @@ import (
 )
 
 // Version is the server's version, set at build time with -ldflags "-X main.Version=...".
-var Version = "0.2.0-dev"
+var Version = "0.3.0-dev"
 
 // Main is the program: ParseFlags reads the command and configuration, Run runs it, Close
 // releases what Run acquired. End-to-end tests drive it without a shell.
