@@ -249,7 +249,9 @@ func TestDoHistory(t *testing.T) {
 	Verify(t, h, t.Name())
 	t.Logf("scenarios: %v", runner.Ran())
 	outcomes, faults := h.Counts()
-	Require(t, "the outcome", outcomes, map[string]int{"2xx": 20, "replayed": 5, "mismatch": 3, "released": 1, "busy": 1})
+	// At least: enough of each for the model to have something to check; on a loaded machine
+	// (two cores, the other packages' tests beside it) a short run completes fewer operations.
+	Require(t, "the outcome", outcomes, map[string]int{"2xx": 10, "replayed": 5, "mismatch": 3, "released": 1, "busy": 1})
 	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
 	Require(t, "the scenario", runner.Ran(), map[string]int{"DoLease then Do": 1, "failed lease, then reuse": 1,
 		"expiry lease": 1, "storm tx": 1, "storm lease": 1, "duplicate tx": 1, "duplicate lease": 1})
