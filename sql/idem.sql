@@ -931,6 +931,8 @@ DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
 -- A pre-release of 0.2.0 had a cleanup helper that ran any command on the Citus workers.
 DROP FUNCTION IF EXISTS idem.on_workers(text);
+-- An early build of this release had idem_new_installation_secret without p_wait.
+DROP PROCEDURE IF EXISTS idem.idem_new_installation_secret();
 
 -- answer_expires_at: until when a key whose answer is stored at p_now is kept at least: the
 -- TTL after p_now. idem_complete and idem_save_final store it in lease_expires_at (which
@@ -964,6 +966,44 @@ $$;
 COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz) IS
     'Internal: until when a key whose answer is stored at p_now is kept (its claim''s expiry moved on by p_now - p_anchor). Used by idem_complete and idem_save_final.';
 
+-- installation_secret_tokens, installation_secret_bytes: the installation's secrets for provider
+-- keys (idem.installation_secrets), as two arrays sorted by the first token each applies to.
+-- Internal; nothing is granted on them (they return the secrets).
+--
+-- IMMUTABLE on purpose, though they read a table: the planner evaluates them once, when it plans
+-- the provider key's expression (include/secret_of.sql), and PL/pgSQL keeps that plan for the
+-- session, so a claim reads the secrets without running a query (a scalar subquery made every
+-- claim and every replay about 15 microseconds dearer, docs/DECISIONS.md). What keeps the
+-- folded value true: the table changes only in the migrate's transaction, which installs the
+-- functions again (every session compiles them anew), and in idem_new_installation_secret, which
+-- compiles them anew too and waits for every older transaction before any token of the new
+-- secret is drawn.
+CREATE OR REPLACE FUNCTION idem.installation_secret_tokens()
+RETURNS bigint[]
+LANGUAGE sql
+IMMUTABLE
+SECURITY INVOKER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}') FROM idem.installation_secrets AS s
+$$;
+
+COMMENT ON FUNCTION idem.installation_secret_tokens() IS
+    'Internal: the first token of each installation secret, sorted; folded into the provider key''s plan (IMMUTABLE on purpose).';
+
+CREATE OR REPLACE FUNCTION idem.installation_secret_bytes()
+RETURNS bytea[]
+LANGUAGE sql
+IMMUTABLE
+SECURITY INVOKER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(s.secret ORDER BY s.from_token), '{}') FROM idem.installation_secrets AS s
+$$;
+
+COMMENT ON FUNCTION idem.installation_secret_bytes() IS
+    'Internal: the installation secrets, in the order of installation_secret_tokens; folded into the provider key''s plan (IMMUTABLE on purpose).';
+
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
 -- Hot path: one INSERT. On conflict the INSERT has already waited for an uncommitted holder
@@ -976,9 +1016,7 @@ COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz
 -- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
 -- column generation remembers it once the row's attempt has moved on). provider_key is derived
 -- from the principal, the key and the generation: the same for every attempt of one request,
--- different for any other (docs/sql-api.md, "Generations and provider keys"). The read of an
--- existing row also reads the installation's secret of its generation (one statement, not two);
--- a fresh claim reads it with its provider key.
+-- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
@@ -1139,14 +1177,17 @@ IF p_request_fields IS NOT NULL THEN
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
-                provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+                provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_token AND x.from_token >> 48 = v_token >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
                 RETURN;
             END IF;
@@ -1154,21 +1195,13 @@ IF p_request_fields IS NOT NULL THEN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld,
-                   (SELECT x.secret FROM idem.installation_secrets AS x
-  WHERE x.from_token <= coalesce(k.generation, k.attempt) AND x.from_token >> 48 = (coalesce(k.generation, k.attempt)) >> 48
-  ORDER BY x.from_token DESC LIMIT 1)
- AS secret
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSE
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld,
-                   (SELECT x.secret FROM idem.installation_secrets AS x
-  WHERE x.from_token <= coalesce(k.generation, k.attempt) AND x.from_token >> 48 = (coalesce(k.generation, k.attempt)) >> 48
-  ORDER BY x.from_token DESC LIMIT 1)
- AS secret
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -1200,14 +1233,17 @@ IF p_request_fields IS NOT NULL THEN
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
-                provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+                provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_token AND x.from_token >> 48 = v_token >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
                 RETURN;
             END IF;
@@ -1246,9 +1282,15 @@ IF p_request_fields IS NOT NULL THEN
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -1260,9 +1302,15 @@ IF p_request_fields IS NOT NULL THEN
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -1283,9 +1331,15 @@ IF p_request_fields IS NOT NULL THEN
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := encode(sha256(CASE WHEN v_row.secret IS NULL
+            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || v_row.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -2778,14 +2832,17 @@ IF v_problem IS NOT NULL THEN
         lease_expires_at := v_row.lease_expires_at;
         lease_run_out := v_row.lease_expires_at <= v_now;
         age := v_now - v_row.claimed_at;
-        provider_key := (SELECT encode(sha256(CASE WHEN s.secret IS NULL
+        provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || s.secret END
+            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+ END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-   FROM (SELECT (SELECT x.secret FROM idem.installation_secrets AS x
-                  WHERE x.from_token <= v_gen AND x.from_token >> 48 = v_gen >> 48
-                  ORDER BY x.from_token DESC LIMIT 1) AS secret) AS s)
 ;
         RETURN NEXT;
     END LOOP;
@@ -2801,26 +2858,59 @@ COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
 -- the copy, before it serves, and the copy's new provider keys differ from the original's.
 -- Generations that already exist keep their provider keys (a lease in flight keeps its key).
 --
--- Two transactions, in this order: the new secret's row commits first, from a token 2^32
--- above the last one drawn; only then does the sequence jump to that token. A claim reads the
--- secrets after it drew its token, so a token below the jump takes the earlier secret, and one
--- at or above it is drawn after the row committed and finds it. A procedure: it commits, so it
--- cannot be SECURITY DEFINER or pin search_path with a SET clause; every name is qualified.
--- The schema's owner runs it (nothing is granted).
-CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret()
+-- In this order, so that no claim ever gives a token of the new secret the key of an older one:
+--   1. the new secret's row commits, from a token 2^32 above the last one drawn, and the
+--      functions that compute provider keys are compiled anew in every session (their plans hold
+--      the secrets: installation_secrets.sql); a transaction that starts after this sees both;
+--   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
+--      CONCURRENTLY waits for old snapshots), at most p_wait;
+--   3. only then the token sequence moves to the new secret's first token.
+-- A claim that draws a token of the new secret therefore runs in a transaction that started
+-- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
+-- secret's tokens are 2^32 draws away; run it again.
+--
+-- A procedure: it commits, so it cannot be SECURITY DEFINER or pin search_path with a SET
+-- clause; every name is qualified. Call it outside a transaction block, as the schema's owner
+-- (nothing is granted).
+CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret(p_wait interval DEFAULT '10 minutes')
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_from bigint;
+    v_from  bigint;
+    v_older text[];
+    v_until timestamptz;
 BEGIN
+    IF p_wait IS NULL OR p_wait < interval '0' THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL or negative, got %', p_wait
+            USING ERRCODE = '22023';
+    END IF;
     -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
     -- reads): two runs could otherwise move the sequence backwards.
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
-    v_from := (SELECT s.last_value FROM idem.token_seq AS s) + 4294967296;
+    v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s) + 4294967296,
+                       coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0) + 1);
     INSERT INTO idem.installation_secrets (from_token, secret)
     VALUES (v_from, pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
         || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')));
+    -- A new pg_proc row for each function that computes provider keys: every session compiles
+    -- it anew, and plans the secrets again, in its next transaction.
+    ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
+    ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
+
+    v_older := ARRAY(SELECT l.virtualxid FROM pg_catalog.pg_locks AS l
+                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid());
+    v_until := pg_catalog.clock_timestamp() + p_wait;
+    WHILE EXISTS (SELECT FROM pg_catalog.pg_locks AS l
+                   WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY (v_older)) LOOP
+        IF pg_catalog.clock_timestamp() > v_until THEN
+            RAISE EXCEPTION 'idem_new_installation_secret: transactions older than the new secret are still running after %', p_wait
+                USING ERRCODE = '55000',
+                      HINT = 'The new secret is not in use yet (its tokens are 2^32 draws away); end them, or run the procedure again.';
+        END IF;
+        PERFORM pg_catalog.pg_sleep(0.05);
+    END LOOP;
+
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     IF pg_catalog.nextval('idem.token_seq') < v_from THEN
         PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
@@ -2829,8 +2919,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON PROCEDURE idem.idem_new_installation_secret() IS
-    'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner. See docs/operations.md.';
+COMMENT ON PROCEDURE idem.idem_new_installation_secret(interval) IS
+    'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner, outside a transaction block. See docs/operations.md.';
 
 
 -- Nothing is granted to PUBLIC; the application role may call the API.

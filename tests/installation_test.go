@@ -61,6 +61,13 @@ func TestNewInstallationSecret(t *testing.T) {
 			a.ProviderKey, b.ProviderKey)
 	}
 	inFlight := leaseClaim(t, copyB, "alice", "in-flight")
+	// A session that claimed before the call, and so planned the provider key with the old
+	// secrets (they are folded into the plan): it must use the new secret afterwards.
+	session := pgtest.Connect(t, copyB)
+	if _, err := idem.Begin(ctx, session, idem.Claim{Principal: "alice", Key: "session-before", Action: "POST /v1/payouts",
+		Fingerprint: sha256.Sum256([]byte("1")), Lease: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
 	conn := pgtest.Connect(t, copyB)
 	if _, err := conn.Exec(ctx, `CALL idem.idem_new_installation_secret()`); err != nil {
 		t.Fatal(err)
@@ -87,6 +94,21 @@ func TestNewInstallationSecret(t *testing.T) {
 	}
 	if a.ProviderKey == b.ProviderKey {
 		t.Fatalf("after idem_new_installation_secret the copy still gives the original's provider key %s", a.ProviderKey)
+	}
+	// The session that had planned the old secrets computes a new generation's key with the new one.
+	d, err := idem.Begin(ctx, session, idem.Claim{Principal: "alice", Key: "session-after", Action: "POST /v1/payouts",
+		Fingerprint: sha256.Sum256([]byte("1")), Lease: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want string
+	if err := conn.QueryRow(ctx, `SELECT encode(sha256('pgidem provider key v3'::bytea || '\x00'::bytea || s.secret || '\x00'::bytea
+		|| 'alice'::bytea || '\x00'::bytea || 'session-after'::bytea || '\x00'::bytea || convert_to($1::bigint::text, 'UTF8')), 'hex')
+		FROM idem.installation_secrets AS s ORDER BY s.from_token DESC LIMIT 1`, d.Attempt).Scan(&want); err != nil {
+		t.Fatal(err)
+	}
+	if d.ProviderKey != want {
+		t.Fatalf("a session that planned the provider key before the new secret gave %s, want %s (the new secret's)", d.ProviderKey, want)
 	}
 	// Nobody but the owner may run it.
 	app := pgtest.Connect(t, pgtest.LoginRole(t, copyB, "idem_app"))

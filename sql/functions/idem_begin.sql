@@ -10,9 +10,7 @@
 -- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
 -- column generation remembers it once the row's attempt has moved on). provider_key is derived
 -- from the principal, the key and the generation: the same for every attempt of one request,
--- different for any other (docs/sql-api.md, "Generations and provider keys"). The read of an
--- existing row also reads the installation's secret of its generation (one statement, not two);
--- a fresh claim reads it with its provider key.
+-- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
@@ -127,15 +125,13 @@ BEGIN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld,
-                   {{ template "include/secret_of.sql" "coalesce(k.generation, k.attempt)" }} AS secret
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSE
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld,
-                   {{ template "include/secret_of.sql" "coalesce(k.generation, k.attempt)" }} AS secret
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -205,7 +201,7 @@ BEGIN
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := {{ template "include/provider_key_from.sql" (list "v_gen" "v_row.secret") }};
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -214,7 +210,7 @@ BEGIN
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := {{ template "include/provider_key_from.sql" (list "v_gen" "v_row.secret") }};
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         ELSIF v_lock THEN
             -- The lease ran out: take it over with a new token, in the same generation. The
@@ -232,7 +228,7 @@ BEGIN
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := {{ template "include/provider_key_from.sql" (list "v_gen" "v_row.secret") }};
+            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.

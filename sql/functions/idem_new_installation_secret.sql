@@ -4,26 +4,59 @@
 -- the copy, before it serves, and the copy's new provider keys differ from the original's.
 -- Generations that already exist keep their provider keys (a lease in flight keeps its key).
 --
--- Two transactions, in this order: the new secret's row commits first, from a token 2^32
--- above the last one drawn; only then does the sequence jump to that token. A claim reads the
--- secrets after it drew its token, so a token below the jump takes the earlier secret, and one
--- at or above it is drawn after the row committed and finds it. A procedure: it commits, so it
--- cannot be SECURITY DEFINER or pin search_path with a SET clause; every name is qualified.
--- The schema's owner runs it (nothing is granted).
-CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret()
+-- In this order, so that no claim ever gives a token of the new secret the key of an older one:
+--   1. the new secret's row commits, from a token 2^32 above the last one drawn, and the
+--      functions that compute provider keys are compiled anew in every session (their plans hold
+--      the secrets: installation_secrets.sql); a transaction that starts after this sees both;
+--   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
+--      CONCURRENTLY waits for old snapshots), at most p_wait;
+--   3. only then the token sequence moves to the new secret's first token.
+-- A claim that draws a token of the new secret therefore runs in a transaction that started
+-- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
+-- secret's tokens are 2^32 draws away; run it again.
+--
+-- A procedure: it commits, so it cannot be SECURITY DEFINER or pin search_path with a SET
+-- clause; every name is qualified. Call it outside a transaction block, as the schema's owner
+-- (nothing is granted).
+CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret(p_wait interval DEFAULT '10 minutes')
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_from bigint;
+    v_from  bigint;
+    v_older text[];
+    v_until timestamptz;
 BEGIN
+    IF p_wait IS NULL OR p_wait < interval '0' THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL or negative, got %', p_wait
+            USING ERRCODE = '22023';
+    END IF;
     -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
     -- reads): two runs could otherwise move the sequence backwards.
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
-    v_from := (SELECT s.last_value FROM idem.token_seq AS s) + 4294967296;
+    v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s) + 4294967296,
+                       coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0) + 1);
     INSERT INTO idem.installation_secrets (from_token, secret)
     VALUES (v_from, pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
         || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')));
+    -- A new pg_proc row for each function that computes provider keys: every session compiles
+    -- it anew, and plans the secrets again, in its next transaction.
+    ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
+    ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
+
+    v_older := ARRAY(SELECT l.virtualxid FROM pg_catalog.pg_locks AS l
+                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid());
+    v_until := pg_catalog.clock_timestamp() + p_wait;
+    WHILE EXISTS (SELECT FROM pg_catalog.pg_locks AS l
+                   WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY (v_older)) LOOP
+        IF pg_catalog.clock_timestamp() > v_until THEN
+            RAISE EXCEPTION 'idem_new_installation_secret: transactions older than the new secret are still running after %', p_wait
+                USING ERRCODE = '55000',
+                      HINT = 'The new secret is not in use yet (its tokens are 2^32 draws away); end them, or run the procedure again.';
+        END IF;
+        PERFORM pg_catalog.pg_sleep(0.05);
+    END LOOP;
+
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     IF pg_catalog.nextval('idem.token_seq') < v_from THEN
         PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
@@ -32,5 +65,5 @@ BEGIN
 END
 $$;
 
-COMMENT ON PROCEDURE idem.idem_new_installation_secret() IS
-    'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner. See docs/operations.md.';
+COMMENT ON PROCEDURE idem.idem_new_installation_secret(interval) IS
+    'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner, outside a transaction block. See docs/operations.md.';

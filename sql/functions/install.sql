@@ -20,8 +20,11 @@ DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
 -- A pre-release of 0.2.0 had a cleanup helper that ran any command on the Citus workers.
 DROP FUNCTION IF EXISTS idem.on_workers(text);
+-- An early build of this release had idem_new_installation_secret without p_wait.
+DROP PROCEDURE IF EXISTS idem.idem_new_installation_secret();
 
 {{ template "answer_expires_at.sql" . }}
+{{ template "installation_secrets.sql" . }}
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}

@@ -1,7 +1,10 @@
-{{- /* secret_of: the installation's secret for the generation . (an expression), NULL for a
-   generation the previous release started: the secret with the greatest from_token at or
-   below it, in its token range (the top 16 bits). A scalar subquery: inside a statement that
-   runs anyway (the read of a key's row) it costs an index probe of a tiny table. */ -}}
-(SELECT x.secret FROM idem.installation_secrets AS x
-  WHERE x.from_token <= {{ . }} AND x.from_token >> 48 = ({{ . }}) >> 48
-  ORDER BY x.from_token DESC LIMIT 1)
+{{- /* secret_of: the installation's secret of the generation . (a bigint variable), NULL for a
+   generation the previous release started: the secret with the greatest from_token at or below
+   it (width_bucket over the sorted from_tokens), if that one is in the generation's token range
+   (the top 16 bits). The two arrays come from IMMUTABLE functions without arguments, which the
+   planner evaluates once when it plans this expression: the expression stays simple, and
+   PL/pgSQL evaluates it without the executor, for every call of the session until the function
+   is compiled again (idem_new_installation_secret makes sure it is; installation_secrets.sql). */ -}}
+(CASE WHEN width_bucket({{ . }}, idem.installation_secret_tokens()) > 0
+       AND (idem.installation_secret_tokens())[width_bucket({{ . }}, idem.installation_secret_tokens())] >> 48 = {{ . }} >> 48
+      THEN (idem.installation_secret_bytes())[width_bucket({{ . }}, idem.installation_secret_tokens())] END)
