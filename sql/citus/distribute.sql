@@ -89,6 +89,11 @@ SELECT w.result::bigint, (SELECT s.secret FROM idem.installation_secrets AS s OR
                                  WHERE schemaname = 'idem' AND sequencename = 'token_seq'$$) AS w
  WHERE w.success AND w.result <> ''
 ON CONFLICT (from_token) DO NOTHING;
+-- The secrets are folded into the provider key's plan (sql/functions/installation_secrets.sql):
+-- have every session on every node compile the functions that compute it anew. Run this script
+-- before the cluster serves keys, as the install is.
+ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
+ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
 
 -- 5. The API: each claim, completion, final answer, release and lease extension runs on the worker that holds
 --    p_principal's shard, in the caller's transaction (force_delegation).
