@@ -850,40 +850,55 @@ SELECT version < 6 AS idem_migration_due FROM idem.schema_version \gset
 --
 -- Expand only: nothing here touches the key table, so the previous release serves through it.
 --
---   - idem.installation_secrets: one row per secret, with the first token it applies to. A
---     generation (the token of its first claim) takes the secret with the greatest from_token
---     at or below it, in its own token range (the top 16 bits: a Citus worker's group); a
---     generation below every secret of its range is one the previous release started, and keeps
---     the provider key that release gave it (label v2, no secret): an upgrade never changes the
---     provider key of a generation that exists, so a lease in flight across it keeps its key.
---   - idem.token_seq: where tokens come from from now on, starting 2^32 above the last token
---     of idem.attempt_seq. A call of the previous release's functions that was already running
---     when the new ones were installed still draws from idem.attempt_seq, below the new secret's
---     from_token, and gives the v2 key that its generation keeps. One sequence with a threshold
---     could not tell those late draws from new ones. idem.attempt_seq stays for that reason (a
---     later release drops it).
+--   - The secret is 32 random bytes kept in four sequences (idem.installation_secret_1_1 to
+--     _1_4, eight bytes each), readable by the schema's owner only. A sequence, not a table: it
+--     is read without a snapshot, so every transaction, at any isolation level and however old
+--     its snapshot, computes the same provider key for a generation (a table read by an older
+--     REPEATABLE READ snapshot would miss a secret that applies to its token).
+--   - idem.installation_secrets: one row per secret, with the first token it applies to and its
+--     sequences. A generation (the token of its first claim) takes the secret with the greatest
+--     from_token at or below it, in its own token range (the top 16 bits: a Citus worker's
+--     group); a generation below every secret of its range is one the previous release started,
+--     and keeps the provider key that release gave it (label v2, no secret): an upgrade never
+--     changes the provider key of a generation that exists, so a lease in flight across it keeps
+--     its key.
+--   - idem.token_seq: where tokens come from from now on, 2^32 above the last token of
+--     idem.attempt_seq where the previous release's functions drew from it. A call of those
+--     functions that was already running when the new ones were installed still draws from
+--     idem.attempt_seq, below the new secret's from_token, and gives the v2 key that its
+--     generation keeps. One sequence with a threshold could not tell those late draws from new
+--     ones. idem.attempt_seq stays for that reason (a later release drops it).
 --
--- The secret is readable by the schema's owner only: the SECURITY DEFINER functions read it, no
--- role is granted it, and nothing returns it. A copy of the database (a restore of a dump, a
--- clone from a template) carries the secret: give the copy its own with
--- CALL idem.idem_new_installation_secret() (docs/operations.md).
+-- The functions read the list of secrets from two functions that the install writes from this
+-- table (installation_secret_tokens, installation_secret_seqs: sql/functions/install.sql). A
+-- copy of the database (a restore of a dump, a clone from a template) carries the secret: give
+-- the copy its own with CALL idem.idem_new_installation_secret() (docs/operations.md).
 CREATE TABLE idem.installation_secrets (
-    from_token bigint PRIMARY KEY,
-    secret     bytea NOT NULL CHECK (octet_length(secret) = 32),
-    created_at timestamptz NOT NULL DEFAULT now()
+    from_token  bigint PRIMARY KEY,
+    secret_seqs text[] NOT NULL CHECK (cardinality(secret_seqs) = 4),
+    created_at  timestamptz NOT NULL DEFAULT now()
 );
 REVOKE ALL ON idem.installation_secrets FROM PUBLIC;
 COMMENT ON TABLE idem.installation_secrets IS
-    'The installation''s secrets for provider keys, each for the generations from from_token on (in its token range); private to the schema''s owner.';
+    'The installation''s secrets for provider keys, each for the generations from from_token on (in its token range), kept in four sequences each; private to the schema''s owner.';
 
 CREATE SEQUENCE idem.token_seq AS bigint;
 COMMENT ON SEQUENCE idem.token_seq IS
     'Fencing tokens (attempt) and so generation numbers, from migration 006 on; above every token of idem.attempt_seq.';
 
+-- The first secret's four parts (the values below; never call nextval on them). Only the owner
+-- may read them (a sequence grants nothing to PUBLIC).
+CREATE SEQUENCE idem.installation_secret_1_1 AS bigint MINVALUE -9223372036854775808 START 0;
+CREATE SEQUENCE idem.installation_secret_1_2 AS bigint MINVALUE -9223372036854775808 START 0;
+CREATE SEQUENCE idem.installation_secret_1_3 AS bigint MINVALUE -9223372036854775808 START 0;
+CREATE SEQUENCE idem.installation_secret_1_4 AS bigint MINVALUE -9223372036854775808 START 0;
+
 DO $$
 DECLARE
     v_next  bigint := (SELECT s.last_value + CASE WHEN s.is_called THEN 1 ELSE 0 END FROM idem.attempt_seq AS s);
     v_start bigint := v_next;
+    -- 32 bytes from the server's strong random source (gen_random_uuid draws 122 bits a UUID).
+    v_bytes bytea := sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8'));
 BEGIN
     -- The 2^32 gap is for the calls of the functions installed now that may still draw from
     -- idem.attempt_seq after this commits; where none of them does (a new installation, an
@@ -893,14 +908,15 @@ BEGIN
         v_start := v_next + 4294967296;
     END IF;
     PERFORM setval('idem.token_seq', v_start, false);
-    -- 32 bytes from the server's strong random source (gen_random_uuid draws 122 bits a UUID).
-    INSERT INTO idem.installation_secrets (from_token, secret)
-    VALUES (v_start, sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')));
+    FOR j IN 1..4 LOOP
+        PERFORM setval(format('idem.installation_secret_1_%s', j)::regclass,
+                       ('x' || encode(substr(v_bytes, 8 * j - 7, 8), 'hex'))::bit(64)::bigint, true);
+    END LOOP;
+    INSERT INTO idem.installation_secrets (from_token, secret_seqs)
+    VALUES (v_start, ARRAY['idem.installation_secret_1_1', 'idem.installation_secret_1_2',
+                           'idem.installation_secret_1_3', 'idem.installation_secret_1_4']);
 END
 $$;
--- Statistics, so that the functions' plans read this one-row table as such (without them the
--- planner assumes hundreds of rows, and a bitmap scan and a sort every claim).
-ANALYZE idem.installation_secrets;
 
 -- As tern does after each migration: back to the session's settings, then the version.
 RESET ALL;
@@ -966,44 +982,26 @@ $$;
 COMMENT ON FUNCTION idem.answer_expires_at(timestamptz, timestamptz, timestamptz) IS
     'Internal: until when a key whose answer is stored at p_now is kept (its claim''s expiry moved on by p_now - p_anchor). Used by idem_complete and idem_save_final.';
 
--- installation_secret_tokens, installation_secret_bytes: the installation's secrets for provider
--- keys (idem.installation_secrets), as two arrays sorted by the first token each applies to.
--- Internal; nothing is granted on them (they return the secrets).
---
--- IMMUTABLE on purpose, though they read a table: the planner evaluates them once, when it plans
--- the provider key's expression (include/secret_of.sql), and PL/pgSQL keeps that plan for the
--- session, so a claim reads the secrets without running a query (a scalar subquery made every
--- claim and every replay about 15 microseconds dearer, docs/DECISIONS.md). What keeps the
--- folded value true: the table changes only in the migrate's transaction, which installs the
--- functions again (every session compiles them anew), and in idem_new_installation_secret, which
--- compiles them anew too and waits for every older transaction before any token of the new
--- secret is drawn.
-CREATE OR REPLACE FUNCTION idem.installation_secret_tokens()
-RETURNS bigint[]
-LANGUAGE sql
-IMMUTABLE
-SECURITY INVOKER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}') FROM idem.installation_secrets AS s
-$$;
-
+-- The lists of the installation's secrets, written from idem.installation_secrets (migration
+-- 006) as functions the planner folds into the provider key's plan.
+DO $$
+BEGIN
+EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %L$fn$,
+    format('SELECT %L::bigint[]', (SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}')
+                                     FROM idem.installation_secrets AS s)));
+EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_seqs() RETURNS regclass[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %L$fn$,
+    format('SELECT %L::regclass[]', (SELECT coalesce(array_agg(u.q ORDER BY s.from_token, u.o), '{}')
+                                       FROM idem.installation_secrets AS s,
+                                            unnest(s.secret_seqs) WITH ORDINALITY AS u(q, o))));
 COMMENT ON FUNCTION idem.installation_secret_tokens() IS
-    'Internal: the first token of each installation secret, sorted; folded into the provider key''s plan (IMMUTABLE on purpose).';
+    'Internal: the first token of each installation secret, sorted; written from idem.installation_secrets, folded into the provider key''s plan.';
+COMMENT ON FUNCTION idem.installation_secret_seqs() IS
+    'Internal: the four sequences of each installation secret, in the order of installation_secret_tokens; written from idem.installation_secrets.';
 
-CREATE OR REPLACE FUNCTION idem.installation_secret_bytes()
-RETURNS bytea[]
-LANGUAGE sql
-IMMUTABLE
-SECURITY INVOKER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT coalesce(array_agg(s.secret ORDER BY s.from_token), '{}') FROM idem.installation_secrets AS s
+END
 $$;
-
-COMMENT ON FUNCTION idem.installation_secret_bytes() IS
-    'Internal: the installation secrets, in the order of installation_secret_tokens; folded into the provider key''s plan (IMMUTABLE on purpose).';
-
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
 -- Hot path: one INSERT. On conflict the INSERT has already waited for an uncommitted holder
@@ -1179,12 +1177,20 @@ IF p_request_fields IS NOT NULL THEN
                 outcome := 'claimed';
                 provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
@@ -1235,12 +1241,20 @@ IF p_request_fields IS NOT NULL THEN
                 outcome := 'claimed';
                 provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_token, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
@@ -1284,12 +1298,20 @@ IF p_request_fields IS NOT NULL THEN
             v_gen := coalesce(v_row.generation, v_row.attempt);
             provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -1304,12 +1326,20 @@ IF p_request_fields IS NOT NULL THEN
             v_gen := coalesce(v_row.generation, v_row.attempt);
             provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -1333,12 +1363,20 @@ IF p_request_fields IS NOT NULL THEN
             outcome := 'claimed';
             provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -2834,12 +2872,20 @@ IF v_problem IS NOT NULL THEN
         age := v_now - v_row.claimed_at;
         provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  IS NULL
             THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
             ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
        AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN (idem.installation_secret_bytes())[width_bucket(v_gen, idem.installation_secret_tokens())] END)
+      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+ END)
  END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -2859,9 +2905,10 @@ COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
 -- Generations that already exist keep their provider keys (a lease in flight keeps its key).
 --
 -- In this order, so that no claim ever gives a token of the new secret the key of an older one:
---   1. the new secret's row commits, from a token 2^32 above the last one drawn, and the
---      functions that compute provider keys are compiled anew in every session (their plans hold
---      the secrets: installation_secrets.sql); a transaction that starts after this sees both;
+--   1. the new secret (four new sequences) and its row commit, from a token 2^32 above the last
+--      one drawn; the lists of secrets are written again (include/publish_secrets.sql) and the
+--      functions that compute provider keys are compiled anew in every session (their plans
+--      hold the lists); a transaction that starts after this sees both;
 --   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
 --      CONCURRENTLY waits for old snapshots), at most p_wait;
 --   3. only then the token sequence moves to the new secret's first token.
@@ -2877,6 +2924,10 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     v_from  bigint;
+    v_n     bigint;
+    v_bytes bytea;
+    v_seq   text;
+    v_seqs  text[];
     v_older text[];
     v_until timestamptz;
 BEGIN
@@ -2889,9 +2940,32 @@ BEGIN
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s) + 4294967296,
                        coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0) + 1);
-    INSERT INTO idem.installation_secrets (from_token, secret)
-    VALUES (v_from, pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
-        || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')));
+    v_n := (SELECT pg_catalog.count(*) FROM idem.installation_secrets) + 1;
+    v_bytes := pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
+        || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8'));
+    v_seqs := '{}';
+    FOR j IN 1..4 LOOP
+        v_seq := pg_catalog.format('idem.installation_secret_%s_%s', v_n, j);
+        EXECUTE pg_catalog.format('CREATE SEQUENCE %s AS bigint MINVALUE -9223372036854775808 START 0', v_seq);
+        PERFORM pg_catalog.setval(v_seq::regclass,
+            ('x' || pg_catalog.encode(pg_catalog.substr(v_bytes, 8 * j - 7, 8), 'hex'))::bit(64)::bigint, true);
+        v_seqs := v_seqs || v_seq;
+    END LOOP;
+    INSERT INTO idem.installation_secrets (from_token, secret_seqs) VALUES (v_from, v_seqs);
+EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %L$fn$,
+    format('SELECT %L::bigint[]', (SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}')
+                                     FROM idem.installation_secrets AS s)));
+EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_seqs() RETURNS regclass[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %L$fn$,
+    format('SELECT %L::regclass[]', (SELECT coalesce(array_agg(u.q ORDER BY s.from_token, u.o), '{}')
+                                       FROM idem.installation_secrets AS s,
+                                            unnest(s.secret_seqs) WITH ORDINALITY AS u(q, o))));
+COMMENT ON FUNCTION idem.installation_secret_tokens() IS
+    'Internal: the first token of each installation secret, sorted; written from idem.installation_secrets, folded into the provider key''s plan.';
+COMMENT ON FUNCTION idem.installation_secret_seqs() IS
+    'Internal: the four sequences of each installation secret, in the order of installation_secret_tokens; written from idem.installation_secrets.';
+
     -- A new pg_proc row for each function that computes provider keys: every session compiles
     -- it anew, and plans the secrets again, in its next transaction.
     ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;

@@ -102,7 +102,9 @@ func TestNewInstallationSecret(t *testing.T) {
 		t.Fatal(err)
 	}
 	var want string
-	if err := conn.QueryRow(ctx, `SELECT encode(sha256('pgidem provider key v3'::bytea || '\x00'::bytea || s.secret || '\x00'::bytea
+	if err := conn.QueryRow(ctx, `SELECT encode(sha256('pgidem provider key v3'::bytea || '\x00'::bytea
+		|| (SELECT string_agg(int8send(pg_sequence_last_value(u.q::regclass)), ''::bytea ORDER BY u.o)
+		      FROM unnest(s.secret_seqs) WITH ORDINALITY AS u(q, o)) || '\x00'::bytea
 		|| 'alice'::bytea || '\x00'::bytea || 'session-after'::bytea || '\x00'::bytea || convert_to($1::bigint::text, 'UTF8')), 'hex')
 		FROM idem.installation_secrets AS s ORDER BY s.from_token DESC LIMIT 1`, d.Attempt).Scan(&want); err != nil {
 		t.Fatal(err)

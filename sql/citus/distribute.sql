@@ -83,17 +83,39 @@ BEGIN
 END
 $do$
 $cmd$);
-INSERT INTO idem.installation_secrets (from_token, secret)
-SELECT w.result::bigint, (SELECT s.secret FROM idem.installation_secrets AS s ORDER BY s.from_token LIMIT 1)
+-- The coordinator's current secret, for each worker's range: a row for the worker's first new
+-- token, pointing at the same four sequences, whose values every worker is given (each worker's
+-- own install made a random secret of its own); then each worker writes its lists of secrets
+-- again (as the install does) and compiles the functions that compute provider keys anew. Run
+-- this script before the cluster serves keys. (Not run by CI, which has no Citus.)
+INSERT INTO idem.installation_secrets (from_token, secret_seqs)
+SELECT w.result::bigint, (SELECT s.secret_seqs FROM idem.installation_secrets AS s ORDER BY s.from_token DESC LIMIT 1)
   FROM run_command_on_workers($$SELECT min_value FROM pg_catalog.pg_sequences
                                  WHERE schemaname = 'idem' AND sequencename = 'token_seq'$$) AS w
  WHERE w.success AND w.result <> ''
 ON CONFLICT (from_token) DO NOTHING;
--- The secrets are folded into the provider key's plan (sql/functions/installation_secrets.sql):
--- have every session on every node compile the functions that compute it anew. Run this script
--- before the cluster serves keys, as the install is.
-ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
-ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
+SELECT run_command_on_workers(format($cmd$
+DO $do$
+BEGIN
+    SET LOCAL citus.enable_ddl_propagation = off;
+    PERFORM setval(u.q::regclass, u.v, true)
+       FROM unnest(%L::text[], %L::bigint[]) AS u(q, v)
+      WHERE to_regclass(u.q) IS NOT NULL;
+    EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
+        LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %%L$fn$,
+        format('SELECT %%L::bigint[]', (SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}')
+                                          FROM idem.installation_secrets AS s)));
+    EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_seqs() RETURNS regclass[]
+        LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %%L$fn$,
+        format('SELECT %%L::regclass[]', (SELECT coalesce(array_agg(u.q ORDER BY s.from_token, u.o), '{}')
+                                            FROM idem.installation_secrets AS s,
+                                                 unnest(s.secret_seqs) WITH ORDINALITY AS u(q, o))));
+    ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
+    ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
+END
+$do$
+$cmd$, (SELECT array_agg(q ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q),
+       (SELECT array_agg(pg_sequence_last_value(q::regclass) ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q)));
 
 -- 5. The API: each claim, completion, final answer, release and lease extension runs on the worker that holds
 --    p_principal's shard, in the caller's transaction (force_delegation).

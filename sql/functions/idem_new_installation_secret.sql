@@ -5,9 +5,10 @@
 -- Generations that already exist keep their provider keys (a lease in flight keeps its key).
 --
 -- In this order, so that no claim ever gives a token of the new secret the key of an older one:
---   1. the new secret's row commits, from a token 2^32 above the last one drawn, and the
---      functions that compute provider keys are compiled anew in every session (their plans hold
---      the secrets: installation_secrets.sql); a transaction that starts after this sees both;
+--   1. the new secret (four new sequences) and its row commit, from a token 2^32 above the last
+--      one drawn; the lists of secrets are written again (include/publish_secrets.sql) and the
+--      functions that compute provider keys are compiled anew in every session (their plans
+--      hold the lists); a transaction that starts after this sees both;
 --   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
 --      CONCURRENTLY waits for old snapshots), at most p_wait;
 --   3. only then the token sequence moves to the new secret's first token.
@@ -23,6 +24,10 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     v_from  bigint;
+    v_n     bigint;
+    v_bytes bytea;
+    v_seq   text;
+    v_seqs  text[];
     v_older text[];
     v_until timestamptz;
 BEGIN
@@ -35,9 +40,19 @@ BEGIN
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s) + 4294967296,
                        coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0) + 1);
-    INSERT INTO idem.installation_secrets (from_token, secret)
-    VALUES (v_from, pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
-        || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')));
+    v_n := (SELECT pg_catalog.count(*) FROM idem.installation_secrets) + 1;
+    v_bytes := pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
+        || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8'));
+    v_seqs := '{}';
+    FOR j IN 1..4 LOOP
+        v_seq := pg_catalog.format('idem.installation_secret_%s_%s', v_n, j);
+        EXECUTE pg_catalog.format('CREATE SEQUENCE %s AS bigint MINVALUE -9223372036854775808 START 0', v_seq);
+        PERFORM pg_catalog.setval(v_seq::regclass,
+            ('x' || pg_catalog.encode(pg_catalog.substr(v_bytes, 8 * j - 7, 8), 'hex'))::bit(64)::bigint, true);
+        v_seqs := v_seqs || v_seq;
+    END LOOP;
+    INSERT INTO idem.installation_secrets (from_token, secret_seqs) VALUES (v_from, v_seqs);
+{{ template "include/publish_secrets.sql" . }}
     -- A new pg_proc row for each function that computes provider keys: every session compiles
     -- it anew, and plans the secrets again, in its next transaction.
     ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;

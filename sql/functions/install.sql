@@ -24,7 +24,13 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 DROP PROCEDURE IF EXISTS idem.idem_new_installation_secret();
 
 {{ template "answer_expires_at.sql" . }}
-{{ template "installation_secrets.sql" . }}
+-- The lists of the installation's secrets, written from idem.installation_secrets (migration
+-- 006) as functions the planner folds into the provider key's plan.
+DO $$
+BEGIN
+{{ template "include/publish_secrets.sql" . }}
+END
+$$;
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}

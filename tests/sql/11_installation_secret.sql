@@ -4,10 +4,14 @@
 -- an upgrade changes no existing generation's key. Nobody but the owner reads the secret.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(9);
+SELECT plan(10);
 
-SELECT from_token AS from_token, encode(secret, 'hex') AS secret FROM idem.installation_secrets ORDER BY from_token LIMIT 1 \gset
+SELECT s.from_token AS from_token,
+       (SELECT encode(string_agg(int8send(pg_sequence_last_value(u.q::regclass)), ''::bytea ORDER BY u.o), 'hex')
+          FROM unnest(s.secret_seqs) WITH ORDINALITY AS u(q, o)) AS secret
+  FROM idem.installation_secrets AS s ORDER BY s.from_token LIMIT 1 \gset
 SELECT is((SELECT count(*) FROM idem.installation_secrets), 1::bigint, 'an installation has one secret');
+SELECT is(octet_length(decode(:'secret', 'hex')), 32, 'of 32 bytes');
 SELECT ok((SELECT last_value FROM idem.token_seq) >= :from_token, 'tokens come from idem.token_seq, at or above the secret''s first token');
 
 -- A new generation: label v3 with the secret.
@@ -34,10 +38,10 @@ SELECT ok(attempt >= :from_token, 'with a new token from the new sequence') FROM
 
 -- Privileges: the application and the operators cannot read the secret.
 SET LOCAL ROLE idem_app;
-SELECT throws_ok('SELECT secret FROM idem.installation_secrets', '42501', NULL, 'the application role cannot read the secret');
+SELECT throws_ok('SELECT pg_sequence_last_value(''idem.installation_secret_1_1'')', '42501', NULL, 'the application role cannot read the secret');
 RESET ROLE;
 SET LOCAL ROLE idem_operator;
-SELECT throws_ok('SELECT secret FROM idem.installation_secrets', '42501', NULL, 'the operators'' role cannot read it either');
+SELECT throws_ok('SELECT last_value FROM idem.installation_secret_1_1', '42501', NULL, 'the operators'' role cannot read it either');
 RESET ROLE;
 
 SELECT * FROM finish();
