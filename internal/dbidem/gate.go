@@ -229,10 +229,11 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 	return g.RunDetached(ctx, ctx, db, opts, c, held, fn)
 }
 
-// RunDetached is RunHolding with two contexts: wait bounds the wait in Go for another
-// request of this process with the same key (a caller whose client went away stops waiting),
-// and work runs the unit of work itself, claim, fn and commit (work that must outlive the
-// client runs on a context that the client's leaving does not end).
+// RunDetached is RunHolding with two contexts: wait bounds the waits for another request with
+// the same key, in Go and on the key's row lock (a caller whose client went away stops
+// waiting; the error then wraps wait's), and work runs the unit of work itself, the claim, fn
+// and the commit (work that must outlive the client runs on a context that the client's
+// leaving does not end).
 func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
 	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
@@ -246,8 +247,28 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	defer leave()
 	unit := func(c Claim) func(tx *Tx) error {
 		return func(tx *Tx) error {
-			d, err := tx.Claim(ctx, c)
+			// The claim statement may wait on the key's row lock: that wait, like the one in
+			// Go, ends with wait (a caller whose client went away, a shutdown); the work after
+			// the claim does not.
+			cctx, cancel := context.WithCancel(ctx)
+			stop := context.AfterFunc(wait, func() {
+				cancel()
+				// The server learns of it by a cancel request: a backend blocked on a lock
+				// does not read its socket, and would wait on for the rest of its lock timeout.
+				// Should the claim have returned meanwhile, the request may cancel the work's
+				// next statement instead: that unit of work then rolls back, for a client
+				// that is gone.
+				cr, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+				defer done()
+				_ = tx.Conn().PgConn().CancelRequest(cr)
+			})
+			d, err := tx.Claim(cctx, c)
+			stop()
+			cancel()
 			if err != nil {
+				if wait.Err() != nil && ctx.Err() == nil {
+					return fmt.Errorf("%w: %w", wait.Err(), err)
+				}
 				return err
 			}
 			return fn(tx, d)

@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"context"
 	"errors"
 	"math"
 	"strconv"
@@ -25,7 +26,13 @@ func (q *request) answer(rec *recorder) {
 // storeError answers a failure of the unit of work (not of the handler).
 func (q *request) storeError(err error) State {
 	if q.r.Context().Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown) {
-		return StateStoreError // the client is gone; the transaction rolled back
+		// The client is gone; the transaction rolled back. A keyed unit of work outlives its
+		// client, so a failure of its own is still worth a line.
+		if !errors.Is(err, context.Canceled) {
+			q.m.o.Logger.Warn("idem: unit of work failed after its client went away; rolled back", "error", err,
+				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		}
+		return StateStoreError
 	}
 	code, detail := errorProblem(err)
 	switch code {

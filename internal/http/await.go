@@ -39,10 +39,15 @@ type busy struct {
 // watchKey names one key.
 type watchKey struct{ principal, key string }
 
-// watches let the duplicates of lease requests wait for an answer together.
+// watches let the duplicates of lease requests wait for an answer together. One poller per
+// Middleware looks at every key waited on in one statement per round (not one statement per
+// key), and paces its rounds so that they take at most a tenth of its time: however many keys
+// are waited on, the looks cost one connection a tenth of the time at most, and leave the lease
+// slots to the heartbeats and answers of this process's own lease work.
 type watches struct {
-	mu   sync.Mutex
-	keys map[watchKey]*watch
+	mu      sync.Mutex
+	keys    map[watchKey]*watch
+	polling bool
 }
 
 // watch is one key's: changed is closed when the key may have an answer (its holder recorded
@@ -66,31 +71,30 @@ func (ws *watches) signal(id watchKey) {
 	ws.mu.Unlock()
 }
 
-// end closes w if it is still the key's watch.
-func (ws *watches) end(id watchKey, w *watch) {
-	ws.mu.Lock()
-	if ws.keys[id] == w {
-		delete(ws.keys, id)
-		close(w.changed)
-	}
-	ws.mu.Unlock()
+// lookResult is what a look found of one key: whether it may have an answer now (it is no
+// longer a lease in progress whose lease runs), and the holder's claim time when it is held.
+type lookResult struct {
+	changed   bool
+	claimedAt time.Time
 }
 
-// look tells whether the key may have an answer now (it is no longer a lease in progress
-// whose lease runs), and the holder's claim time when it is held.
-type look func(ctx context.Context, id watchKey) (changed bool, claimedAt time.Time, err error)
+// look looks at keys at once.
+type look func(ctx context.Context, ids []watchKey) (map[watchKey]lookResult, error)
 
-// wait waits until the key's watch is woken or ctx ends; the first waiter of a key starts the
-// looks, which end when the key changed or nobody waits any more.
+// wait waits until the key's watch is woken or ctx ends; the first waiter of any key starts
+// the poller, which ends when nobody waits any more.
 func (ws *watches) wait(ctx context.Context, id watchKey, every time.Duration, lookAt look) (claimedAt time.Time, err error) {
 	ws.mu.Lock()
 	w := ws.keys[id]
 	if w == nil {
 		w = &watch{changed: make(chan struct{})}
 		ws.keys[id] = w
-		go ws.poll(id, w, every, lookAt)
 	}
 	w.waiters++
+	if !ws.polling {
+		ws.polling = true
+		go ws.poll(every, lookAt)
+	}
 	ws.mu.Unlock()
 	defer func() {
 		ws.mu.Lock()
@@ -106,53 +110,95 @@ func (ws *watches) wait(ctx context.Context, id watchKey, every time.Duration, l
 	}
 }
 
-func (ws *watches) poll(id watchKey, w *watch, every time.Duration, lookAt look) {
-	t := time.NewTicker(every)
-	defer t.Stop()
+// maxLookBatch bounds the keys of one look statement.
+const maxLookBatch = 1000
+
+// poll looks at the waited keys round after round: a round every `every` at most, and after a
+// round that took d, not before 9 d more have passed.
+func (ws *watches) poll(every time.Duration, lookAt look) {
 	for {
-		select {
-		case <-w.changed:
-			return
-		case <-t.C:
-		}
+		began := time.Now()
 		ws.mu.Lock()
-		idle := w.waiters == 0
-		ws.mu.Unlock()
-		if idle {
-			ws.end(id, w)
+		var ids []watchKey
+		for id, w := range ws.keys {
+			if w.waiters == 0 {
+				delete(ws.keys, id) // nobody waits: no look, no entry
+				close(w.changed)
+				continue
+			}
+			ids = append(ids, id)
+		}
+		if len(ids) == 0 {
+			ws.polling = false
+			ws.mu.Unlock()
 			return
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), max(every, time.Second))
-		changed, claimedAt, err := lookAt(ctx, id)
-		cancel()
-		if err == nil {
+		ws.mu.Unlock()
+		for len(ids) > 0 {
+			batch := ids[:min(len(ids), maxLookBatch)]
+			ids = ids[len(batch):]
+			ctx, cancel := context.WithTimeout(context.Background(), max(every, time.Second))
+			found, err := lookAt(ctx, batch)
+			cancel()
+			if err != nil {
+				continue // the next round looks again; each waiter has its own deadline
+			}
 			ws.mu.Lock()
-			w.claimedAt = claimedAt
+			for id, r := range found {
+				w := ws.keys[id]
+				if w == nil {
+					continue
+				}
+				w.claimedAt = r.claimedAt
+				if r.changed {
+					delete(ws.keys, id)
+					close(w.changed)
+				}
+			}
 			ws.mu.Unlock()
 		}
-		if changed {
-			ws.end(id, w)
-			return
-		}
+		took := time.Since(began)
+		time.Sleep(max(every-took, 9*took))
 	}
 }
 
-// lookAtKey is the look of a Middleware: idem_key (granted to the application role) tells the
-// key's state and lease without its body; the statement takes one of the lease slots, so
-// that looks cannot hold the pool while the key table is locked.
-func (m *Middleware) lookAtKey(ctx context.Context, id watchKey) (bool, time.Time, error) {
+// lookAtKeys is the look of a Middleware: idem_key (granted to the application role) tells each
+// key's state and lease without its body, all keys in one statement, which takes one of the
+// lease slots, so that looks cannot hold the pool while the key table is locked.
+func (m *Middleware) lookAtKeys(ctx context.Context, ids []watchKey) (map[watchKey]lookResult, error) {
+	principals, keys := make([]string, len(ids)), make([]string, len(ids))
+	for i, id := range ids {
+		principals[i], keys[i] = id.principal, id.key
+	}
 	db := slotted{q: m.o.DB, slots: m.leaseSlots}
-	var held bool
-	var claimedAt *time.Time
-	err := db.QueryRow(ctx, `SELECT coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false),
-		max(k.claimed_at) FROM idem.idem_key($1, $2) AS k`, id.principal, id.key).Scan(&held, &claimedAt)
+	if err := db.acquire(ctx); err != nil {
+		return nil, err
+	}
+	defer func() { <-db.slots }()
+	rows, err := m.o.DB.Query(ctx, `SELECT w.p, w.k,
+		coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false), max(k.claimed_at)
+		  FROM unnest($1::text[], $2::text[]) AS w(p, k)
+		  LEFT JOIN LATERAL idem.idem_key(w.p, w.k) AS k ON true
+		 GROUP BY w.p, w.k`, principals, keys)
 	if err != nil {
-		return false, time.Time{}, err
+		return nil, err
 	}
-	if claimedAt == nil {
-		return !held, time.Time{}, nil
+	defer rows.Close()
+	found := make(map[watchKey]lookResult, len(ids))
+	for rows.Next() {
+		var id watchKey
+		var held bool
+		var claimedAt *time.Time
+		if err := rows.Scan(&id.principal, &id.key, &held, &claimedAt); err != nil {
+			return nil, err
+		}
+		r := lookResult{changed: !held}
+		if claimedAt != nil {
+			r.claimedAt = *claimedAt
+		}
+		found[id] = r
 	}
-	return !held, *claimedAt, nil
+	return found, rows.Err()
 }
 
 // awaitAnswer waits for the answer of the request that holds the key, up to until, and tells
@@ -178,7 +224,7 @@ func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, 
 		return false // the duplicates waiting here hold enough already
 	}
 	defer q.m.gate.Unhold(int64(cap(q.body)))
-	claimedAt, err := q.m.watches.wait(wctx, watchKey{claim.Principal, claim.Key}, DefaultAnswerPoll, q.m.lookAtKey)
+	claimedAt, err := q.m.watches.wait(wctx, watchKey{claim.Principal, claim.Key}, DefaultAnswerPoll, q.m.lookAtKeys)
 	if !claimedAt.IsZero() {
 		b.claimedAt = claimedAt
 	}

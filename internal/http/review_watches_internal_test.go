@@ -19,9 +19,9 @@ func TestWatchesLeaveNothingBehind(t *testing.T) {
 	ws := newWatches()
 	base := runtime.NumGoroutine()
 	var looks atomic.Int64
-	look := func(ctx context.Context, id watchKey) (bool, time.Time, error) {
-		looks.Add(1)
-		return false, time.Now(), nil
+	look := func(ctx context.Context, ids []watchKey) (map[watchKey]lookResult, error) {
+		looks.Add(int64(len(ids)))
+		return nil, nil
 	}
 	const keys, perKey = 500, 4
 	var wg sync.WaitGroup

@@ -181,18 +181,29 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 
 // workContext is the context of a keyed request's unit of work: the request's values without
 // its cancellation (the work outlives a client that goes away, so that its retry gets the
-// answer), ended by Shutdown and, on a transactional route, by the route's WorkTimeout.
-func (q *request) workContext(ctx context.Context) (context.Context, func()) {
-	wctx, done := q.m.work.context(context.WithoutCancel(ctx))
-	if q.rt.Lease > 0 {
-		return wctx, done // the claim; the lease's work has its own deadline (LeaseTimeout)
+// answer), ended by Shutdown; and the function that starts, on a transactional route, the
+// route's WorkTimeout once the key is claimed (the waits before the claim do not count).
+func (q *request) workContext(ctx context.Context) (wctx context.Context, claimed func(), end func()) {
+	base, done := q.m.work.context(context.WithoutCancel(ctx))
+	wctx, cancel := context.WithCancelCause(base)
+	var timer *time.Timer
+	claimed = func() {
+		if q.rt.Lease > 0 || timer != nil {
+			return // a lease's work has its own deadline (LeaseTimeout)
+		}
+		timeout := q.rt.WorkTimeout
+		if timeout <= 0 {
+			timeout = q.m.o.WorkTimeout
+		}
+		timer = time.AfterFunc(timeout, func() { cancel(context.DeadlineExceeded) })
 	}
-	timeout := q.rt.WorkTimeout
-	if timeout <= 0 {
-		timeout = q.m.o.WorkTimeout
+	return wctx, claimed, func() {
+		if timer != nil {
+			timer.Stop()
+		}
+		cancel(context.Canceled)
+		done()
 	}
-	wctx, cancel := context.WithTimeout(wctx, timeout)
-	return wctx, func() { cancel(); done() }
 }
 
 // keyedOnce claims once and answers, or returns what it knows of the holder of the key when
@@ -206,8 +217,12 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		oversize bool
 		done     trace.Span // idem.complete, while the answer is recorded
 	)
-	wctx, end := q.workContext(ctx)
+	wctx, claimed, end := q.workContext(ctx)
 	defer end()
+	// The waits on the key end with the client, and when Shutdown starts.
+	waitCtx, stopWaiting := context.WithCancel(ctx)
+	defer stopWaiting()
+	defer context.AfterFunc(q.m.work.draining, stopWaiting)()
 	if left := time.Until(until); left > 0 {
 		// The last wait on the key ends with the duplicate's wait, not a lock timeout later.
 		if lt, err := q.m.gate.LockTimeout(wctx, q.m.o.DB, claim); err == nil && left < lt {
@@ -216,7 +231,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	}
 	started := time.Now()
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
-	err := q.m.gate.RunDetached(ctx, wctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
+	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
 		claimSpan = nil
@@ -224,6 +239,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 			return nil // replay, mismatch, in progress: nothing was written
 		}
 		acquired = true // counted once the transaction ended: an observer never runs inside it
+		claimed()       // the route's WorkTimeout counts from here
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
 			ProviderKey: d.ProviderKey}
 		if q.rt.Lease > 0 {
@@ -258,7 +274,20 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
 		return StateAcquired, nil
-	case err != nil && waitable(err) && q.r.Context().Err() == nil:
+	case err != nil && !acquired && q.r.Context().Err() != nil && (waitable(err) || errors.Is(err, context.Canceled)):
+		// The client went away while this request waited for another with its key: nothing
+		// was done, and nobody to answer.
+		endSpan(done, "client_gone", err)
+		q.m.o.Metrics.Count(q.action, StateBusy)
+		return StateBusy, nil
+	case err != nil && !acquired && q.m.work.draining.Err() != nil && q.m.work.stop.Err() == nil && errors.Is(err, context.Canceled):
+		// Shutdown started while this request waited: it stops waiting (the client retries,
+		// against another process).
+		endSpan(done, "in_progress", err)
+		q.m.o.Metrics.Count(q.action, StateBusy)
+		q.inProgressAfter(time.Second)
+		return StateBusy, nil
+	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
 	case err != nil:
