@@ -146,11 +146,11 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		if deadline == nil {
 			if g.waitingBytes.Add(weight) > g.maxBytes {
 				g.waitingBytes.Add(-weight)
-				g.refused.Add(1)
+				g.countRefused(ctx)
 				return nil, errFull
 			}
 			g.waiting.Add(1)
-			g.coalesced.Add(1)
+			g.countCoalesced(ctx)
 			timer := time.NewTimer(bound)
 			defer timer.Stop()
 			deadline = timer.C
@@ -159,7 +159,7 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		case <-done:
 		case <-deadline:
 			stopWaiting()
-			g.refused.Add(1)
+			g.countRefused(ctx)
 			return nil, errBusyHere
 		case <-ctx.Done():
 			stopWaiting()
@@ -168,15 +168,56 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	}
 }
 
+// Tally is what a Gate did for one request over several runs (a caller that claims again
+// until it has an answer): the Gate marks it instead of counting Coalesced and Refused, and
+// the caller counts the request once, with AddTally, when it knows its answer.
+type Tally struct {
+	// Coalesced: the request waited in Go for another request of this process with its key.
+	Coalesced bool
+	// Refused: the Gate refused the request without the database at least once.
+	Refused bool
+}
+
+type tallyKey struct{}
+
+// WithTally returns ctx with t, which Run and RunDetached mark instead of counting.
+func WithTally(ctx context.Context, t *Tally) context.Context { return context.WithValue(ctx, tallyKey{}, t) }
+
+func (g *Gate) countCoalesced(ctx context.Context) {
+	if t, ok := ctx.Value(tallyKey{}).(*Tally); ok {
+		t.Coalesced = true
+		return
+	}
+	g.coalesced.Add(1)
+}
+
+func (g *Gate) countRefused(ctx context.Context) {
+	if t, ok := ctx.Value(tallyKey{}).(*Tally); ok {
+		t.Refused = true
+		return
+	}
+	g.refused.Add(1)
+}
+
+// AddTally counts one request: Coalesced if it waited in Go, Refused if its final answer was a
+// refusal (answeredBusy) after the Gate refused it at least once.
+func (g *Gate) AddTally(t *Tally, answeredBusy bool) {
+	if t.Coalesced {
+		g.coalesced.Add(1)
+	}
+	if t.Refused && answeredBusy {
+		g.refused.Add(1)
+	}
+}
+
 // Hold counts bytes held by a duplicate that waits for an answer outside the Gate (a lease
 // route's duplicate, which waits without a connection for the holder's answer) toward
 // MaxWaitingBytes, as a wait in Go does; false, and nothing counted, when that would pass the
-// bound. Release it with Unhold.
+// bound (the caller counts the refusal, with AddTally). Release it with Unhold.
 func (g *Gate) Hold(held int64) bool {
 	weight := held + WaitOverhead
 	if g.waitingBytes.Add(weight) > g.maxBytes {
 		g.waitingBytes.Add(-weight)
-		g.refused.Add(1)
 		return false
 	}
 	g.waiting.Add(1)
@@ -293,7 +334,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	if errors.Is(err, ErrInProgress) && !IsKeyWait(err) {
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
-		g.refused.Add(1)
+		g.countRefused(ctx)
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
 	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
@@ -304,7 +345,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	select {
 	case g.slots <- struct{}{}:
 	default:
-		g.refused.Add(1)
+		g.countRefused(ctx)
 		return errNoSlot
 	}
 	defer func() { <-g.slots }()

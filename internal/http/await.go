@@ -33,6 +33,7 @@ type busy struct {
 	err        error         // the ErrInProgress of a transactional claim
 	claimedAt  time.Time     // when the holder claimed, when the watch saw it
 	quick      bool          // the claim came back without waiting (no wait slot): pause before the next
+	refused    bool          // the wait could not start: the duplicates waiting here hold MaxWaitingBytes
 	retryAfter time.Duration // set by the wait: the Retry-After of the final 409
 }
 
@@ -221,6 +222,7 @@ func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, 
 		return sleep(wctx, DefaultAnswerPoll)
 	}
 	if !q.m.gate.Hold(int64(cap(q.body))) {
+		b.refused = true
 		return false // the duplicates waiting here hold enough already
 	}
 	defer q.m.gate.Unhold(int64(cap(q.body)))

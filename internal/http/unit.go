@@ -166,12 +166,20 @@ func topLevelID(body []byte) string {
 func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	defer q.m.work.enter()() // Shutdown waits for it from its claim on
 	until := time.Now().Add(q.m.o.DuplicateWait)
+	// The Gate's figures count this request once, however often it claims again.
+	tally := &dbidem.Tally{}
+	ctx = dbidem.WithTally(ctx, tally)
 	for {
 		st, b := q.keyedOnce(ctx, claim, until)
 		if b == nil {
+			q.m.gate.AddTally(tally, st == StateBusy)
 			return st
 		}
 		if !q.awaitAnswer(ctx, claim, b, until) {
+			if b.refused {
+				tally.Refused = true
+			}
+			q.m.gate.AddTally(tally, true)
 			q.m.o.Metrics.Count(q.action, StateBusy)
 			q.inProgressAfter(b.retryAfter)
 			return StateBusy
