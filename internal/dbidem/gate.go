@@ -181,7 +181,9 @@ type Tally struct {
 type tallyKey struct{}
 
 // WithTally returns ctx with t, which Run and RunDetached mark instead of counting.
-func WithTally(ctx context.Context, t *Tally) context.Context { return context.WithValue(ctx, tallyKey{}, t) }
+func WithTally(ctx context.Context, t *Tally) context.Context {
+	return context.WithValue(ctx, tallyKey{}, t)
+}
 
 func (g *Gate) countCoalesced(ctx context.Context) {
 	if t, ok := ctx.Value(tallyKey{}).(*Tally); ok {
