@@ -52,7 +52,8 @@ const (
 	// MaxDuplicateWait is Options.DuplicateWait's bound: 10 minutes.
 	MaxDuplicateWait = idemhttp.MaxDuplicateWait
 	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in another
-	// process looks at the key: once per key and process, however many duplicates wait on it.
+	// process looks at the key: one statement per round for every key the process waits on,
+	// however many duplicates wait, the rounds paced to a tenth of the time at most.
 	DefaultAnswerPoll = idemhttp.DefaultAnswerPoll
 )
 

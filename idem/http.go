@@ -67,8 +67,9 @@ type Options struct {
 	// that request's answer before it gets 409 request_in_progress, on every route: on a
 	// transactional route it waits on the key (in Go for a request of this process, or on the
 	// key's row lock with a wait slot), on a lease route for the holder's answer, without a
-	// connection (woken at once by a holder in this process, else by one look at the key every
-	// DefaultAnswerPoll per key and process). The duplicate then answers as the first did, soon
+	// connection (woken at once by a holder in this process, else by a look at the key every
+	// DefaultAnswerPoll, one statement per round for all keys waited on). Its waits end when
+	// its client goes away and when Shutdown starts. The duplicate then answers as the first did, soon
 	// after the answer is stored. Past the wait, its 409's Retry-After estimates the rest of
 	// the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait (10
 	// minutes).

@@ -19,8 +19,8 @@ import (
 //     process's holder (with a wait slot), and is answered the moment the holder commits;
 //   - on a lease route the claim is committed and the holder works outside the database: the
 //     duplicate waits on the key's watch, which the holder wakes when it records its answer
-//     (a holder in this process) or which one look at the key every DefaultAnswerPoll wakes
-//     (a holder elsewhere: one look per key and process however many duplicates wait), and
+//     (a holder in this process) or which a look at the key every DefaultAnswerPoll wakes
+//     (a holder elsewhere: one statement per round for every key waited on, paced), and
 //     then claims again (a replay, or a takeover of a lease that ran out).
 //
 // Past the wait, 409 request_in_progress with a Retry-After that estimates the rest of the

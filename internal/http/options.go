@@ -265,8 +265,8 @@ const (
 	// MaxDuplicateWait is Options.DuplicateWait's bound.
 	MaxDuplicateWait = 10 * time.Minute
 	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in
-	// another process looks at the key (one look per key and process, whatever the number of
-	// duplicates waiting on it).
+	// another process looks at the key (one statement per round for every key this process
+	// waits on, the rounds paced to a tenth of the time at most).
 	DefaultAnswerPoll = 100 * time.Millisecond
 )
 
