@@ -416,7 +416,9 @@ func TestHTTPHistory(t *testing.T) {
 		t.Errorf("%d balances disagree with their operations (%v)", bad, err)
 	}
 	outcomes, faults := hist.Counts()
-	history.Require(t, "the outcome", outcomes, map[string]int{"2xx": 30, "replayed": 10, "mismatch": 3, "busy": 1})
+	// At least: enough of each for the model to have something to check; on a loaded machine
+	// (two cores, the other packages' tests beside it) a short run completes fewer operations.
+	history.Require(t, "the outcome", outcomes, map[string]int{"2xx": 20, "replayed": 10, "mismatch": 3, "busy": 1})
 	history.Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1,
 		"server-kill": 1, "pg-restart": 1})
 	history.Require(t, "the scenario", runner.Ran(), map[string]int{"expiry lease": 1, "storm tx": 1, "storm lease": 1,

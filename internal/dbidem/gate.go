@@ -295,15 +295,15 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			// the claim does not.
 			cctx, cancel := context.WithCancel(ctx)
 			stop := context.AfterFunc(wait, func() {
-				cancel()
-				// The server learns of it by a cancel request: a backend blocked on a lock
-				// does not read its socket, and would wait on for the rest of its lock timeout.
-				// Should the claim have returned meanwhile, the request may cancel the work's
-				// next statement instead: that unit of work then rolls back, for a client
-				// that is gone.
+				// The server learns of it by a cancel request, sent first, while the
+				// connection is still whole: a backend blocked on a lock does not read its
+				// socket, and would wait on for the rest of its lock timeout. Should the claim
+				// have returned meanwhile, the request may cancel the work's next statement
+				// instead: that unit of work then rolls back, for a client that is gone.
 				cr, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 				defer done()
 				_ = tx.Conn().PgConn().CancelRequest(cr)
+				cancel()
 			})
 			d, err := tx.Claim(cctx, c)
 			stop()
