@@ -56,12 +56,13 @@ type Options struct {
 	// MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
 	LockTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
-	// its claim to its commit. The work does not end when the client goes away (a disconnect,
-	// the client's own attempt timeout, a proxy's): it runs to its end and commits with its
-	// answer, which the client's retry gets (it waits for the work while it runs, and replays
-	// it after); it ends at this server-side deadline, and when Shutdown gives up waiting for
-	// it, and then rolls back. Default 0: DefaultWorkTimeout (30 seconds); Route.WorkTimeout
-	// overrides it for one route. Not negative.
+	// its claim (the waits before it do not count) to its commit. The work does not end when
+	// the client goes away (a disconnect, the client's own attempt timeout, a proxy's): it runs
+	// to its end and commits with its answer, which the client's retry gets (it waits for the
+	// work while it runs, and replays it after); it ends at this server-side deadline, and
+	// when Shutdown gives up waiting for it, and then rolls back. Default 0:
+	// DefaultWorkTimeout (30 seconds); Route.WorkTimeout overrides it for one route. Not
+	// negative.
 	WorkTimeout time.Duration
 	// DuplicateWait bounds how long a duplicate of a request that is still running waits for
 	// that request's answer before it gets 409 request_in_progress, on every route: on a
@@ -69,10 +70,10 @@ type Options struct {
 	// key's row lock with a wait slot), on a lease route for the holder's answer, without a
 	// connection (woken at once by a holder in this process, else by a look at the key every
 	// DefaultAnswerPoll, one statement per round for all keys waited on). Its waits end when
-	// its client goes away and when Shutdown starts. The duplicate then answers as the first did, soon
-	// after the answer is stored. Past the wait, its 409's Retry-After estimates the rest of
-	// the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait (10
-	// minutes).
+	// its client goes away and when Shutdown starts. The duplicate then answers as the first
+	// did, soon after the answer is stored. Past the wait, its 409's Retry-After estimates the
+	// rest of the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait
+	// (10 minutes).
 	DuplicateWait time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
 	// another process) at once; a request that finds them all waiting gets 409 at once, so
