@@ -185,7 +185,7 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 						c.since = max(call, int64(out.StoredAfter))
 					}
 					if out.Outcome == Answered {
-						c.answer = out.answer()
+						c.answer = out.full()
 						var ok bool
 						if c, ok = st.bind(c, out, true); !ok {
 							continue
@@ -298,10 +298,10 @@ func (st *stepper) bind(s state, out Output, fresh bool) (state, bool) {
 	if !fresh {
 		switch {
 		case s.answer == unknown:
-			s.answer = out.answer()
-		case s.answer != out.answer():
+			s.answer = out.full()
+		case s.answer != out.full():
 			if st.refuse(ruleAnswer, "a replay that differs from the stored answer: stored %s, got %s",
-				short(s.answer, 80), short(out.answer(), 80)) {
+				short(s.answer, 80), short(out.full(), 80)) {
 				return s, false
 			}
 			return s, true // relaxed: the replay tells nothing
