@@ -238,14 +238,14 @@ func TestDoHistory(t *testing.T) {
 		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2), Expiry(Transactional, 2),
 		Duplicate(Transactional, 50*time.Millisecond, 8*time.Second, 1), Duplicate(Leased, 50*time.Millisecond, 8*time.Second, 1),
-		ExpiryEdge(Transactional, edgeWork, edgeTTL, 2), ExpiryEdge(Leased, edgeWork, edgeTTL, 2),
+		ExpiryEdge(Transactional, edgeWork, edgeTTL, 1), ExpiryEdge(Leased, edgeWork, edgeTTL, 1),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
 	cleanCtx, stopCleanup := context.WithCancel(ctx)
 	cleanups := CleanupEvery(cleanCtx, observe, cleanupEvery)
 	runFaults(t, h, inj, runner, mode, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0),
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), Changed(Transactional, 0),
-		Changed(Leased, 0))
+		Changed(Leased, 0), failedLeaseReuse(0))
 	stopCleanup()
 	time.Sleep(2*time.Second + 500*time.Millisecond) // a lease's completion outlives its client by a lease at most
 	pool.Close()

@@ -391,15 +391,15 @@ func TestSQLHistory(t *testing.T) {
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(2),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2),
-		Expiry(Transactional, 2), leaseExpiry(1), ExpiryEdge(Transactional, edgeWork, edgeTTL, 2),
-		ExpiryEdge(Leased, edgeWork, edgeTTL, 2), staleHolder(1), contention(1),
+		Expiry(Transactional, 2), leaseExpiry(1), ExpiryEdge(Transactional, edgeWork, edgeTTL, 1),
+		ExpiryEdge(Leased, edgeWork, edgeTTL, 1), staleHolder(1), contention(1),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
 	cleanCtx, stopCleanup := context.WithCancel(ctx)
 	cleanups := CleanupEvery(cleanCtx, observe, cleanupEvery)
 	runFaults(t, h, inj, runner, mode, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0),
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), staleHolder(0), staleHolder(0),
-		contention(0), contention(0))
+		contention(0), contention(0), releaseReuse(0), Changed(Transactional, 0))
 	stopCleanup()
 	// Settle: the leases left held run out, the connections the faults broke are gone.
 	time.Sleep(runner.Keys()[0].Lease + 500*time.Millisecond)
