@@ -51,6 +51,7 @@ const (
 	rulePK                        // one provider key per generation, never an earlier generation's
 	ruleEffects                   // one effect per generation, and every named effect exists
 	ruleTakeover                  // a lease is taken over only once it can have run out
+	ruleLive                      // in_progress only while a claim of the request is live
 )
 
 var ruleKinds = []struct {
@@ -63,6 +64,7 @@ var ruleKinds = []struct {
 	{ruleMismatch, "a mismatch where none is due"},
 	{ruleEffects, "effects that do not match the generations"},
 	{ruleTakeover, "a takeover of a lease still running"},
+	{ruleLive, "an in_progress where no claim of the request can be live"},
 }
 
 // reason is why something an operation may have done was impossible, and which rule said so.
@@ -143,6 +145,23 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 			return []state{s}
 		}
 		return nil
+	}
+	if out.Outcome == Busy && out.Live {
+		// The store said a lease claim of this very request is live, until at least LiveFor
+		// after the call: the key is claimed by it (held; or done, since a fresh answer is one
+		// point in the model though its claim was live while its work ran), and a lease held
+		// ends no earlier.
+		if s.phase == free || s.fp != in.Fingerprint {
+			if st.refuse(ruleLive, "in_progress (a lease claim of this request live for %s more), but no claim of it can be "+
+				"live: %s", out.LiveFor, s.describe()) {
+				return nil
+			}
+			return []state{s}
+		}
+		if s.phase == held {
+			s.since = max(s.since, call+int64(out.LiveFor))
+		}
+		return []state{s}
 	}
 	for _, a := range actions(in.Route, out.Outcome) {
 		switch a {

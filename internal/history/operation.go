@@ -120,6 +120,11 @@ type Output struct {
 	// its own for a fresh answer, the one named in the body for a replay; for Lost, the
 	// attempt that was told it lost. 0 when unknown.
 	Attempt int64
+	// Live: the store answered in_progress for a lease claim of this very request (the SQL
+	// API's outcome, which only a live lease gives), live for LiveFor more (its retry_after):
+	// evidence that the key was held, and until when at least.
+	Live    bool
+	LiveFor time.Duration
 	// Fenced: a Lost attempt whose store was refused (55000) and never retried, so its answer
 	// was never stored: no replay may be its answer.
 	Fenced bool

@@ -50,7 +50,7 @@ const providerCall = `INSERT INTO hist.provider AS p (pk, principal, key, ref) V
 // beginSQL claims a key; to_jsonb(b)->>'provider_key' is the claim's provider key once
 // idem_begin has that column, NULL before.
 const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers::text, b.response_body,
-	to_jsonb(b) ->> 'provider_key'
+	to_jsonb(b) ->> 'provider_key', extract(epoch FROM b.retry_after)::float8
 	FROM idem.idem_begin(p_principal => $1, p_key => $2, p_action => $3, p_request_sha256 => $4,
 	                     p_ttl => $5::interval, p_lease => $6::interval, p_lock_timeout => '300 milliseconds') AS b`
 
@@ -209,6 +209,7 @@ type claimRow struct {
 	headers  *string
 	body     []byte
 	reported *string
+	retry    *float64 // retry_after in seconds
 }
 
 func (h *sqlHarness) begin(ctx context.Context, q interface {
@@ -224,7 +225,7 @@ func (h *sqlHarness) begin(ctx context.Context, q interface {
 	var row claimRow
 	err := q.QueryRow(ctx, beginSQL, r.Key.Principal, r.Key.Name, p.action, sum[:],
 		fmt.Sprintf("%d milliseconds", r.Key.TTL.Milliseconds()), leaseArg).
-		Scan(&row.outcome, &row.attempt, &row.status, &row.headers, &row.body, &row.reported)
+		Scan(&row.outcome, &row.attempt, &row.status, &row.headers, &row.body, &row.reported, &row.retry)
 	return row, err
 }
 
@@ -241,7 +242,12 @@ func decided(row claimRow, pk string) Output {
 	case "mismatch":
 		return Output{Outcome: Mismatch}
 	case "in_progress":
-		return Output{Outcome: Busy, Note: "in_progress"}
+		out := Output{Outcome: Busy, Note: "in_progress"}
+		if row.retry != nil && *row.retry > 0 {
+			// Only a live lease is in_progress to another session: evidence of it.
+			out.Live, out.LiveFor = true, time.Duration(*row.retry*float64(time.Second))
+		}
+		return out
 	}
 	return Output{Outcome: Failed, Note: "outcome " + row.outcome}
 }
