@@ -7,8 +7,8 @@
 // provider). The model says, per (principal, key), which histories the contract allows:
 //
 //   - a key lives in generations; within one, the first request's fingerprint binds the key;
-//   - a repeat with the same fingerprint gets exactly the first answer (status and body byte
-//     for byte) with the replay marker; another fingerprint gets a mismatch (HTTP 422
+//   - a repeat with the same fingerprint gets exactly the first answer (status, the stored
+//     headers the harness sees, and body byte for byte) with the replay marker; another fingerprint gets a mismatch (HTTP 422
 //     idempotency_key_reuse); a repeat while the work runs may be told so (409);
 //   - a generation has at most one effect, and an answer that names an effect names one
 //     that exists and that no other generation named;
@@ -16,6 +16,10 @@
 //     one reports the same, and no later generation reports an earlier one's;
 //   - a new generation starts only after a release, or once the key expired: the TTL after the
 //     stored answer (on every path), or the TTL after the end of a lease that never answered.
+//   - the SQL API's in_progress (with a retry_after) says a claim of the request is live, and
+//     a lease held ends no earlier than its call plus retry_after;
+//   - an attempt told its store was refused never becomes the answer (fencedAnswers, beside
+//     the model: it needs no order).
 //
 // Time is part of the model: every input and output carries its call and return time, and
 // the step function decides conservatively. An operation's effect happened at some instant
