@@ -69,15 +69,15 @@ func releaseReuse(weight int) Scenario {
 }
 
 // staleHolder: a lease claim whose holder stalls past its lease (its work takes the lease and
-// 300 ms more) while the same request takes the key over 100 ms after the lease's end and
-// answers 600 ms later; the stale holder tries to complete in between, and must be told it
-// lost (55000): only the attempt that holds the key stores its answer (fencing). Then a
+// 600 ms more) while the same request takes the key over 100 ms after the lease's end (or a
+// little later, when its claim came back late) and answers 900 ms later; the stale holder tries
+// to complete in between, and must be told it lost (55000): only the attempt that holds the key stores its answer (fencing). Then a
 // repeat, which must replay the taker's answer (its attempt is in the body).
 func staleHolder(weight int) Scenario {
 	return Scenario{Name: "stale holder", Weight: weight, Run: func(s *Session) {
 		k := s.Key(Leased)
 		stale, taker := s.Request(k, 0), s.Request(k, 0)
-		stale.Work, taker.Work = k.Lease+300*time.Millisecond, 600*time.Millisecond
+		stale.Work, taker.Work = k.Lease+600*time.Millisecond, 900*time.Millisecond
 		var first, second Output
 		start := s.Now()
 		s.Parallel(
