@@ -166,8 +166,8 @@ func (r *Runner) Run(ctx context.Context) {
 	wg.Wait()
 }
 
-// Quiet runs each scenario once, all at once (each on a worker of its own), to completion, before
-// Run and its faults: the scenarios that probe the contract's time bounds, which a fault
+// Quiet runs each scenario once, all at once (each on a worker of its own), to completion,
+// before Run and its faults: the scenarios that probe the contract's time bounds, which a fault
 // would blur (a probe must return within a few hundred milliseconds of a bound to tell
 // anything), so that every run probes them. Their keys and counts are the run's.
 func (r *Runner) Quiet(ctx context.Context, scenarios ...Scenario) {

@@ -111,9 +111,9 @@ func Duplicate(route Route, offset, span time.Duration, weight int) Scenario {
 const edgeMargin = 500 * time.Millisecond
 
 // ExpiryEdge: under a key with a TTL of ttl (0: the harness's; another only on a harness that
-// claims with the key's TTL), a request whose work takes work (its claim and its answer that far apart),
-// answered fresh; the same request again edgeMargin before the earliest instant the model lets
-// the key expire (the TTL after the answer was stored, as the model bounds it: when its client
+// claims with the key's TTL), a request whose work takes work (its claim and its answer that
+// far apart), answered fresh; the same request again edgeMargin before the earliest instant
+// the model lets the key expire (the TTL after the answer was stored, as the model bounds it: when its client
 // sent what stores it, else the call): it must be replayed; a key cleaned up early, or kept the
 // TTL after the claim instead of the answer, is a new generation there, which the model
 // refuses (an attempt that decides nothing, through a fault, is tried again while there is
