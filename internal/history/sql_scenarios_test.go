@@ -69,8 +69,9 @@ func releaseReuse(weight int) Scenario {
 }
 
 // staleHolder: a lease claim whose holder stalls past its lease (its work takes the lease and
-// 600 ms more) while the same request takes the key over 100 ms after the lease's end (or a
-// little later, when its claim came back late) and answers 900 ms later; the stale holder tries
+// 600 ms more) while the same request takes the key over 100 ms after the lease's end (or, told
+// in_progress while the holder's claim, which came back late, still runs, within a pause of its
+// end) and answers 900 ms later; the stale holder tries
 // to complete in between, and must be told it lost (55000): only the attempt that holds the key stores its answer (fencing). Then a
 // repeat, which must replay the taker's answer (its attempt is in the body).
 func staleHolder(weight int) Scenario {
@@ -84,7 +85,9 @@ func staleHolder(weight int) Scenario {
 			func() { first = s.Send(s.Client(0), stale, k.Lease+2*time.Second) },
 			func() {
 				s.SleepUntil(start + k.Lease + 100*time.Millisecond)
-				second = s.Until(s.Client(1), taker, 3, 3*time.Second)
+				// Told in_progress until the stale lease ends (the holder's claim may have come
+				// back late), then it takes over, within a pause (300 ms) of the end.
+				second = s.Until(s.Client(1), taker, 10, 3*time.Second)
 			},
 		)
 		if second.Outcome == Answered {
@@ -117,7 +120,7 @@ func contention(weight int) Scenario {
 			}
 		}
 		s.SleepUntil(call + k.Lease + 100*time.Millisecond)
-		if out := s.Until(s.Client(2), s.Request(k, 0), 3, 0); out.Outcome == Answered {
+		if out := s.Until(s.Client(2), s.Request(k, 0), 8, 0); out.Outcome == Answered {
 			s.Event("takeover")
 		}
 	}}
