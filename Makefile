@@ -80,6 +80,15 @@ HISTORY_TESTS := TestHTTPHistory|TestHTTPLiveness|TestSQLHistory|TestDoHistory
 check-history: ## histories of real clients through every fault, checked by porcupine (minutes; HISTORY_OPS, HISTORY_SECONDS)
 	HISTORY_MODE=long $(GO) test -count=1 -timeout 90m -v -run '^($(HISTORY_TESTS))$$' ./cmd/server ./internal/history
 
+# The checker's own measure: each mutant of internal/history/mutants (a single-point change that
+# breaks a promise) applied to a scratch copy of the tree (never this one), the short mode of the
+# history tests run against it with each of MUTANT_SEEDS; a kill table (docs/testing.md).
+MUTANT_SEEDS ?= 1,2,3
+
+.PHONY: mutants
+mutants: ## the history checker against its mutants, three seeds each, a kill table (about 20 min; MUTANTS=regexp for some)
+	$(GO) run ./internal/tools/mutants -seeds $(MUTANT_SEEDS) -baseline -only '$(MUTANTS)' -out .artifacts/mutants.md
+
 .PHONY: sql
 sql: ## regenerate sql/idem.sql (the SQL API as one psql file) from sql/migrations and sql/functions
 	$(GO) run ./internal/tools/sqlbundle

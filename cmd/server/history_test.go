@@ -137,7 +137,7 @@ func (h *httpHarness) Send(ctx context.Context, c int, r history.Request) histor
 	}
 	_ = json.Unmarshal(b, &problem)
 	replayed := res.Header.Get("Idempotent-Replayed") == "true"
-	out := history.Output{Status: res.StatusCode, Body: body, Note: problem.Code}
+	out := history.Output{Status: res.StatusCode, Body: body, Note: problem.Code, Headers: storedHeaders(res.Header)}
 	if secs, err := strconv.Atoi(res.Header.Get("Retry-After")); err == nil && secs >= 0 {
 		out.RetryAfter = time.Duration(secs) * time.Second
 	}
@@ -169,6 +169,18 @@ func (h *httpHarness) Send(ctx context.Context, c int, r history.Request) histor
 		}
 	}
 	return out
+}
+
+// storedHeaders are the headers of an answer that its replays must send again (the stored
+// ones the server's handlers set: Location, ETag), canonical.
+func storedHeaders(h http.Header) string {
+	var parts []string
+	for _, name := range []string{"Location", "ETag"} {
+		if v := h.Values(name); len(v) > 0 {
+			parts = append(parts, name+": "+strings.Join(v, ", "))
+		}
+	}
+	return strings.Join(parts, "; ")
 }
 
 // Stored is the answer stored under the key, straight from the key table (a
@@ -344,10 +356,11 @@ func TestHTTPHistory(t *testing.T) {
 	p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
 		"DATABASE_URL="+history.Via(proxy.Addr(), "ledger"), "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port),
 		"IDEMPOTENCY_TTL="+httpTTL.String(), "IDEMPOTENCY_LOCK_TIMEOUT=300ms", "PAYOUTS_LEASE="+httpLease.String(),
-		// Duplicates wait 0.3 s for an answer (not 10 s), so that the history also holds the
-		// 409 request_in_progress of a wait that ran out; TestHTTPLiveness runs the default.
-		"IDEMPOTENCY_DUPLICATE_WAIT=300ms",
-		"PAYOUT_PROVIDER_DELAY=150ms", "CLEANUP_INTERVAL=1s", "LOG_LEVEL=error", "DATABASE_POOL_SIZE=8")}
+		"PAYOUT_PROVIDER_DELAY=150ms", "CLEANUP_INTERVAL=1s", "LOG_LEVEL=error", "DATABASE_POOL_SIZE=8",
+		// Duplicates wait for the answer only briefly (the default is 10 s), so that some are
+		// still told 409 while the work runs: the model must see both; TestHTTPLiveness runs
+		// the default.
+		"IDEMPOTENCY_DUPLICATE_WAIT=50ms")}
 	p.start()
 	defer p.kill()
 
@@ -370,10 +383,21 @@ func TestHTTPHistory(t *testing.T) {
 			history.Expiry(history.Leased, 3), history.Storm(history.Transactional, 3), history.Storm(history.Leased, 3),
 			history.Changed(history.Transactional, 2), history.Changed(history.Leased, 2),
 			history.Hangup(history.Transactional, 2), history.Hangup(history.Leased, 2), history.Expiry(history.Transactional, 2),
+			history.ExpiryEdge(history.Transactional, 0, 0, 1), history.ExpiryEdge(history.Leased, 0, 0, 1),
 		}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
 	runCtx, cancel := context.WithTimeout(ctx, mode.Duration*10+5*time.Minute)
 	defer cancel()
+	// The scheduled cleaner's interval is a second at least: the test cleans up every 100 ms
+	// itself, straight to the cluster, so that a key deleted before its expiry shows.
+	cleanCtx, stopCleanup := context.WithCancel(runCtx)
+	cleanups := history.CleanupEvery(cleanCtx, db, 100*time.Millisecond)
+	// First, without faults, the scenarios that probe the bounds (a key's expiry, replays of
+	// the stored status and headers, a changed body), so that every run probes them.
+	runner.Quiet(runCtx, history.ExpiryEdge(history.Transactional, 0, 0, 0), history.ExpiryEdge(history.Leased, 0, 0, 0),
+		history.ExpiryEdge(history.Transactional, 0, 0, 0), history.ExpiryEdge(history.Leased, 0, 0, 0),
+		history.Storm(history.Transactional, 0), history.Storm(history.Leased, 0), history.Changed(history.Transactional, 0),
+		history.Changed(history.Leased, 0))
 	faultCtx, stopFaults := context.WithCancel(runCtx)
 	faultErr := make(chan error, 1)
 	go func() {
@@ -383,6 +407,7 @@ func TestHTTPHistory(t *testing.T) {
 	}()
 	runner.Run(runCtx)
 	stopFaults()
+	stopCleanup()
 	if err := <-faultErr; err != nil {
 		t.Fatalf("%v", err)
 	}
@@ -422,5 +447,10 @@ func TestHTTPHistory(t *testing.T) {
 	history.Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1,
 		"server-kill": 1, "pg-restart": 1})
 	history.Require(t, "the scenario", runner.Ran(), map[string]int{"expiry lease": 1, "storm tx": 1, "storm lease": 1,
-		"hang-up tx": 1, "hang-up lease": 1, "changed body lease": 1})
+		"hang-up tx": 1, "hang-up lease": 1, "changed body lease": 1, "expiry edge tx": 2, "expiry edge lease": 2})
+	events := runner.Events()
+	t.Logf("edges: %v; cleanup passes %d", events, cleanups())
+	history.Require(t, "the edge", map[string]int{"expiry probed before the edge tx": events["expiry probed before the edge tx"],
+		"expiry probed before the edge lease": events["expiry probed before the edge lease"], "cleanup pass": int(cleanups())},
+		map[string]int{"expiry probed before the edge tx": 1, "expiry probed before the edge lease": 1, "cleanup pass": 20})
 }

@@ -146,6 +146,7 @@ func Check(h *History, o Options) (res Result) {
 		}
 	}
 	res.Violations = append(res.Violations, sharedProviderKeys(parts)...)
+	res.Violations = append(res.Violations, fencedAnswers(parts, faults, o.Timeout)...)
 	slices.SortFunc(res.Violations, func(a, b Violation) int { return strings.Compare(a.Key, b.Key) })
 	res.Chains, res.Excused, res.Liveness = checkLiveness(h, parts, faults, o.Timeout)
 	all := o.All || os.Getenv("HISTORY_TIMELINES") == "all"
@@ -224,6 +225,42 @@ func sharedProviderKeys(parts [][]porcupine.Operation) []Violation {
 		keys := slices.Sorted(maps.Keys(owners[pk]))
 		out = append(out, Violation{Key: strings.Join(keys, " + "), Kinds: []string{sharedKind},
 			Timeline: fmt.Sprintf("keys %s: NOT allowed: each reported provider key %s\n", strings.Join(keys, ", "), pk)})
+	}
+	return out
+}
+
+// fencedKind is the kind of violation of an attempt that was told it lost its lease and yet
+// is the answer.
+const fencedKind = "the answer stored by an attempt that was told it lost its lease"
+
+// fencedAnswers finds, per key, an answer (fresh or replayed) that names as its attempt one
+// that was told its store was refused (Output.Fenced): such an attempt never becomes the
+// answer, whatever the order. It needs no linearization: being told is final.
+func fencedAnswers(parts [][]porcupine.Operation, faults []Fault, timeout time.Duration) []Violation {
+	var out []Violation
+	for _, p := range parts {
+		fenced := map[int64]int{}
+		for _, op := range p {
+			if o := op.Output.(Output); o.Outcome == Lost && o.Fenced && o.Attempt != 0 {
+				fenced[o.Attempt] = op.Input.(Input).Client
+			}
+		}
+		if len(fenced) == 0 {
+			continue
+		}
+		for _, op := range p {
+			o := op.Output.(Output)
+			c, ok := fenced[o.Attempt]
+			if !ok || (o.Outcome != Answered && o.Outcome != Replayed) {
+				continue
+			}
+			in := op.Input.(Input)
+			timeline, _, _ := explain(p, faults, timeout)
+			out = append(out, Violation{Key: in.Key, Kinds: []string{fencedKind}, Timeline: fmt.Sprintf(
+				"key %s: NOT allowed: c%d at %s got the answer of attempt %d (%s), whose client c%d was told its store "+
+					"was refused (it lost its lease)\n%s", in.Key, in.Client, at(int64(in.Call)), o.Attempt, o.Outcome, c, timeline)})
+			break
+		}
 	}
 	return out
 }

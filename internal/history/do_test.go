@@ -89,6 +89,9 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 			if r.Release {
 				return doResult{}, errInjected
 			}
+			if err := work(ctx, r, 0, 0); err != nil { // the claim and the answer apart
+				return doResult{}, err
+			}
 			worked = time.Now()
 			return doResult{Effect: id, Amount: in.Amount}, nil
 		})
@@ -116,9 +119,7 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 			if r.Release {
 				return doResult{}, errInjected // after the provider
 			}
-			select {
-			case <-time.After(time.Duration(20+rand.IntN(150)) * time.Millisecond):
-			case <-ctx.Done():
+			if err := work(ctx, r, 20*time.Millisecond, 150*time.Millisecond); err != nil {
 				return doResult{}, context.Cause(ctx)
 			}
 			worked = time.Now()
@@ -232,13 +233,20 @@ func TestDoHistory(t *testing.T) {
 	inj.LockFault(c.URL("hist"))
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
+	inj.CommitFault(c.URL("hist"), app)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2), Expiry(Transactional, 2),
 		Duplicate(Transactional, 50*time.Millisecond, 8*time.Second, 1), Duplicate(Leased, 50*time.Millisecond, 8*time.Second, 1),
+		ExpiryEdge(Transactional, edgeWork, edgeTTL, 1), ExpiryEdge(Leased, edgeWork, edgeTTL, 1),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
-	runFaults(t, h, inj, runner, mode)
+	cleanCtx, stopCleanup := context.WithCancel(ctx)
+	cleanups := CleanupEvery(cleanCtx, observe, cleanupEvery)
+	runFaults(t, h, inj, runner, mode, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0),
+		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), Changed(Transactional, 0),
+		Changed(Leased, 0), failedLeaseReuse(0))
+	stopCleanup()
 	time.Sleep(2*time.Second + 500*time.Millisecond) // a lease's completion outlives its client by a lease at most
 	pool.Close()
 	waitIdle(t, observe, app)
@@ -252,7 +260,10 @@ func TestDoHistory(t *testing.T) {
 	// At least: enough of each for the model to have something to check; on a loaded machine
 	// (two cores, the other packages' tests beside it) a short run completes fewer operations.
 	Require(t, "the outcome", outcomes, map[string]int{"2xx": 10, "replayed": 5, "mismatch": 3, "released": 1, "busy": 1})
-	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
+	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1,
+		"commit-kill": 1})
 	Require(t, "the scenario", runner.Ran(), map[string]int{"DoLease then Do": 1, "failed lease, then reuse": 1,
-		"expiry lease": 1, "storm tx": 1, "storm lease": 1, "duplicate tx": 1, "duplicate lease": 1})
+		"expiry lease": 1, "storm tx": 1, "storm lease": 1, "duplicate tx": 1, "duplicate lease": 1, "expiry edge tx": 2,
+		"expiry edge lease": 2})
+	requireEdges(t, h, runner, cleanups(), false)
 }

@@ -14,6 +14,7 @@ import (
 
 	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -263,6 +264,58 @@ func (i *Injector) TerminateFault(url, app string) {
 			WHERE application_name = $1 AND pid <> pg_backend_pid() ORDER BY random() LIMIT $2) b`, app, 1+rng.IntN(3)).Scan(&n)
 		return fmt.Sprintf("%d backends terminated", n), err
 	})
+}
+
+// CommitFault adds "commit-kill": the backend of a client (application_name app) whose
+// statement is COMMIT, caught while its COMMIT runs a deferred trigger that sleeps (a
+// harness's slow commit: wait_event PgSleep), is terminated: the transaction did not commit,
+// and its client cannot know (the connection ended during COMMIT). It waits up to 5 s for such
+// a COMMIT; one kill is one fault.
+func (i *Injector) CommitFault(url, app string) {
+	i.Add("commit-kill", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		conn, err := connectRetrying(ctx, url)
+		if err != nil {
+			return "", err
+		}
+		defer conn.Close(context.Background())
+		deadline := time.Now().Add(5 * time.Second)
+		for time.Now().Before(deadline) && ctx.Err() == nil {
+			var n int
+			if err := conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+				WHERE application_name = $1 AND state = 'active' AND upper(query) = 'COMMIT' AND wait_event = 'PgSleep'`,
+				app).Scan(&n); err != nil {
+				return "", err
+			}
+			if n > 0 {
+				return fmt.Sprintf("%d backends terminated in COMMIT", n), nil
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return "no COMMIT in flight for 5s", ctx.Err()
+	})
+}
+
+// CleanupEvery runs idem.idem_cleanup() on pool every interval until ctx ends, as a scheduled
+// cleaner would (far more often), so that a key deleted before its expiry shows in the history;
+// errors (a restart, a table lock) are ignored. It returns how many passes ran.
+func CleanupEvery(ctx context.Context, pool interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, interval time.Duration) (passes func() int64) {
+	var n atomic.Int64
+	go func() {
+		for ctx.Err() == nil {
+			q, cancel := context.WithTimeout(ctx, 2*time.Second)
+			if _, err := pool.Exec(q, `SELECT idem.idem_cleanup()`); err == nil {
+				n.Add(1)
+			}
+			cancel()
+			select {
+			case <-time.After(interval):
+			case <-ctx.Done():
+			}
+		}
+	}()
+	return n.Load
 }
 
 // connectRetrying connects to url, trying again for up to 30 seconds (the cluster may be

@@ -7,8 +7,8 @@
 // provider). The model says, per (principal, key), which histories the contract allows:
 //
 //   - a key lives in generations; within one, the first request's fingerprint binds the key;
-//   - a repeat with the same fingerprint gets exactly the first answer (status and body byte
-//     for byte) with the replay marker; another fingerprint gets a mismatch (HTTP 422
+//   - a repeat with the same fingerprint gets exactly the first answer (status, the stored
+//     headers the harness sees, and body byte for byte) with the replay marker; another fingerprint gets a mismatch (HTTP 422
 //     idempotency_key_reuse); a repeat while the work runs may be told so (409);
 //   - a generation has at most one effect, and an answer that names an effect names one
 //     that exists and that no other generation named;
@@ -16,6 +16,10 @@
 //     one reports the same, and no later generation reports an earlier one's;
 //   - a new generation starts only after a release, or once the key expired: the TTL after the
 //     stored answer (on every path), or the TTL after the end of a lease that never answered.
+//   - the SQL API's in_progress (with a retry_after) says a claim of the request is live, and
+//     a lease held ends no earlier than its call plus retry_after;
+//   - an attempt told its store was refused never becomes the answer (fencedAnswers, beside
+//     the model: it needs no order).
 //
 // Time is part of the model: every input and output carries its call and return time, and
 // the step function decides conservatively. An operation's effect happened at some instant
@@ -51,6 +55,7 @@ const (
 	rulePK                        // one provider key per generation, never an earlier generation's
 	ruleEffects                   // one effect per generation, and every named effect exists
 	ruleTakeover                  // a lease is taken over only once it can have run out
+	ruleLive                      // in_progress only while a claim of the request is live
 )
 
 var ruleKinds = []struct {
@@ -63,6 +68,7 @@ var ruleKinds = []struct {
 	{ruleMismatch, "a mismatch where none is due"},
 	{ruleEffects, "effects that do not match the generations"},
 	{ruleTakeover, "a takeover of a lease still running"},
+	{ruleLive, "an in_progress where no claim of the request can be live"},
 }
 
 // reason is why something an operation may have done was impossible, and which rule said so.
@@ -144,6 +150,23 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 		}
 		return nil
 	}
+	if out.Outcome == Busy && out.Live {
+		// The store said a lease claim of this very request is live, until at least LiveFor
+		// after the call: the key is claimed by it (held; or done, since a fresh answer is one
+		// point in the model though its claim was live while its work ran), and a lease held
+		// ends no earlier.
+		if s.phase == free || s.fp != in.Fingerprint {
+			if st.refuse(ruleLive, "in_progress (a lease claim of this request live for %s more), but no claim of it can be "+
+				"live: %s", out.LiveFor, s.describe()) {
+				return nil
+			}
+			return []state{s}
+		}
+		if s.phase == held {
+			s.since = max(s.since, call+int64(out.LiveFor))
+		}
+		return []state{s}
+	}
 	for _, a := range actions(in.Route, out.Outcome) {
 		switch a {
 		case actNoop:
@@ -185,7 +208,7 @@ func (st *stepper) step(s state, in Input, out Output) (next []state) {
 						c.since = max(call, int64(out.StoredAfter))
 					}
 					if out.Outcome == Answered {
-						c.answer = out.answer()
+						c.answer = out.full()
 						var ok bool
 						if c, ok = st.bind(c, out, true); !ok {
 							continue
@@ -298,10 +321,10 @@ func (st *stepper) bind(s state, out Output, fresh bool) (state, bool) {
 	if !fresh {
 		switch {
 		case s.answer == unknown:
-			s.answer = out.answer()
-		case s.answer != out.answer():
+			s.answer = out.full()
+		case s.answer != out.full():
 			if st.refuse(ruleAnswer, "a replay that differs from the stored answer: stored %s, got %s",
-				short(s.answer, 80), short(out.answer(), 80)) {
+				short(s.answer, 80), short(out.full(), 80)) {
 				return s, false
 			}
 			return s, true // relaxed: the replay tells nothing

@@ -51,12 +51,26 @@ func observe(effects ...string) porcupine.Operation {
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
+// live is the store's in_progress for this request, the lease live for d more.
+func live(d time.Duration) opt {
+	return func(_ *Input, out *Output) { out.Live, out.LiveFor, out.Note = true, d, "in_progress" }
+}
+
+// headers sets an answer's stored headers.
+func headers(h string) opt { return func(_ *Input, out *Output) { out.Headers = h } }
+
 func TestModelAccepts(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		ops  []porcupine.Operation
 	}{
+		{"in_progress while a lease runs, then a takeover after its end", []porcupine.Operation{
+			op(1, "A", 0, 0.1, Held, "", lease(time.Second)),
+			op(2, "A", 0.3, 0.35, Busy, "", lease(time.Second), live(600*time.Millisecond)),
+			op(3, "A", 1.0, 1.1, Answered, "id 1", lease(time.Second), headers("Location: /1")),
+			op(4, "A", 1.2, 1.3, Replayed, "id 1", lease(time.Second), headers("Location: /1")),
+		}},
 		{"an answer, its replays, a mismatch, 409s", []porcupine.Operation{
 			op(1, "A", 0, 0.1, Answered, "id 1", effect("row 1")),
 			op(2, "A", 0.05, 0.08, Busy, ""),
@@ -154,6 +168,19 @@ func TestModelRejects(t *testing.T) {
 		ops    []porcupine.Operation
 		why    string // in the timeline's explanation
 	}{
+		{"a replay without the stored headers", ruleAnswer, []porcupine.Operation{
+			op(1, "A", 0, 0.1, Answered, "id 1", headers("Location: /1")),
+			op(2, "A", 0.2, 0.3, Replayed, "id 1"),
+		}, "differs from the stored answer"},
+		{"in_progress before any claim", ruleLive, []porcupine.Operation{
+			op(1, "A", 0, 0.1, Busy, "", lease(time.Second), live(500*time.Millisecond)),
+			op(2, "A", 0.2, 0.3, Answered, "id 1", lease(time.Second)),
+		}, "no claim of it can be live"},
+		{"a takeover before the end an in_progress gave", ruleTakeover, []porcupine.Operation{
+			op(1, "A", 0, 0.1, Held, "", lease(time.Second)),
+			op(2, "A", 0.5, 0.55, Busy, "", lease(time.Second), live(time.Second)),
+			op(3, "A", 1.2, 1.3, Held, "", lease(time.Second)),
+		}, "before it can have run out"},
 		{"a replay that differs from the answer", ruleAnswer, []porcupine.Operation{
 			op(1, "A", 0, 0.1, Answered, "id 1"),
 			op(2, "A", 0.2, 0.3, Replayed, "id 2"),

@@ -112,6 +112,22 @@ type Output struct {
 	// Status and Body are the answer (Answered, Replayed; informative otherwise).
 	Status int
 	Body   string
+	// Headers are the answer's stored headers that a replay must send again (Location, ETag,
+	// or the SQL API's response_headers), canonical, as one string: part of the answer a replay
+	// is compared with. "" when the harness sees none.
+	Headers string
+	// Attempt is the attempt (fencing token) whose answer this is, when the harness can tell:
+	// its own for a fresh answer, the one named in the body for a replay; for Lost, the
+	// attempt that was told it lost. 0 when unknown.
+	Attempt int64
+	// Live: the store answered in_progress for a lease claim of this very request (the SQL
+	// API's outcome, which only a live lease gives), live for LiveFor more (its retry_after):
+	// evidence that the key was held, and until when at least.
+	Live    bool
+	LiveFor time.Duration
+	// Fenced: a Lost attempt whose store was refused (55000) and never retried, so its answer
+	// was never stored: no replay may be its answer.
+	Fenced bool
 	// ProviderKey is the provider key the operation reported or used ("" unknown).
 	ProviderKey string
 	// Effect names the effect the answer claims ("deposit 17", "payout po_3"); "" for an
@@ -139,3 +155,11 @@ type Output struct {
 }
 
 func (o Output) answer() string { return fmt.Sprintf("%d %s", o.Status, o.Body) }
+
+// full is the answer with its stored headers: what a replay must repeat exactly.
+func (o Output) full() string {
+	if o.Headers == "" {
+		return o.answer()
+	}
+	return fmt.Sprintf("%d [%s] %s", o.Status, o.Headers, o.Body)
+}

@@ -37,6 +37,9 @@ type Request struct {
 	// Hold and Release ask a driver that claims leases itself to leave the lease held (no
 	// answer) or release it, once claimed.
 	Hold, Release bool
+	// Work asks the harness to make the work take this long (the claim and the answer that
+	// far apart, or a holder stalled past its lease); 0: the harness's own.
+	Work time.Duration
 	// Payload is the harness's own.
 	Payload any
 }
@@ -79,6 +82,7 @@ type Runner struct {
 	mu      sync.Mutex
 	keys    []Key
 	ran     map[string]int
+	events  map[string]int
 	n       atomic.Int64
 	stop    chan struct{} // closed once the run is big enough: scenarios end early
 	stopped sync.Once
@@ -91,6 +95,7 @@ type Session struct {
 	mu      sync.Mutex // rng is shared by the session's goroutines (Parallel)
 	rng     *rand.Rand
 	clients []int
+	stop    chan struct{} // closed once the run is big enough (the runner's; never, in Quiet)
 }
 
 // IntN is a random number in [0, n), from the session's seeded source; safe from the
@@ -104,7 +109,11 @@ func (s *Session) IntN(n int) int {
 // Run runs scenarios until Mode.Ops operations were recorded and Mode.Duration passed, or
 // ctx ends. Every scenario runs at least once (in order) before they are drawn by weight.
 func (r *Runner) Run(ctx context.Context) {
-	r.ran = map[string]int{}
+	r.mu.Lock()
+	if r.ran == nil {
+		r.ran, r.events = map[string]int{}, map[string]int{}
+	}
+	r.mu.Unlock()
 	r.stop = make(chan struct{})
 	started := time.Now()
 	enough := func() bool {
@@ -147,11 +156,38 @@ func (r *Runner) Run(ctx context.Context) {
 						}
 					}
 				}
-				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients})
+				sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients, stop: r.stop})
 				r.mu.Lock()
 				r.ran[sc.Name]++
 				r.mu.Unlock()
 			}
+		}()
+	}
+	wg.Wait()
+}
+
+// Quiet runs each scenario once, all at once (each on a worker of its own), to completion,
+// before Run and its faults: the scenarios that probe the contract's time bounds, which a fault
+// would blur (a probe must return within a few hundred milliseconds of a bound to tell
+// anything), so that every run probes them. Their keys and counts are the run's.
+func (r *Runner) Quiet(ctx context.Context, scenarios ...Scenario) {
+	r.mu.Lock()
+	if r.ran == nil {
+		r.ran, r.events = map[string]int{}, map[string]int{}
+	}
+	r.mu.Unlock()
+	stop := make(chan struct{}) // never closed: each scenario runs to its end
+	var wg sync.WaitGroup
+	for i, sc := range scenarios {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(r.Mode.Seed, uint64(1000+i)))
+			clients := []int{r.H.Client(), r.H.Client(), r.H.Client(), r.H.Client()}
+			sc.Run(&Session{r: r, ctx: ctx, rng: rng, clients: clients, stop: stop})
+			r.mu.Lock()
+			r.ran[sc.Name]++
+			r.mu.Unlock()
 		}()
 	}
 	wg.Wait()
@@ -169,6 +205,21 @@ func (r *Runner) Ran() map[string]int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return maps.Clone(r.ran)
+}
+
+// Events is how many times each event a scenario noted (Session.Event) happened: a takeover,
+// a lost lease, a probe of a key's expiry that came in time.
+func (r *Runner) Events() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.events)
+}
+
+// Event notes that something a run must do at least so often happened (Runner.Events).
+func (s *Session) Event(name string) {
+	s.r.mu.Lock()
+	defer s.r.mu.Unlock()
+	s.r.events[name]++
 }
 
 // Observe records the effects under every key (after H.Close).
@@ -204,7 +255,7 @@ func (s *Session) Client(i int) int { return s.clients[i] }
 // stopping tells whether the run is big enough: a scenario sends nothing more.
 func (s *Session) stopping() bool {
 	select {
-	case <-s.r.stop:
+	case <-s.stop:
 		return true
 	default:
 		return s.ctx.Err() != nil
@@ -275,7 +326,7 @@ func (s *Session) Sleep(d time.Duration) {
 	select {
 	case <-time.After(d):
 	case <-s.ctx.Done():
-	case <-s.r.stop:
+	case <-s.stop:
 	}
 }
 

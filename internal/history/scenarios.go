@@ -101,3 +101,60 @@ func Duplicate(route Route, offset, span time.Duration, weight int) Scenario {
 		)
 	}}
 }
+
+// The scenarios at the contract's time bounds.
+
+// edgeMargin is how long before the earliest instant the model lets a key expire ExpiryEdge
+// probes it: long enough that the probe returns before that instant (minus ClockSlack), so a
+// key gone early is a violation; short enough that a key deleted a second early, or kept the
+// TTL after its claim rather than its answer, is already gone.
+const edgeMargin = 500 * time.Millisecond
+
+// ExpiryEdge: under a key with a TTL of ttl (0: the harness's; another only on a harness that
+// claims with the key's TTL), a request whose work takes work (its claim and its answer that
+// far apart), answered fresh; the same request again edgeMargin before the earliest instant
+// the model lets the key expire (the TTL after the answer was stored, as the model bounds it: when its client
+// sent what stores it, else the call): it must be replayed; a key cleaned up early, or kept the
+// TTL after the claim instead of the answer, is a new generation there, which the model
+// refuses (an attempt that decides nothing, through a fault, is tried again while there is
+// time). Then again just after that instant (replayed or a new generation, both allowed), and
+// a repeat. The event "expiry probed before the edge tx|lease" counts the probes that returned
+// in time to tell.
+func ExpiryEdge(route Route, work, ttl time.Duration, weight int) Scenario {
+	return Scenario{Name: "expiry edge " + route.String(), Weight: weight, Run: func(s *Session) {
+		k := s.Key(route)
+		if ttl > 0 {
+			k.TTL = ttl
+		}
+		r := s.Request(k, 0)
+		r.Work = work
+		var first Output
+		var call time.Duration
+		for range 3 {
+			call = s.Now()
+			if first = s.Send(s.Client(0), r, work+s.r.OpTimeout); Final(first.Outcome) || s.stopping() {
+				break
+			}
+			s.Sleep(time.Duration(50+s.IntN(250)) * time.Millisecond)
+		}
+		if first.Outcome != Answered {
+			return
+		}
+		edge := max(call, first.StoredAfter) + k.TTL
+		again := s.Request(k, 0)
+		s.SleepUntil(edge - edgeMargin)
+		// Again at once while an attempt decides nothing (a fault) and there is time to tell.
+		for s.Now() < edge-edgeMargin/3 && !s.stopping() {
+			out := s.Send(s.Client(1), again, edgeMargin)
+			if Final(out.Outcome) {
+				if out.Return < edge-ClockSlack {
+					s.Event("expiry probed before the edge " + route.String())
+				}
+				break
+			}
+			s.Sleep(20 * time.Millisecond)
+		}
+		s.SleepUntil(edge + 200*time.Millisecond)
+		s.Until(s.Client(2), again, 2, 0)
+	}}
+}

@@ -3,6 +3,7 @@ package history
 import (
 	"context"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,12 +13,13 @@ import (
 	idemsql "github.com/pgidem/pgidem/sql"
 )
 
-// runFaults runs the scenarios while the injector injects faults, and stops the injector
-// when the scenarios are done.
-func runFaults(t testing.TB, h *History, inj *Injector, runner *Runner, mode Mode) {
+// runFaults runs the quiet scenarios first, without faults (Runner.Quiet), then the runner's
+// scenarios while the injector injects faults, and stops the injector when they are done.
+func runFaults(t testing.TB, h *History, inj *Injector, runner *Runner, mode Mode, quiet ...Scenario) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), mode.Duration*10+5*time.Minute)
 	defer cancel()
+	runner.Quiet(ctx, quiet...)
 	faultCtx, stopFaults := context.WithCancel(ctx)
 	faultErr := make(chan error, 1)
 	go func() {
@@ -30,6 +32,47 @@ func runFaults(t testing.TB, h *History, inj *Injector, runner *Runner, mode Mod
 	if err := <-faultErr; err != nil {
 		t.Errorf("%v", err)
 	}
+}
+
+// edgeWork is how long the work of an ExpiryEdge request takes in the SQL and Go harnesses:
+// its claim and its answer that far apart, so that a TTL counted from the claim is gone
+// edgeWork before the edge, well before the probe (edgeMargin before it).
+const edgeWork = 700 * time.Millisecond
+
+// cleanupEvery is how often the harnesses run idem_cleanup: a key deleted a second early is
+// then deleted long before the edge probe.
+const cleanupEvery = 100 * time.Millisecond
+
+// edgeTTL is the TTL of the ExpiryEdge keys of the SQL and Go harnesses (which claim with a
+// key's own TTL): short, for short runs; longer than a second, so that a key deleted a second
+// early is deleted after its answer.
+const edgeTTL = 1500 * time.Millisecond
+
+// requireEdges fails a run that probed the contract's bounds too little: unknown outcomes,
+// takeovers, lost leases, COMMITs killed, probes before a key's expiry that returned in time,
+// and cleanup passes; takeovers and lost leases only when leases (the SQL harness's scenarios
+// make them; the Go harness's only faults do).
+func requireEdges(t testing.TB, h *History, runner *Runner, cleanups int64, leases bool) {
+	t.Helper()
+	outcomes, _ := h.Counts()
+	events := runner.Events()
+	kills := 0
+	for _, f := range h.Faults() {
+		if f.Kind == "commit-kill" && strings.Contains(f.Detail, "terminated in COMMIT") {
+			kills++
+		}
+	}
+	t.Logf("edges: %v; COMMITs killed %d; cleanup passes %d", events, kills, cleanups)
+	want := map[string]int{"unknown": 3, "expiry probed before the edge tx": 1, "expiry probed before the edge lease": 1,
+		"COMMIT killed": 1, "cleanup pass": 20}
+	if leases {
+		want["lost"], want["takeover"] = 1, 1
+	}
+	Require(t, "the edge", map[string]int{"unknown": outcomes["unknown"], "lost": outcomes["lost"],
+		"takeover": events["takeover"], "expiry probed before the edge tx": events["expiry probed before the edge tx"],
+		"expiry probed before the edge lease": events["expiry probed before the edge lease"],
+		"COMMIT killed":                       kills, "cleanup pass": int(cleanups)},
+		want)
 }
 
 // waitIdle waits (up to 30 seconds) until no backend of the clients is left in a transaction

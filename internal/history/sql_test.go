@@ -29,7 +29,18 @@ CREATE TABLE hist.effects (id bigserial PRIMARY KEY, principal text NOT NULL, ke
 	fingerprint text NOT NULL, attempt bigint NOT NULL);
 CREATE SEQUENCE hist.refs;
 CREATE TABLE hist.provider (pk text PRIMARY KEY, principal text NOT NULL, key text NOT NULL,
-	ref text NOT NULL, calls integer NOT NULL DEFAULT 1);`
+	ref text NOT NULL, calls integer NOT NULL DEFAULT 1);
+-- A slow COMMIT, half the time: a deferred trigger on the effects sleeps 100 ms at COMMIT, so
+-- that the commit-kill fault can end a backend while its COMMIT runs (before it commits).
+CREATE FUNCTION hist.slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF random() < 0.5 THEN
+		PERFORM pg_sleep(0.1);
+	END IF;
+	RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON hist.effects DEFERRABLE INITIALLY DEFERRED
+	FOR EACH ROW EXECUTE FUNCTION hist.slow_commit();`
 
 // providerCall pays at the test's provider under a provider key and returns the payout's
 // reference: the first call makes the payout, later ones with the key answer it.
@@ -38,7 +49,8 @@ const providerCall = `INSERT INTO hist.provider AS p (pk, principal, key, ref) V
 
 // beginSQL claims a key; to_jsonb(b)->>'provider_key' is the claim's provider key once
 // idem_begin has that column, NULL before.
-const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_body, to_jsonb(b) ->> 'provider_key'
+const beginSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers::text, b.response_body,
+	to_jsonb(b) ->> 'provider_key', extract(epoch FROM b.retry_after)::float8
 	FROM idem.idem_begin(p_principal => $1, p_key => $2, p_action => $3, p_request_sha256 => $4,
 	                     p_ttl => $5::interval, p_lease => $6::interval, p_lock_timeout => '300 milliseconds') AS b`
 
@@ -124,6 +136,36 @@ func sqlState(err error) string {
 	return ""
 }
 
+// attemptHeaders are the headers an attempt stores with its answer: its token, so that a
+// replay says which attempt stored the answer (as jsonb prints them, which a replay returns).
+func attemptHeaders(attempt int64) string { return fmt.Sprintf(`{"x-attempt": "%d"}`, attempt) }
+
+// attemptOf is the attempt named in a stored body ("attempt"), 0 when none.
+func attemptOf(body []byte) int64 {
+	var b struct {
+		Attempt int64 `json:"attempt"`
+	}
+	_ = json.Unmarshal(body, &b)
+	return b.Attempt
+}
+
+// work sleeps what the request asks its work to take (Request.Work), else a draw in [min, min+spread).
+func work(ctx context.Context, r Request, min, spread time.Duration) error {
+	d := r.Work
+	if d == 0 {
+		if spread <= 0 {
+			return nil
+		}
+		d = min + time.Duration(rand.Int64N(int64(spread)))
+	}
+	select {
+	case <-time.After(d):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 func effectOf(body []byte) string {
 	var b struct {
 		Effect int64  `json:"effect"`
@@ -164,8 +206,10 @@ type claimRow struct {
 	outcome  string
 	attempt  int64
 	status   *int32
+	headers  *string
 	body     []byte
 	reported *string
+	retry    *float64 // retry_after in seconds
 }
 
 func (h *sqlHarness) begin(ctx context.Context, q interface {
@@ -181,7 +225,7 @@ func (h *sqlHarness) begin(ctx context.Context, q interface {
 	var row claimRow
 	err := q.QueryRow(ctx, beginSQL, r.Key.Principal, r.Key.Name, p.action, sum[:],
 		fmt.Sprintf("%d milliseconds", r.Key.TTL.Milliseconds()), leaseArg).
-		Scan(&row.outcome, &row.attempt, &row.status, &row.body, &row.reported)
+		Scan(&row.outcome, &row.attempt, &row.status, &row.headers, &row.body, &row.reported, &row.retry)
 	return row, err
 }
 
@@ -189,11 +233,21 @@ func (h *sqlHarness) begin(ctx context.Context, q interface {
 func decided(row claimRow, pk string) Output {
 	switch row.outcome {
 	case "replay":
-		return Output{Outcome: Replayed, Status: int(*row.status), Body: string(row.body), Effect: effectOf(row.body), ProviderKey: pk}
+		out := Output{Outcome: Replayed, Status: int(*row.status), Body: string(row.body), Effect: effectOf(row.body), ProviderKey: pk,
+			Attempt: attemptOf(row.body)}
+		if row.headers != nil {
+			out.Headers = *row.headers
+		}
+		return out
 	case "mismatch":
 		return Output{Outcome: Mismatch}
 	case "in_progress":
-		return Output{Outcome: Busy, Note: "in_progress"}
+		out := Output{Outcome: Busy, Note: "in_progress"}
+		if row.retry != nil && *row.retry > 0 {
+			// Only a live lease is in_progress to another session: evidence of it.
+			out.Live, out.LiveFor = true, time.Duration(*row.retry*float64(time.Second))
+		}
+		return out
 	}
 	return Output{Outcome: Failed, Note: "outcome " + row.outcome}
 }
@@ -227,16 +281,21 @@ func (h *sqlHarness) tx(ctx context.Context, conn *pgx.Conn, r Request) Output {
 		r.Key.Principal, r.Key.Name, r.Fingerprint, row.attempt).Scan(&id); err != nil {
 		return failed(err, false)
 	}
-	body := fmt.Sprintf(`{"effect":%d,"request":%q}`, id, r.Text)
+	if err := work(ctx, r, 0, 0); err != nil { // the claim and the answer apart
+		return failed(err, false)
+	}
+	body := fmt.Sprintf(`{"effect":%d,"attempt":%d,"request":%q}`, id, row.attempt, r.Text)
+	headers := attemptHeaders(row.attempt)
 	sent := time.Now()
 	if _, err := tx.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
-		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body)); err != nil {
+		p_headers => $5::jsonb, p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body), headers); err != nil {
 		return failed(err, false)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return failed(err, true)
 	}
-	return Output{Outcome: Answered, Status: 201, Body: body, Effect: fmt.Sprintf("row %d", id), ProviderKey: pk, StoreSent: sent}
+	return Output{Outcome: Answered, Status: 201, Body: body, Headers: headers, Effect: fmt.Sprintf("row %d", id), ProviderKey: pk,
+		StoreSent: sent, Attempt: row.attempt}
 }
 
 // lease: idem_begin with a lease (committed on its own), the provider, the work, then
@@ -287,22 +346,23 @@ func (h *sqlHarness) lease(ctx context.Context, conn *pgx.Conn, r Request) Outpu
 	if err != nil {
 		return unknown(err)
 	}
-	select { // the work
-	case <-time.After(time.Duration(20+rand.IntN(150)) * time.Millisecond):
-	case <-ctx.Done():
-		return unknown(ctx.Err())
+	if err := work(ctx, r, 20*time.Millisecond, 150*time.Millisecond); err != nil {
+		return unknown(err)
 	}
-	body := fmt.Sprintf(`{"ref":%q,"provider_key":%q,"request":%q}`, ref, pk, r.Text)
+	body := fmt.Sprintf(`{"ref":%q,"provider_key":%q,"attempt":%d,"request":%q}`, ref, pk, row.attempt, r.Text)
+	headers := attemptHeaders(row.attempt)
 	sent := time.Now()
 	_, err = conn.Exec(ctx, `SELECT idem.idem_complete(p_principal => $1, p_key => $2, p_attempt => $3, p_status => 201,
-		p_headers => '{}', p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body))
+		p_headers => $5::jsonb, p_body => $4)`, r.Key.Principal, r.Key.Name, row.attempt, []byte(body), headers)
 	switch {
 	case sqlState(err) == "55000":
-		return Output{Outcome: Lost, ProviderKey: pk, Note: "complete: taken over"}
+		// Refused, and never retried: this attempt's answer is not stored.
+		return Output{Outcome: Lost, ProviderKey: pk, Note: "complete: taken over", Attempt: row.attempt, Fenced: true}
 	case err != nil:
 		return unknown(err)
 	}
-	return Output{Outcome: Answered, Status: 201, Body: body, Effect: "payout " + ref, ProviderKey: pk, StoreSent: sent}
+	return Output{Outcome: Answered, Status: 201, Body: body, Headers: headers, Effect: "payout " + ref, ProviderKey: pk,
+		StoreSent: sent, Attempt: row.attempt}
 }
 
 func (h *sqlHarness) Observe(ctx context.Context, k Key) ([]string, error) {
@@ -333,13 +393,20 @@ func TestSQLHistory(t *testing.T) {
 	inj.LockFault(c.URL("hist"))
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
+	inj.CommitFault(c.URL("hist"), app)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(2),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2),
-		Expiry(Transactional, 2), leaseExpiry(1),
+		Expiry(Transactional, 2), leaseExpiry(1), ExpiryEdge(Transactional, edgeWork, edgeTTL, 1),
+		ExpiryEdge(Leased, edgeWork, edgeTTL, 1), staleHolder(1), contention(1),
 	}}
 	t.Logf("seed %d (HISTORY_SEED), at least %d operations and %s", mode.Seed, mode.Ops, mode.Duration)
-	runFaults(t, h, inj, runner, mode)
+	cleanCtx, stopCleanup := context.WithCancel(ctx)
+	cleanups := CleanupEvery(cleanCtx, observe, cleanupEvery)
+	runFaults(t, h, inj, runner, mode, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0),
+		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), staleHolder(0), staleHolder(0),
+		contention(0), contention(0), releaseReuse(0), Changed(Transactional, 0))
+	stopCleanup()
 	// Settle: the leases left held run out, the connections the faults broke are gone.
 	time.Sleep(runner.Keys()[0].Lease + 500*time.Millisecond)
 	harness.closeAll()
@@ -352,7 +419,10 @@ func TestSQLHistory(t *testing.T) {
 	t.Logf("scenarios: %v", runner.Ran())
 	outcomes, faults := h.Counts()
 	Require(t, "the outcome", outcomes, map[string]int{"2xx": 20, "replayed": 5, "mismatch": 3, "held": 2, "released": 1, "busy": 1})
-	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1})
+	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1,
+		"commit-kill": 1})
 	Require(t, "the scenario", runner.Ran(), map[string]int{"dead lease, transactional takeover": 1, "release, then reuse": 1,
-		"lease expiry": 1, "expiry lease": 1, "storm tx": 1, "storm lease": 1})
+		"lease expiry": 1, "expiry lease": 1, "storm tx": 1, "storm lease": 1, "stale holder": 2, "contention on a holder": 2,
+		"expiry edge tx": 2, "expiry edge lease": 2})
+	requireEdges(t, h, runner, cleanups(), true)
 }
