@@ -86,7 +86,7 @@ check-history: ## histories of real clients through every fault, checked by porc
 MUTANT_SEEDS ?= 1,2,3
 
 .PHONY: mutants
-mutants: ## the history checker against its mutants, three seeds each, a kill table (about 20 min; MUTANTS=regexp for some)
+mutants: ## the history checker against its mutants, three seeds each, a kill table (about 16 min; MUTANTS=regexp for some)
 	$(GO) run ./internal/tools/mutants -seeds $(MUTANT_SEEDS) -baseline -only '$(MUTANTS)' -out .artifacts/mutants.md
 
 .PHONY: sql
