@@ -1175,23 +1175,15 @@ IF p_request_fields IS NOT NULL THEN
             RETURNING k.attempt INTO attempt;
             IF FOUND THEN
                 outcome := 'claimed';
-                provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
- END)
- END
+                provider_key := encode(sha256(CASE WHEN (width_bucket(v_token, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
 ;
@@ -1239,23 +1231,15 @@ IF p_request_fields IS NOT NULL THEN
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
-                provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_token, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
- END)
- END
+                provider_key := encode(sha256(CASE WHEN (width_bucket(v_token, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
 ;
@@ -1296,23 +1280,15 @@ IF p_request_fields IS NOT NULL THEN
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- END
+            provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -1324,23 +1300,15 @@ IF p_request_fields IS NOT NULL THEN
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- END
+            provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -1361,23 +1329,15 @@ IF p_request_fields IS NOT NULL THEN
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- END
+            provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
@@ -2870,23 +2830,15 @@ IF v_problem IS NOT NULL THEN
         lease_expires_at := v_row.lease_expires_at;
         lease_run_out := v_row.lease_expires_at <= v_now;
         age := v_now - v_row.claimed_at;
-        provider_key := encode(sha256(CASE WHEN (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (CASE WHEN width_bucket(v_gen, idem.installation_secret_tokens()) > 0
-       AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48
-      THEN int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
-        || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
- END)
- END
+        provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
+ AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
+
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
+ || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
+
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;

@@ -3,8 +3,6 @@ package idemhttp
 import (
 	"context"
 	"errors"
-	"math"
-	"strconv"
 	"sync"
 	"time"
 
@@ -263,13 +261,6 @@ func (q *request) estimate(b *busy) time.Duration {
 		est = min(est, max(b.rest, time.Second))
 	}
 	return est
-}
-
-// inProgressAfter answers 409 request_in_progress with Retry-After: after (whole seconds,
-// rounded up, at least 1).
-func (q *request) inProgressAfter(after time.Duration) {
-	q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(after.Seconds())), 1)))
-	q.m.problem(q.w, q.r, CodeInProgress, "a request with this "+q.m.o.KeyHeader+" is still running; retry later with the same key", nil)
 }
 
 // typicals keeps, per action, a moving average of how long lease work takes in this process.

@@ -181,7 +181,7 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 			}
 			q.m.gate.AddTally(tally, true)
 			q.m.o.Metrics.Count(q.action, StateBusy)
-			q.inProgressAfter(b.retryAfter)
+			q.inProgress(b.retryAfter)
 			return StateBusy
 		}
 	}
@@ -293,7 +293,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		// against another process).
 		endSpan(done, "in_progress", err)
 		q.m.o.Metrics.Count(q.action, StateBusy)
-		q.inProgressAfter(time.Second)
+		q.inProgress(time.Second)
 		return StateBusy, nil
 	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)

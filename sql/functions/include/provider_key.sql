@@ -8,9 +8,10 @@
    (an upgrade never changes the provider key of a generation that exists). Text in UTF-8, each
    part followed by a NUL byte but the last. The same for every attempt of the generation,
    different for every other generation, principal and installation. A simple expression
-   (include/secret_of.sql). */ -}}
-encode(sha256(CASE WHEN {{ template "include/secret_of.sql" . }} IS NULL
-            THEN '\x70676964656d2070726f7669646572206b6579207632'::bytea
-            ELSE '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || {{ template "include/secret_of.sql" . }} END
+   (include/secret_applies.sql, include/secret_of.sql: the secret's sequences are read
+   once, only for a generation that has one). */ -}}
+encode(sha256(CASE WHEN {{ template "include/secret_applies.sql" . }}
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || {{ template "include/secret_of.sql" . }}
+            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to({{ . }}::text, 'UTF8')), 'hex')
