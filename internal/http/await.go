@@ -113,7 +113,7 @@ func (ws *watches) wait(ctx context.Context, id watchKey, every time.Duration, l
 const maxLookBatch = 1000
 
 // poll looks at the waited keys round after round: a round every `every` at most, and after a
-// round that took d, not before 9 d more have passed.
+// round that took d, not before 9 d more have passed (up to four rounds' time).
 func (ws *watches) poll(every time.Duration, lookAt look) {
 	for {
 		began := time.Now()
@@ -156,8 +156,10 @@ func (ws *watches) poll(every time.Duration, lookAt look) {
 			}
 			ws.mu.Unlock()
 		}
+		// Paced to a tenth of the time, but never so slow that a duplicate learns of an
+		// answer later than four rounds after it.
 		took := time.Since(began)
-		time.Sleep(max(every-took, 9*took))
+		time.Sleep(min(max(every-took, 9*took), 4*every))
 	}
 }
 
