@@ -1,6 +1,6 @@
 -- The bound of a takeover, to the millisecond: a claim of the same request before its lease's
 -- end is in_progress (with the holder's attempt, and a retry_after no later than the end), at
--- half the lease, 100 ms and a few milliseconds before the end; just after it, it takes the
+-- half the lease, 300, 150 and 100 ms before the end; just after it, it takes the
 -- lease over. A probe that the machine delayed past the end proves nothing, and passes.
 BEGIN;
 \ir lib/helpers.sql
@@ -27,9 +27,11 @@ BEGIN
 END $$;
 
 SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '500 milliseconds'), 'at half the lease: in_progress, by the holder');
+-- (Probes nearer the end than this were tried: on a loaded machine a claim sent a few ms
+-- before the end can decide after it, take the lease over, and prove nothing.)
+SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '300 milliseconds'), '300 ms before its end: in_progress');
+SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '150 milliseconds'), '150 ms before its end: in_progress');
 SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '100 milliseconds'), '100 ms before its end: in_progress');
-SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '20 milliseconds'), '20 ms before its end: in_progress');
-SELECT ok(pg_temp.probe(:'lease_end', :holder, interval '3 milliseconds'), '3 ms before its end: in_progress');
 SELECT is(state, 'p', 'the key is still the holder''s') FROM idem.idempotency_keys WHERE principal_id = 'lease' AND key = 'held';
 SELECT is(attempt, :holder::bigint, 'with its attempt') FROM idem.idempotency_keys WHERE principal_id = 'lease' AND key = 'held';
 
