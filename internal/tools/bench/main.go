@@ -62,6 +62,7 @@ var parts = []struct {
 	run  func(ctx context.Context, b *bench) error
 }{
 	{"sql", sqlPart},
+	{"cpu", cpuPart},
 	{"latency", latencyPart},
 	{"roundtrips", roundTripsPart},
 	{"duplicate", duplicatePart},

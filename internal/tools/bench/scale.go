@@ -90,6 +90,7 @@ func scalePart(ctx context.Context, b *bench) error {
 		scalePrincipals, scaleClients, b.rounds, b.seconds)
 	tps := map[string][]float64{}
 	wal := map[string][]float64{}
+	makeUp := map[string][]float64{} // "variant/part": bytes per transaction, by run
 	var fails failures
 	for r := 1; r <= b.rounds; r++ {
 		for _, v := range variants {
@@ -112,10 +113,20 @@ func scalePart(ctx context.Context, b *bench) error {
 				return err
 			}
 			fails.add(v.name, res)
-			perTx := walBytes / float64(max(res.n, 1))
+			n := float64(max(res.n, 1))
+			perTx := walBytes / n
 			tps[v.name] = append(tps[v.name], res.rate())
 			wal[v.name] = append(wal[v.name], perTx)
 			fmt.Printf("  round %d  %-10s %6.0f tps, %6.0f WAL bytes/tx%s\n", r, v.name, res.rate(), perTx, res.errNote())
+			m, err := walMakeUpOf(ctx, pool, lsn0)
+			if err != nil {
+				return fmt.Errorf("the WAL's make-up (pg_walinspect): %w", err)
+			}
+			for k, x := range m {
+				makeUp[v.name+"/"+k] = append(makeUp[v.name+"/"+k], x/n)
+			}
+			fmt.Printf("             records: heap %.0f, index %.0f, commit %.0f, other %.0f; full-page images %.0f (bytes/tx)\n",
+				m["heap"]/n, m["index"]/n, m["commit"]/n, m["other"]/n, m["fpi"]/n)
 		}
 	}
 	fmt.Printf("\n%-10s %10s %14s   %s\n", "variant", "median tps", "WAL bytes/tx", "runs")
@@ -130,6 +141,21 @@ func scalePart(ctx context.Context, b *bench) error {
 	b.ratio(name+", random keys, wal_compression=lz4", med["large lz4"]/med["small"], "", 0)
 	b.info("scale: WAL bytes/tx small, large, large lz4, small v7, large v7", fmt.Sprintf("%.0f %.0f %.0f %.0f %.0f",
 		medWAL["small"], medWAL["large"], medWAL["large lz4"], medWAL["small v7"], medWAL["large v7"]))
+	// The WAL a keyed request writes beyond its response body: its records (the claim's
+	// insert and index entries, the completion's HOT update, the commit) without the
+	// full-page images, which each run pays anew after its CHECKPOINT (once per page touched
+	// in the run) and a server pays once per page per checkpoint interval.
+	body := float64(len(responseBody) + len(responseHeaderJSON))
+	records := func(v string) float64 {
+		return median(makeUp[v+"/heap"]) + median(makeUp[v+"/index"]) + median(makeUp[v+"/commit"]) + median(makeUp[v+"/other"])
+	}
+	b.check(fmt.Sprintf("scale: WAL bytes per keyed request beyond its response, records, time-ordered keys, %s keys", millions(large)),
+		fmt.Sprintf("%.0f", records("large v7")-body), records("large v7")-body, "<=", 1024, "%.0f")
+	for _, v := range []string{"large v7", "large"} {
+		b.info(fmt.Sprintf("scale: WAL make-up, %s: heap, index, commit, other, full-page images (bytes/tx)", v),
+			fmt.Sprintf("%.0f %.0f %.0f %.0f %.0f", median(makeUp[v+"/heap"]), median(makeUp[v+"/index"]),
+				median(makeUp[v+"/commit"]), median(makeUp[v+"/other"]), median(makeUp[v+"/fpi"])))
+	}
 	return fails.err()
 }
 
@@ -258,4 +284,39 @@ func (b *bench) scaleDatabase(ctx context.Context, db string, n int, v7 bool) er
 	fmt.Printf("  %s ready (%s)\n", db, time.Since(t0).Round(time.Second))
 	b.ready[db] = true
 	return nil
+}
+
+// walMakeUpOf is what the WAL from lsn0 to now is made of, in bytes: the records of the heap
+// (Heap, Heap2), of the indexes (Btree), of commits (Transaction) and of the rest, and the
+// full-page images of all (pg_walinspect, which the bench's superuser creates).
+func walMakeUpOf(ctx context.Context, pool *pgxpool.Pool, lsn0 string) (map[string]float64, error) {
+	if _, err := pool.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_walinspect`); err != nil {
+		return nil, err
+	}
+	if _, err := pool.Exec(ctx, `SELECT pg_switch_wal()`); err != nil { // the end must be flushed
+		return nil, err
+	}
+	rows, err := pool.Query(ctx, `SELECT split_part("resource_manager/record_type", '/', 1), sum(record_size), sum(fpi_size)
+		  FROM pg_get_wal_stats($1::pg_lsn, pg_current_wal_flush_lsn(), true)
+		 WHERE "resource_manager/record_type" NOT LIKE 'XLOG/SWITCH%'
+		 GROUP BY 1`, lsn0)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	m := map[string]float64{}
+	for rows.Next() {
+		var rm string
+		var rec, fpi float64
+		if err := rows.Scan(&rm, &rec, &fpi); err != nil {
+			return nil, err
+		}
+		part := map[string]string{"Heap": "heap", "Heap2": "heap", "Btree": "index", "Transaction": "commit"}[rm]
+		if part == "" {
+			part = "other"
+		}
+		m[part] += rec
+		m["fpi"] += fpi
+	}
+	return m, rows.Err()
 }
