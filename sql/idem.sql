@@ -1004,11 +1004,14 @@ END
 $$;
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
--- Hot path: one INSERT. On conflict the INSERT has already waited for an uncommitted holder
--- (bounded by lock_timeout, SQLSTATE 55P03 past it); the row is then read without a lock and
--- decided on. Only the two writes (re-claiming an expired or released row, taking over a lease
--- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
--- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
+-- Hot path: one index probe that finds nothing (the row is read without a lock), then one
+-- INSERT. A repeat is decided on the committed row the probe found, without drawing a token or
+-- building the request's field hashes. When the probe finds nothing but the INSERT conflicts,
+-- the INSERT has waited for an uncommitted holder (bounded by lock_timeout, SQLSTATE 55P03 past
+-- it); the row is then read again and decided on. Only the two writes (re-claiming an expired
+-- or released row, taking over a lease that ran out) lock the row, and they decide again on
+-- the locked version. No EXCEPTION block: no subtransaction on any path. Bad arguments raise
+-- 22004 (NULL) or 22023 (invalid value), on every path.
 --
 -- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
 -- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
@@ -1138,11 +1141,7 @@ IF p_request_fields IS NOT NULL THEN
             RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                 USING ERRCODE = '22023';
         END IF;
-        SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-               bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
-          INTO v_fields, v_ok
-          FROM jsonb_each(p_request_fields) AS f;
-        IF NOT v_ok THEN
+        IF p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))' THEN
             RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
                 USING ERRCODE = '22023';
         END IF;
@@ -1158,13 +1157,26 @@ IF p_request_fields IS NOT NULL THEN
     v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
-    -- The fencing token: no holder of any key ever had it.
-    v_token := nextval('idem.token_seq');
 
-    -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
-    -- A fresh key leaves at the first RETURN.
+    -- Every pass starts with the probe unless the previous pass asked for the row locked. A
+    -- fresh key leaves at the first RETURN, a repeat of a committed key right after the probe.
     LOOP
         IF v_lock IS NOT TRUE THEN
+            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
+                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
+                   k.response_body, k.resource_id, k.withheld
+              INTO v_row FROM idem.idempotency_keys AS k
+             WHERE k.principal_id = p_principal AND k.key = p_key;
+        END IF;
+        IF v_lock IS NOT TRUE AND NOT FOUND THEN
+            -- The fencing token: no holder of any key ever had it. The field hashes as stored.
+            v_token := coalesce(v_token, nextval('idem.token_seq'));
+IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
+                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                  INTO v_fields
+                  FROM jsonb_each(p_request_fields) AS f;
+            END IF;
+
             INSERT INTO idem.idempotency_keys AS k
                 (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
                  principal_id, key, request_sha256, request_fields, claimed_at)
@@ -1189,14 +1201,15 @@ IF p_request_fields IS NOT NULL THEN
 ;
                 RETURN;
             END IF;
-            -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
+            -- The key exists (committed since the probe, or its holder's claim was not
+            -- committed yet), and the INSERT has waited for an uncommitted holder. Decide on
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
                    k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
-        ELSE
+        ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
                    k.response_body, k.resource_id, k.withheld
@@ -1219,6 +1232,13 @@ IF p_request_fields IS NOT NULL THEN
             -- An expired key is absent, a released one free: claim it again, with a new
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
+                v_token := coalesce(v_token, nextval('idem.token_seq'));
+IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
+                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                  INTO v_fields
+                  FROM jsonb_each(p_request_fields) AS f;
+            END IF;
+
                 v_lease := v_now + p_lease;
                 v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
@@ -1248,6 +1268,14 @@ IF p_request_fields IS NOT NULL THEN
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
             outcome := 'mismatch';
             attempt := v_row.attempt;
+            IF v_row.request_fields IS NOT NULL AND v_row.action_hash = v_action THEN
+IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
+                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                  INTO v_fields
+                  FROM jsonb_each(p_request_fields) AS f;
+            END IF;
+
+            END IF;
             IF v_row.action_hash <> v_action THEN
                 changed_fields := '{}';
             ELSIF v_row.request_fields IS NOT NULL AND v_fields IS NOT NULL THEN
@@ -1319,6 +1347,7 @@ IF p_request_fields IS NOT NULL THEN
             -- the new lease's end), so that the completion keeps the answer the TTL after it is
             -- given, whichever kind of claim took over; and no other request can claim the key
             -- while this one works.
+            v_token := coalesce(v_token, nextval('idem.token_seq'));
             v_lease := v_now + p_lease;
             v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
             v_gen := coalesce(v_row.generation, v_row.attempt);

@@ -1,10 +1,13 @@
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
--- Hot path: one INSERT. On conflict the INSERT has already waited for an uncommitted holder
--- (bounded by lock_timeout, SQLSTATE 55P03 past it); the row is then read without a lock and
--- decided on. Only the two writes (re-claiming an expired or released row, taking over a lease
--- that ran out) lock the row, and they decide again on the locked version. No EXCEPTION block:
--- no subtransaction on any path. Bad arguments raise 22004 (NULL) or 22023 (invalid value).
+-- Hot path: one index probe that finds nothing (the row is read without a lock), then one
+-- INSERT. A repeat is decided on the committed row the probe found, without drawing a token or
+-- building the request's field hashes. When the probe finds nothing but the INSERT conflicts,
+-- the INSERT has waited for an uncommitted holder (bounded by lock_timeout, SQLSTATE 55P03 past
+-- it); the row is then read again and decided on. Only the two writes (re-claiming an expired
+-- or released row, taking over a lease that ran out) lock the row, and they decide again on
+-- the locked version. No EXCEPTION block: no subtransaction on any path. Bad arguments raise
+-- 22004 (NULL) or 22023 (invalid value), on every path.
 --
 -- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
 -- number is that claim's token; a takeover of a lease that ran out keeps the generation (the
@@ -90,7 +93,7 @@ BEGIN
         PERFORM set_config('lock_timeout',
             greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
-{{ template "include/fields_blob.sql" "idem_begin" }}
+{{ template "include/check_fields.sql" "idem_begin" }}
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
     -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
     -- (a transactional claim) or after the end of its lease (a lease claim); the completion
@@ -101,13 +104,21 @@ BEGIN
     v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
     v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
-    -- The fencing token: no holder of any key ever had it.
-    v_token := nextval('idem.token_seq');
 
-    -- Every pass starts with the INSERT unless the previous pass asked for the row locked.
-    -- A fresh key leaves at the first RETURN.
+    -- Every pass starts with the probe unless the previous pass asked for the row locked. A
+    -- fresh key leaves at the first RETURN, a repeat of a committed key right after the probe.
     LOOP
         IF v_lock IS NOT TRUE THEN
+            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
+                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
+                   k.response_body, k.resource_id, k.withheld
+              INTO v_row FROM idem.idempotency_keys AS k
+             WHERE k.principal_id = p_principal AND k.key = p_key;
+        END IF;
+        IF v_lock IS NOT TRUE AND NOT FOUND THEN
+            -- The fencing token: no holder of any key ever had it. The field hashes as stored.
+            v_token := coalesce(v_token, nextval('idem.token_seq'));
+{{ template "include/fields_blob_lazy.sql" . }}
             INSERT INTO idem.idempotency_keys AS k
                 (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
                  principal_id, key, request_sha256, request_fields, claimed_at)
@@ -121,14 +132,15 @@ BEGIN
                 provider_key := {{ template "include/provider_key.sql" "v_token" }};
                 RETURN;
             END IF;
-            -- The key exists, and the INSERT has waited for an uncommitted holder. Decide on
+            -- The key exists (committed since the probe, or its holder's claim was not
+            -- committed yet), and the INSERT has waited for an uncommitted holder. Decide on
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
                    k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
-        ELSE
+        ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
                    k.response_body, k.resource_id, k.withheld
@@ -151,6 +163,8 @@ BEGIN
             -- An expired key is absent, a released one free: claim it again, with a new
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
+                v_token := coalesce(v_token, nextval('idem.token_seq'));
+{{ template "include/fields_blob_lazy.sql" . }}
                 v_lease := v_now + p_lease;
                 v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
@@ -169,6 +183,9 @@ BEGIN
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
             outcome := 'mismatch';
             attempt := v_row.attempt;
+            IF v_row.request_fields IS NOT NULL AND v_row.action_hash = v_action THEN
+{{ template "include/fields_blob_lazy.sql" . }}
+            END IF;
             IF v_row.action_hash <> v_action THEN
                 changed_fields := '{}';
             ELSIF v_row.request_fields IS NOT NULL AND v_fields IS NOT NULL THEN
@@ -218,6 +235,7 @@ BEGIN
             -- the new lease's end), so that the completion keeps the answer the TTL after it is
             -- given, whichever kind of claim took over; and no other request can claim the key
             -- while this one works.
+            v_token := coalesce(v_token, nextval('idem.token_seq'));
             v_lease := v_now + p_lease;
             v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
             v_gen := coalesce(v_row.generation, v_row.attempt);

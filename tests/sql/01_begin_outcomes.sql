@@ -3,7 +3,7 @@
 -- pgtap extension; `make test` does both).
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(52);
+SELECT plan(55);
 
 SELECT pg_temp.b('alice', 'k1', 'POST /v1/transfers', sha256('body-1'),
                  jsonb_build_object('amount', pg_temp.h('1'), 'to', pg_temp.h('t1')));
@@ -131,6 +131,25 @@ SELECT is(outcome, 'claimed', 'a key of exactly 255 visible ASCII characters is 
   FROM idem.idem_begin('alice', repeat('~', 254) || '!', 'POST /v1/x', sha256('x'));
 SELECT lives_ok(format($$SELECT idem.idem_complete('alice', repeat('~', 254) || '!', %s, 200, '{}', NULL)$$, attempt), 'and completed')
   FROM idem.idempotency_keys WHERE key = repeat('~', 254) || '!';
+
+-- A repeat of a committed key draws no fencing token and stores nothing: replay, mismatch
+-- (with the changed fields named) and in_progress of a lease are read from the row.
+SELECT pg_temp.b('alice', 'rep', 'POST /v1/transfers', sha256('rep-1'),
+                 jsonb_build_object('amount', pg_temp.h('1'), 'to', pg_temp.h('t1')));
+SELECT idem.idem_complete('alice', 'rep', attempt, 201, '{}', NULL) FROM r;
+SELECT pg_temp.b('alice', 'lease-held', 'POST /v1/payouts', sha256('l'), NULL, '1 hour');
+SELECT last_value AS seq_before FROM idem.token_seq \gset
+SELECT is(string_agg(outcome || coalesce(':' || array_to_string(changed_fields, ','), ''), ' ' ORDER BY n), 'replay mismatch:amount,to in_progress',
+    'a replay, a mismatch and an in_progress answer')
+  FROM (SELECT 1 AS n, * FROM idem.idem_begin('alice', 'rep', 'POST /v1/transfers', sha256('rep-1'))
+        UNION ALL
+        SELECT 2, * FROM idem.idem_begin('alice', 'rep', 'POST /v1/transfers', sha256('rep-2'),
+                                         p_request_fields => jsonb_build_object('amount', pg_temp.h('2'), 'to', pg_temp.h('t2')))
+        UNION ALL
+        SELECT 3, * FROM idem.idem_begin('alice', 'lease-held', 'POST /v1/payouts', sha256('l'), p_lease => '1 hour')) AS o;
+SELECT is((SELECT last_value FROM idem.token_seq), :seq_before::bigint, 'drew no fencing token');
+SELECT throws_ok($$SELECT idem.idem_begin('alice', 'rep', 'POST /v1/transfers', sha256('rep-1'), p_request_fields => '{"amount": 1}')$$,
+    '22023', NULL, 'a repeat with malformed field hashes is refused as a fresh request is');
 
 SELECT * FROM finish();
 ROLLBACK;
