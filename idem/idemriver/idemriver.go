@@ -82,9 +82,13 @@ var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than 
 type Options struct {
 	// DB is the pool of the database with schema idem installed (usually River's own).
 	DB idem.Pool
-	// Principal owns the key space of the jobs. Default "" : DefaultPrincipal, "river".
+	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
 	// Give each River database's jobs (each sequence of job ids) a principal of its own.
 	Principal string
+	// PrincipalOf, when set, names each job's principal instead of Principal: the customer
+	// the job works for, read from its arguments (a key table whose principal_id has a
+	// foreign key to the application's principals needs one of them). Default nil: Principal.
+	PrincipalOf func(job *rivertype.JobRow) string
 	// Key names a job's key. Default nil: the job's kind and id, "receipt/42": the same for
 	// every run and retry of the job and different for every other job. A function of the
 	// job's arguments instead (an order id) makes two jobs with the same key one unit of work:
@@ -176,7 +180,10 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		return errors.New("idemriver: Options.DB is nil")
 	}
 	o = o.withDefaults()
-	key := KeyOf(job)
+	principal, key := o.Principal, KeyOf(job)
+	if o.PrincipalOf != nil {
+		principal = o.PrincipalOf(job)
+	}
 	if o.Key != nil {
 		key = o.Key(job)
 	}
@@ -191,7 +198,7 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	if len(job.EncodedArgs) > 0 {
 		input = json.RawMessage(job.EncodedArgs)
 	}
-	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: o.Principal, Key: key, Action: job.Kind, Input: input,
+	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
 			return struct{}{}, fn(ctx, claim)

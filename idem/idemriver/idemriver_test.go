@@ -378,7 +378,7 @@ func TestHungWorkerIsTakenOver(t *testing.T) {
 // first run goes ahead; two jobs that a Key function gives one key are one unit of work (the
 // second with the same arguments does not run, one with other arguments is cancelled with
 // ErrMismatch); a failing run's error reaches River, and its retry runs under the same
-// provider key.
+// provider key; PrincipalOf names a job's principal.
 func TestWorkCancels(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t)
@@ -438,6 +438,14 @@ func TestWorkCancels(t *testing.T) {
 	}
 	if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" {
 		t.Fatalf("the provider keys of a failed run and its retry: %q, want one", keys)
+	}
+	bobs := opts
+	bobs.PrincipalOf = func(*rivertype.JobRow) string { return "bob" }
+	if err := idemriver.Work(ctx, jobRow(t, client, ReceiptArgs{Order: 10}), bobs, work); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = 'bob' AND key LIKE 'receipt/%' AND state = 'c'`); n != 1 {
+		t.Fatalf("PrincipalOf: %d keys of bob, want 1", n)
 	}
 	if err := idemriver.Work(ctx, failing, idemriver.Options{}, work); err == nil {
 		t.Fatal("Work without a DB succeeded")
