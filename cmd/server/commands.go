@@ -35,7 +35,7 @@ type Main struct {
 	cluster        *pgcluster.Cluster
 	pool           *pgxpool.Pool
 	registry       *prometheus.Registry
-	idem           *idem.Middleware // set by routes: its Shutdown ends lease work at shutdown
+	idem           *idem.Middleware      // set by routes: its Shutdown ends lease work at shutdown
 	receipts       *river.Client[pgx.Tx] // the receipts' River client (RECEIPT_URL), or nil
 	riverPool      *pgxpool.Pool         // the receipts' River client's own pool, or nil
 }
