@@ -29,12 +29,12 @@ import (
 
 func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
 
-// quiet is the logger of River's clients and migrator in these tests.
-var quiet = slog.New(slog.DiscardHandler)
+// quietLog is the logger of River's clients and migrator in these tests.
+var quietLog = slog.New(slog.DiscardHandler)
 
 // migrateRiver installs River's tables next to schema idem.
 func migrateRiver(ctx context.Context, pool *pgxpool.Pool) error {
-	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: quiet})
+	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: quietLog})
 	if err != nil {
 		return err
 	}
@@ -97,7 +97,7 @@ func (fastRetry) NextRetry(*rivertype.JobRow) time.Time { return time.Now().Add(
 // newClient is a River client on pool with workers (nil: insert only).
 func newClient(t *testing.T, pool *pgxpool.Pool, workers *river.Workers, mw ...rivertype.Middleware) *river.Client[pgx.Tx] {
 	t.Helper()
-	cfg := &river.Config{Logger: quiet, Workers: workers, RetryPolicy: fastRetry{}, Middleware: mw,
+	cfg := &river.Config{Logger: quietLog, Workers: workers, RetryPolicy: fastRetry{}, Middleware: mw,
 		FetchCooldown: 5 * time.Millisecond, FetchPollInterval: 50 * time.Millisecond}
 	if workers != nil {
 		cfg.Queues = map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 2}}
