@@ -104,8 +104,9 @@ type Options struct {
 	Timeout time.Duration
 	// TTL is how long the key of a job lives after its last run's lease (and its stored
 	// result, after the result). Default 0: DefaultTTL, 30 days. Keep it longer than the
-	// retry horizon of the jobs (River's retry policy and MaxAttempts, snoozes, rescues): a run
-	// that would come later is cancelled with ErrKeyExpired instead (see Work).
+	// time from a job's creation to its last run: its schedule (InsertOpts.ScheduledAt) plus
+	// its retry horizon (River's retry policy and MaxAttempts, snoozes, rescues). A run that
+	// has run before and comes later is cancelled with ErrKeyExpired instead (see Work).
 	TTL time.Duration
 	// LockTimeout is as in idem.Job. Default 0: the SQL API's default.
 	LockTimeout time.Duration
