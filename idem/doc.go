@@ -59,9 +59,10 @@
 //
 // The packages beside this one: idemclient (the client that retries safely), idemmigrate
 // (the migrate step), idemprom (Prometheus metrics for Options.Metrics and
-// CleanerOptions.Metrics), idemmux (gorilla/mux's route templates) and idemtest (a real
-// PostgreSQL for your tests). Importing this package pulls in neither gorilla/mux, nor the
-// Prometheus client, nor tern, nor an OpenTelemetry SDK (only its trace API).
+// CleanerOptions.Metrics), idemmux (gorilla/mux's route templates), idemriver (River jobs
+// enqueued with a request's key, and worked under a lease keyed by the job) and idemtest (a
+// real PostgreSQL for your tests). Importing this package pulls in neither gorilla/mux, nor
+// the Prometheus client, nor tern, nor River, nor an OpenTelemetry SDK (only its trace API).
 //
 // The behaviour, every status and problem, is in docs/http.md of the repository; the SQL API,
 // for DBAs and other languages, in docs/sql-api.md.

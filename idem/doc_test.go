@@ -11,7 +11,7 @@ import (
 )
 
 // publicDirs are the public packages of the module: what `go doc` and pkg.go.dev show.
-var publicDirs = []string{".", "../idemclient", "idemprom", "idemmux", "idemmigrate", "idemtest"}
+var publicDirs = []string{".", "../idemclient", "idemprom", "idemmux", "idemmigrate", "idemtest", "idemriver"}
 
 // TestEveryNameIsDocumented: what `go doc -all` shows of the public packages: a package
 // overview (with the wiring, for idem), types of their own (no alias of an internal type,

@@ -7,7 +7,7 @@ import (
 
 // heavy are the modules a service must not link just because it imports package idem or
 // idemclient: routers, metric clients, migration tools and their template libraries, an
-// OpenTelemetry SDK, and this repository's test machinery.
+// OpenTelemetry SDK, a job queue (River: package idemriver), and this repository's test machinery.
 var heavy = []string{
 	"github.com/gorilla/mux",
 	"github.com/prometheus/",
@@ -16,6 +16,7 @@ var heavy = []string{
 	"go.opentelemetry.io/otel/sdk",
 	"github.com/testcontainers/",
 	"github.com/Shopify/toxiproxy",
+	"github.com/riverqueue/",
 	"github.com/rs/zerolog",
 }
 

@@ -7,8 +7,10 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/riverqueue/river"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgcluster"
@@ -33,7 +35,9 @@ type Main struct {
 	cluster        *pgcluster.Cluster
 	pool           *pgxpool.Pool
 	registry       *prometheus.Registry
-	idem           *idem.Middleware // set by routes: its Shutdown ends lease work at shutdown
+	idem           *idem.Middleware      // set by routes: its Shutdown ends lease work at shutdown
+	receipts       *river.Client[pgx.Tx] // the receipts' River client (RECEIPT_URL), or nil
+	riverPool      *pgxpool.Pool         // the receipts' River client's own pool, or nil
 }
 
 // Run runs the command until it is done or ctx ends.
@@ -90,6 +94,9 @@ func (m *Main) Run(ctx context.Context) error {
 // Close closes the pool and stops the private cluster if this process started it (a
 // `principal create` next to a running `make run` leaves that server's cluster alone).
 func (m *Main) Close() error {
+	if m.riverPool != nil {
+		m.riverPool.Close()
+	}
 	if m.pool != nil {
 		m.pool.Close()
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"regexp"
 	"runtime"
 	"strconv"
@@ -80,6 +81,19 @@ type Config struct {
 	// PayoutProviderDelay (PAYOUT_PROVIDER_DELAY): how long the simulated payment provider
 	// takes to answer a new payout. Default 200ms.
 	PayoutProviderDelay time.Duration
+	// ReceiptURL (RECEIPT_URL): where the receipt of every transfer is POSTed, by a River job
+	// that the transfer enqueues in its own transaction (a webhook; the receiver deduplicates
+	// by the Idempotency-Key header). Empty (the default): no receipts, and no River client.
+	ReceiptURL string
+	// ReceiptLease (RECEIPT_LEASE): the lease of a receipt's sending: a worker that dies
+	// keeps the receipt's key that long before River's retry takes it over. Default 10s.
+	ReceiptLease time.Duration
+	// ReceiptTimeout (RECEIPT_TIMEOUT): River's job timeout for a receipt's sending. Default 30s.
+	ReceiptTimeout time.Duration
+	// ReceiptRescueAfter (RECEIPT_RESCUE_AFTER): how long a receipt job may stay running
+	// before River's rescuer makes it retryable (its worker died). Default 1h; more than
+	// RECEIPT_TIMEOUT.
+	ReceiptRescueAfter time.Duration
 	// TransfersRequireKey (TRANSFERS_REQUIRE_KEY): whether POST /v1/transfers needs an
 	// Idempotency-Key. Default true; false only to benchmark the route without keys.
 	TransfersRequireKey bool
@@ -99,6 +113,7 @@ func defaultConfig() Config {
 		AppRole: idemmigrate.DefaultAppRole, MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10,
 		CleanupInterval: time.Minute, CleanupDuty: idem.DefaultCleanupDuty, CleanupVacuum: true, ShutdownTimeout: 10 * time.Second,
 		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond,
+		ReceiptLease: 10 * time.Second, ReceiptTimeout: 30 * time.Second, ReceiptRescueAfter: time.Hour,
 		TransfersRequireKey: true, LogLevel: slog.LevelInfo,
 	}
 }
@@ -141,6 +156,10 @@ environment (docs/operations.md):
   SHUTDOWN_TIMEOUT                how long in-flight requests may finish (10s)
   PAYOUTS_LEASE                   the lease of POST /v1/payouts, extended while a payout runs (5s)
   PAYOUT_PROVIDER_DELAY           how long the simulated payment provider takes to answer (200ms)
+  RECEIPT_URL                     where a River job POSTs the receipt of every transfer (unset: no receipts)
+  RECEIPT_LEASE                   the lease of a receipt's sending, extended while it runs (10s)
+  RECEIPT_TIMEOUT                 River's job timeout for a receipt's sending (30s)
+  RECEIPT_RESCUE_AFTER            how long a receipt job may run before River's rescuer retries it (1h)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
   LOG_LEVEL                       debug, info, warn or error (info)`
 
@@ -233,6 +252,18 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		c.PayoutProviderDelay = 0
 	} else {
 		p.duration("PAYOUT_PROVIDER_DELAY", &c.PayoutProviderDelay, time.Millisecond)
+	}
+	if v := strings.TrimSpace(getenv("RECEIPT_URL")); v != "" {
+		if u, err := url.Parse(v); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			p.fail("RECEIPT_URL", v, "want an http or https URL, such as http://127.0.0.1:9000/receipts")
+		}
+		c.ReceiptURL = v
+	}
+	p.duration("RECEIPT_LEASE", &c.ReceiptLease, time.Second)
+	p.duration("RECEIPT_TIMEOUT", &c.ReceiptTimeout, time.Millisecond)
+	p.duration("RECEIPT_RESCUE_AFTER", &c.ReceiptRescueAfter, time.Millisecond)
+	if c.ReceiptRescueAfter <= c.ReceiptTimeout {
+		p.fail("RECEIPT_RESCUE_AFTER", c.ReceiptRescueAfter.String(), fmt.Sprintf("want more than RECEIPT_TIMEOUT (%s): River rescues only a job past its timeout", c.ReceiptTimeout))
 	}
 	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
 	if v := getenv("LOG_LEVEL"); v != "" {

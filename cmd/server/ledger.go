@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemriver"
 )
 
 // amount reads a positive integer amount in minor units from a JSON number: ok false (a
@@ -336,6 +337,14 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	if err := tx.SendBatch(ctx, batch).Close(); err != nil {
 		s.serverError(w, r, err)
 		return
+	}
+	if s.receipts != nil {
+		// The receipt's job commits with the transfer and its key (receipts.go).
+		if _, err := idemriver.Insert(ctx, s.receipts, receiptArgs{Principal: principal, Transfer: out.ID, From: out.From,
+			To: out.To, Amount: out.Amount, CreatedAt: out.CreatedAt}, nil); err != nil {
+			s.serverError(w, r, err)
+			return
+		}
 	}
 	w.Header().Set("Location", fmt.Sprintf("/v1/transfers/%d", out.ID))
 	writeJSON(w, http.StatusCreated, out)

@@ -46,6 +46,10 @@ func TestParseFlagsRejectsBadValues(t *testing.T) {
 		{"CLEANUP_DUTY", "NaN"},
 		{"IDEMPOTENCY_MAX_WAITING_CLAIMS", "10000"},
 		{"TRANSFERS_REQUIRE_KEY", "maybe"},
+		{"RECEIPT_URL", "ftp://example.com/r"},
+		{"RECEIPT_URL", "receipts"},
+		{"RECEIPT_LEASE", "10ms"},
+		{"RECEIPT_RESCUE_AFTER", "10s"}, // not more than RECEIPT_TIMEOUT's 30s
 		{"LOG_LEVEL", "loud"},
 	} {
 		m := NewMain(io.Discard, io.Discard)
@@ -108,7 +112,8 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	want := Config{PoolSize: DefaultPoolSize(), ListenAddr: "127.0.0.1:8080", DataDir: ".data", DataPort: 54329, AppRole: "idem_app",
 		MaxBodyBytes: 1 << 20, MaxStoredBytes: 256 << 10, CleanupInterval: time.Minute, CleanupVacuum: true,
 		ShutdownTimeout: 10 * time.Second, TransfersRequireKey: true, LogLevel: slog.LevelInfo,
-		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond, CleanupDuty: 0.4}
+		PayoutsLease: 5 * time.Second, PayoutProviderDelay: 200 * time.Millisecond, CleanupDuty: 0.4,
+		ReceiptLease: 10 * time.Second, ReceiptTimeout: 30 * time.Second, ReceiptRescueAfter: time.Hour}
 	if m.Config != want {
 		t.Fatalf("defaults:\n got %+v\nwant %+v", m.Config, want)
 	}
@@ -118,6 +123,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		"IDEMPOTENCY_LOCK_TIMEOUT": "250ms", "IDEMPOTENCY_MAX_WAITING_CLAIMS": "3", "IDEMPOTENCY_MAX_WAITING_BYTES": "5000", "MAX_BODY_BYTES": "100",
 		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "CLEANUP_VACUUM": "false", "SHUTDOWN_TIMEOUT": "3s",
 		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug", "PAYOUTS_LEASE": "2s", "PAYOUT_PROVIDER_DELAY": "0", "CLEANUP_DUTY": "0.5",
+		"RECEIPT_URL": "http://127.0.0.1:9/receipts", "RECEIPT_LEASE": "3s", "RECEIPT_TIMEOUT": "4s", "RECEIPT_RESCUE_AFTER": "5s",
 	}
 	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
 		t.Fatal(err)
@@ -125,7 +131,8 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 	want = Config{DatabaseURL: "postgres://u@h:5/d", PoolSize: 9, ListenAddr: "0.0.0.0:9", DataDir: "/x", DataPort: 7,
 		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxWaitingBytes: 5000, MaxBodyBytes: 100,
 		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, CleanupVacuum: false, ShutdownTimeout: 3 * time.Second,
-		TransfersRequireKey: false, LogLevel: slog.LevelDebug, PayoutsLease: 2 * time.Second, CleanupDuty: 0.5}
+		TransfersRequireKey: false, LogLevel: slog.LevelDebug, PayoutsLease: 2 * time.Second, CleanupDuty: 0.5,
+		ReceiptURL: "http://127.0.0.1:9/receipts", ReceiptLease: 3 * time.Second, ReceiptTimeout: 4 * time.Second, ReceiptRescueAfter: 5 * time.Second}
 	if m.Config != want {
 		t.Fatalf("every variable:\n got %+v\nwant %+v", m.Config, want)
 	}

@@ -24,7 +24,8 @@ func ledgerFS() fs.FS {
 	return sub
 }
 
-// migrate installs idem (migrations and functions), then the ledger's own migrations.
+// migrate installs idem (migrations and functions), then the ledger's own migrations, then
+// River's (the receipts' job queue, schema river).
 func (m *Main) migrate(ctx context.Context) error {
 	conn, err := m.pool.Acquire(ctx)
 	if err != nil {
@@ -54,6 +55,9 @@ func (m *Main) migrate(ctx context.Context) error {
 	}
 	if err := mig.Migrate(ctx); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	if err := m.migrateRiver(ctx); err != nil {
+		return err
 	}
 	m.log.Info("migrated")
 	return nil

@@ -25,8 +25,9 @@ func loginRoleIn(t *testing.T, db, group string) string {
 	return pgtest.LoginRole(t, db, group)
 }
 
-// TestLeastPrivilegeRole: the server, the README quickstart and the cleaner run as a login
-// role that is only a member of idem_app, after `server migrate` ran as the owner. The
+// TestLeastPrivilegeRole: the server, the README quickstart (with its transfer's receipt, sent
+// by River) and the cleaner run as a login role that is only a member of idem_app, after
+// `server migrate` ran as the owner. The
 // cleaner deletes expired keys but cannot vacuum the key table (PostgreSQL 15 lets only its
 // owner): it says so once, and the documented alternative (the pg_cron vacuum job, run as
 // the owner: TestPgCronCleanup) takes over.
@@ -44,13 +45,20 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	app := loginRole(t, db)
 
 	var log logBuffer
-	s := serveWith(t, app, db, map[string]string{"CLEANUP_INTERVAL": "1s"}, &log)
+	rcv := newReceiver(t, false)
+	s := serveWith(t, app, db, map[string]string{"CLEANUP_INTERVAL": "1s", "RECEIPT_URL": rcv.url}, &log)
 	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
 		t.Fatalf("/healthz as the application role: %d %s", r.status, r.body)
 	}
 	out := runQuickstart(t, s, app) // principal create, too, as the application role
 	if n := s.count(`SELECT count(*) FROM ledger.transfers`); n != 1 {
 		t.Fatalf("%d transfers after the quickstart, want 1:\n%s", n, out)
+	}
+	// The transfer's receipt, enqueued and sent by River as the application role (schema
+	// river's grants).
+	waitForCount(t, s, 30*time.Second, `SELECT count(*) FROM river.river_job WHERE kind = 'receipt' AND state = 'completed'`)
+	if effects, _ := rcv.figures(); len(effects) != 1 {
+		t.Fatalf("the receiver has %d receipts, want the quickstart transfer's", len(effects))
 	}
 
 	// The scheduled cleaner, as the application role.

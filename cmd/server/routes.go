@@ -11,8 +11,10 @@ import (
 	"time"
 
 	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/riverqueue/river"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/idem/idemmux"
@@ -35,7 +37,8 @@ func (m *Main) routes(ctx context.Context) (http.Handler, error) {
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
 func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error) {
-	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease}
+	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease,
+		receipts: m.receipts}
 	idem, err := idem.New(ctx, idem.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
@@ -174,6 +177,7 @@ type ledger struct {
 	log  interface {
 		Error(msg string, args ...any)
 	}
-	provider    *provider     // the simulated payment provider of the payouts route
-	payoutLease time.Duration // the payouts route's lease
+	provider    *provider             // the simulated payment provider of the payouts route
+	payoutLease time.Duration         // the payouts route's lease
+	receipts    *river.Client[pgx.Tx] // enqueues a transfer's receipt (RECEIPT_URL), or nil: no receipts
 }

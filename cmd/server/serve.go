@@ -15,13 +15,23 @@ import (
 	"github.com/pgidem/pgidem/idem/idemprom"
 )
 
-func (m *Main) serve(ctx context.Context) error {
+func (m *Main) serve(ctx context.Context) (err error) {
 	m.registry = prometheus.NewRegistry()
 	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		idemprom.NewHealthCollector(m.pool, healthEvery, m.log))
+	if m.receipts, err = m.startReceipts(ctx); err != nil {
+		return err
+	}
 	handler, err := m.routes(ctx)
 	if err != nil {
 		return err
+	}
+	if m.receipts != nil {
+		// Stopped below, after the HTTP server: not by the end of ctx, which would cut the
+		// sends short before the requests that enqueue them are done.
+		if err := m.receipts.Start(context.WithoutCancel(ctx)); err != nil {
+			return fmt.Errorf("start the receipts' River client: %w", err)
+		}
 	}
 	ln, err := net.Listen("tcp", m.Config.ListenAddr)
 	if err != nil {
@@ -56,6 +66,7 @@ func (m *Main) serve(ctx context.Context) error {
 		if stopCleanup != nil {
 			stopCleanup()
 		}
+		m.stopReceipts(context.Background())
 		return err
 	case <-ctx.Done():
 	}
@@ -74,6 +85,7 @@ func (m *Main) serve(ctx context.Context) error {
 	if stopCleanup != nil {
 		stopCleanup() // cancels a running pass and waits for it
 	}
+	m.stopReceipts(sctx)
 	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("shutdown: %w", err)
 	}

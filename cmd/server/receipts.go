@@ -1,0 +1,167 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemriver"
+)
+
+// Receipts: work after the answer. A transfer enqueues the job that sends its receipt (a
+// webhook to RECEIPT_URL) in the transfer's own transaction (idemriver.Insert), so the job
+// commits with the transfer and its key, and a replay enqueues nothing. A River worker sends
+// it under a lease keyed by the job (idemriver.Work), with the claim's provider key as the
+// webhook's Idempotency-Key: River's retries, and a worker killed in the middle of a send and
+// rescued by River, reach the receiver under one key, which it deduplicates.
+
+// riverSchema is the schema of River's tables (`server migrate` installs them there).
+const riverSchema = "river"
+
+// receiptArgs is a receipt job: the transfer it is the receipt of.
+type receiptArgs struct {
+	Principal string    `json:"principal"`
+	Transfer  int64     `json:"transfer"`
+	From      int64     `json:"from"`
+	To        int64     `json:"to"`
+	Amount    int64     `json:"amount"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+func (receiptArgs) Kind() string { return "receipt" }
+
+// receiptPrincipal is the principal of a receipt's key: the transfer's (the key table's
+// principal_id refers to the ledger's principals, and a principal's keys go with it).
+func receiptPrincipal(job *rivertype.JobRow) string {
+	var a receiptArgs
+	_ = json.Unmarshal(job.EncodedArgs, &a)
+	return a.Principal
+}
+
+// receiptWorker sends a receipt to the receiver.
+type receiptWorker struct {
+	river.WorkerDefaults[receiptArgs]
+	url     string
+	http    *http.Client
+	opts    idemriver.Options
+	timeout time.Duration
+}
+
+// Timeout is River's job timeout for a receipt.
+func (w *receiptWorker) Timeout(*river.Job[receiptArgs]) time.Duration { return w.timeout }
+
+// Work POSTs the receipt under the job's lease, with the claim's provider key as the
+// Idempotency-Key: a 2xx is the receiver's word that it has the receipt.
+func (w *receiptWorker) Work(ctx context.Context, job *river.Job[receiptArgs]) error {
+	body, err := json.Marshal(job.Args)
+	if err != nil {
+		return river.JobCancel(err)
+	}
+	return idemriver.Work(ctx, job.JobRow, w.opts, func(ctx context.Context, claim idem.LeaseClaim) error {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.url, bytes.NewReader(body))
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", claim.ProviderKey)
+		res, err := w.http.Do(req)
+		if err != nil {
+			return err
+		}
+		defer res.Body.Close()
+		_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, 1<<16))
+		if res.StatusCode/100 != 2 {
+			return fmt.Errorf("receipt of transfer %d: the receiver answered %s", job.Args.Transfer, res.Status)
+		}
+		return nil
+	})
+}
+
+// migrateRiver installs or upgrades River's tables in schema river and lets the application
+// role use them (insert jobs in a transfer's transaction, work them).
+func (m *Main) migrateRiver(ctx context.Context) error {
+	if _, err := m.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+riverSchema); err != nil {
+		return fmt.Errorf("river migrate: %w", err)
+	}
+	mig, err := rivermigrate.New(riverpgxv5.New(m.pool), &rivermigrate.Config{Schema: riverSchema, Logger: m.log})
+	if err != nil {
+		return fmt.Errorf("river migrate: %w", err)
+	}
+	if _, err := mig.Migrate(ctx, rivermigrate.DirectionUp, nil); err != nil {
+		return fmt.Errorf("river migrate: %w", err)
+	}
+	role := pgx.Identifier{m.Config.AppRole}.Sanitize()
+	if _, err := m.pool.Exec(ctx, `DO $$ BEGIN
+			IF EXISTS (SELECT FROM pg_roles WHERE rolname = '`+m.Config.AppRole+`') THEN
+				GRANT USAGE ON SCHEMA `+riverSchema+` TO `+role+`;
+				GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+riverSchema+` TO `+role+`;
+				GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA `+riverSchema+` TO `+role+`;
+			END IF;
+		END $$`); err != nil {
+		return fmt.Errorf("river migrate: grant to %s: %w", m.Config.AppRole, err)
+	}
+	return nil
+}
+
+// startReceipts makes the River client of the receipts when RECEIPT_URL is set (nil
+// otherwise), on a pool of its own (its fetches, its notifications' connection and the
+// sends' leases do not take the requests' connections), and checks that River's tables are
+// there. Start it after the routes are built; stop it at shutdown.
+func (m *Main) startReceipts(ctx context.Context) (*river.Client[pgx.Tx], error) {
+	if m.Config.ReceiptURL == "" {
+		return nil, nil
+	}
+	var ok bool
+	if err := m.pool.QueryRow(ctx, `SELECT to_regclass('`+riverSchema+`.river_job') IS NOT NULL`).Scan(&ok); err != nil {
+		return nil, fmt.Errorf("check River's tables: %w", err)
+	}
+	if !ok {
+		return nil, fmt.Errorf("%w (RECEIPT_URL is set and River's tables, schema %s, are missing)", errNotMigrated, riverSchema)
+	}
+	cfg := m.pool.Config().Copy()
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	m.riverPool = pool
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &receiptWorker{url: m.Config.ReceiptURL, http: &http.Client{}, timeout: m.Config.ReceiptTimeout,
+		opts: idemriver.Options{DB: pool, Lease: m.Config.ReceiptLease, PrincipalOf: receiptPrincipal}})
+	return river.NewClient(riverpgxv5.New(pool), &river.Config{
+		Schema:               riverSchema,
+		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 2}},
+		Workers:              workers,
+		JobTimeout:           m.Config.ReceiptTimeout,
+		RescueStuckJobsAfter: m.Config.ReceiptRescueAfter,
+		Logger:               m.log.With(slog.String("component", "river")),
+	})
+}
+
+// stopReceipts stops the receipts' River client, if any: the sends running finish until ctx
+// ends; then they are cancelled, and each gives its lease up for River's retry.
+func (m *Main) stopReceipts(ctx context.Context) {
+	if m.receipts == nil {
+		return
+	}
+	if err := m.receipts.Stop(ctx); err != nil {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := m.receipts.StopAndCancel(cctx); err != nil {
+			m.log.Warn("the receipts' River client did not stop", "error", err)
+		}
+	}
+}

@@ -1,0 +1,240 @@
+// Package idemriver joins package idem to River (github.com/riverqueue/river), the job queue
+// on PostgreSQL, for work that happens after the answer: the receipt of an order, a webhook,
+// the e-mail. It lives apart from package idem so that a service that does not use River links
+// none of it.
+//
+// Two halves:
+//
+//   - Insert enqueues a River job in the transaction of a keyed request (idem.TxFrom): the job
+//     commits together with the request's effect and its key, or not at all, and a replay of
+//     the request runs no handler, so it enqueues nothing. One job per key, with no unique
+//     job options and no outbox table of your own.
+//   - Work (or the worker middleware Middleware) runs a job's outside work under
+//     idem.DoLease, keyed by the job: River's retries, a worker killed in the middle of the
+//     job and River's rescue of it reach the outside world under one provider key
+//     (idem.LeaseClaim.ProviderKey), and work whose result was stored is not run again.
+//
+// A River job is at least once; what makes its outside effect at most once is the provider's
+// own deduplication by the provider key, as on a lease route: a provider that does not
+// deduplicate may still see two calls when a worker dies after its call and before the result
+// is stored. docs/http.md of the repository ("Work after the answer") has the whole example
+// (an order, its charge and its receipt), and what each part guarantees and does not.
+package idemriver
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/pgidem/pgidem/idem"
+)
+
+// ErrNoTx is Insert's error outside the transactional unit of work of a keyed request: there
+// is no transaction that the job could commit with (a lease route, a route that is not
+// declared, or a context that is not a request's).
+var ErrNoTx = errors.New("idemriver: no transaction in the context (idem.TxFrom is nil): " +
+	"enqueue from a transactional route's handler, or with client.InsertTx on a transaction of your own")
+
+// Insert enqueues args with client.InsertTx on the transaction of the request's unit of work
+// (idem.TxFrom(ctx)): the job is inserted when the request's effect, its answer and its key
+// commit, and never when they roll back. A replay of the request does not run its handler, so
+// a retried request enqueues one job. It returns ErrNoTx when the context has no such
+// transaction. Work outside HTTP calls client.InsertTx itself, on the transaction of idem.Do
+// or of idem.RunTx.
+func Insert(ctx context.Context, client *river.Client[pgx.Tx], args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
+	tx := idem.TxFrom(ctx)
+	if tx == nil {
+		return nil, ErrNoTx
+	}
+	return client.InsertTx(ctx, tx, args, opts)
+}
+
+// The defaults of Options.
+const (
+	// DefaultPrincipal is Options.Principal's default: the key space of River jobs.
+	DefaultPrincipal = "river"
+	// DefaultLease is Options.Lease's default: a worker that dies holds its job's key at most
+	// this long (after its last extension) before another run takes it over.
+	DefaultLease = 30 * time.Second
+	// DefaultTTL is Options.TTL's default, 30 days: longer than River's default retry
+	// horizon (25 attempts, attempt⁴ seconds apart with 10 % jitter: at most about 22.4 days
+	// from the first attempt to the last), so that no run of a job under River's default
+	// policy finds its key expired.
+	DefaultTTL = 30 * 24 * time.Hour
+)
+
+// ErrKeyExpired is the cause of a job that Work cancels (river.JobCancel) instead of running:
+// the job has run before, and it was created at least about Options.TTL ago, so its key may
+// have expired and been deleted; a run now would be a new generation of the key with a new
+// provider key, which a provider would take for new work. Retrying such a job by hand is a
+// decision that idemriver leaves to a person.
+var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than its key's TTL: its key may have expired, so it is not run again")
+
+// Options configure Work and Middleware. DB is required; the zero value of every other field
+// is its default.
+type Options struct {
+	// DB is the pool of the database with schema idem installed (usually River's own).
+	DB idem.Pool
+	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
+	// Give each River database's jobs (each sequence of job ids) a principal of its own.
+	Principal string
+	// PrincipalOf, when set, names each job's principal instead of Principal: the customer
+	// the job works for, read from its arguments (a key table whose principal_id has a
+	// foreign key to the application's principals needs one of them). Default nil: Principal.
+	PrincipalOf func(job *rivertype.JobRow) string
+	// Key names a job's key. Default nil: the job's kind and id, "receipt/42": the same for
+	// every run and retry of the job and different for every other job. A function of the
+	// job's arguments instead (an order id) makes two jobs with the same key one unit of work:
+	// the second replays the first's result without running, and one with other arguments is
+	// cancelled (idem.ErrMismatch).
+	Key func(job *rivertype.JobRow) string
+	// Lease is the lease of a run: extended every third of it while the work runs, and how
+	// long a worker that died keeps its key before a later run takes over. Default 0:
+	// DefaultLease. At least a second.
+	Lease time.Duration
+	// Timeout bounds a run's work, besides River's own job timeout (the context of the work
+	// ends at the first of the two). Default 0: idem.DefaultLeaseTimeout.
+	Timeout time.Duration
+	// TTL is how long the key of a job lives after its last run's lease (and its stored
+	// result, after the result). Default 0: DefaultTTL, 30 days. Keep it longer than the
+	// time from a job's creation to its last run: its schedule (InsertOpts.ScheduledAt) plus
+	// its retry horizon (River's retry policy and MaxAttempts, snoozes, rescues). A run that
+	// has run before and comes later is cancelled with ErrKeyExpired instead (see Work).
+	TTL time.Duration
+	// LockTimeout is as in idem.Job. Default 0: the SQL API's default.
+	LockTimeout time.Duration
+	// Snooze is how long a run whose key another run holds (a worker still at work, or one
+	// that died and whose lease has not run out) waits before it tries again, with
+	// river.JobSnooze (which does not count as an attempt). Default 0: Lease.
+	Snooze time.Duration
+	// Gate is as in idem.Job. Default nil: idem's shared gate.
+	Gate *idem.Gate
+}
+
+func (o Options) withDefaults() Options {
+	if o.Principal == "" {
+		o.Principal = DefaultPrincipal
+	}
+	if o.Lease <= 0 {
+		o.Lease = DefaultLease
+	}
+	if o.TTL <= 0 {
+		o.TTL = DefaultTTL
+	}
+	if o.Snooze <= 0 {
+		o.Snooze = o.Lease
+	}
+	return o
+}
+
+// KeyOf is the key Work gives a job by default: its kind and its id, "receipt/42".
+func KeyOf(job *rivertype.JobRow) string { return job.Kind + "/" + strconv.FormatInt(job.ID, 10) }
+
+// ranBefore tells whether the job has been fetched before this run (an attempt that failed,
+// was rescued, or snoozed): only then may its key exist already.
+func ranBefore(job *rivertype.JobRow) bool {
+	return job.Attempt > 1 || len(job.Errors) > 0 || len(job.AttemptedBy) > 1
+}
+
+// Work runs fn, the outside work of a River job, at most once in effect: under idem.DoLease,
+// with the key of the job (Options.Key; by default its kind and id), its kind as the action
+// and its arguments as the input. Call it from a worker's Work method:
+//
+//	func (w *ReceiptWorker) Work(ctx context.Context, job *river.Job[ReceiptArgs]) error {
+//		return idemriver.Work(ctx, job.JobRow, w.opts, func(ctx context.Context, claim idem.LeaseClaim) error {
+//			return w.mailer.Send(ctx, claim.ProviderKey, job.Args) // the provider deduplicates by the key
+//		})
+//	}
+//
+// What it returns to River:
+//
+//   - nil when fn succeeded (its success is stored with the key, fenced by the claim's token),
+//     and also, without running fn, when an earlier run of the job succeeded and was stored
+//     but River did not learn of it (the worker died after the work): the job completes;
+//   - fn's error when fn failed: the lease is given up at once and River retries the job by
+//     its retry policy; the retry runs fn again under the same claim.ProviderKey;
+//   - river.JobSnooze(Options.Snooze) when another run holds the key (a worker that is still
+//     at work or hung, or one that died and whose lease has not run out yet): the job waits,
+//     without spending an attempt, and then finds the result, or takes the key over once the
+//     lease has run out (with the same provider key);
+//   - an error when this run's lease was lost or ended before its result could be stored
+//     (idem.ErrLeaseLost, or context.DeadlineExceeded at the lease's end: a worker that hung
+//     past its lease, whose key another run may have taken over): nothing of this run is
+//     stored, and River's retry finds the other run's result, or the key;
+//   - river.JobCancel of an error wrapping idem.ErrMismatch when the key was used with other
+//     arguments (a Key function that gives two different jobs one key), and of ErrKeyExpired
+//     when the job ran before and is older than the key's TTL: it is not run again.
+//
+// fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
+// (cause idem.ErrLeaseLost); fn should stop then. fn's own writes to the database go in a
+// transaction of its own, idempotent themselves (keyed by claim.ProviderKey), because a
+// takeover runs fn again.
+func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx context.Context, claim idem.LeaseClaim) error) error {
+	if o.DB == nil {
+		return errors.New("idemriver: Options.DB is nil")
+	}
+	o = o.withDefaults()
+	principal, key := o.Principal, KeyOf(job)
+	if o.PrincipalOf != nil {
+		principal = o.PrincipalOf(job)
+	}
+	if o.Key != nil {
+		key = o.Key(job)
+	}
+	// The first run of the job claimed its key no earlier than the job was created, and every
+	// later run's claim kept it at least the TTL past that claim: while the job is younger
+	// than the TTL (less a margin for the clocks), its key is there if it was ever claimed.
+	if ranBefore(job) && time.Since(job.CreatedAt) >= o.TTL-min(o.TTL/10, time.Hour) {
+		return river.JobCancel(fmt.Errorf("%w (job %d, created %s, key TTL %s)", ErrKeyExpired, job.ID,
+			job.CreatedAt.UTC().Format(time.RFC3339), o.TTL))
+	}
+	var input any
+	if len(job.EncodedArgs) > 0 {
+		input = json.RawMessage(job.EncodedArgs)
+	}
+	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
+		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
+		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
+			return struct{}{}, fn(ctx, claim)
+		})
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, idem.ErrInProgress):
+		return river.JobSnooze(o.Snooze)
+	case errors.Is(err, idem.ErrMismatch):
+		return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err))
+	case errors.Is(err, idem.ErrLeaseLost):
+		return fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err)
+	}
+	return err
+}
+
+// claimKey is the context key of ClaimOf.
+type claimKey struct{}
+
+// ClaimOf returns the claim of the job that the worker middleware (Middleware) runs, or false
+// outside it. Hand an outside provider its ProviderKey.
+func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
+	c, ok := ctx.Value(claimKey{}).(idem.LeaseClaim)
+	return c, ok
+}
+
+// Middleware returns a River worker middleware that runs every job it wraps with Work: the
+// worker's Work method runs under the job's lease, and finds its claim with ClaimOf. Install
+// it for some kinds of job with their worker's Middleware method (embed
+// river.WorkerDefaults and return it), or for every job in river.Config.Middleware.
+func Middleware(o Options) rivertype.WorkerMiddleware {
+	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(ctx context.Context) error) error {
+		return Work(ctx, job, o, func(ctx context.Context, claim idem.LeaseClaim) error {
+			return doInner(context.WithValue(ctx, claimKey{}, claim))
+		})
+	})
+}
