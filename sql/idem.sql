@@ -1056,6 +1056,7 @@ DECLARE
     v_guard   boolean;
     v_action  bigint;
     v_fields  bytea;
+    v_checked boolean; -- p_request_fields was checked (and v_fields built, on the INSERT's path)
     v_ok      boolean;
     v_token   bigint;
     v_gen     bigint;
@@ -1136,26 +1137,12 @@ IF p_ttl IS NOT NULL THEN
         PERFORM set_config('lock_timeout',
             greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
-IF p_request_fields IS NOT NULL THEN
-        IF jsonb_typeof(p_request_fields) <> 'object' THEN
-            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
-                USING ERRCODE = '22023';
-        END IF;
-        IF p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))' THEN
-            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                USING ERRCODE = '22023';
-        END IF;
-    END IF;
-
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
     -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
     -- (a transactional claim) or after the end of its lease (a lease claim); the completion
     -- keeps the key the TTL after the answer (answer_expires_at).
+    -- What a claim writes is computed on the paths that claim: a repeat evaluates none of it.
     v_now := statement_timestamp();
-    v_lease := v_now + p_lease;
-    v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
-    v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
-    v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
 
     -- Every pass starts with the probe unless the previous pass asked for the row locked. A
@@ -1167,16 +1154,47 @@ IF p_request_fields IS NOT NULL THEN
                    k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
+            IF FOUND AND v_checked IS NOT TRUE THEN
+IF p_request_fields IS NOT NULL THEN
+                    IF jsonb_typeof(p_request_fields) <> 'object' THEN
+                        RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                            USING ERRCODE = '22023';
+                    END IF;
+                    IF p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))' THEN
+                        RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
+                            USING ERRCODE = '22023';
+                    END IF;
+                END IF;
+
+                v_checked := true;
+            END IF;
         END IF;
         IF v_lock IS NOT TRUE AND NOT FOUND THEN
-            -- The fencing token: no holder of any key ever had it. The field hashes as stored.
+            -- The fencing token: no holder of any key ever had it. The field hashes as stored,
+            -- checked as they are built.
             v_token := coalesce(v_token, nextval('idem.token_seq'));
-IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
-                  INTO v_fields
-                  FROM jsonb_each(p_request_fields) AS f;
-            END IF;
+            IF v_checked IS NOT TRUE THEN
+IF p_request_fields IS NOT NULL THEN
+        IF jsonb_typeof(p_request_fields) <> 'object' THEN
+            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                USING ERRCODE = '22023';
+        END IF;
+        SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
+               bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
+          INTO v_fields, v_ok
+          FROM jsonb_each(p_request_fields) AS f;
+        IF NOT v_ok THEN
+            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
+                USING ERRCODE = '22023';
+        END IF;
+    END IF;
 
+                v_checked := true;
+            END IF;
+            v_lease := v_now + p_lease;
+            v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+            v_guard := nullif(p_lease IS NULL, false);
             INSERT INTO idem.idempotency_keys AS k
                 (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
                  principal_id, key, request_sha256, request_fields, claimed_at)
@@ -1242,6 +1260,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 v_lease := v_now + p_lease;
                 v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+                v_guard := nullif(p_lease IS NULL, false);
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
@@ -1350,6 +1369,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             v_token := coalesce(v_token, nextval('idem.token_seq'));
             v_lease := v_now + p_lease;
             v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+            v_guard := nullif(p_lease IS NULL, false);
             v_gen := coalesce(v_row.generation, v_row.attempt);
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,

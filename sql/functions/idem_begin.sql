@@ -47,6 +47,7 @@ DECLARE
     v_guard   boolean;
     v_action  bigint;
     v_fields  bytea;
+    v_checked boolean; -- p_request_fields was checked (and v_fields built, on the INSERT's path)
     v_ok      boolean;
     v_token   bigint;
     v_gen     bigint;
@@ -93,16 +94,12 @@ BEGIN
         PERFORM set_config('lock_timeout',
             greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
     END IF;
-{{ template "include/check_fields.sql" "idem_begin" }}
     -- statement_timestamp() is one instant for the whole call (the request's arrival);
     -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
     -- (a transactional claim) or after the end of its lease (a lease claim); the completion
     -- keeps the key the TTL after the answer (answer_expires_at).
+    -- What a claim writes is computed on the paths that claim: a repeat evaluates none of it.
     v_now := statement_timestamp();
-    v_lease := v_now + p_lease;
-    v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
-    v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-    v_guard := nullif(p_lease IS NULL, false);
     v_action := hashtextextended(p_action, 0);
 
     -- Every pass starts with the probe unless the previous pass asked for the row locked. A
@@ -114,11 +111,23 @@ BEGIN
                    k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
+            IF FOUND AND v_checked IS NOT TRUE THEN
+{{ template "include/check_fields.sql" "idem_begin" }}
+                v_checked := true;
+            END IF;
         END IF;
         IF v_lock IS NOT TRUE AND NOT FOUND THEN
-            -- The fencing token: no holder of any key ever had it. The field hashes as stored.
+            -- The fencing token: no holder of any key ever had it. The field hashes as stored,
+            -- checked as they are built.
             v_token := coalesce(v_token, nextval('idem.token_seq'));
-{{ template "include/fields_blob_lazy.sql" . }}
+            IF v_checked IS NOT TRUE THEN
+{{ template "include/fields_blob.sql" "idem_begin" }}
+                v_checked := true;
+            END IF;
+            v_lease := v_now + p_lease;
+            v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+            v_guard := nullif(p_lease IS NULL, false);
             INSERT INTO idem.idempotency_keys AS k
                 (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
                  principal_id, key, request_sha256, request_fields, claimed_at)
@@ -168,6 +177,7 @@ BEGIN
                 v_lease := v_now + p_lease;
                 v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+                v_guard := nullif(p_lease IS NULL, false);
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
@@ -238,6 +248,7 @@ BEGIN
             v_token := coalesce(v_token, nextval('idem.token_seq'));
             v_lease := v_now + p_lease;
             v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+            v_guard := nullif(p_lease IS NULL, false);
             v_gen := coalesce(v_row.generation, v_row.attempt);
             UPDATE idem.idempotency_keys AS k
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
