@@ -1190,6 +1190,14 @@ IF p_request_fields IS NOT NULL THEN
     END IF;
 
                 v_checked := true;
+            ELSE
+                -- Checked on an earlier pass, whose row has vanished since (cleanup).
+IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
+                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                  INTO v_fields
+                  FROM jsonb_each(p_request_fields) AS f;
+            END IF;
+
             END IF;
             v_lease := v_now + p_lease;
             v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;

@@ -123,6 +123,9 @@ BEGIN
             IF v_checked IS NOT TRUE THEN
 {{ template "include/fields_blob.sql" "idem_begin" }}
                 v_checked := true;
+            ELSE
+                -- Checked on an earlier pass, whose row has vanished since (cleanup).
+{{ template "include/fields_blob_lazy.sql" . }}
             END IF;
             v_lease := v_now + p_lease;
             v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
