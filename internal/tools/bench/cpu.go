@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -58,6 +59,18 @@ func cpuPart(ctx context.Context, b *bench) error {
 			}
 		}
 		perRun = 30000
+		if path := os.Getenv("BENCH_PPROF"); path != "" {
+			// This process's side of those variants, for go tool pprof.
+			f, err := os.Create(path)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err != nil {
+				return err
+			}
+			defer pprof.StopCPUProfile()
+		}
 	}
 	fmt.Printf("CPU: one client, one connection, %d transactions per variant and round, %d rounds; the backend's CPU (µs/transaction, from /proc) and this process's\n",
 		perRun, b.rounds)
