@@ -302,6 +302,27 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 	)
 	runCtx, cancel := context.WithTimeout(ctx, 2*knobs.traffic+3*time.Minute)
 	defer cancel()
+	// send sends one operation until its final answer and records it.
+	send := func(op *failoverOp) bool {
+		res, err := c.Send(runCtx, http.MethodPost, op.path, op.key, op.body)
+		op.done = time.Now()
+		if err != nil {
+			t.Errorf("key %s (%s): no final answer: %v", op.key, op.path, err)
+			return false
+		}
+		op.status, op.answer = res.Status, res.Body
+		if op.payout != 0 && res.Status == 201 {
+			var v struct {
+				ProviderKey string `json:"provider_key"`
+			}
+			_ = json.Unmarshal(res.Body, &v)
+			op.providerKey = v.ProviderKey
+		}
+		mu.Lock()
+		ops = append(ops, op)
+		mu.Unlock()
+		return true
+	}
 	for w := range knobs.clients {
 		wg.Add(1)
 		go func() {
@@ -314,10 +335,11 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 				default:
 				}
 				op := &failoverOp{key: client.NewKey(), start: time.Now()}
-				// Client 0 makes payouts one after the other (each works 2 s at the provider:
-				// one is always in flight); the others deposits and transfers.
+				// A third of the clients (at least one) make payouts one after the other (each
+				// works 2 s at the provider: one is always in flight); the others deposits and
+				// transfers.
 				switch n := rng.IntN(10); {
-				case w == 0:
+				case w < max(knobs.clients/3, 1):
 					op.payout = 1 + payoutN.Add(1)
 					op.path, op.body = "/v1/payouts", map[string]int64{"account": int64(ids[rng.IntN(accounts)]), "amount": op.payout}
 				case n < 5:
@@ -329,23 +351,9 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 				default:
 					op.path, op.body = fmt.Sprintf("/v1/accounts/%d/deposits", ids[rng.IntN(accounts)]), map[string]int{"amount": 1 + rng.IntN(100)}
 				}
-				res, err := c.Send(runCtx, http.MethodPost, op.path, op.key, op.body)
-				op.done = time.Now()
-				if err != nil {
-					t.Errorf("key %s (%s): no final answer: %v", op.key, op.path, err)
+				if !send(op) {
 					return
 				}
-				op.status, op.answer = res.Status, res.Body
-				if op.payout != 0 && res.Status == 201 {
-					var v struct {
-						ProviderKey string `json:"provider_key"`
-					}
-					_ = json.Unmarshal(res.Body, &v)
-					op.providerKey = v.ProviderKey
-				}
-				mu.Lock()
-				ops = append(ops, op)
-				mu.Unlock()
 			}
 		}()
 	}
@@ -383,16 +391,26 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 	if err := primaryPool.QueryRow(ctx, `SELECT pid FROM pg_stat_replication`).Scan(&sender); err != nil {
 		t.Fatalf("the primary's WAL sender: %v", err)
 	}
-	primaryPool.Close()
 	pauseAt := time.Now()
 	if err := syscall.Kill(sender, syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(knobs.pause) // the standby falls behind (commits wait for it in synchronous mode)
-	stopAt := time.Now()
+	// A payout claimed while the standby is behind. Asynchronous: its claim and the provider's
+	// record commit on the primary alone (the test waits for the record); synchronous: its
+	// claim's commit waits for the standby, and the primary dies first.
+	late := &failoverOp{key: client.NewKey(), start: time.Now(), payout: 1 + payoutN.Add(1), path: "/v1/payouts"}
+	late.body = map[string]int64{"account": int64(ids[0]), "amount": late.payout}
+	wg.Add(1)
+	go func() { defer wg.Done(); send(late) }()
+	if !synchronous {
+		waitForCondition(t, primaryPool, fmt.Sprintf(`SELECT EXISTS (SELECT FROM provider.payouts WHERE amount = %d)`, late.payout))
+	}
+	primaryPool.Close()
+	time.Sleep(time.Until(pauseAt.Add(knobs.pause))) // the standby falls behind (commits wait for it in synchronous mode)
 	if err := p.primary.Kill(); err != nil {
 		t.Fatal(err)
 	}
+	stopAt := time.Now() // every process of the primary is gone
 	_ = syscall.Kill(sender, syscall.SIGKILL)
 
 	// The standby replays all it received, then reports its token sequence and its tokens.
