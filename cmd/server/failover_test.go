@@ -462,11 +462,17 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 	}
 	// The window of the failover: from the pause to three seconds after the first 2xx (the
 	// pool drops its dead connections on use); outside it no attempt may fail.
+	window := map[int]int{} // what the attempts got in the window: status (0: no answer) -> attempts
 	for _, e := range log.entries {
-		if (e.status == 0 || e.status >= 500) && (e.at.Before(pauseAt) || e.at.After(back.Add(3*time.Second))) {
+		outside := e.at.Before(pauseAt) || e.at.After(back.Add(3*time.Second))
+		if (e.status == 0 || e.status >= 500) && outside {
 			run.fiveXXOutside++
 		}
+		if !outside && (e.status == 0 || e.status >= 300) {
+			window[e.status]++
+		}
 	}
+	t.Logf("attempts in the failover's window that did not end in 2xx, by status (0: no answer): %v", window)
 	log.mu.Unlock()
 
 	newPool := standbyPool
