@@ -261,6 +261,11 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 		t.Fatal(err)
 	}
 	defer logFile.Close()
+	t.Cleanup(func() { // before the pair's directory, which holds the log, is removed
+		if b, err := os.ReadFile(logFile.Name()); err == nil && t.Failed() {
+			t.Logf("the server's log, its last 4 KB:\n%s", b[max(len(b)-4096, 0):])
+		}
+	})
 	multiHost := fmt.Sprintf("host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres sslmode=disable "+
 		"target_session_attrs=read-write connect_timeout=2", p.primary.Port, p.standby.Port)
 	srv := &process{t: t, bin: serverBinary(t), addr: fmt.Sprintf("127.0.0.1:%d", port), env: append(os.Environ(),
