@@ -110,6 +110,9 @@ func (c *Cluster) WithStandby(t testing.TB) {
 	for k, v := range c.pg.Settings {
 		settings[k] = v
 	}
+	// A standby reconnects to a restarted primary within half a second (5 s by default), so
+	// that commits, which wait for it, wait that long at most.
+	settings["wal_retrieve_retry_interval"] = "500ms"
 	dir := filepath.Join(filepath.Dir(c.pg.Dir), "standby") // in the temporary directory StartCluster removes
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -175,6 +178,15 @@ func (c *Cluster) Promote(ctx context.Context) (time.Duration, error) {
 		return 0, fmt.Errorf("history: the cluster has no standby (WithStandby)")
 	}
 	old, next := c.pg, c.standby
+	// A failover tool promotes a synchronous standby that is streaming (Patroni's
+	// synchronous_mode). And a commit whose wait for the standby was ended (a restart's
+	// shutdown ends it) is on the primary alone, visible, until the standby is back and has
+	// it: a promotion before then loses it, which PostgreSQL does not prevent
+	// (docs/operations.md, "Replication and failover"). So the fault waits until the standby
+	// has every WAL record the primary had flushed when it began.
+	if err := c.caughtUp(ctx); err != nil {
+		return 0, err
+	}
 	started := time.Now()
 	if err := old.Kill(); err != nil {
 		return 0, err
@@ -192,6 +204,28 @@ func (c *Cluster) Promote(ctx context.Context) (time.Duration, error) {
 	down := time.Since(started)
 	c.pg, c.standby = next, old
 	return down, c.follow(ctx)
+}
+
+// caughtUp waits until a synchronous standby streams from the primary and has flushed every
+// WAL record the primary had flushed when it was called.
+func (c *Cluster) caughtUp(ctx context.Context) error {
+	for {
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err == nil {
+			var ok bool
+			err = conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_replication WHERE sync_state = 'sync'
+				AND flush_lsn >= pg_current_wal_flush_lsn())`).Scan(&ok)
+			conn.Close(context.Background())
+			if err == nil && ok {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("history: the standby did not catch up with the primary: %w (%v)", ctx.Err(), err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // Proxy is a toxiproxy in front of an upstream (PostgreSQL), in this process.
