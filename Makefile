@@ -80,6 +80,16 @@ HISTORY_TESTS := TestHTTPHistory|TestHTTPLiveness|TestSQLHistory|TestDoHistory
 check-history: ## histories of real clients through every fault, checked by porcupine (minutes; HISTORY_OPS, HISTORY_SECONDS)
 	HISTORY_MODE=long $(GO) test -count=1 -timeout 90m -v -run '^($(HISTORY_TESTS))$$' ./cmd/server ./internal/history
 
+# The failover tests' long run (cmd/server/failover_test.go): a primary and its streaming
+# standby, the server on a multi-host DATABASE_URL, FAILOVER_CLIENTS retrying clients for
+# FAILOVER_SECONDS before the primary is killed (its WAL sender paused FAILOVER_PAUSE first) and
+# as long after the standby's promotion; synchronous must lose nothing, the asynchronous run's
+# losses are printed (docs/operations.md, "Replication and failover").
+.PHONY: failover
+failover: ## a primary killed and its standby promoted under traffic, synchronous and asynchronous (FAILOVER_SECONDS=20, FAILOVER_CLIENTS=8, FAILOVER_PAUSE=1500ms)
+	FAILOVER_SECONDS=$${FAILOVER_SECONDS:-20} FAILOVER_CLIENTS=$${FAILOVER_CLIENTS:-8} FAILOVER_PAUSE=$${FAILOVER_PAUSE:-1500ms} \
+		$(GO) test -count=1 -timeout 30m -run '^TestFailover' -v ./cmd/server
+
 # The checker's own measure: each mutant of internal/history/mutants (a single-point change that
 # breaks a promise) applied to a scratch copy of the tree (never this one), the short mode of the
 # history tests run against it with each of MUTANT_SEEDS; a kill table (docs/testing.md).

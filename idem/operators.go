@@ -27,6 +27,16 @@ type Health struct {
 	// TableBytes is the key table's size, indexes and TOAST included; EstimatedKeys its rows
 	// as the planner estimates them.
 	TableBytes, EstimatedKeys int64
+	// Replication is the replication of the database server: "none", "synchronous" (a
+	// commit waits for a standby), "asynchronous" (standbys stream from it, no commit waits
+	// for one: an answered key can be lost on a failover) or "standby" (in recovery).
+	Replication string
+	// Standbys is how many standbys stream from the server.
+	Standbys int
+	// ReplicationWarning says in plain words when an answered key could be lost on a failover
+	// (asynchronous), or when commits wait for a synchronous standby that is not connected;
+	// "" when none.
+	ReplicationWarning string
 }
 
 // ReadHealth reads idem.idem_health(): through indexes, cheap enough for a monitor that asks

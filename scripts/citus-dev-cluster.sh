@@ -15,14 +15,15 @@
 #   CITUS_DIR      where the source and the clusters go (default $HOME/citus-dev)
 #   CITUS_VERSION  the release to build (default 13.2.2; the tag is v$CITUS_VERSION)
 #   CITUS_GIT      a clone URL or a local git directory holding the tag
-#                  (default https://github.com/citusdata/citus.git)
+#                  (default https://github.com/citusdata/citus.git; offline, a local clone:
+#                  git clone --branch v13.2.2 https://github.com/citusdata/citus.git DIR once)
 #   CITUS_PORT     the coordinator's port; the workers take the next two (default 9700)
 #   CITUS_DB       the database (default idem)
 #   PG_CONFIG      the PostgreSQL to build for (default: pg_config on PATH)
 #   CITUS_FSYNC    on or off (default on)
 #
 # Build dependencies on Debian 12 (PostgreSQL 15 from Debian):
-#   apt-get install postgresql-server-dev-15 libcurl4-openssl-dev liblz4-dev libzstd-dev \
+#   apt-get update && apt-get install -y postgresql-server-dev-15 libcurl4-openssl-dev liblz4-dev libzstd-dev \
 #     libkrb5-dev libssl-dev libselinux1-dev libxslt1-dev libpam0g-dev libreadline-dev \
 #     flex bison autoconf make gcc
 # `build` installs into PostgreSQL's directories (run it as root, or as their owner). The nodes
@@ -78,7 +79,11 @@ build() {
         git --git-dir="$(git -C "$CITUS_GIT" rev-parse --absolute-git-dir 2>/dev/null || echo "$CITUS_GIT")" \
             archive "v$CITUS_VERSION" | tar -x -C "$src"
     else
-        git clone --quiet --depth 1 --branch "v$CITUS_VERSION" "$CITUS_GIT" "$src"
+        git clone --quiet --depth 1 --branch "v$CITUS_VERSION" "$CITUS_GIT" "$src" || {
+            echo "build: cannot clone v$CITUS_VERSION from $CITUS_GIT (offline?): set CITUS_GIT to a local clone that holds the tag," >&2
+            echo "  made once while online: git clone --branch v$CITUS_VERSION https://github.com/citusdata/citus.git DIR" >&2
+            exit 1
+        }
     fi
     # PostgreSQL 15.20 exports have_createdb_privilege() (commands/dbcommands.h), which
     # Citus 13.2.2 defines for PostgreSQL 15 as a static function of its own: the build

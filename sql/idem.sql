@@ -942,6 +942,16 @@ BEGIN
     END IF;
 END
 $$;
+-- idem_health without the replication columns (0.2.0's and earlier): CREATE OR REPLACE cannot
+-- add OUT parameters. Its grants are given again below.
+DO $$
+BEGIN
+    IF NOT (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+             WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
+        DROP FUNCTION idem.idem_health();
+    END IF;
+END
+$$;
 DROP FUNCTION IF EXISTS idem.idem_complete(text, text, integer, integer, jsonb, bytea, text, text);
 DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
@@ -2600,6 +2610,17 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
 -- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
 -- cluster_figures) and they are added up.
+--
+-- Then the replication of the server it runs on (the node it is called on, on Citus), for the
+-- promise across a failover (docs/operations.md, "Replication and failover"): replication is
+-- 'standby' (in recovery: read only), 'synchronous' (a commit waits for a standby:
+-- synchronous_standby_names is set and this session's synchronous_commit is on, remote_write
+-- or remote_apply), 'asynchronous' (standbys stream from it, none is waited for) or 'none';
+-- standbys is how many stream from it (WAL senders, logical ones left out); replication_warning
+-- says in plain words when an answered key could be lost on a failover, or when commits wait
+-- for a synchronous standby that is not there. pg_stat_replication shows its details (state,
+-- sync_state) only to superusers and pg_read_all_stats, here to the function's owner: when the
+-- owner does not see them, the mode comes from the settings alone.
 CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT in_progress            bigint,
     OUT leases_run_out         bigint,
@@ -2607,12 +2628,21 @@ CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT oldest_in_progress_age interval,
     OUT cleanup_backlog        bigint,
     OUT table_bytes            bigint,
-    OUT estimated_keys         bigint)
+    OUT estimated_keys         bigint,
+    OUT replication            text,
+    OUT standbys               integer,
+    OUT replication_warning    text)
 LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_names   text := current_setting('synchronous_standby_names');
+    v_commit  text := current_setting('synchronous_commit');
+    v_waits   boolean;
+    v_visible boolean;
+    v_sync    integer;
 BEGIN
     SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
            min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
@@ -2620,11 +2650,41 @@ BEGIN
       INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
       FROM idem.cluster_figures(true) AS f;
     oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
+
+    -- The WAL senders of standbys: not those of logical replication slots, nor a base backup's
+    -- (state 'backup', when the owner sees it).
+    SELECT count(*) FILTER (WHERE r.state IS DISTINCT FROM 'backup')::integer,
+           bool_and(r.state IS NOT NULL),
+           count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum'))::integer
+      INTO standbys, v_visible, v_sync
+      FROM pg_catalog.pg_stat_replication AS r
+     WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_catalog.pg_replication_slots AS s
+                          WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL);
+    IF pg_catalog.pg_is_in_recovery() THEN
+        replication := 'standby';
+        RETURN;
+    END IF;
+    v_waits := v_names <> '' AND v_commit IN ('on', 'remote_write', 'remote_apply');
+    IF v_waits THEN
+        replication := 'synchronous';
+        IF standbys = 0 OR (v_visible AND v_sync = 0) THEN
+            replication_warning := 'synchronous_standby_names is set but no synchronous standby is connected: '
+                || 'every commit waits until one is (or the setting is cleared)';
+        END IF;
+    ELSIF standbys > 0 THEN
+        replication := 'asynchronous';
+        replication_warning := format('%s standby(s) stream from this primary but no commit waits for one '
+            || '(synchronous_standby_names %L, synchronous_commit %s): a key answered here can be missing after '
+            || 'a failover, and its retry runs the work again; see docs/operations.md, "Replication and failover"',
+            standbys, v_names, v_commit);
+    ELSE
+        replication := 'none';
+    END IF;
 END
 $$;
 
 COMMENT ON FUNCTION idem.idem_health() IS
-    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys. See docs/sql-api.md.';
+    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys; and this server''s replication (none, synchronous, asynchronous, standby), its standbys and a warning when an answered key could be lost on failover. See docs/sql-api.md.';
 
 -- idem_key: one key's story: its state (and whether it expired), when its claim was made (a
 -- lease claim), when it expires, until when its answer is kept, its lease's end, its fencing

@@ -58,8 +58,10 @@ type process struct {
 	bin  string
 	env  []string
 	addr string
-	mu   sync.Mutex
-	cmd  *exec.Cmd
+	// log, when set, receives the server's output and log (else they are discarded).
+	log io.Writer
+	mu  sync.Mutex
+	cmd *exec.Cmd
 }
 
 func (p *process) start() {
@@ -77,6 +79,9 @@ func (p *process) startErr() error {
 	cmd := exec.Command(p.bin, "serve")
 	cmd.Env = p.env
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+	if p.log != nil {
+		cmd.Stdout, cmd.Stderr = p.log, p.log
+	}
 	if err := cmd.Start(); err != nil {
 		return err
 	}

@@ -378,6 +378,10 @@ func TestHTTPHistory(t *testing.T) {
 		return fmt.Sprintf("SIGKILL, restarted after %s", down), p.startErr()
 	})
 	inj.RestartFault(c)
+	if mode.Long { // a failover to a synchronous standby (docs/testing.md); the server never cancels a commit for its client
+		c.WithStandby(t)
+		inj.PromotionFault(c)
+	}
 	runner := &history.Runner{H: hist, Harness: h, Mode: mode, Also: inj.Covered, OpTimeout: 2500 * time.Millisecond,
 		Scenarios: []history.Scenario{
 			history.Expiry(history.Leased, 3), history.Storm(history.Transactional, 3), history.Storm(history.Leased, 3),

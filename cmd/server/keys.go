@@ -49,6 +49,10 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 				s.Expired, s.LeasesRunOut, oldest)
 		}
 		fmt.Fprintf(out, "key table: %d bytes, cleanup backlog: %d\n", h.TableBytes, h.CleanupBacklog)
+		fmt.Fprintf(out, "replication: %s, %d standbys\n", h.Replication, h.Standbys)
+		if h.ReplicationWarning != "" {
+			fmt.Fprintf(out, "warning: %s\n", h.ReplicationWarning)
+		}
 		return nil
 	case len(args) >= 1 && args[0] == "stuck":
 		var age time.Duration

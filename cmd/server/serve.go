@@ -52,6 +52,7 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	}
 
 	addr := ln.Addr().String()
+	m.logReplication(ctx)
 	m.log.Info("serving", "addr", addr, "version", Version)
 	if m.cluster != nil {
 		m.log.Info("quickstart: create a principal with `go run ./cmd/server principal create alice` " +
@@ -91,4 +92,19 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	}
 	m.log.Info("stopped")
 	return nil
+}
+
+// logReplication says at start what a failover would do to the promise (idem_health's
+// replication): the mode, and as a warning when an answered key could be lost on failover
+// (a primary with standbys, none synchronous) or commits wait for a missing standby.
+func (m *Main) logReplication(ctx context.Context) {
+	h, err := idem.ReadHealth(ctx, m.pool)
+	switch {
+	case err != nil:
+		m.log.Warn("could not read the database's replication (idem.idem_health())", "error", err)
+	case h.ReplicationWarning != "":
+		m.log.Warn("replication: "+h.ReplicationWarning, "replication", h.Replication, "standbys", h.Standbys)
+	default:
+		m.log.Info("replication", "replication", h.Replication, "standbys", h.Standbys)
+	}
 }

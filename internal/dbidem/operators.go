@@ -25,6 +25,16 @@ type Health struct {
 	// TableBytes is the key table's size, indexes and TOAST included; EstimatedKeys its rows
 	// as the planner estimates them.
 	TableBytes, EstimatedKeys int64
+	// Replication is the replication of the database server: "none", "synchronous" (a
+	// commit waits for a standby), "asynchronous" (standbys stream from it, no commit waits
+	// for one: an answered key can be lost on a failover) or "standby" (in recovery).
+	Replication string
+	// Standbys is how many standbys stream from the server.
+	Standbys int
+	// ReplicationWarning says in plain words when an answered key could be lost on a failover
+	// (asynchronous), or when commits wait for a synchronous standby that is not connected;
+	// "" when none.
+	ReplicationWarning string
 }
 
 // ReadHealth reads idem.idem_health().
@@ -32,9 +42,12 @@ func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	var h Health
 	var oldest *time.Time
 	var age *float64
+	var warning *string
 	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, oldest_in_progress_at,
-		extract(epoch FROM oldest_in_progress_age)::float8, cleanup_backlog, table_bytes, estimated_keys
-		FROM idem.idem_health()`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys)
+		extract(epoch FROM oldest_in_progress_age)::float8, cleanup_backlog, table_bytes, estimated_keys,
+		replication, standbys, replication_warning
+		FROM idem.idem_health()`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
+		&h.Replication, &h.Standbys, &warning)
 	if err != nil {
 		return Health{}, classify(err)
 	}
@@ -43,6 +56,9 @@ func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	}
 	if age != nil {
 		h.OldestAge = time.Duration(*age * float64(time.Second))
+	}
+	if warning != nil {
+		h.ReplicationWarning = *warning
 	}
 	return h, nil
 }

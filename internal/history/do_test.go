@@ -221,6 +221,9 @@ func TestDoHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.MaxConns = 24
+	if mode.Long { // the promotion fault's synchronous standby: no commit's wait is canceled
+		WithoutCancelRequests(&cfg.ConnConfig.Config)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -233,6 +236,10 @@ func TestDoHistory(t *testing.T) {
 	inj.LockFault(c.URL("hist"))
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
+	if mode.Long { // a failover to a synchronous standby (docs/testing.md)
+		c.WithStandby(t)
+		inj.PromotionFault(c)
+	}
 	inj.CommitFault(c.URL("hist"), app)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -25,10 +27,12 @@ import (
 // cannot be the one the other tests share), a fault proxy in front of it, and an injector
 // that runs faults one after another while the clients work.
 
-// Cluster is a private PostgreSQL cluster that a run may restart or crash.
+// Cluster is a private PostgreSQL cluster that a run may restart or crash, and, with
+// WithStandby, fail over to its synchronous standby.
 type Cluster struct {
-	pg *pgcluster.Cluster
-	mu sync.Mutex // one restart at a time
+	pg      *pgcluster.Cluster
+	standby *pgcluster.Cluster // nil without WithStandby
+	mu      sync.Mutex         // one restart or promotion at a time
 }
 
 // StartCluster starts a throwaway cluster (fsync off), removed when the test ends.
@@ -89,6 +93,139 @@ func (c *Cluster) Restart(ctx context.Context, crash bool) error {
 		return err
 	}
 	return c.pg.Start(ctx)
+}
+
+// WithStandby gives the cluster a streaming standby made with pg_basebackup -R, which every
+// commit waits for (synchronous_standby_names = '*', synchronous_commit on): the promotion
+// fault's. Both are stopped when the test ends.
+func (c *Cluster) WithStandby(t testing.TB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	port, err := pgcluster.FreePort()
+	if err != nil {
+		t.Fatalf("history: %v", err)
+	}
+	settings := map[string]string{}
+	for k, v := range c.pg.Settings {
+		settings[k] = v
+	}
+	// A standby reconnects to a restarted primary within half a second (5 s by default), so
+	// that commits, which wait for it, wait that long at most.
+	settings["wal_retrieve_retry_interval"] = "500ms"
+	dir := filepath.Join(filepath.Dir(c.pg.Dir), "standby") // in the temporary directory StartCluster removes
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.standby = &pgcluster.Cluster{Dir: dir, SocketDir: dir, TCPAddr: "127.0.0.1", Port: port, Settings: settings}
+	t.Cleanup(func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		_ = c.standby.Stop(context.Background())
+		_ = c.pg.Stop(context.Background())
+	})
+	if err := c.follow(ctx); err != nil {
+		t.Fatalf("history: %v", err)
+	}
+}
+
+// follow makes c.standby afresh from the primary, starts it, and makes the primary's commits
+// wait for it.
+func (c *Cluster) follow(ctx context.Context) error {
+	if err := os.RemoveAll(filepath.Join(c.standby.Dir, "data")); err != nil {
+		return err
+	}
+	if err := c.standby.InitStandby(ctx, c.pg); err != nil {
+		return err
+	}
+	if err := c.standby.Start(ctx); err != nil {
+		return err
+	}
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, `ALTER SYSTEM SET synchronous_standby_names = '*'`); err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_reload_conf()`); err != nil {
+		return err
+	}
+	for {
+		var sync bool
+		if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_replication WHERE sync_state = 'sync')`).Scan(&sync); err != nil {
+			return err
+		}
+		if sync {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the standby did not become synchronous: %w", ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Promote fails over: every process of the primary killed (SIGKILL, a dead machine), the
+// synchronous standby promoted and moved to the primary's port (a fast restart), so that every
+// connection string reaches the new primary, and a new synchronous standby made from it where
+// the old primary was. It returns how long no primary served.
+func (c *Cluster) Promote(ctx context.Context) (time.Duration, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.standby == nil {
+		return 0, fmt.Errorf("history: the cluster has no standby (WithStandby)")
+	}
+	old, next := c.pg, c.standby
+	// A failover tool promotes a synchronous standby that is streaming (Patroni's
+	// synchronous_mode). And a commit whose wait for the standby was ended (a restart's
+	// shutdown ends it) is on the primary alone, visible, until the standby is back and has
+	// it: a promotion before then loses it, which PostgreSQL does not prevent
+	// (docs/operations.md, "Replication and failover"). So the fault waits until the standby
+	// has every WAL record the primary had flushed when it began.
+	if err := c.caughtUp(ctx); err != nil {
+		return 0, err
+	}
+	started := time.Now()
+	if err := old.Kill(); err != nil {
+		return 0, err
+	}
+	if err := next.Promote(ctx); err != nil {
+		return 0, err
+	}
+	if err := next.Stop(ctx); err != nil {
+		return 0, err
+	}
+	old.Port, next.Port = next.Port, old.Port
+	if err := next.Start(ctx); err != nil {
+		return 0, err
+	}
+	down := time.Since(started)
+	c.pg, c.standby = next, old
+	return down, c.follow(ctx)
+}
+
+// caughtUp waits until a synchronous standby streams from the primary and has flushed every
+// WAL record the primary had flushed when it was called.
+func (c *Cluster) caughtUp(ctx context.Context) error {
+	for {
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err == nil {
+			var ok bool
+			err = conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_replication WHERE sync_state = 'sync'
+				AND flush_lsn >= pg_current_wal_flush_lsn())`).Scan(&ok)
+			conn.Close(context.Background())
+			if err == nil && ok {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("history: the standby did not catch up with the primary: %w (%v)", ctx.Err(), err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // Proxy is a toxiproxy in front of an upstream (PostgreSQL), in this process.
@@ -250,6 +387,34 @@ func (i *Injector) RestartFault(c *Cluster) {
 	})
 }
 
+// WithoutCancelRequests makes connections of cfg end a statement whose context is done by
+// closing the connection, never by sending PostgreSQL a cancel request. With a synchronous
+// standby that matters for COMMIT: a commit waiting for the standby that is canceled stays
+// committed on the primary alone and becomes visible there (PostgreSQL warns), so a replay
+// can answer it before the standby has it, and a failover then loses an answered key; a
+// commit whose connection is closed keeps waiting, invisible, until the standby has it
+// (docs/DECISIONS.md, D108). The harnesses' clients use it when the cluster has a standby.
+func WithoutCancelRequests(cfg *pgconn.Config) {
+	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
+	}
+}
+
+// PromotionFault adds "promotion": a failover to the synchronous standby (Cluster.Promote);
+// the cluster needs WithStandby. Every commit that returned is on the new primary, so the
+// model's promise holds across it as across a crash.
+func (i *Injector) PromotionFault(c *Cluster) {
+	i.Add("promotion", func(ctx context.Context, rng *rand.Rand) (string, error) {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Minute)
+		defer cancel()
+		down, err := c.Promote(ctx)
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("primary killed, synchronous standby promoted, no primary for %s", down.Round(time.Millisecond)), nil
+	})
+}
+
 // TerminateFault adds "backend-kill": pg_terminate_backend of up to three backends of the
 // clients (application_name app), as a killed client process would leave them.
 func (i *Injector) TerminateFault(url, app string) {
@@ -260,8 +425,12 @@ func (i *Injector) TerminateFault(url, app string) {
 		}
 		defer conn.Close(context.Background())
 		var n int
+		// Never one whose commit waits for the synchronous standby (the long mode's): ending
+		// that wait leaves the commit visible on the primary alone, which docs/operations.md
+		// tells operators never to do (D108).
 		err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM (SELECT pid FROM pg_stat_activity
-			WHERE application_name = $1 AND pid <> pg_backend_pid() ORDER BY random() LIMIT $2) b`, app, 1+rng.IntN(3)).Scan(&n)
+			WHERE application_name = $1 AND pid <> pg_backend_pid() AND wait_event IS DISTINCT FROM 'SyncRep'
+			ORDER BY random() LIMIT $2) b`, app, 1+rng.IntN(3)).Scan(&n)
 		return fmt.Sprintf("%d backends terminated", n), err
 	})
 }

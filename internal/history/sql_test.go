@@ -66,6 +66,9 @@ func sqlProviderKey(reported *string, principal, key string) string {
 type sqlHarness struct {
 	url     string // through the proxy
 	observe *pgxpool.Pool
+	// noCancel: end a statement whose context is done by closing the connection, never by a
+	// cancel request (WithoutCancelRequests; with the long mode's synchronous standby).
+	noCancel bool
 
 	mu    sync.Mutex
 	conns map[int]*pgx.Conn
@@ -96,7 +99,14 @@ func (h *sqlHarness) conn(ctx context.Context, c int) (*pgx.Conn, error) {
 	if conn != nil && !conn.IsClosed() {
 		return conn, nil
 	}
-	conn, err := pgx.Connect(ctx, h.url)
+	cfg, err := pgx.ParseConfig(h.url)
+	if err != nil {
+		return nil, err
+	}
+	if h.noCancel {
+		WithoutCancelRequests(&cfg.Config)
+	}
+	conn, err = pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -393,6 +403,11 @@ func TestSQLHistory(t *testing.T) {
 	inj.LockFault(c.URL("hist"))
 	inj.TerminateFault(c.URL("hist"), app)
 	inj.RestartFault(c)
+	if mode.Long { // a failover to a synchronous standby (docs/testing.md)
+		c.WithStandby(t)
+		inj.PromotionFault(c)
+		harness.noCancel = true
+	}
 	inj.CommitFault(c.URL("hist"), app)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
 		deadLeaseTakeover(2), deadLeaseTakeover(2), Storm(Transactional, 3), Storm(Leased, 3), Expiry(Leased, 2), releaseReuse(2),

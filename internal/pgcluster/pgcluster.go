@@ -21,6 +21,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // Cluster is a PostgreSQL cluster in a directory of its own: Dir/data holds the cluster,
@@ -349,4 +350,108 @@ func StartTemp(ctx context.Context, prefix string, settings map[string]string) (
 		return nil, nil, fmt.Errorf("%w (server log: %s)", err, c.LogFile())
 	}
 	return c, stop, nil
+}
+
+// InitStandby creates the cluster as a streaming standby of primary (which must be running
+// and reachable over its Unix socket or TCP): pg_basebackup with -R, so the copy starts in
+// recovery and follows the primary. Start it as usual; Promote makes it a primary. Dir must
+// not hold a cluster yet.
+func (c *Cluster) InitStandby(ctx context.Context, primary *Cluster) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	if c.Initialized() {
+		return fmt.Errorf("pgcluster: %s already holds a cluster; a standby needs an empty directory", c.Dir)
+	}
+	host := primary.SocketDir
+	if host == "" {
+		host = primary.TCPAddr
+	}
+	return c.run(ctx, "pg_basebackup", "-D", c.dataDir(), "-R", "-X", "stream", "-c", "fast", "--no-sync",
+		"-d", fmt.Sprintf("host=%s port=%d user=postgres", host, primary.Port))
+}
+
+// Promote ends a standby's recovery and makes it a primary, and waits until it accepts
+// writes (pg_ctl promote -w).
+func (c *Cluster) Promote(ctx context.Context) error {
+	if err := c.prepare(); err != nil {
+		return err
+	}
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-w", "-t", "60", "promote")
+}
+
+// PostmasterPID is the process id of the running server (the first line of postmaster.pid).
+func (c *Cluster) PostmasterPID() (int, error) {
+	b, err := os.ReadFile(filepath.Join(c.dataDir(), "postmaster.pid"))
+	if err != nil {
+		return 0, fmt.Errorf("pgcluster: is the server in %s running? %w", c.Dir, err)
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil || pid <= 0 {
+		return 0, fmt.Errorf("pgcluster: postmaster.pid of %s: no process id in %q", c.Dir, line)
+	}
+	return pid, nil
+}
+
+// Kill stops the server the way a dead machine does: every process of it killed with
+// SIGKILL (no shutdown of any kind, nothing more sent to a standby). The postmaster is
+// stopped first (SIGSTOP), so that it starts no backend while its children are listed and
+// killed; then it is killed too. The data directory keeps what was written; a later Start
+// recovers it from the WAL.
+func (c *Cluster) Kill() error {
+	pid, err := c.PostmasterPID()
+	if err != nil {
+		return err
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return fmt.Errorf("pgcluster: stop the postmaster %d: %w", pid, err)
+	}
+	for _, child := range childrenOf(pid) {
+		_ = syscall.Kill(child, syscall.SIGKILL)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		return fmt.Errorf("pgcluster: kill the postmaster %d: %w", pid, err)
+	}
+	// Wait until the postmaster is gone (the port and the data directory are free).
+	for i := 0; i < 500 && syscall.Kill(pid, 0) == nil && !zombie(pid); i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	return nil
+}
+
+// zombie tells whether process pid has exited but not been reaped.
+func zombie(pid int) bool {
+	stat, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return true
+	}
+	s := string(stat)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	return len(fields) > 0 && fields[0] == "Z"
+}
+
+// childrenOf lists the processes whose parent is pid (from /proc).
+func childrenOf(pid int) []int {
+	entries, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range entries {
+		child, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces and parentheses; read after the last ")".
+		s := string(stat)
+		fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+		if len(fields) >= 2 {
+			if ppid, err := strconv.Atoi(fields[1]); err == nil && ppid == pid {
+				out = append(out, child)
+			}
+		}
+	}
+	return out
 }

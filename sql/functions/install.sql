@@ -15,6 +15,16 @@ BEGIN
     END IF;
 END
 $$;
+-- idem_health without the replication columns (0.2.0's and earlier): CREATE OR REPLACE cannot
+-- add OUT parameters. Its grants are given again below.
+DO $$
+BEGIN
+    IF NOT (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+             WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
+        DROP FUNCTION idem.idem_health();
+    END IF;
+END
+$$;
 DROP FUNCTION IF EXISTS idem.idem_complete(text, text, integer, integer, jsonb, bytea, text, text);
 DROP FUNCTION IF EXISTS idem.idem_release(text, text, integer);
 DROP FUNCTION IF EXISTS idem.idem_save_final(text, text, text, bytea, interval, integer, jsonb, bytea, jsonb);
