@@ -24,12 +24,15 @@ import (
 // it), Step returns the value fn returned then, JSON-decoded into T, without running fn.
 //
 // fn's value is saved as JSON: an id, an amount, what later steps need (at most 8192 bytes for
-// every step of a generation; keep the rest in your tables, written by fn). fn must do its
-// work through tx only, and nothing outside the database: an outside call is not rolled back
-// with the step (call a provider between steps, with ClaimInfo.ProviderKey). When fn fails, its
-// transaction rolls back and Step returns fn's error; the step is not recorded, and runs again
-// on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again in a
-// new transaction, as Do does.
+// every step of a generation; keep the rest in your tables, written by fn). fn writes to the
+// database through tx only. An outside call in fn is not rolled back with the step and may run
+// again (a crash before the step commits, a serialization failure that runs fn again): make it
+// one that deduplicates, a provider called with ClaimInfo.ProviderKey (or LeaseClaim's), and
+// save its answer as the step's value, so that no later attempt calls it again once the step
+// is recorded. fn's transaction holds a connection of the pool while fn runs. When fn fails,
+// its transaction rolls back and Step returns fn's error; the step is not recorded, and runs
+// again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
+// in a new transaction, as Do does.
 //
 // When the claim was taken over (another attempt holds the key now) the step's writes roll
 // back, the lease counts as lost (its answer is not recorded: a lease route answers 409, DoLease
