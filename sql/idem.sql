@@ -253,6 +253,46 @@ CALL idem.rebuild_003(5000);
 \endif
 \endif
 
+-- ---------------------------------------------------------------------------------------
+-- The columns of migration 007, added in a statement of their own that commits at once, so
+-- that the key table's lock lasts a catalog change while the previous release serves.
+DO $idem_007$
+DECLARE
+    v_tries integer := 0;
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(9628173550095224);
+    IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+       OR EXISTS (SELECT FROM pg_catalog.pg_attribute
+                   WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
+        RETURN;
+    END IF;
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '20ms', true);
+            -- online: asked for with a 20 ms lock timeout and held for a catalog change, in a
+            -- statement that commits at once (no scan, no rewrite, whatever the table's size)
+            LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 2000 THEN
+                RAISE EXCEPTION 'idem migration 007: idem.idempotency_keys stayed locked through % tries of 20 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.02 + 0.04 * pg_catalog.random());
+        END;
+    END LOOP;
+    ALTER TABLE idem.idempotency_keys ADD COLUMN recovery_point text, ADD COLUMN recovery_saved jsonb;
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_point IS
+        'The last step recorded (idem_step) by a lease claim in progress in the key''s current generation; NULL: none.';
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_saved IS
+        'Each step recorded in the key''s current generation, by name, with the JSON value it saved; NULL: none.';
+END
+$idem_007$;
+
 BEGIN;
 SELECT pg_advisory_xact_lock(9628173550095224);
 
@@ -947,40 +987,47 @@ SELECT version < 7 AS idem_migration_due FROM idem.schema_version \gset
 -- Expand only: two nullable columns without a default are a change of the catalog, no rewrite
 -- and no scan, whatever the table's size; the previous release (0.2.0) names the columns it
 -- reads and writes, so it serves beside them. ADD COLUMN takes the key table's ACCESS
--- EXCLUSIVE lock until the migrate commits (a few catalog changes and the functions' install):
--- it is asked for with a 200 ms lock timeout, again until it is had, so that the claims of the
--- previous release never queue behind it for longer than that. The short lock timeout stays for
--- the rest of the migration.
-DO $$
+-- EXCLUSIVE lock: idemsql.Migrate and sql/idem.sql add the columns before their transaction
+-- (online/007_columns.sql, a statement that commits at once), so the lock lasts a catalog
+-- change, and this migration then finds them and takes no lock on the key table at all. A
+-- migrate that had no such step (tern alone) adds them here, with the same short lock timeout
+-- asked again until it is had; the lock then lasts until the migrate commits.
+DO $idem_007$
 DECLARE
     v_tries integer := 0;
 BEGIN
-    IF EXISTS (SELECT FROM pg_catalog.pg_attribute
-                WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
+    PERFORM pg_catalog.pg_advisory_xact_lock(9628173550095224);
+    IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+       OR EXISTS (SELECT FROM pg_catalog.pg_attribute
+                   WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
     END IF;
     LOOP
         BEGIN
-            PERFORM pg_catalog.set_config('lock_timeout', '200ms', true);
+            PERFORM pg_catalog.set_config('lock_timeout', '20ms', true);
+            -- online: asked for with a 20 ms lock timeout and held for a catalog change, in a
+            -- statement that commits at once (no scan, no rewrite, whatever the table's size)
             LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
             EXIT;
         EXCEPTION WHEN lock_not_available THEN
             v_tries := v_tries + 1;
-            IF v_tries >= 300 THEN
-                RAISE EXCEPTION 'idem migration 007: idem.idempotency_keys stayed locked through % tries of 200 ms', v_tries
+            IF v_tries >= 2000 THEN
+                RAISE EXCEPTION 'idem migration 007: idem.idempotency_keys stayed locked through % tries of 20 ms', v_tries
                     USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
             END IF;
-            PERFORM pg_catalog.pg_sleep(0.05);
+            PERFORM pg_catalog.pg_sleep(0.02 + 0.04 * pg_catalog.random());
         END;
     END LOOP;
     ALTER TABLE idem.idempotency_keys ADD COLUMN recovery_point text, ADD COLUMN recovery_saved jsonb;
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_point IS
+        'The last step recorded (idem_step) by a lease claim in progress in the key''s current generation; NULL: none.';
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_saved IS
+        'Each step recorded in the key''s current generation, by name, with the JSON value it saved; NULL: none.';
 END
-$$;
-
-COMMENT ON COLUMN idem.idempotency_keys.recovery_point IS
-    'The last step recorded (idem_step) by a lease claim in progress in the key''s current generation; NULL: none.';
-COMMENT ON COLUMN idem.idempotency_keys.recovery_saved IS
-    'Each step recorded in the key''s current generation, by name, with the JSON value it saved; NULL: none.';
+$idem_007$;
 
 -- As tern does after each migration: back to the session's settings, then the version.
 RESET ALL;
