@@ -57,6 +57,7 @@ func RecordStep(ctx context.Context, q Querier, principal, key string, attempt i
 	return dbidem.RecordStep(ctx, q, principal, key, attempt, name, saved)
 }
 
+// The errors of work in steps (Step, RecordStep); compare with errors.Is.
 var (
 	// ErrNoSteps is returned by Step called outside the work of a lease (a lease route's
 	// handler, DoLease's fn).
