@@ -1270,7 +1270,7 @@ IF p_ttl IS NOT NULL THEN
         IF v_lock IS NOT TRUE THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
             IF FOUND AND v_checked IS NOT TRUE THEN
