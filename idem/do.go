@@ -58,6 +58,10 @@ type LeaseClaim struct {
 	// ProviderKey is the key to give an outside provider that deduplicates by its own
 	// idempotency key (Decision.ProviderKey).
 	ProviderKey string
+	// RecoveryPoint is the last step (Step) that an earlier attempt of this job's generation
+	// recorded, when this attempt took its lease over; "" when none. Step skips the steps
+	// recorded by itself: this is for logs and metrics.
+	RecoveryPoint string
 }
 
 // Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
@@ -124,9 +128,10 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // cause ErrLeaseLost when the lease is lost (DoLease then returns ErrLeaseLost); when fn
 // fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
 // with the same claim.ProviderKey: hand an outside provider that key. fn's own writes to the
-// database go through db in a transaction of fn's own, idempotent themselves (keyed by
-// claim.ProviderKey with a unique constraint, ON CONFLICT DO NOTHING), because a takeover runs
-// fn again. The first DoLease on a pool checks its schema (CheckSchema).
+// database go through Step on fn's context: each step commits its writes with its recovery
+// point, fenced by the claim's token, and a takeover (or the retry after a Yield) skips the
+// steps done and gets what they saved, so fn, run again from its start, writes each step once.
+// The first DoLease on a pool checks its schema (CheckSchema).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err

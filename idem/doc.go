@@ -53,7 +53,9 @@
 // key. Work outside the database (a payment provider) goes on a lease route (Route.Lease),
 // whose claim commits on its own and is extended while the work runs; hand the provider
 // ClaimOf(ctx).ProviderKey, and call Middleware.Shutdown beside the HTTP server's Shutdown.
-// Work that is not HTTP uses Do and DoLease; a transaction of your own, RunTx with
+// A lease handler writes to the database in steps (Step): each step's writes commit with its
+// recovery point, and the attempt that takes a lost or given-up lease over skips the steps
+// done. Work that is not HTTP uses Do and DoLease; a transaction of your own, RunTx with
 // Tx.Claim, or Begin and Complete. Operators read the keys with ReadHealth, ReadSummary,
 // ReadKey and ReadStuck, and release a stuck lease claim with ReleaseStuck.
 //

@@ -29,6 +29,11 @@ type ClaimInfo struct {
 	// is 64 hex digits. On a lease route a request without a key gets one of its own
 	// (ClaimOf's ok is false then).
 	ProviderKey string
+	// RecoveryPoint is the last step (Step) that an earlier attempt of this request recorded
+	// on a lease route, when this attempt took the key's lease over (after a crash, a lease
+	// that ran out, or a retry after the work failed); "" when none. Step skips the steps
+	// recorded by itself: this is for logs and metrics.
+	RecoveryPoint string
 }
 
 // ErrLeaseLost is the cause (context.Cause) of a lease route's handler context, and the error
@@ -60,11 +65,10 @@ const (
 // TxFrom returns the transaction of the request's unit of work: the handler's writes through
 // it commit together with the key, or not at all. Nil outside a declared transactional route,
 // and nil on a lease route: there is no transaction there, the claim committed on its own
-// before the handler ran. A lease handler writes through its own pool in a transaction of its
-// own, and makes those writes idempotent themselves, because a takeover runs the handler
-// again: key them by ClaimOf(ctx).ProviderKey with a unique constraint and insert with
-// ON CONFLICT DO NOTHING. Do not call Commit or Rollback on the transaction TxFrom returns:
-// answer, and the middleware ends it.
+// before the handler ran. A lease handler writes in steps (Step): each step's transaction
+// commits its writes with its recovery point, fenced by the claim's token, and a takeover,
+// which runs the handler again, skips the steps done. Do not call Commit or Rollback on the
+// transaction TxFrom returns: answer, and the middleware ends it.
 func TxFrom(ctx context.Context) pgx.Tx { return idemhttp.Tx(ctx) }
 
 // ClaimOf returns the claim of the request's unit of work, or false for a request that runs

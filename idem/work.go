@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"time"
 
@@ -218,11 +219,19 @@ type Decision struct {
 	// at least until Sent plus the lease by this process's clock: pass it as
 	// LeaseOptions.Start to KeepAlive.
 	Sent time.Time
+	// RecoveryPoint is the last step (RecordStep) that the key's current generation recorded,
+	// told to a takeover of its lease (Claimed) so that it goes on after it; "" when none (the
+	// first claim of a generation always).
+	RecoveryPoint string
+	// Steps are the steps recorded in the generation, each by name with the JSON value it
+	// saved (Claimed by a takeover; nil when none): skip them, they are done.
+	Steps map[string]json.RawMessage
 }
 
 func decisionOf(d dbidem.Decision) Decision {
 	return Decision{Outcome: Outcome(d.Outcome), Attempt: d.Attempt, Response: Response(d.Response),
-		ChangedFields: d.ChangedFields, RetryAfter: d.RetryAfter, ProviderKey: d.ProviderKey, Sent: d.Sent}
+		ChangedFields: d.ChangedFields, RetryAfter: d.RetryAfter, ProviderKey: d.ProviderKey, Sent: d.Sent,
+		RecoveryPoint: d.RecoveryPoint, Steps: d.Steps}
 }
 
 // Begin claims c.Key for c.Principal in q's transaction (idem_begin), or returns the decision

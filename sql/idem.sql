@@ -1,4 +1,4 @@
--- idem, schema version 6: the SQL API alone (schema idem), for psql. Install or upgrade with
+-- idem, schema version 7: the SQL API alone (schema idem), for psql. Install or upgrade with
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/idem.sql
 --
@@ -11,7 +11,7 @@
 -- It does what `server migrate` and idemsql.Migrate do for schema idem, and keeps the same
 -- version table (tern's idem.schema_version, one row), so they can be mixed: in one transaction,
 -- under tern's advisory lock, each migration the database lacks runs and sets the version
--- (schema version 6 is the last), then the functions are installed.
+-- (schema version 7 is the last), then the functions are installed.
 
 \set ON_ERROR_STOP on
 
@@ -253,6 +253,46 @@ CALL idem.rebuild_003(5000);
 \endif
 \endif
 
+-- ---------------------------------------------------------------------------------------
+-- The columns of migration 007, added in a statement of their own that commits at once, so
+-- that the key table's lock lasts a catalog change while the previous release serves.
+DO $idem_007$
+DECLARE
+    v_tries integer := 0;
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(9628173550095224);
+    IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+       OR EXISTS (SELECT FROM pg_catalog.pg_attribute
+                   WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
+        RETURN;
+    END IF;
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '20ms', true);
+            -- online: asked for with a 20 ms lock timeout and held for a catalog change, in a
+            -- statement that commits at once (no scan, no rewrite, whatever the table's size)
+            LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 2000 THEN
+                RAISE EXCEPTION 'idem migration 007: idem.idempotency_keys stayed locked through % tries of 20 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.02 + 0.04 * pg_catalog.random());
+        END;
+    END LOOP;
+    ALTER TABLE idem.idempotency_keys ADD COLUMN recovery_point text, ADD COLUMN recovery_saved jsonb;
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_point IS
+        'The last step recorded (idem_step) by a lease claim in progress in the key''s current generation; NULL: none.';
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_saved IS
+        'Each step recorded in the key''s current generation, by name, with the JSON value it saved; NULL: none.';
+END
+$idem_007$;
+
 BEGIN;
 SELECT pg_advisory_xact_lock(9628173550095224);
 
@@ -263,8 +303,8 @@ insert into idem.schema_version(version) select 0 where 0=(select count(*) from 
 
 DO $idem_bundle$
 BEGIN
-    IF (SELECT version FROM idem.schema_version) > 6 THEN
-        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (6): use the sql/idem.sql of that release',
+    IF (SELECT version FROM idem.schema_version) > 7 THEN
+        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (7): use the sql/idem.sql of that release',
             (SELECT version FROM idem.schema_version);
     END IF;
 END
@@ -924,6 +964,77 @@ UPDATE idem.schema_version SET version = 6;
 \endif
 
 -- ---------------------------------------------------------------------------------------
+-- Migration 7: sql/migrations/007_recovery_points.sql, when the database is below version 7.
+SELECT version < 7 AS idem_migration_due FROM idem.schema_version \gset
+\if :idem_migration_due
+-- 007: recovery points of work in steps (docs/sql-api.md, "Work in steps").
+--
+-- A lease claim in progress can record named steps (idem_step): each step's writes and its
+-- recovery point commit in the caller's transaction, fenced by the claim's token. The recovery
+-- point lives on the key's own row, in two nullable columns:
+--
+--   - recovery_point: the name of the last step recorded in the key's current generation;
+--   - recovery_saved: a JSON object, each recorded step's name to the small JSON value it
+--     saved (at most 8192 bytes as text in all).
+--
+-- A takeover of the same generation (a lease that ran out or was given up, idem_yield) keeps
+-- them and idem_begin hands them to the new holder; a new generation (a claim of an expired or
+-- released key) starts without; an answer (idem_complete) clears them. On the row and not in
+-- a side table: the row lock that fences the answer fences the steps too (a takeover's FOR
+-- UPDATE waits for a step's transaction, and then reads its recovery point), and idem_cleanup
+-- deletes them with the key.
+--
+-- Expand only: two nullable columns without a default are a change of the catalog, no rewrite
+-- and no scan, whatever the table's size; the previous release (0.2.0) names the columns it
+-- reads and writes, so it serves beside them. ADD COLUMN takes the key table's ACCESS
+-- EXCLUSIVE lock: idemsql.Migrate and sql/idem.sql add the columns before their transaction
+-- (online/007_columns.sql, a statement that commits at once), so the lock lasts a catalog
+-- change, and this migration then finds them and takes no lock on the key table at all. A
+-- migrate that had no such step (tern alone) adds them here, with the same short lock timeout
+-- asked again until it is had; the lock then lasts until the migrate commits.
+DO $idem_007$
+DECLARE
+    v_tries integer := 0;
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(9628173550095224);
+    IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+       OR EXISTS (SELECT FROM pg_catalog.pg_attribute
+                   WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
+        RETURN;
+    END IF;
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '20ms', true);
+            -- online: asked for with a 20 ms lock timeout and held for a catalog change, in a
+            -- statement that commits at once (no scan, no rewrite, whatever the table's size)
+            LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 2000 THEN
+                RAISE EXCEPTION 'idem migration 007: idem.idempotency_keys stayed locked through % tries of 20 ms', v_tries
+                    USING ERRCODE = '55P03', HINT = 'A long transaction holds the key table: end it, then run the migrate again.';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.02 + 0.04 * pg_catalog.random());
+        END;
+    END LOOP;
+    ALTER TABLE idem.idempotency_keys ADD COLUMN recovery_point text, ADD COLUMN recovery_saved jsonb;
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_point IS
+        'The last step recorded (idem_step) by a lease claim in progress in the key''s current generation; NULL: none.';
+    COMMENT ON COLUMN idem.idempotency_keys.recovery_saved IS
+        'Each step recorded in the key''s current generation, by name, with the JSON value it saved; NULL: none.';
+END
+$idem_007$;
+
+-- As tern does after each migration: back to the session's settings, then the version.
+RESET ALL;
+UPDATE idem.schema_version SET version = 7;
+\endif
+
+-- ---------------------------------------------------------------------------------------
 -- The functions: sql/functions/install.sql, re-installed every time.
 -- The public SQL API of idem, installed (and re-installed) by `server migrate` after the
 -- migrations in sql/migrations. Each function lives in its own file; include/ holds the
@@ -934,9 +1045,11 @@ UPDATE idem.schema_version SET version = 6;
 DO $$
 BEGIN
     -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
-    -- provider_key (0.1.0's, whose attempt was an integer, or an early build of 0.2.0's). A
-    -- caller that names the columns it reads (the Go driver does) reads the new one alike.
-    IF NOT (SELECT 'provider_key' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+    -- recovery_saved (0.2.0's, without recovery_point and recovery_saved; 0.1.0's, whose
+    -- attempt was an integer, or an early build of 0.2.0's, without provider_key). A caller
+    -- that names the columns it reads (the Go driver does) reads the new ones alike; the new
+    -- OUT columns come last, so one that reads them by position does too.
+    IF NOT (SELECT 'recovery_saved' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
              WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
@@ -1029,6 +1142,10 @@ $$;
 -- from the principal, the key and the generation: the same for every attempt of one request,
 -- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
+-- Work in steps: a takeover in the same generation answers the steps recorded so far
+-- (recovery_point, the last; recovery_saved, each by name with what it saved, idem_step); a
+-- new generation starts without, and clears them.
+--
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
@@ -1049,7 +1166,9 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT withheld         text,
     OUT changed_fields   text[],
     OUT retry_after      interval,
-    OUT provider_key     text)
+    OUT provider_key     text,
+    OUT recovery_point   text,
+    OUT recovery_saved   jsonb)
 LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER
@@ -1161,7 +1280,7 @@ IF p_ttl IS NOT NULL THEN
         IF v_lock IS NOT TRUE THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
             IF FOUND AND v_checked IS NOT TRUE THEN
@@ -1242,13 +1361,13 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -1284,7 +1403,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
                        request_fields = v_fields, response_status = NULL, response_headers = NULL,
                        response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed,
-                       generation = NULL
+                       generation = NULL, recovery_point = NULL, recovery_saved = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
@@ -1408,6 +1527,9 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
+            -- The steps its generation recorded (idem_step): the new holder goes on after them.
+            recovery_point := v_row.recovery_point;
+            recovery_saved := v_row.recovery_saved;
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -1425,7 +1547,8 @@ COMMENT ON FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval,
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
 -- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
--- answer_expires_at). Updates no indexed column, so the row is updated in place (HOT).
+-- answer_expires_at). The answer replaces the steps' recovery point (idem_step). Updates no
+-- indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -1489,7 +1612,7 @@ IF v_problem IS NOT NULL THEN
        SET state = 'c', lease_expires_at = idem.answer_expires_at(k.expires_at, coalesce(k.lease_expires_at, v_since), v_now),
            uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
-           withheld = p_withheld
+           withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p';
     IF NOT FOUND THEN
@@ -1778,6 +1901,95 @@ $$;
 
 COMMENT ON FUNCTION idem.idem_yield(text, text, bigint) IS
     'Ends the lease of the in-progress lease claim with this attempt now, without an answer, keeping the key for the same request (its retry takes over in the same generation); false when there is no such claim. See docs/sql-api.md.';
+
+-- idem_step: the holder of a lease claim records that a step of its work is done (a recovery
+-- point), in the caller's transaction: the step's own writes and its recovery point commit
+-- together, or neither does. Work in steps (Brandur Leach's atomic phases): a takeover of the
+-- same generation gets every recorded step from idem_begin (recovery_point, recovery_saved)
+-- and goes on after them; a new generation starts from none.
+--
+-- Fenced by p_attempt, as idem_complete is: when no lease claim with this token is in progress
+-- (taken over, yielded, released, completed, expired and cleaned up, never made, or a
+-- transactional claim) it raises 55000 and the caller's transaction, aborted, must roll back,
+-- so the step's writes never commit beside a later holder's. The row lock it takes lasts until
+-- the caller's transaction ends: a takeover (idem_begin locks the row to write it) waits for
+-- it, then reads the step; a holder whose takeover committed first finds another token here.
+-- A step recorded already in this generation raises 23505: its writes were done once.
+-- p_saved is what later steps need to know of this one (an id, an amount), any JSON value (SQL
+-- NULL is stored as JSON null); the steps' values of one generation are at most 8192 bytes as
+-- text in all (22023 past it).
+CREATE OR REPLACE FUNCTION idem.idem_step(
+    p_principal text,
+    p_key       text,
+    p_attempt   bigint,
+    p_step      text,
+    p_saved     jsonb DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+
+AS $$
+DECLARE
+    v_problem text;
+    v_saved   jsonb;
+    v_lease   timestamptz;
+BEGIN
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND p_attempt IS NOT NULL
+                    AND length(p_step) BETWEEN 1 AND 255, false) THEN
+        v_problem := CASE
+WHEN p_principal IS NULL OR p_key IS NULL
+            THEN '22004 p_principal and p_key must not be NULL'
+        WHEN length(p_principal) NOT BETWEEN 1 AND 255
+            THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
+        -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
+        -- of the backend's time in a profile; a length check and a one-class search do not.
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+            THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
+                        length(p_key), octet_length(p_key))
+
+            WHEN p_attempt IS NULL OR p_step IS NULL
+                THEN '22004 p_attempt and p_step must not be NULL'
+            WHEN length(p_step) NOT BETWEEN 1 AND 255
+                THEN format('22023 p_step must be 1 to 255 characters, got %s', length(p_step))
+        END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_step: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    END IF;
+    SELECT k.recovery_saved, k.lease_expires_at INTO v_saved, v_lease
+      FROM idem.idempotency_keys AS k
+     WHERE k.principal_id = p_principal AND k.key = p_key
+       AND k.attempt = p_attempt AND k.state = 'p'
+       FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_lease IS NULL THEN
+        RAISE EXCEPTION 'idem_step: no lease claim in progress for this key with attempt %', p_attempt
+            USING ERRCODE = '55000',
+                  HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired and was cleaned up, or the claim is transactional: roll this transaction back.';
+    END IF;
+    IF v_saved ? p_step THEN
+        RAISE EXCEPTION 'idem_step: step % is recorded already in this generation of the key', p_step
+            USING ERRCODE = '23505',
+                  HINT = 'Its writes committed with its recovery point (idem_begin''s recovery_saved): roll this transaction back and go on after it.';
+    END IF;
+    v_saved := coalesce(v_saved, '{}') || jsonb_build_object(p_step, coalesce(p_saved, 'null'));
+    IF octet_length(v_saved::text) > 8192 THEN
+        RAISE EXCEPTION 'idem_step: the steps'' saved values would take % bytes, at most 8192', octet_length(v_saved::text)
+            USING ERRCODE = '22023',
+                  HINT = 'Save ids and small values; keep what is large in your own tables, written in the step''s transaction.';
+    END IF;
+    UPDATE idem.idempotency_keys AS k
+       SET recovery_point = p_step, recovery_saved = v_saved
+     WHERE k.principal_id = p_principal AND k.key = p_key;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_step(text, text, bigint, text, jsonb) IS
+    'Records, in the caller''s transaction, that step p_step of the in-progress lease claim with this attempt is done, with what it saved; 55000 when there is no such claim (roll back), 23505 when the step is recorded already. See docs/sql-api.md.';
 
 -- idem_extend: the holder of a lease claim moves its lease's end to p_lease from now, while its
 -- work outside the database runs (a heartbeat). Fenced by p_attempt: only the current holder
@@ -2409,7 +2621,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT 6, (SELECT v.version FROM idem.schema_version AS v)
+    SELECT 7, (SELECT v.version FROM idem.schema_version AS v)
 $$;
 
 COMMENT ON FUNCTION idem.idem_version() IS
@@ -3071,7 +3283,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

@@ -88,6 +88,9 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	if err := RebuildOnline(ctx, conn, data, DefaultRebuildBatch); err != nil {
 		return err
 	}
+	if err := ExpandOnline(ctx, conn, data); err != nil {
+		return err
+	}
 	code, err := migrate.LoadCodePackage(Functions())
 	if err != nil {
 		return fmt.Errorf("idem migrate: load functions: %w", err)
@@ -220,6 +223,22 @@ func RebuildOnline(ctx context.Context, conn *pgx.Conn, data map[string]any, bat
 	return nil
 }
 
+// ExpandOnline adds the key table's columns of migration 007 (online/007_columns.sql) in a
+// statement of its own that commits at once, before Migrate's transaction, while the previous
+// release serves: the table's ACCESS EXCLUSIVE lock lasts a catalog change, not the whole
+// migrate. It does nothing on a database below schema version 3 or that has them. conn must
+// not be in a transaction.
+func ExpandOnline(ctx context.Context, conn *pgx.Conn, data map[string]any) error {
+	columns, err := RenderOnline("online/007_columns.sql", data)
+	if err != nil {
+		return fmt.Errorf("idem migrate: %w", err)
+	}
+	if _, err := conn.Exec(ctx, columns); err != nil {
+		return fmt.Errorf("idem migrate: the key table's columns of migration 007: %w", err)
+	}
+	return nil
+}
+
 // RenderOnline renders one of the migrations' shared files under online/ (which tern includes
 // into the migrations as templates) with data, as a statement of its own.
 func RenderOnline(name string, data map[string]any) (string, error) {
@@ -252,8 +271,8 @@ var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)
 func DisablesTx(m *migrate.Migration) bool { return disableTx.MatchString(m.UpSQL) }
 
 // TemplateData is the data the migrations and the functions are rendered with: the roles'
-// names (app_role, operator_role) and the schema version the functions belong to
-// (schema_version, which idem.idem_version() reports).
+// names (app_role, operator_role), the schema version the functions belong to
+// (schema_version, which idem.idem_version() reports) and tern's advisory lock (tern_lock).
 func TemplateData(opts Options) (map[string]any, error) {
 	app, operator := opts.AppRole, opts.OperatorRole
 	if app == "" {
@@ -270,5 +289,5 @@ func TemplateData(opts Options) (map[string]any, error) {
 	if app == operator {
 		return nil, fmt.Errorf("idem migrate: the application and operator roles must differ, both are %q", app)
 	}
-	return map[string]any{"app_role": app, "operator_role": operator, "schema_version": Version()}, nil
+	return map[string]any{"app_role": app, "operator_role": operator, "schema_version": Version(), "tern_lock": TernLock}, nil
 }

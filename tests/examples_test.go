@@ -51,14 +51,16 @@ func TestExampleShop(t *testing.T) {
 }
 
 // TestHTTPDocWiringIsTheExample: the wiring that docs/http.md shows is examples/shop/main.go
-// and examples/shop/migrate/main.go, byte for byte, and its "Work after the answer" example is
-// idem/idemriver/example_test.go.
+// and examples/shop/migrate/main.go, byte for byte; its "Work in steps" example is
+// idem/example_steps_test.go (ExampleStep, which `go test ./idem` runs and checks), and its "Work
+// after the answer" example is idem/idemriver/example_test.go.
 func TestHTTPDocWiringIsTheExample(t *testing.T) {
 	t.Parallel()
 	for _, f := range []struct{ path, begin, end string }{
 		{"../examples/shop/main.go", "<!-- shop:begin", "<!-- shop:end -->"},
 		{"../examples/shop/migrate/main.go", "<!-- shop-migrate:begin", "<!-- shop-migrate:end -->"},
 		{"../idem/idemriver/example_test.go", "<!-- idemriver-example:begin", "<!-- idemriver-example:end -->"},
+		{"../idem/example_steps_test.go", "<!-- steps:begin", "<!-- steps:end -->"},
 	} {
 		src, err := os.ReadFile(f.path)
 		if err != nil {

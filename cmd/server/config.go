@@ -94,6 +94,10 @@ type Config struct {
 	// before River's rescuer makes it retryable (its worker died). Default 1h; more than
 	// RECEIPT_TIMEOUT.
 	ReceiptRescueAfter time.Duration
+	// PayoutStepPause (PAYOUT_STEP_PAUSE): how long POST /v1/stepped-payouts waits after
+	// each of its steps, so that a fault test can kill the server between two steps. Default
+	// 0: no pause.
+	PayoutStepPause time.Duration
 	// TransfersRequireKey (TRANSFERS_REQUIRE_KEY): whether POST /v1/transfers needs an
 	// Idempotency-Key. Default true; false only to benchmark the route without keys.
 	TransfersRequireKey bool
@@ -160,6 +164,7 @@ environment (docs/operations.md):
   RECEIPT_LEASE                   the lease of a receipt's sending, extended while it runs (10s)
   RECEIPT_TIMEOUT                 River's job timeout for a receipt's sending (30s)
   RECEIPT_RESCUE_AFTER            how long a receipt job may run before River's rescuer retries it (1h)
+  PAYOUT_STEP_PAUSE               a pause after each step of POST /v1/stepped-payouts, for fault tests (0)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
   LOG_LEVEL                       debug, info, warn or error (info)`
 
@@ -264,6 +269,9 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.duration("RECEIPT_RESCUE_AFTER", &c.ReceiptRescueAfter, time.Millisecond)
 	if c.ReceiptRescueAfter <= c.ReceiptTimeout {
 		p.fail("RECEIPT_RESCUE_AFTER", c.ReceiptRescueAfter.String(), fmt.Sprintf("want more than RECEIPT_TIMEOUT (%s): River rescues only a job past its timeout", c.ReceiptTimeout))
+	}
+	if v := strings.TrimSpace(getenv("PAYOUT_STEP_PAUSE")); v != "" && v != "0" {
+		p.duration("PAYOUT_STEP_PAUSE", &c.PayoutStepPause, time.Millisecond)
 	}
 	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
 	if v := getenv("LOG_LEVEL"); v != "" {

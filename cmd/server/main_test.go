@@ -124,6 +124,7 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		"MAX_STORED_RESPONSE_BYTES": "50", "CLEANUP_INTERVAL": "0", "CLEANUP_BATCH_SIZE": "7", "CLEANUP_VACUUM": "false", "SHUTDOWN_TIMEOUT": "3s",
 		"TRANSFERS_REQUIRE_KEY": "false", "LOG_LEVEL": "debug", "PAYOUTS_LEASE": "2s", "PAYOUT_PROVIDER_DELAY": "0", "CLEANUP_DUTY": "0.5",
 		"RECEIPT_URL": "http://127.0.0.1:9/receipts", "RECEIPT_LEASE": "3s", "RECEIPT_TIMEOUT": "4s", "RECEIPT_RESCUE_AFTER": "5s",
+		"PAYOUT_STEP_PAUSE": "250ms",
 	}
 	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
 		t.Fatal(err)
@@ -132,7 +133,8 @@ func TestConfigDefaultsAndEveryVariable(t *testing.T) {
 		AppRole: "app_x", TTL: time.Hour, LockTimeout: 250 * time.Millisecond, MaxWaitingClaims: 3, MaxWaitingBytes: 5000, MaxBodyBytes: 100,
 		MaxStoredBytes: 50, CleanupInterval: 0, CleanupBatchSize: 7, CleanupVacuum: false, ShutdownTimeout: 3 * time.Second,
 		TransfersRequireKey: false, LogLevel: slog.LevelDebug, PayoutsLease: 2 * time.Second, CleanupDuty: 0.5,
-		ReceiptURL: "http://127.0.0.1:9/receipts", ReceiptLease: 3 * time.Second, ReceiptTimeout: 4 * time.Second, ReceiptRescueAfter: 5 * time.Second}
+		ReceiptURL: "http://127.0.0.1:9/receipts", ReceiptLease: 3 * time.Second, ReceiptTimeout: 4 * time.Second, ReceiptRescueAfter: 5 * time.Second,
+		PayoutStepPause: 250 * time.Millisecond}
 	if m.Config != want {
 		t.Fatalf("every variable:\n got %+v\nwant %+v", m.Config, want)
 	}

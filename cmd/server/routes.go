@@ -38,7 +38,7 @@ func (m *Main) routes(ctx context.Context) (http.Handler, error) {
 // health, version, metrics and the OpenAPI document outside it.
 func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error) {
 	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease,
-		receipts: m.receipts}
+		receipts: m.receipts, stepPause: m.Config.PayoutStepPause}
 	idem, err := idem.New(ctx, idem.Options{
 		DB:                 m.pool,
 		Principal:          principalFromRequest,
@@ -120,6 +120,7 @@ func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
 		{http.MethodPost, "/v1/api-tokens", s.createToken, keyed("POST /v1/api-tokens", false)},
 		{http.MethodPost, "/v1/payouts", s.createPayout, &idem.Route{Action: "POST /v1/payouts", Required: true, Lease: s.payoutLease}},
 		{http.MethodGet, "/v1/payouts/{id}", s.getPayout, nil},
+		{http.MethodPost, "/v1/stepped-payouts", s.createSteppedPayout, &idem.Route{Action: "POST /v1/stepped-payouts", Required: true, Lease: s.payoutLease}},
 		{http.MethodGet, "/v1/provider/calls/{key}", s.providerCalls, nil},
 	}
 }
@@ -180,4 +181,5 @@ type ledger struct {
 	provider    *provider             // the simulated payment provider of the payouts route
 	payoutLease time.Duration         // the payouts route's lease
 	receipts    *river.Client[pgx.Tx] // enqueues a transfer's receipt (RECEIPT_URL), or nil: no receipts
+	stepPause   time.Duration         // a pause after each step of a stepped payout (fault tests)
 }

@@ -22,6 +22,7 @@ package dbidem
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -127,6 +128,13 @@ type Decision struct {
 	// after this one expired or was released, and for every other principal. It follows the
 	// key's generation, not the client's key (docs/sql-api.md, "Generations and provider keys").
 	ProviderKey string
+	// RecoveryPoint is the last step that the key's current generation recorded (RecordStep,
+	// Step), told to a takeover of its lease (Claimed) so that it goes on after it; "" when
+	// none (a fresh generation always).
+	RecoveryPoint string
+	// Steps are the steps recorded in the generation, each by name with the JSON value it
+	// saved (Claimed by a takeover only; nil when none).
+	Steps map[string]json.RawMessage
 	// Sent is this process's clock just before the claim was sent. A lease claimed by it runs
 	// at least until Sent plus the lease by this process's clock, since the database counts
 	// the lease from when it received the claim: the local deadline of KeepAlive

@@ -51,6 +51,9 @@ type LeaseClaim struct {
 	// after a crash), different for any other, including a later job under the same Key
 	// after this one expired or was released (Decision.ProviderKey).
 	ProviderKey string
+	// RecoveryPoint is the last step an earlier attempt of this generation recorded (Step),
+	// when this attempt took its lease over; "" when none.
+	RecoveryPoint string
 }
 
 // Do runs fn at most once for job.Key: it claims the key, runs fn in the same transaction,
@@ -141,7 +144,8 @@ type Pool interface {
 // (Yield), so a later DoLease of the same job runs fn again straight away with the same
 // claim.ProviderKey, while another Input under the key gets ErrMismatch until the key expires.
 // Give an outside provider claim.ProviderKey, so that neither a retry nor a takeover repeats
-// an effect that reached it.
+// an effect that reached it. fn's writes to the database go through Step on fn's context: each
+// commits with its recovery point, and a takeover skips the steps done.
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if job.Lease < time.Second {
 		return result, false, fmt.Errorf("idem: DoLease needs a Lease of at least a second, got %s", job.Lease)
@@ -176,8 +180,10 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		var zero T
 		return zero, false, ErrLeaseLost
 	}
-	result, err = fn(lease.Context(), LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt,
-		ProviderKey: won.ProviderKey})
+	lc := LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt, ProviderKey: won.ProviderKey,
+		RecoveryPoint: won.RecoveryPoint}
+	wctx := WithSteps(lease.Context(), NewSteps(db, &lc, won, lease, TxOptions{}))
+	result, err = fn(wctx, lc)
 	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
 	// The answer is recorded, or the claim released, while the lease holds by this process's
 	// clock (at least two thirds of a lease after the last extension): past it another attempt

@@ -17,7 +17,8 @@ import (
 const (
 	// BeginSQL calls idem_begin and returns its row.
 	BeginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
-       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key
+       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key, recovery_point,
+       recovery_saved
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
@@ -124,11 +125,13 @@ type decisionRow struct {
 	withheld *string
 	retry    *float64
 	provider *string
+	point    *string
+	saved    []byte
 }
 
 func (r *decisionRow) dest() []any {
 	return []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
-		&r.d.ChangedFields, &r.retry, &r.provider}
+		&r.d.ChangedFields, &r.retry, &r.provider, &r.point, &r.saved}
 }
 
 func (r *decisionRow) decision() (Decision, error) {
@@ -154,6 +157,14 @@ func (r *decisionRow) decision() (Decision, error) {
 	}
 	if r.provider != nil {
 		d.ProviderKey = *r.provider
+	}
+	if r.point != nil {
+		d.RecoveryPoint = *r.point
+	}
+	if r.saved != nil {
+		if err := json.Unmarshal(r.saved, &d.Steps); err != nil {
+			return Decision{}, fmt.Errorf("idem: recorded steps: %w", err)
+		}
 	}
 	return d, nil
 }

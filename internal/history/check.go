@@ -147,6 +147,7 @@ func Check(h *History, o Options) (res Result) {
 	}
 	res.Violations = append(res.Violations, sharedProviderKeys(parts)...)
 	res.Violations = append(res.Violations, fencedAnswers(parts, faults, o.Timeout)...)
+	res.Violations = append(res.Violations, stepEffects(parts, h.Steps())...)
 	slices.SortFunc(res.Violations, func(a, b Violation) int { return strings.Compare(a.Key, b.Key) })
 	res.Chains, res.Excused, res.Liveness = checkLiveness(h, parts, faults, o.Timeout)
 	all := o.All || os.Getenv("HISTORY_TIMELINES") == "all"
@@ -260,6 +261,55 @@ func fencedAnswers(parts [][]porcupine.Operation, faults []Fault, timeout time.D
 				"key %s: NOT allowed: c%d at %s got the answer of attempt %d (%s), whose client c%d was told its store "+
 					"was refused (it lost its lease)\n%s", in.Key, in.Client, at(int64(in.Call)), o.Attempt, o.Outcome, c, timeline)})
 			break
+		}
+	}
+	return out
+}
+
+// The kinds of violation of work in steps.
+const (
+	stepTwiceKind  = "a step's effect twice in one generation"
+	stepAnswerKind = "an answer before its steps, or naming a step effect that is not there"
+)
+
+// stepEffects checks work in steps, beside the model (a step's row names its generation by its
+// provider key, so no linearization is needed): every step's effect at most once per
+// generation, and every answer (fresh or replayed) that names step effects names rows that
+// exist, in its own generation: the answer comes only after the last step committed.
+func stepEffects(parts [][]porcupine.Operation, steps map[string][]StepEffect) []Violation {
+	var out []Violation
+	for _, key := range slices.Sorted(maps.Keys(steps)) {
+		seen := map[[2]string][]string{}
+		for _, e := range steps[key] {
+			seen[[2]string{e.ProviderKey, e.Step}] = append(seen[[2]string{e.ProviderKey, e.Step}], e.ID)
+		}
+		for _, gs := range slices.SortedFunc(maps.Keys(seen), func(a, b [2]string) int { return strings.Compare(a[0]+a[1], b[0]+b[1]) }) {
+			if ids := seen[gs]; len(ids) > 1 {
+				out = append(out, Violation{Key: key, Kinds: []string{stepTwiceKind}, Timeline: fmt.Sprintf(
+					"key %s: NOT allowed: step %s of generation %s wrote %d rows (%s)\n", key, gs[1], gs[0], len(ids), strings.Join(ids, ", "))})
+			}
+		}
+	}
+	for _, p := range parts {
+		key := p[0].Input.(Input).Key
+		rows := map[StepEffect]bool{}
+		for _, e := range steps[key] {
+			rows[e] = true
+		}
+		for _, op := range p {
+			o := op.Output.(Output)
+			if o.Steps == "" || (o.Outcome != Answered && o.Outcome != Replayed) {
+				continue
+			}
+			for _, named := range strings.Split(o.Steps, ",") {
+				step, id, _ := strings.Cut(named, "=")
+				if !rows[StepEffect{ProviderKey: o.ProviderKey, Step: step, ID: id}] {
+					in := op.Input.(Input)
+					out = append(out, Violation{Key: key, Kinds: []string{stepAnswerKind}, Timeline: fmt.Sprintf(
+						"key %s: NOT allowed: c%d at %s got an answer (%s) naming step %s row %s of generation %s, which is not there\n",
+						key, in.Client, at(int64(in.Call)), o.Outcome, step, id, o.ProviderKey)})
+				}
+			}
 		}
 	}
 	return out

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -41,6 +42,7 @@ type doResult struct {
 	Ref         string `json:"ref,omitempty"`
 	ProviderKey string `json:"provider_key,omitempty"`
 	Amount      int    `json:"amount"`
+	Steps       string `json:"steps,omitempty"` // stepped work: each step's row, "a=12,b=13"
 }
 
 func (h *doHarness) gate(c int) *idem.Gate {
@@ -98,6 +100,31 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 	} else {
 		res, replayed, err = idem.DoLease(ctx, h.pool, job, func(ctx context.Context, claim idem.LeaseClaim) (doResult, error) {
 			ran, pk = true, claim.ProviderKey
+			if r.Stepped {
+				// Work in steps: each step writes a row of its generation; a Release request
+				// fails between the two (its lease is given up), and its retry goes on.
+				var named []string
+				for i, name := range []string{"a", "b"} {
+					id, err := idem.Step(ctx, name, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+						var id int64
+						err := tx.QueryRow(ctx, `INSERT INTO hist.steps (principal, key, pk, step) VALUES ($1, $2, $3, $4)
+							RETURNING id`, r.Key.Principal, r.Key.Name, claim.ProviderKey, name).Scan(&id)
+						return id, err
+					})
+					if err != nil {
+						return doResult{}, err
+					}
+					named = append(named, fmt.Sprintf("%s=%d", name, id))
+					if i == 0 && r.Release {
+						return doResult{}, errInjected
+					}
+					if err := work(ctx, r, 20*time.Millisecond, 150*time.Millisecond); err != nil {
+						return doResult{}, context.Cause(ctx)
+					}
+				}
+				worked = time.Now()
+				return doResult{ProviderKey: claim.ProviderKey, Amount: in.Amount, Steps: strings.Join(named, ",")}, nil
+			}
 			if r.Hold {
 				// Long work without an outside effect (Do may take the job over if the lease
 				// dies, and its effect is a row): long enough for a fault to lose the lease.
@@ -134,7 +161,8 @@ func (h *doHarness) Send(ctx context.Context, c int, r Request) Output {
 		return Output{Outcome: NotSent, Note: err.Error()}
 	case err == nil:
 		body, _ := json.Marshal(res)
-		out := Output{Outcome: Answered, Status: 200, Body: string(body), ProviderKey: res.ProviderKey, StoreSent: worked}
+		out := Output{Outcome: Answered, Status: 200, Body: string(body), ProviderKey: res.ProviderKey, StoreSent: worked,
+			Steps: res.Steps}
 		if replayed {
 			out.Outcome, out.StoreSent = Replayed, time.Time{}
 		}
@@ -168,6 +196,40 @@ func (h *doHarness) Observe(ctx context.Context, k Key) ([]string, error) {
 		return nil, err
 	}
 	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// ObserveSteps reports the rows the stepped work wrote under k (StepObserver).
+func (h *doHarness) ObserveSteps(ctx context.Context, k Key) ([]StepEffect, error) {
+	rows, err := h.observe.Query(ctx, `SELECT pk, step, id::text FROM hist.steps WHERE principal = $1 AND key = $2`,
+		k.Principal, k.Name)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (StepEffect, error) {
+		var e StepEffect
+		err := row.Scan(&e.ProviderKey, &e.Step, &e.ID)
+		return e, err
+	})
+}
+
+// steppedLease: DoLease whose work is two steps (idem.Step), each writing a row; half the time
+// a first attempt fails between them (its lease is given up), then two clients retry the job
+// at once while faults cut, stall and kill.
+func steppedLease(weight int) Scenario {
+	return Scenario{Name: "steps", Weight: weight, Run: func(s *Session) {
+		k := s.Key(Leased)
+		r := s.Request(k, 0)
+		r.Stepped = true
+		if s.IntN(2) == 0 {
+			fail := r
+			fail.Release = true
+			s.Until(s.Client(0), fail, 1, 0)
+		}
+		s.Parallel(
+			func() { s.Until(s.Client(1), r, 4, 0) },
+			func() { s.Sleep(time.Duration(s.IntN(300)) * time.Millisecond); s.Until(s.Client(2), r, 4, 0) },
+		)
+	}}
 }
 
 // leaseThenDo: a DoLease whose work is long (a fault may lose its lease meanwhile), and the
@@ -242,7 +304,7 @@ func TestDoHistory(t *testing.T) {
 	}
 	inj.CommitFault(c.URL("hist"), app)
 	runner := &Runner{H: h, Harness: harness, Mode: mode, Also: inj.Covered, OpTimeout: 2 * time.Second, Scenarios: []Scenario{
-		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), Storm(Transactional, 3), Storm(Leased, 3),
+		Expiry(Leased, 2), failedLeaseReuse(2), leaseThenDo(2), steppedLease(2), Storm(Transactional, 3), Storm(Leased, 3),
 		Changed(Transactional, 2), Changed(Leased, 2), Hangup(Transactional, 2), Hangup(Leased, 2), Expiry(Transactional, 2),
 		Duplicate(Transactional, 50*time.Millisecond, 8*time.Second, 1), Duplicate(Leased, 50*time.Millisecond, 8*time.Second, 1),
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 1), ExpiryEdge(Leased, edgeWork, edgeTTL, 1),
@@ -252,7 +314,7 @@ func TestDoHistory(t *testing.T) {
 	cleanups := CleanupEvery(cleanCtx, observe, cleanupEvery)
 	runFaults(t, h, inj, runner, mode, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0),
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), Changed(Transactional, 0),
-		Changed(Leased, 0), failedLeaseReuse(0))
+		Changed(Leased, 0), failedLeaseReuse(0), steppedLease(0))
 	stopCleanup()
 	time.Sleep(2*time.Second + 500*time.Millisecond) // a lease's completion outlives its client by a lease at most
 	pool.Close()
@@ -263,13 +325,26 @@ func TestDoHistory(t *testing.T) {
 	}
 	Verify(t, h, t.Name())
 	t.Logf("scenarios: %v", runner.Ran())
+	stepped, rows := 0, 0
+	for _, op := range h.Operations() {
+		if o, ok := op.Output.(Output); ok && o.Steps != "" {
+			stepped++
+		}
+	}
+	for _, es := range h.Steps() {
+		rows += len(es)
+	}
+	t.Logf("work in steps: %d answers naming their step rows checked against %d step rows observed", stepped, rows)
+	if stepped == 0 {
+		t.Error("no answer of work in steps was checked")
+	}
 	outcomes, faults := h.Counts()
 	// At least: enough of each for the model to have something to check; on a loaded machine
 	// (two cores, the other packages' tests beside it) a short run completes fewer operations.
 	Require(t, "the outcome", outcomes, map[string]int{"2xx": 10, "replayed": 5, "mismatch": 3, "released": 1, "busy": 1})
 	Require(t, "the fault", faults, map[string]int{"cut": 1, "latency": 1, "stall": 1, "table-lock": 1, "backend-kill": 1, "pg-restart": 1,
 		"commit-kill": 1})
-	Require(t, "the scenario", runner.Ran(), map[string]int{"DoLease then Do": 1, "failed lease, then reuse": 1,
+	Require(t, "the scenario", runner.Ran(), map[string]int{"DoLease then Do": 1, "failed lease, then reuse": 1, "steps": 1,
 		"expiry lease": 1, "storm tx": 1, "storm lease": 1, "duplicate tx": 1, "duplicate lease": 1, "expiry edge tx": 2,
 		"expiry edge lease": 2})
 	requireEdges(t, h, runner, cleanups(), false)

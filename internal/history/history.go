@@ -23,6 +23,7 @@ type History struct {
 	closed   bool
 	end      time.Duration
 	observed map[string][]string
+	steps    map[string][]StepEffect
 	chains   []*Chain
 	stored   []storeSeen
 }
@@ -43,7 +44,9 @@ type Fault struct {
 }
 
 // New starts a history now.
-func New() *History { return &History{start: time.Now(), observed: map[string][]string{}} }
+func New() *History {
+	return &History{start: time.Now(), observed: map[string][]string{}, steps: map[string][]StepEffect{}}
+}
 
 // Now is the time since the history began.
 func (h *History) Now() time.Duration { return time.Since(h.start) }
@@ -133,6 +136,29 @@ func (h *History) Observe(key string, effects []string) {
 		panic("history: Observe before Close")
 	}
 	h.observed[key] = slices.Sorted(slices.Values(effects))
+}
+
+// StepEffect is one row that a step of stepped work wrote (work in steps, idem.Step): which
+// generation (its provider key), which step, the row's id.
+type StepEffect struct {
+	ProviderKey, Step, ID string
+}
+
+// ObserveSteps records the step effects found under key once the history was closed.
+func (h *History) ObserveSteps(key string, effects []StepEffect) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.closed {
+		panic("history: ObserveSteps before Close")
+	}
+	h.steps[key] = slices.Clone(effects)
+}
+
+// Steps returns the step effects observed, by key.
+func (h *History) Steps() map[string][]StepEffect {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return maps.Clone(h.steps)
 }
 
 // Keys lists the keys of the history's operations, sorted.

@@ -130,6 +130,10 @@ type Output struct {
 	Fenced bool
 	// ProviderKey is the provider key the operation reported or used ("" unknown).
 	ProviderKey string
+	// Steps names the step effects a stepped answer claims ("a=12,b=13": each step of the work
+	// with the id of the row it wrote), sorted by step; "" for work without steps. Checked
+	// beside the model (stepEffects): each must exist, in the answer's generation.
+	Steps string
 	// Effect names the effect the answer claims ("deposit 17", "payout po_3"); "" for an
 	// answer that names none (a final error).
 	Effect string

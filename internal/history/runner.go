@@ -40,8 +40,16 @@ type Request struct {
 	// Work asks the harness to make the work take this long (the claim and the answer that
 	// far apart, or a holder stalled past its lease); 0: the harness's own.
 	Work time.Duration
+	// Stepped asks a harness that can for work in steps (idem.Step): each step writes a row,
+	// and the answer names them (Output.Steps).
+	Stepped bool
 	// Payload is the harness's own.
 	Payload any
+}
+
+// StepObserver is a Harness that also reports the rows its stepped work wrote under a key.
+type StepObserver interface {
+	ObserveSteps(ctx context.Context, k Key) ([]StepEffect, error)
 }
 
 // Harness is what a run needs from the system under test.
@@ -230,6 +238,13 @@ func (r *Runner) Observe(ctx context.Context) error {
 			return fmt.Errorf("observe %s: %w", k, err)
 		}
 		r.H.Observe(k.String(), effects)
+		if so, ok := r.Harness.(StepObserver); ok {
+			steps, err := so.ObserveSteps(ctx, k)
+			if err != nil {
+				return fmt.Errorf("observe the steps of %s: %w", k, err)
+			}
+			r.H.ObserveSteps(k.String(), steps)
+		}
 	}
 	return nil
 }

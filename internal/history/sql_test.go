@@ -28,6 +28,9 @@ CREATE SCHEMA hist;
 CREATE TABLE hist.effects (id bigserial PRIMARY KEY, principal text NOT NULL, key text NOT NULL,
 	fingerprint text NOT NULL, attempt bigint NOT NULL);
 CREATE SEQUENCE hist.refs;
+-- The rows of stepped work (idem.Step), one per step done, with its generation's provider key.
+CREATE TABLE hist.steps (id bigserial PRIMARY KEY, principal text NOT NULL, key text NOT NULL, pk text NOT NULL,
+	step text NOT NULL);
 CREATE TABLE hist.provider (pk text PRIMARY KEY, principal text NOT NULL, key text NOT NULL,
 	ref text NOT NULL, calls integer NOT NULL DEFAULT 1);
 -- A slow COMMIT, half the time: a deferred trigger on the effects sleeps 100 ms at COMMIT, so

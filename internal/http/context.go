@@ -41,6 +41,9 @@ type ClaimInfo struct {
 	// (it follows the key's generation, not the client's key) and is 64 hex digits. On a
 	// lease route a request without a key gets one of its own (ClaimOf's ok is false then).
 	ProviderKey string
+	// RecoveryPoint is the last step (Step) an earlier attempt of this request recorded, when
+	// this attempt took the key's lease over; "" when none.
+	RecoveryPoint string
 }
 
 // ErrLeaseLost is the cause (context.Cause) of a lease route's handler context when its lease

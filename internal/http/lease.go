@@ -26,6 +26,8 @@ import (
 //   - when the lease is lost (taken over, or not extended in time), the handler's context ends
 //     with cause ErrLeaseLost, its answer is neither recorded nor sent: the client gets 409
 //     request_in_progress, and its retry gets the answer of the attempt that holds the key;
+//   - the handler's steps (Step) commit with their recovery points; a takeover skips those
+//     its generation recorded, and a step that finds the claim taken over loses the lease;
 //   - a 2xx or a final error is stored; anything else ends the lease at once without an
 //     answer (idem_yield): the client's retry of the same request takes the key over and runs
 //     the work again under the same ClaimInfo.ProviderKey, which a provider that deduplicates
@@ -54,7 +56,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		q.inProgress(claim.Lease)
 		return StateBusy
 	}
-	hctx, handlerSpan := q.startSpan(l.Context(), "idem.handler")
+	// The handler's steps (Step) commit with their recovery points, fenced by the token; the
+	// ones this generation recorded before (a takeover, a retry after a yield) are skipped.
+	lc := dbidem.LeaseClaim{Principal: claim.Principal, Key: claim.Key, Attempt: attempt, ProviderKey: d.ProviderKey,
+		RecoveryPoint: d.RecoveryPoint}
+	sctx := dbidem.WithSteps(l.Context(), dbidem.NewSteps(q.m.o.DB, &lc, d, l, q.txOptions()))
+	hctx, handlerSpan := q.startSpan(sctx, "idem.handler")
 	rec, st, v := q.run(hctx, nil, true)
 	endHandlerSpan(handlerSpan, rec, v)
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")

@@ -74,6 +74,8 @@ func (q *request) unkeyed() {
 		defer q.m.work.enter()()
 		ctx, done := q.m.work.context(q.r.Context())
 		defer done()
+		// Steps (Step) without a recovery point: transactions of their own, nothing to resume.
+		ctx = dbidem.WithSteps(ctx, dbidem.NewSteps(q.m.o.DB, nil, dbidem.Decision{}, nil, q.txOptions()))
 		rec, _, _ := q.run(ctx, nil, false)
 		q.answer(rec)
 		return
@@ -249,7 +251,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		acquired = true // counted once the transaction ended: an observer never runs inside it
 		claimed()       // the route's WorkTimeout counts from here
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
-			ProviderKey: d.ProviderKey}
+			ProviderKey: d.ProviderKey, RecoveryPoint: d.RecoveryPoint}
 		if q.rt.Lease > 0 {
 			return nil // a lease claim commits on its own; the handler runs after
 		}

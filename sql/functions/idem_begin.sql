@@ -15,6 +15,10 @@
 -- from the principal, the key and the generation: the same for every attempt of one request,
 -- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
+-- Work in steps: a takeover in the same generation answers the steps recorded so far
+-- (recovery_point, the last; recovery_saved, each by name with what it saved, idem_step); a
+-- new generation starts without, and clears them.
+--
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
@@ -35,7 +39,9 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT withheld         text,
     OUT changed_fields   text[],
     OUT retry_after      interval,
-    OUT provider_key     text)
+    OUT provider_key     text,
+    OUT recovery_point   text,
+    OUT recovery_saved   jsonb)
 {{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
@@ -108,7 +114,7 @@ BEGIN
         IF v_lock IS NOT TRUE THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
             IF FOUND AND v_checked IS NOT TRUE THEN
@@ -149,13 +155,13 @@ BEGIN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
+                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -186,7 +192,7 @@ BEGIN
                        uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
                        request_fields = v_fields, response_status = NULL, response_headers = NULL,
                        response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed,
-                       generation = NULL
+                       generation = NULL, recovery_point = NULL, recovery_saved = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
@@ -261,6 +267,9 @@ BEGIN
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
             provider_key := {{ template "include/provider_key.sql" "v_gen" }};
+            -- The steps its generation recorded (idem_step): the new holder goes on after them.
+            recovery_point := v_row.recovery_point;
+            recovery_saved := v_row.recovery_saved;
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.

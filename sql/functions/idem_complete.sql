@@ -2,7 +2,8 @@
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
 -- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
--- answer_expires_at). Updates no indexed column, so the row is updated in place (HOT).
+-- answer_expires_at). The answer replaces the steps' recovery point (idem_step). Updates no
+-- indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -37,7 +38,7 @@ BEGIN
        SET state = 'c', lease_expires_at = idem.answer_expires_at(k.expires_at, coalesce(k.lease_expires_at, v_since), v_now),
            uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
-           withheld = p_withheld
+           withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p';
     IF NOT FOUND THEN

@@ -7,9 +7,11 @@
 DO $$
 BEGIN
     -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
-    -- provider_key (0.1.0's, whose attempt was an integer, or an early build of 0.2.0's). A
-    -- caller that names the columns it reads (the Go driver does) reads the new one alike.
-    IF NOT (SELECT 'provider_key' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+    -- recovery_saved (0.2.0's, without recovery_point and recovery_saved; 0.1.0's, whose
+    -- attempt was an integer, or an early build of 0.2.0's, without provider_key). A caller
+    -- that names the columns it reads (the Go driver does) reads the new ones alike; the new
+    -- OUT columns come last, so one that reads them by position does too.
+    IF NOT (SELECT 'recovery_saved' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
              WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
@@ -46,6 +48,7 @@ $$;
 {{ template "idem_save_final.sql" . }}
 {{ template "idem_release.sql" . }}
 {{ template "idem_yield.sql" . }}
+{{ template "idem_step.sql" . }}
 {{ template "idem_extend.sql" . }}
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
@@ -60,7 +63,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the

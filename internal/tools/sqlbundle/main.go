@@ -104,6 +104,10 @@ func Render() (string, error) {
 	if err != nil {
 		return "", err
 	}
+	columns, err := idemsql.RenderOnline("online/007_columns.sql", data)
+	if err != nil {
+		return "", err
+	}
 
 	var w strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format, args...) }
@@ -148,6 +152,11 @@ CALL idem.rebuild_003(%d);
 \endif
 \endif
 
+-- ---------------------------------------------------------------------------------------
+-- The columns of migration 007, added in a statement of their own that commits at once, so
+-- that the key table's lock lasts a catalog change while the previous release serves.
+%s
+
 BEGIN;
 SELECT pg_advisory_xact_lock(%d);
 
@@ -165,7 +174,8 @@ BEGIN
 END
 $idem_bundle$;
 `, last, idemsql.DefaultAppRole, table, last, onlineVar, onlineVar, onlineVar, table, onlineVar, idemsql.TernLock,
-		onlineVar, table, onlineVar, strings.TrimSpace(shadow), onlineVar, idemsql.DefaultRebuildBatch, idemsql.TernLock,
+		onlineVar, table, onlineVar, strings.TrimSpace(shadow), onlineVar, idemsql.DefaultRebuildBatch, strings.TrimSpace(columns),
+		idemsql.TernLock,
 		table, table, table, table, last, last, table)
 
 	for _, mig := range m.Migrations {

@@ -1,0 +1,69 @@
+package idem
+
+import (
+	"context"
+	"encoding/json"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/pgidem/internal/dbidem"
+)
+
+// Work in steps: the work of a lease (a lease route's handler, DoLease's fn) that writes to the
+// database does it in named steps (Step). Each step is a transaction of its own that commits
+// the step's writes together with its recovery point, fenced by the claim's token; when the
+// lease is taken over (the process crashed, its lease ran out) or was given up (the work failed
+// and yielded), the next attempt of the same request runs the work again from its start, and
+// every step recorded in this generation returns what it saved without running again. The
+// docs' "Work in steps" (docs/http.md) has a whole example and what it does not promise.
+
+// Step runs fn once per generation of the lease whose work ctx belongs to (a lease route's
+// handler context, DoLease's fn context): in a transaction on the middleware's (DoLease's)
+// pool, which commits fn's writes together with the recovery point of step name (idem_step,
+// fenced by the claim's token), and returns what fn returned. When this generation recorded
+// the step already (an earlier attempt did it, then crashed, lost its lease or failed after
+// it), Step returns the value fn returned then, JSON-decoded into T, without running fn.
+//
+// fn's value is saved as JSON: an id, an amount, what later steps need (at most 8192 bytes for
+// every step of a generation; keep the rest in your tables, written by fn). fn writes to the
+// database through tx only. An outside call in fn is not rolled back with the step and may run
+// again (a crash before the step commits, a serialization failure that runs fn again): make it
+// one that deduplicates, a provider called with ClaimInfo.ProviderKey (or LeaseClaim's), and
+// save its answer as the step's value, so that no later attempt calls it again once the step
+// is recorded. fn's transaction holds a connection of the pool while fn runs. When fn fails,
+// its transaction rolls back and Step returns fn's error; the step is not recorded, and runs
+// again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
+// in a new transaction, as Do does.
+//
+// When the claim was taken over (another attempt holds the key now) the step's writes roll
+// back, the lease counts as lost (its answer is not recorded: a lease route answers 409, DoLease
+// returns ErrLeaseLost), and Step returns an error that is ErrLeaseLost and ErrClaimLost. Step
+// outside the work of a lease returns ErrNoSteps; on a lease route, a request without a key
+// runs each step in a transaction without a recovery point (the client asked for no retry
+// safety). Names identify steps within one request: give each step its own; the same name
+// again returns the saved value.
+func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	return dbidem.Step(ctx, name, fn)
+}
+
+// RecordStep records, in q's transaction, that step name of the lease claim with this attempt
+// is done, with saved (JSON; nil: null) as what later steps need of it (idem_step): for leases
+// run by hand (Begin with a Lease, KeepAlive); the work of a lease route or DoLease uses Step.
+// Send it last in the transaction of the step's writes, then commit: they commit together. A
+// takeover's Decision.Steps lists the steps recorded. It returns ErrClaimLost when no lease
+// claim with this attempt is in progress (the transaction is aborted: roll it back),
+// ErrStepRecorded when the generation recorded the step already, and ErrInvalidArgument when
+// the generation's saved values would pass 8192 bytes.
+func RecordStep(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) error {
+	return dbidem.RecordStep(ctx, q, principal, key, attempt, name, saved)
+}
+
+// The errors of work in steps (Step, RecordStep); compare with errors.Is.
+var (
+	// ErrNoSteps is returned by Step called outside the work of a lease (a lease route's
+	// handler, DoLease's fn).
+	ErrNoSteps = dbidem.ErrNoSteps
+	// ErrStepRecorded: the step was recorded already in the key's generation (SQLSTATE 23505
+	// from idem_step): its writes committed once; this transaction, which would repeat them,
+	// is aborted and rolls back.
+	ErrStepRecorded = dbidem.ErrStepRecorded
+)

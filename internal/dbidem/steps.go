@@ -1,0 +1,155 @@
+package dbidem
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Work in steps (Brandur Leach's atomic phases, fenced): the work of a lease claim writes to
+// the database in steps, each a transaction of its own that commits the step's writes with its
+// recovery point (idem_step, fenced by the claim's token). A takeover of the same generation is
+// told the steps recorded (Decision.Steps) and skips them, returning what each saved.
+
+const stepSQL = `SELECT idem.idem_step(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
+       p_step => $4::text, p_saved => $5::jsonb)`
+
+// ErrNoSteps is returned by Step called outside the work of a lease: a lease route's handler,
+// DoLease's fn.
+var ErrNoSteps = errors.New("idem: Step outside the work of a lease (a lease route's handler or DoLease's fn)")
+
+// ErrStepRecorded: idem_step found the step recorded already in the key's generation (SQLSTATE
+// 23505): its writes committed once, and this transaction, which would repeat them, rolled back.
+var ErrStepRecorded = errors.New("idem: step recorded already")
+
+// RecordStep records, in q's transaction, that step name of the lease claim with this attempt
+// is done, with saved (JSON; nil: null) as what later steps need to know of it (idem_step). Run
+// it in the transaction of the step's own writes, last, and commit: they commit together. It
+// returns ErrClaimLost when no lease claim with this attempt is in progress (taken over,
+// yielded, completed, released): the transaction is aborted and must roll back.
+// ErrStepRecorded when the generation recorded the step already, ErrInvalidArgument when the
+// steps' saved values would pass 8192 bytes.
+func RecordStep(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) error {
+	var arg *string
+	if saved != nil {
+		s := string(saved)
+		arg = &s
+	}
+	_, err := q.Exec(ctx, stepSQL, principal, key, attempt, name, arg)
+	return classifyStep(err)
+}
+
+func classifyStep(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+		return fmt.Errorf("%w: %w", ErrStepRecorded, err)
+	}
+	return classify(err)
+}
+
+// Steps is what Step needs of the work of one lease claim: the pool its transactions run on,
+// the claim, the steps recorded in its generation, and the lease to mark lost when a step
+// finds the claim taken over. Nil claim: a lease route's request without a key, whose steps
+// are transactions without a recovery point.
+type Steps struct {
+	db      Acquirer
+	claim   *LeaseClaim
+	lease   *Lease
+	opts    TxOptions
+	mu      sync.Mutex
+	done    map[string]json.RawMessage
+	running map[string]bool
+}
+
+// NewSteps returns the Steps of the lease claim c (nil: a request without a key), whose
+// claim's decision d told the steps recorded so far, and whose heartbeat is l (nil: none).
+func NewSteps(db Acquirer, c *LeaseClaim, d Decision, l *Lease, opts TxOptions) *Steps {
+	done := make(map[string]json.RawMessage, len(d.Steps))
+	for k, v := range d.Steps {
+		done[k] = v
+	}
+	return &Steps{db: db, claim: c, lease: l, opts: opts, done: done, running: map[string]bool{}}
+}
+
+type stepsKey struct{}
+
+// WithSteps returns ctx carrying s, for Step.
+func WithSteps(ctx context.Context, s *Steps) context.Context {
+	return context.WithValue(ctx, stepsKey{}, s)
+}
+
+// Step runs fn once per generation of the lease claim in ctx (WithSteps): in a transaction on
+// the claim's pool that commits fn's writes with the step's recovery point (RecordStep, fenced
+// by the claim's token), and returns what fn returned; when the generation recorded the step
+// already (an earlier attempt did it before it crashed or yielded), it returns the value fn
+// saved then, JSON-decoded, without running fn. See idem.Step.
+func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	var zero T
+	s, _ := ctx.Value(stepsKey{}).(*Steps)
+	if s == nil {
+		return zero, ErrNoSteps
+	}
+	if name == "" {
+		return zero, fmt.Errorf("%w: a step needs a name", ErrInvalidArgument)
+	}
+	s.mu.Lock()
+	saved, done := s.done[name]
+	busy := s.running[name]
+	if !done && !busy {
+		s.running[name] = true
+	}
+	s.mu.Unlock()
+	if done {
+		var v T
+		if err := json.Unmarshal(saved, &v); err != nil {
+			return zero, fmt.Errorf("idem: step %s: decode its saved value: %w", name, err)
+		}
+		return v, nil
+	}
+	if busy {
+		return zero, fmt.Errorf("%w: step %s is running already in this attempt", ErrInvalidArgument, name)
+	}
+	defer func() {
+		s.mu.Lock()
+		delete(s.running, name)
+		s.mu.Unlock()
+	}()
+	if s.lease != nil && s.lease.Lost() {
+		return zero, ErrLeaseLost
+	}
+	var result T
+	var raw json.RawMessage
+	err := RunTx(ctx, s.db, s.opts, func(tx *Tx) error {
+		var err error
+		if result, err = fn(ctx, tx); err != nil {
+			return err
+		}
+		if raw, err = json.Marshal(result); err != nil {
+			return fmt.Errorf("idem: step %s: encode its saved value: %w", name, err)
+		}
+		if s.claim == nil {
+			return nil
+		}
+		return RecordStep(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw)
+	})
+	switch {
+	case errors.Is(err, ErrClaimLost):
+		// Taken over (or yielded, completed): this step's writes rolled back, and the work
+		// stops; the lease's holder (a lease route, DoLease) does not record its answer.
+		if s.lease != nil {
+			s.lease.lose()
+		}
+		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+	case err != nil:
+		return zero, err
+	}
+	s.mu.Lock()
+	s.done[name] = raw
+	s.mu.Unlock()
+	return result, nil
+}
