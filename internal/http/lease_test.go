@@ -193,8 +193,17 @@ func TestLeaseWorkOutlivesTheClient(t *testing.T) {
 	pool, _ := pgtest.NewPool(t, 10)
 	prov := newProvider()
 	p := servePayouts(t, pool, prov)
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	// The client leaves once the work runs (a fixed deadline could end it before the claim,
+	// on a loaded machine, and then no work would ever start).
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	go func() {
+		for p.runs.Load() == 0 && ctx.Err() == nil {
+			time.Sleep(5 * time.Millisecond)
+		}
+		time.Sleep(100 * time.Millisecond)
+		cancel()
+	}()
 	if r := p.post(ctx, "gone", 1500); r.status != -1 {
 		t.Fatalf("the client that went away got %+v", r)
 	}
