@@ -158,8 +158,11 @@ var (
 	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
 	// configuration error, not a reason to retry.
 	ErrInvalidArgument = dbidem.ErrInvalidArgument
-	// ErrCommitUnknown: the connection failed after COMMIT was sent: the transaction may or
-	// may not have committed; a retry with the same key tells which.
+	// ErrCommitUnknown: the connection failed after COMMIT was sent, or the context ended
+	// while COMMIT ran: the transaction may or may not have committed; a retry with the same
+	// key tells which. No cancel request is ever sent for a COMMIT (RunTx): one that is still
+	// running when the context ends goes on, invisible to every other session, on a
+	// connection of the pool that comes back when PostgreSQL answers it.
 	ErrCommitUnknown = dbidem.ErrCommitUnknown
 	// ErrMismatch is returned by Do and DoLease when the key was used with another input.
 	ErrMismatch = dbidem.ErrMismatch

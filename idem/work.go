@@ -61,6 +61,12 @@ var _ pgx.Tx = (*Tx)(nil)
 // in the same round trip as COMMIT), or rolls it back and returns fn's error. A unit of work
 // whose statements or commit fail with a serialization failure, a deadlock or a lock timeout
 // runs again, up to opts.MaxAttempts times, so fn must not keep state from a failed run.
+//
+// When ctx ends before the commit, the work rolls back. The COMMIT itself is never canceled:
+// a canceled COMMIT that waits for a synchronous standby stays on the primary alone and
+// visible there, and a failover loses what a replay has already answered. When ctx ends
+// while it runs, RunTx returns ErrCommitUnknown (and ctx's error) at once; the COMMIT goes on
+// holding its connection until PostgreSQL answers it, then the connection returns to db.
 func RunTx(ctx context.Context, db Pool, opts TxOptions, fn func(tx *Tx) error) error {
 	return dbidem.RunTx(ctx, db, dbidem.TxOptions(opts), func(t *dbidem.Tx) error { return fn(&Tx{t}) })
 }

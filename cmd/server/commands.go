@@ -91,6 +91,9 @@ func (m *Main) Run(ctx context.Context) error {
 	return m.serve(ctx)
 }
 
+// poolCloseWait bounds how long Close waits for the pool's connections to come back.
+const poolCloseWait = 5 * time.Second
+
 // Close closes the pool and stops the private cluster if this process started it (a
 // `principal create` next to a running `make run` leaves that server's cluster alone).
 func (m *Main) Close() error {
@@ -98,7 +101,23 @@ func (m *Main) Close() error {
 		m.riverPool.Close()
 	}
 	if m.pool != nil {
-		m.pool.Close()
+		// A COMMIT that outlived its request (it waits for a synchronous standby that is away)
+		// holds its connection, and pgxpool's Close waits for every connection. Past
+		// poolCloseWait the process ends without it: the kernel closes the socket, which,
+		// unlike a cancel request, leaves the COMMIT waiting, invisible, until the standby has
+		// it (docs/DECISIONS.md, D108).
+		closed := make(chan struct{})
+		go func() {
+			m.pool.Close()
+			close(closed)
+		}()
+		select {
+		case <-closed:
+		case <-time.After(poolCloseWait):
+			if m.log != nil {
+				m.log.Warn("a COMMIT still waits for PostgreSQL (a synchronous standby?): exiting without it; its outcome is in the database")
+			}
+		}
 	}
 	if m.cluster != nil && m.cluster.Started() {
 		return m.cluster.Stop(context.Background())

@@ -80,8 +80,14 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx 
 		return false, err
 	}
 	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
-	// transaction status when the connection comes back.
-	defer conn.Release()
+	// transaction status when the connection comes back. A COMMIT still running when ctx
+	// ends keeps it (commit) and releases it when the COMMIT returns.
+	release := conn.Release
+	defer func() {
+		if release != nil {
+			release()
+		}
+	}()
 	t := &Tx{conn: conn.Conn(), opts: txOpts}
 	defer func() {
 		if r := recover(); r != nil {
@@ -102,8 +108,39 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx 
 		t.rollback(ctx)
 		return t.retry != nil, ferr
 	}
-	err = t.commit(ctx)
-	return IsRetryable(err), err
+	if err := ctx.Err(); err != nil {
+		// Nothing asks for the work any more: it is not committed.
+		t.rollback(ctx)
+		return false, context.Cause(ctx)
+	}
+	if ctx.Done() == nil {
+		err = t.commit(ctx)
+		return IsRetryable(err), err
+	}
+	// The COMMIT runs in a goroutine of its own, on a context that never ends, so that pgx
+	// never sends PostgreSQL a cancel request for it. A COMMIT waiting for a synchronous
+	// standby that a cancel request reaches stays committed on the primary alone and becomes
+	// visible there: a replay answers it, and a failover before the standby has it loses an
+	// answered key (docs/DECISIONS.md, D108). Closing the connection instead is no better: pgx
+	// sends a cancel request whenever it closes a connection in the middle of a statement. So
+	// when ctx ends first, RunTx returns ErrCommitUnknown at once, and the COMMIT goes on
+	// holding its connection, its transaction invisible to every other session, until
+	// PostgreSQL answers it; then the connection goes back to the pool.
+	committed := make(chan error, 1)
+	go func() { committed <- t.commit(context.WithoutCancel(ctx)) }()
+	select {
+	case err = <-committed:
+		return IsRetryable(err), err
+	case <-ctx.Done():
+		rel := release
+		release = nil
+		go func() {
+			<-committed
+			rel()
+		}()
+		return false, fmt.Errorf("%w: the context ended while COMMIT ran; it goes on, unseen, until PostgreSQL answers it: %w",
+			ErrCommitUnknown, context.Cause(ctx))
+	}
 }
 
 func (t *Tx) rollback(ctx context.Context) {

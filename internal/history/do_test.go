@@ -283,9 +283,6 @@ func TestDoHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.MaxConns = 24
-	if mode.Long { // the promotion fault's synchronous standby: no commit's wait is canceled
-		WithoutCancelRequests(&cfg.ConnConfig.Config)
-	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -16,7 +16,6 @@ import (
 	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -385,19 +384,6 @@ func (i *Injector) RestartFault(c *Cluster) {
 		}
 		return fmt.Sprintf("%s and start, down %s", how, time.Since(started).Round(time.Millisecond)), nil
 	})
-}
-
-// WithoutCancelRequests makes connections of cfg end a statement whose context is done by
-// closing the connection, never by sending PostgreSQL a cancel request. With a synchronous
-// standby that matters for COMMIT: a commit waiting for the standby that is canceled stays
-// committed on the primary alone and becomes visible there (PostgreSQL warns), so a replay
-// can answer it before the standby has it, and a failover then loses an answered key; a
-// commit whose connection is closed keeps waiting, invisible, until the standby has it
-// (docs/DECISIONS.md, D108). The harnesses' clients use it when the cluster has a standby.
-func WithoutCancelRequests(cfg *pgconn.Config) {
-	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
-	}
 }
 
 // PromotionFault adds "promotion": a failover to the synchronous standby (Cluster.Promote);
