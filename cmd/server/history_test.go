@@ -313,6 +313,12 @@ func ledgerCluster(t *testing.T) (*history.Cluster, *pgxpool.Pool) {
 // principals (alice, bob) of four accounts each, funded.
 func newHTTPHarness(t *testing.T, base string, db *pgxpool.Pool, ttl, lease time.Duration) *httpHarness {
 	t.Helper()
+	return newHTTPHarnessOf(t, base, db, ttl, lease, 4)
+}
+
+// newHTTPHarnessOf is newHTTPHarness with perUser accounts for each principal.
+func newHTTPHarnessOf(t *testing.T, base string, db *pgxpool.Pool, ttl, lease time.Duration, perUser int) *httpHarness {
+	t.Helper()
 	ctx := context.Background()
 	h := &httpHarness{t: t, base: base, db: db, ttl: ttl, lease: lease, pks: map[string]map[string]bool{},
 		refs: map[string]map[string]bool{}, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
@@ -322,7 +328,7 @@ func newHTTPHarness(t *testing.T, base string, db *pgxpool.Pool, ttl, lease time
 			t.Fatal(err)
 		}
 		u := httpUser{id: id, token: token}
-		for i := range 4 {
+		for i := range perUser {
 			var account int64
 			if err := db.QueryRow(ctx, `INSERT INTO ledger.accounts (principal_id, name, currency, balance) VALUES ($1, $2, 'EUR', 5000)
 				RETURNING id`, id, fmt.Sprintf("a%d", i)).Scan(&account); err != nil {
