@@ -147,7 +147,7 @@ start() {
 idem() {
     (cd "$REPO" && DATABASE_URL=$(url) go run ./cmd/server migrate)
     psql_on coord "$CITUS_DB" -c "SELECT create_reference_table(t) FROM unnest(ARRAY['ledger.principals', 'ledger.api_tokens',
-        'ledger.accounts', 'ledger.deposits', 'ledger.transfers', 'ledger.payouts']) AS t
+        'ledger.accounts', 'ledger.deposits', 'ledger.transfers', 'ledger.payouts', 'ledger.payout_reservations']) AS t
         WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = t::regclass AND partmethod = 'n' AND repmodel = 't')"
     psql_on coord "$CITUS_DB" -f - <"$REPO/sql/citus/distribute.sql"
 }

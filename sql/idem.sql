@@ -2630,7 +2630,7 @@ COMMENT ON FUNCTION idem.idem_version() IS
 -- The figures of the keys that idem_health and idem_summary report, node by node: on plain
 -- PostgreSQL the key table's; on a Citus coordinator its own shards' (usually none) and every
 -- worker's, asked in one round (figures_on_workers) and added up by the caller. So the
--- operators' view is of the whole cluster wherever it is read (on a worker: that worker's).
+-- operators' view is of the whole cluster on a coordinator (on a worker: that worker's shards').
 
 -- key_figures: the cheap figures of the keys in these relations (key_relations() of this
 -- node), as jsonb: the lease claims in progress, those whose lease ran out, the oldest
@@ -2639,6 +2639,18 @@ COMMENT ON FUNCTION idem.idem_version() IS
 -- over all the relations), and their size (indexes and TOAST included) and estimated rows.
 -- Without p_counts only the size and the estimate (no index is read). Internal (not
 -- granted): it accepts only tables in schema idem.
+--
+-- On a Citus node, Citus hides the shards from an ordinary session's pg_class: when a query
+-- that reads pg_class is planned, it adds a filter that drops every shard, unless
+-- citus.override_table_visibility is off (or the session's application_name is one of
+-- citus.show_shards_for_app_name_prefixes; Citus' own sessions, such as run_command_on_workers',
+-- see them). On a worker the estimate of its shards read 0 and the check of p_relations let
+-- them through unchecked. So where the setting exists, the function turns it off for its own
+-- queries of pg_class and sets it back to what it was before it returns (set_config's local
+-- value would last until the end of the caller's transaction; an error rolls it back anyway).
+-- Not a SET clause of the function: on PostgreSQL without Citus it would be a placeholder that
+-- only a superuser may attach to a function (the owner of schema idem need not be one). The
+-- estimate is planned at each call (EXECUTE), with the setting as it is then.
 CREATE OR REPLACE FUNCTION idem.key_figures(p_relations regclass[], p_counts boolean)
 RETURNS jsonb
 LANGUAGE plpgsql
@@ -2657,7 +2669,12 @@ DECLARE
     v_n           bigint;
     v_r           bigint;
     v_min         timestamptz;
+    v_visibility  text := current_setting('citus.override_table_visibility', true); -- NULL without Citus
+    v_estimate    bigint;
 BEGIN
+    IF v_visibility IS NOT NULL THEN
+        PERFORM set_config('citus.override_table_visibility', 'off', true);
+    END IF;
     v_problem := CASE
         WHEN p_relations IS NULL OR p_counts IS NULL
             THEN '22004 p_relations and p_counts must not be NULL'
@@ -2690,14 +2707,20 @@ IF v_problem IS NOT NULL THEN
             END IF;
         END LOOP;
     END IF;
+    EXECUTE $q$
+        SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
+          FROM unnest($1) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r
+        $q$ USING p_relations INTO v_estimate;
+    IF v_visibility IS NOT NULL THEN
+        PERFORM set_config('citus.override_table_visibility', v_visibility, true);
+    END IF;
     RETURN jsonb_build_object(
         'in_progress', v_in_progress,
         'leases_run_out', v_run_out,
         'oldest_in_progress_at', v_oldest,
         'cleanup_backlog', v_backlog,
         'table_bytes', (SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint FROM unnest(p_relations) AS r),
-        'estimated_keys', (SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
-                             FROM unnest(p_relations) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r));
+        'estimated_keys', v_estimate);
 END
 $$;
 
@@ -2765,7 +2788,10 @@ COMMENT ON FUNCTION idem.cluster_figures(boolean) IS
 -- cleanup backlog) and the table's size; per principal on request. Exact: it reads the whole
 -- table (seconds on tens of millions of keys); a monitor calls idem_health instead. On a Citus
 -- coordinator the counts come from the distributed table and the size is every node's
--- (cluster_figures).
+-- (cluster_figures): the whole cluster. Elsewhere they come from this node's key relations
+-- (key_relations): the table on plain PostgreSQL, and on a Citus worker the shards stored
+-- there, so a worker reports its own shards only (the distributed table, which a worker can
+-- read too, would give the whole cluster's counts beside that worker's size).
 CREATE OR REPLACE FUNCTION idem.idem_summary(
     p_by_principal boolean DEFAULT false,
     OUT principal_id           text,
@@ -2787,26 +2813,41 @@ AS $$
 DECLARE
     v_now   timestamptz := clock_timestamp();
     v_bytes bigint;
+    v_rels  regclass[];
+    v_found boolean := false;
 BEGIN
     p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
     SELECT coalesce(sum((f ->> 'table_bytes')::bigint), 0)::bigint INTO v_bytes FROM idem.cluster_figures(false) AS f;
-    RETURN QUERY
-    SELECT CASE WHEN p_by_principal THEN k.principal_id END,
-           count(*),
-           count(*) FILTER (WHERE k.state = 'p'),
-           count(*) FILTER (WHERE k.state = 'c'),
-           count(*) FILTER (WHERE k.state = 'r'),
-           count(*) FILTER (WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)),
-           count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= v_now),
-           min(k.claimed_at) FILTER (WHERE k.state = 'p'),
-           v_now - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
-           CASE WHEN NOT p_by_principal THEN v_bytes END
-      FROM idem.idempotency_keys AS k
-     GROUP BY 1
-     ORDER BY 1;
-    IF NOT FOUND AND NOT p_by_principal THEN
+    IF cardinality(idem.worker_groups()) > 0 THEN
+        v_rels := ARRAY['idem.idempotency_keys'::regclass]; -- a coordinator: the distributed table
+    ELSE
+        v_rels := idem.key_relations(); -- the table, or a worker's shards (none: the row of zeros)
+    END IF;
+    IF cardinality(v_rels) > 0 THEN
+        RETURN QUERY EXECUTE format($q$
+            SELECT CASE WHEN $1 THEN k.principal_id END,
+                   count(*),
+                   count(*) FILTER (WHERE k.state = 'p'),
+                   count(*) FILTER (WHERE k.state = 'c'),
+                   count(*) FILTER (WHERE k.state = 'r'),
+                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
+                   min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+                   $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+                   CASE WHEN NOT $1 THEN $3 END
+              FROM %s AS k
+             GROUP BY 1
+             ORDER BY 1
+            $q$, (SELECT CASE WHEN cardinality(v_rels) = 1 THEN v_rels[1]::text
+                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at FROM %s AS k', r.rel),
+                                                     ' UNION ALL ' ORDER BY r.n) || ')' END
+                    FROM unnest(v_rels) WITH ORDINALITY AS r(rel, n))) USING p_by_principal, v_now, v_bytes;
+        v_found := FOUND;
+    END IF;
+    IF NOT v_found AND NOT p_by_principal THEN
         principal_id := NULL;
         keys := 0; in_progress := 0; completed := 0; released := 0; expired := 0; leases_run_out := 0;
+        oldest_in_progress_at := NULL; oldest_in_progress_age := NULL;
         table_bytes := v_bytes;
         RETURN NEXT;
     END IF;
@@ -2821,7 +2862,7 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- claimed_at, which holds lease claims only), the cleanup backlog (through the index on
 -- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
 -- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
--- cluster_figures) and they are added up.
+-- cluster_figures) and they are added up. On a Citus worker, of the shards stored there.
 --
 -- Then the replication of the server it runs on (the node it is called on, on Citus), for the
 -- promise across a failover (docs/operations.md, "Replication and failover"): replication is

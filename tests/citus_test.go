@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -211,6 +212,122 @@ func TestCitusOperators(t *testing.T) {
 	k, ok, err := dbidem.ReadKey(ctx, pool, "lease0", "job")
 	if err != nil || !ok || k.State != "in_progress" || k.LeaseExpiresAt.After(time.Now()) {
 		t.Fatalf("idem_key on the coordinator: %+v %v %v", k, ok, err)
+	}
+}
+
+// TestCitusOperatorsOnAWorker: on a worker, in an ordinary session (one that Citus hides the
+// shards from: they are not in its pg_class), idem_summary counts the keys of that worker's
+// shards only, not the cluster's through the distributed table, and idem_health's estimated
+// keys are those shards' rows after ANALYZE, not 0: the workers' figures add up to the
+// coordinator's, and the session still hides the shards afterwards.
+func TestCitusOperatorsOnAWorker(t *testing.T) {
+	db, pool := citusDB(t)
+	ctx := context.Background()
+	insertCitusExpired(t, pool, "p", 3000, 100)
+	// Lease claims in progress, of principals on both workers.
+	pgtest.Exec(t, pool, `INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, principal_id, key,
+		request_sha256, claimed_at, lease_expires_at)
+		SELECT now() + interval '1 day', 100000 + i, 0, 'p', 'lease' || i, 'job', sha256('j'),
+		       now() - interval '1 hour', now() + interval '10 minutes'
+		  FROM generate_series(0, 5) AS i`)
+	pgtest.Exec(t, pool, `ANALYZE idem.idempotency_keys`)
+	total, err := dbidem.ReadSummary(ctx, pool, false)
+	if err != nil || len(total) != 1 || total[0].Keys != 3006 {
+		t.Fatalf("idem_summary on the coordinator: %+v %v; want 3006 keys", total, err)
+	}
+	whole, err := dbidem.ReadHealth(ctx, pool)
+	if err != nil || whole.EstimatedKeys != 3006 {
+		t.Fatalf("idem_health on the coordinator: %+v %v; want 3006 keys estimated", whole, err)
+	}
+
+	// Each worker's keys and estimated rows as Citus counts them, shard by shard.
+	type figures struct{ keys, rows, progress int64 }
+	want := map[int]*figures{}
+	rows, err := pool.Query(ctx, `SELECT p.nodeport, sum(c.result::bigint)::bigint, sum(e.result::float8)::bigint, sum(i.result::bigint)::bigint
+		  FROM run_command_on_shards('idem.idempotency_keys', $$SELECT count(*) FROM %s$$) AS c
+		  JOIN run_command_on_shards('idem.idempotency_keys', $$SELECT reltuples FROM pg_class WHERE oid = '%s'::regclass$$) AS e USING (shardid)
+		  JOIN run_command_on_shards('idem.idempotency_keys', $$SELECT count(*) FROM %s WHERE state = 'p'$$) AS i USING (shardid)
+		  JOIN pg_dist_shard_placement AS p USING (shardid)
+		 GROUP BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var port int
+		var f figures
+		if err := rows.Scan(&port, &f.keys, &f.rows, &f.progress); err != nil {
+			t.Fatal(err)
+		}
+		want[port] = &f
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+
+	_, workers := pgtest.CitusNodes(t)
+	var keys, estimated, inProgress, principals int64
+	for _, w := range workers {
+		conn := pgtest.Connect(t, pgtest.CitusNodeURL(t, db, w))
+		f := want[w.Port]
+		if f == nil || f.keys == 0 || f.keys >= 3006 {
+			t.Fatalf("worker :%d holds %+v keys; want some, not all (keys on every worker)", w.Port, f)
+		}
+		hidden := `SELECT count(*) FROM pg_class WHERE relnamespace = 'idem'::regnamespace AND relname ~ '^idempotency_keys_[0-9]+$'`
+		if n := pgtest.Count(t, conn, hidden); n != 0 {
+			t.Fatalf("worker :%d: this session sees %d shards in pg_class; the test wants one that Citus hides them from", w.Port, n)
+		}
+		s, err := dbidem.ReadSummary(ctx, conn, false)
+		if err != nil || len(s) != 1 {
+			t.Fatalf("idem_summary on worker :%d: %+v %v", w.Port, s, err)
+		}
+		h, err := dbidem.ReadHealth(ctx, conn)
+		if err != nil {
+			t.Fatalf("idem_health on worker :%d: %v", w.Port, err)
+		}
+		t.Logf("worker :%d: idem_summary %d keys (%d in progress), idem_health %d estimated, %d in progress; Citus counts %d keys, %d rows, %d in progress",
+			w.Port, s[0].Keys, s[0].InProgress, h.EstimatedKeys, h.InProgress, f.keys, f.rows, f.progress)
+		if s[0].Keys != f.keys || s[0].InProgress != f.progress || s[0].Completed != f.keys-f.progress ||
+			s[0].Expired != f.keys-f.progress || s[0].TableBytes != h.TableBytes {
+			t.Fatalf("idem_summary on worker :%d: %+v; want its shards' %d keys, %d in progress, %d bytes", w.Port, s[0], f.keys, f.progress, h.TableBytes)
+		}
+		if h.EstimatedKeys == 0 || h.EstimatedKeys != f.rows || h.InProgress != f.progress {
+			t.Fatalf("idem_health on worker :%d: %d keys estimated, %d in progress; want its shards' %d rows, %d in progress",
+				w.Port, h.EstimatedKeys, h.InProgress, f.rows, f.progress)
+		}
+		per, err := dbidem.ReadSummary(ctx, conn, true)
+		if err != nil {
+			t.Fatalf("idem_summary per principal on worker :%d: %v", w.Port, err)
+		}
+		// The session hides the shards as before: the figures did not change its setting.
+		var visibility string
+		if err := conn.QueryRow(ctx, `SELECT current_setting('citus.override_table_visibility')`).Scan(&visibility); err != nil || visibility != "on" {
+			t.Fatalf("worker :%d: citus.override_table_visibility is %q after the figures (%v); want on, as before", w.Port, visibility, err)
+		}
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := dbidem.ReadHealth(ctx, tx); err != nil {
+			t.Fatal(err)
+		}
+		// (Planned afresh: the session's prepared statement of the same text keeps its plan, filter included.)
+		if n := pgtest.Count(t, tx, hidden, pgx.QueryExecModeSimpleProtocol); n != 0 {
+			t.Fatalf("worker :%d: after idem_health in a transaction, the transaction sees %d shards in pg_class; want them hidden, as before", w.Port, n)
+		}
+		if err := tx.QueryRow(ctx, `SELECT current_setting('citus.override_table_visibility')`).Scan(&visibility); err != nil || visibility != "on" {
+			t.Fatalf("worker :%d: citus.override_table_visibility is %q after idem_health in a transaction (%v); want on, as before", w.Port, visibility, err)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		keys += s[0].Keys
+		estimated += h.EstimatedKeys
+		inProgress += h.InProgress
+		principals += int64(len(per))
+	}
+	if keys != total[0].Keys || estimated != whole.EstimatedKeys || inProgress != whole.InProgress || principals != 106 {
+		t.Fatalf("the workers add up to %d keys, %d estimated, %d in progress, %d principals; the coordinator reports %d, %d, %d (want 106 principals)",
+			keys, estimated, inProgress, principals, total[0].Keys, whole.EstimatedKeys, whole.InProgress)
 	}
 }
 

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -61,5 +62,83 @@ func TestOperatorsOnACoordinator(t *testing.T) {
 	s, err := dbidem.ReadSummary(ctx, conn, false)
 	if err != nil || len(s) != 1 || s[0].TableBytes != bytes {
 		t.Fatalf("idem_summary on a coordinator: %+v %v; want one row with the workers' %d bytes", s, err, bytes)
+	}
+}
+
+// TestOperatorsOnAWorker: on a Citus worker (the stand-in's "worker" 1 or 2: the same
+// database with idem.test_group set), idem_summary counts that worker's key relations only,
+// not the distributed table (the whole cluster's keys on a real worker; here, where the
+// stand-in's table holds keys of its own, those), and idem_health reports their figures and
+// estimated rows: the figures of a worker's shards (checked on a real cluster, where Citus
+// hides the shards from pg_class, by TestCitusOperatorsOnAWorker). The session's
+// citus.override_table_visibility (a placeholder here), which key_figures turns off for its
+// own reading of pg_class, is as it was after each call.
+func TestOperatorsOnAWorker(t *testing.T) {
+	t.Parallel()
+	conn := pgtest.Connect(t, pgtest.NewDB(t))
+	ctx := context.Background()
+	pgtest.CitusStandIn(t, conn)
+	insertLeases(t, conn, "idem.keys_w1", "a", "run", 2, 5*time.Minute, time.Hour)
+	insertLeases(t, conn, "idem.keys_w1", "a", "dead", 1, 20*time.Minute, -time.Minute)
+	insertLeases(t, conn, "idem.keys_w2", "b", "run", 3, 50*time.Minute, time.Hour)
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 500, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 300, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "live", 100, false)
+	pgtest.InsertKeys(t, conn, "idem.idempotency_keys", "c", "elsewhere", 50, false)
+	pgtest.Exec(t, conn, `ANALYZE idem.keys_w1, idem.keys_w2`)
+	pgtest.Exec(t, conn, `SET citus.override_table_visibility = on`)
+
+	for _, w := range []struct {
+		group                                        int
+		rel                                          string
+		keys, inProgress, runOut, expired, principal int64
+	}{
+		{1, "idem.keys_w1", 503, 3, 1, 500, 1},
+		{2, "idem.keys_w2", 403, 3, 0, 300, 1},
+	} {
+		pgtest.Exec(t, conn, `SELECT set_config('idem.test_group', $1, false)`, fmt.Sprint(w.group))
+		var bytes, rows int64
+		if err := conn.QueryRow(ctx, `SELECT pg_total_relation_size($1::regclass), (SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass)`,
+			w.rel).Scan(&bytes, &rows); err != nil {
+			t.Fatal(err)
+		}
+		s, err := dbidem.ReadSummary(ctx, conn, false)
+		if err != nil || len(s) != 1 {
+			t.Fatalf("idem_summary on worker %d: %+v %v", w.group, s, err)
+		}
+		if got := s[0]; got.Keys != w.keys || got.InProgress != w.inProgress || got.LeasesRunOut != w.runOut ||
+			got.Expired != w.expired || got.TableBytes != bytes {
+			t.Fatalf("idem_summary on worker %d: %+v; want %s's %d keys, %d in progress, %d run out, %d expired, %d bytes",
+				w.group, got, w.rel, w.keys, w.inProgress, w.runOut, w.expired, bytes)
+		}
+		per, err := dbidem.ReadSummary(ctx, conn, true)
+		if err != nil || int64(len(per)) != w.principal || per[0].Keys != w.keys {
+			t.Fatalf("idem_summary per principal on worker %d: %+v %v; want one principal's %d keys", w.group, per, err, w.keys)
+		}
+		h, err := dbidem.ReadHealth(ctx, conn)
+		if err != nil {
+			t.Fatalf("idem_health on worker %d: %v", w.group, err)
+		}
+		if h.InProgress != w.inProgress || h.LeasesRunOut != w.runOut || h.CleanupBacklog != w.expired ||
+			h.TableBytes != bytes || h.EstimatedKeys != rows || rows != w.keys {
+			t.Fatalf("idem_health on worker %d: %+v; want %s's %d in progress, %d run out, backlog %d, %d bytes, %d rows estimated (%d)",
+				w.group, h, w.rel, w.inProgress, w.runOut, w.expired, bytes, rows, w.keys)
+		}
+		var visibility string
+		if err := conn.QueryRow(ctx, `SELECT current_setting('citus.override_table_visibility')`).Scan(&visibility); err != nil || visibility != "on" {
+			t.Fatalf("citus.override_table_visibility is %q after the figures on worker %d (%v); want on, as the session set it", visibility, w.group, err)
+		}
+	}
+
+	// The coordinator reads the distributed table (here the stand-in's own table) and adds up
+	// the workers' figures, as before.
+	pgtest.Exec(t, conn, `RESET idem.test_group`)
+	s, err := dbidem.ReadSummary(ctx, conn, false)
+	if err != nil || len(s) != 1 || s[0].Keys != 50 {
+		t.Fatalf("idem_summary on the coordinator: %+v %v; want the distributed table's 50 keys", s, err)
+	}
+	h, err := dbidem.ReadHealth(ctx, conn)
+	if err != nil || h.InProgress != 6 || h.EstimatedKeys != 906 {
+		t.Fatalf("idem_health on the coordinator: %+v %v; want both workers' 6 in progress and 906 rows", h, err)
 	}
 }

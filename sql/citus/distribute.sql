@@ -85,9 +85,11 @@ $do$
 $cmd$);
 -- The coordinator's current secret, for each worker's range: a row for the worker's first new
 -- token, pointing at the same four sequences, whose values every worker is given (each worker's
--- own install made a random secret of its own); then each worker writes its lists of secrets
--- again (as the install does) and compiles the functions that compute provider keys anew. Run
--- this script before the cluster serves keys. (Not run by CI, which has no Citus.)
+-- own install made a random secret of its own; where the API was installed through the
+-- coordinator only, Citus did not create the secret's sequences on the workers, and they are
+-- created here); then each worker writes its lists of secrets again (as the install does) and
+-- compiles the functions that compute provider keys anew. Run this script before the cluster
+-- serves keys. (Not run by CI, which has no Citus.)
 INSERT INTO idem.installation_secrets (from_token, secret_seqs)
 SELECT w.result::bigint, (SELECT s.secret_seqs FROM idem.installation_secrets AS s ORDER BY s.from_token DESC LIMIT 1)
   FROM run_command_on_workers($$SELECT min_value FROM pg_catalog.pg_sequences
@@ -98,9 +100,10 @@ SELECT run_command_on_workers(format($cmd$
 DO $do$
 BEGIN
     SET LOCAL citus.enable_ddl_propagation = off;
+    EXECUTE (SELECT coalesce(string_agg(format('CREATE SEQUENCE IF NOT EXISTS %%s AS bigint MINVALUE -9223372036854775808 START 0', u.q), '; '), '')
+               FROM unnest(%1$L::text[]) AS u(q));
     PERFORM setval(u.q::regclass, u.v, true)
-       FROM unnest(%L::text[], %L::bigint[]) AS u(q, v)
-      WHERE to_regclass(u.q) IS NOT NULL;
+       FROM unnest(%1$L::text[], %2$L::bigint[]) AS u(q, v);
     EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
         LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %%L$fn$,
         format('SELECT %%L::bigint[]', (SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}')

@@ -8,7 +8,10 @@
 -- cleanup backlog) and the table's size; per principal on request. Exact: it reads the whole
 -- table (seconds on tens of millions of keys); a monitor calls idem_health instead. On a Citus
 -- coordinator the counts come from the distributed table and the size is every node's
--- (cluster_figures).
+-- (cluster_figures): the whole cluster. Elsewhere they come from this node's key relations
+-- (key_relations): the table on plain PostgreSQL, and on a Citus worker the shards stored
+-- there, so a worker reports its own shards only (the distributed table, which a worker can
+-- read too, would give the whole cluster's counts beside that worker's size).
 CREATE OR REPLACE FUNCTION idem.idem_summary(
     p_by_principal boolean DEFAULT false,
     OUT principal_id           text,
@@ -30,26 +33,41 @@ AS $$
 DECLARE
     v_now   timestamptz := clock_timestamp();
     v_bytes bigint;
+    v_rels  regclass[];
+    v_found boolean := false;
 BEGIN
     p_by_principal := coalesce(p_by_principal, false); -- NULL: the default, one row for all
     SELECT coalesce(sum((f ->> 'table_bytes')::bigint), 0)::bigint INTO v_bytes FROM idem.cluster_figures(false) AS f;
-    RETURN QUERY
-    SELECT CASE WHEN p_by_principal THEN k.principal_id END,
-           count(*),
-           count(*) FILTER (WHERE k.state = 'p'),
-           count(*) FILTER (WHERE k.state = 'c'),
-           count(*) FILTER (WHERE k.state = 'r'),
-           count(*) FILTER (WHERE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)),
-           count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= v_now),
-           min(k.claimed_at) FILTER (WHERE k.state = 'p'),
-           v_now - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
-           CASE WHEN NOT p_by_principal THEN v_bytes END
-      FROM idem.idempotency_keys AS k
-     GROUP BY 1
-     ORDER BY 1;
-    IF NOT FOUND AND NOT p_by_principal THEN
+    IF cardinality(idem.worker_groups()) > 0 THEN
+        v_rels := ARRAY['idem.idempotency_keys'::regclass]; -- a coordinator: the distributed table
+    ELSE
+        v_rels := idem.key_relations(); -- the table, or a worker's shards (none: the row of zeros)
+    END IF;
+    IF cardinality(v_rels) > 0 THEN
+        RETURN QUERY EXECUTE format($q$
+            SELECT CASE WHEN $1 THEN k.principal_id END,
+                   count(*),
+                   count(*) FILTER (WHERE k.state = 'p'),
+                   count(*) FILTER (WHERE k.state = 'c'),
+                   count(*) FILTER (WHERE k.state = 'r'),
+                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
+                   min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+                   $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
+                   CASE WHEN NOT $1 THEN $3 END
+              FROM %s AS k
+             GROUP BY 1
+             ORDER BY 1
+            $q$, (SELECT CASE WHEN cardinality(v_rels) = 1 THEN v_rels[1]::text
+                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at FROM %s AS k', r.rel),
+                                                     ' UNION ALL ' ORDER BY r.n) || ')' END
+                    FROM unnest(v_rels) WITH ORDINALITY AS r(rel, n))) USING p_by_principal, v_now, v_bytes;
+        v_found := FOUND;
+    END IF;
+    IF NOT v_found AND NOT p_by_principal THEN
         principal_id := NULL;
         keys := 0; in_progress := 0; completed := 0; released := 0; expired := 0; leases_run_out := 0;
+        oldest_in_progress_at := NULL; oldest_in_progress_age := NULL;
         table_bytes := v_bytes;
         RETURN NEXT;
     END IF;
@@ -64,7 +82,7 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- claimed_at, which holds lease claims only), the cleanup backlog (through the index on
 -- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
 -- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
--- cluster_figures) and they are added up.
+-- cluster_figures) and they are added up. On a Citus worker, of the shards stored there.
 --
 -- Then the replication of the server it runs on (the node it is called on, on Citus), for the
 -- promise across a failover (docs/operations.md, "Replication and failover"): replication is

@@ -1,7 +1,7 @@
 -- The figures of the keys that idem_health and idem_summary report, node by node: on plain
 -- PostgreSQL the key table's; on a Citus coordinator its own shards' (usually none) and every
 -- worker's, asked in one round (figures_on_workers) and added up by the caller. So the
--- operators' view is of the whole cluster wherever it is read (on a worker: that worker's).
+-- operators' view is of the whole cluster on a coordinator (on a worker: that worker's shards').
 
 -- key_figures: the cheap figures of the keys in these relations (key_relations() of this
 -- node), as jsonb: the lease claims in progress, those whose lease ran out, the oldest
@@ -10,6 +10,18 @@
 -- over all the relations), and their size (indexes and TOAST included) and estimated rows.
 -- Without p_counts only the size and the estimate (no index is read). Internal (not
 -- granted): it accepts only tables in schema idem.
+--
+-- On a Citus node, Citus hides the shards from an ordinary session's pg_class: when a query
+-- that reads pg_class is planned, it adds a filter that drops every shard, unless
+-- citus.override_table_visibility is off (or the session's application_name is one of
+-- citus.show_shards_for_app_name_prefixes; Citus' own sessions, such as run_command_on_workers',
+-- see them). On a worker the estimate of its shards read 0 and the check of p_relations let
+-- them through unchecked. So where the setting exists, the function turns it off for its own
+-- queries of pg_class and sets it back to what it was before it returns (set_config's local
+-- value would last until the end of the caller's transaction; an error rolls it back anyway).
+-- Not a SET clause of the function: on PostgreSQL without Citus it would be a placeholder that
+-- only a superuser may attach to a function (the owner of schema idem need not be one). The
+-- estimate is planned at each call (EXECUTE), with the setting as it is then.
 CREATE OR REPLACE FUNCTION idem.key_figures(p_relations regclass[], p_counts boolean)
 RETURNS jsonb
 LANGUAGE plpgsql
@@ -28,7 +40,12 @@ DECLARE
     v_n           bigint;
     v_r           bigint;
     v_min         timestamptz;
+    v_visibility  text := current_setting('citus.override_table_visibility', true); -- NULL without Citus
+    v_estimate    bigint;
 BEGIN
+    IF v_visibility IS NOT NULL THEN
+        PERFORM set_config('citus.override_table_visibility', 'off', true);
+    END IF;
     v_problem := CASE
         WHEN p_relations IS NULL OR p_counts IS NULL
             THEN '22004 p_relations and p_counts must not be NULL'
@@ -58,14 +75,20 @@ BEGIN
             END IF;
         END LOOP;
     END IF;
+    EXECUTE $q$
+        SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
+          FROM unnest($1) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r
+        $q$ USING p_relations INTO v_estimate;
+    IF v_visibility IS NOT NULL THEN
+        PERFORM set_config('citus.override_table_visibility', v_visibility, true);
+    END IF;
     RETURN jsonb_build_object(
         'in_progress', v_in_progress,
         'leases_run_out', v_run_out,
         'oldest_in_progress_at', v_oldest,
         'cleanup_backlog', v_backlog,
         'table_bytes', (SELECT coalesce(sum(pg_catalog.pg_total_relation_size(r)), 0)::bigint FROM unnest(p_relations) AS r),
-        'estimated_keys', (SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint
-                             FROM unnest(p_relations) AS r JOIN pg_catalog.pg_class AS c ON c.oid = r));
+        'estimated_keys', v_estimate);
 END
 $$;
 
