@@ -1,6 +1,9 @@
 # idem: idempotency keys decided inside PostgreSQL. `make help` lists the targets.
 SHELL := /bin/bash
 GO ?= go
+# go.mod's toolchain line (a Go with the standard library's security fixes) is fetched through
+# the module proxy when the installed Go is older; this machine's Go defaults to local.
+export GOTOOLCHAIN ?= auto
 GOFLAGS_TEST ?= -race -count=1 -timeout 25m
 PKGS := ./...
 
