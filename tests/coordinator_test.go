@@ -21,6 +21,19 @@ func insertLeases(t *testing.T, q pgtest.Querier, rel, principal, prefix string,
 		  FROM generate_series(1, $5) AS i`, principal, prefix, ago, lease, n)
 }
 
+// fillStandInWorkers puts the same keys on the stand-in's two workers for the operators'
+// tests: worker 1 has 2 leases running, 1 run out (20 minutes old) and 500 expired keys;
+// worker 2 has 3 leases running (the oldest 50 minutes old), 300 expired and 100 live keys.
+func fillStandInWorkers(t *testing.T, conn pgtest.Querier) {
+	t.Helper()
+	insertLeases(t, conn, "idem.keys_w1", "a", "run", 2, 5*time.Minute, time.Hour)
+	insertLeases(t, conn, "idem.keys_w1", "a", "dead", 1, 20*time.Minute, -time.Minute)
+	insertLeases(t, conn, "idem.keys_w2", "b", "run", 3, 50*time.Minute, time.Hour)
+	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 500, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 300, true)
+	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "live", 100, false)
+}
+
 // TestOperatorsOnACoordinator: on a Citus coordinator (the stand-in, whose two "workers" hold
 // the keys), idem_health reports the whole cluster: the claims in progress, the leases that
 // ran out and the cleanup backlog of both workers, the oldest claim of either, and the size
@@ -33,12 +46,7 @@ func TestOperatorsOnACoordinator(t *testing.T) {
 	conn := pgtest.Connect(t, pgtest.NewDB(t))
 	ctx := context.Background()
 	pgtest.CitusStandIn(t, conn)
-	insertLeases(t, conn, "idem.keys_w1", "a", "run", 2, 5*time.Minute, time.Hour)
-	insertLeases(t, conn, "idem.keys_w1", "a", "dead", 1, 20*time.Minute, -time.Minute)
-	insertLeases(t, conn, "idem.keys_w2", "b", "run", 3, 50*time.Minute, time.Hour)
-	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 500, true)
-	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 300, true)
-	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "live", 100, false)
+	fillStandInWorkers(t, conn)
 	pgtest.Exec(t, conn, `ANALYZE idem.keys_w1, idem.keys_w2`)
 	var bytes, rows int64
 	if err := conn.QueryRow(ctx, `SELECT pg_total_relation_size('idem.keys_w1') + pg_total_relation_size('idem.keys_w2'),
@@ -78,12 +86,7 @@ func TestOperatorsOnAWorker(t *testing.T) {
 	conn := pgtest.Connect(t, pgtest.NewDB(t))
 	ctx := context.Background()
 	pgtest.CitusStandIn(t, conn)
-	insertLeases(t, conn, "idem.keys_w1", "a", "run", 2, 5*time.Minute, time.Hour)
-	insertLeases(t, conn, "idem.keys_w1", "a", "dead", 1, 20*time.Minute, -time.Minute)
-	insertLeases(t, conn, "idem.keys_w2", "b", "run", 3, 50*time.Minute, time.Hour)
-	pgtest.InsertKeys(t, conn, "idem.keys_w1", "a", "old", 500, true)
-	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "old", 300, true)
-	pgtest.InsertKeys(t, conn, "idem.keys_w2", "b", "live", 100, false)
+	fillStandInWorkers(t, conn)
 	pgtest.InsertKeys(t, conn, "idem.idempotency_keys", "c", "elsewhere", 50, false)
 	pgtest.Exec(t, conn, `ANALYZE idem.keys_w1, idem.keys_w2`)
 	pgtest.Exec(t, conn, `SET citus.override_table_visibility = on`)
