@@ -13,7 +13,8 @@ import (
 // and one key's story; the operator role (idem_operator) also lists the stuck claims and
 // releases them.
 
-// Health is the cheap part of the keys' summary (idem_health), for monitoring.
+// Health is the cheap part of the keys' summary (idem_health) and the database server's
+// replication (idem_replication), for monitoring.
 type Health struct {
 	// InProgress is how many lease claims are in progress; LeasesRunOut how many of them have
 	// a lease that ran out (their work is dead, or a retry will take them over).
@@ -39,8 +40,8 @@ type Health struct {
 	ReplicationWarning string
 }
 
-// ReadHealth reads idem.idem_health(): through indexes, cheap enough for a monitor that asks
-// every few seconds.
+// ReadHealth reads idem.idem_health() and idem.idem_replication() in one statement: through
+// indexes and the server's own views, cheap enough for a monitor that asks every few seconds.
 func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	h, err := dbidem.ReadHealth(ctx, q)
 	return Health(h), err

@@ -1044,23 +1044,26 @@ UPDATE idem.schema_version SET version = 7;
 -- idem_save_final had no p_withheld and p_resource_id.
 DO $$
 BEGIN
-    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
-    -- recovery_saved (0.2.0's, without recovery_point and recovery_saved; 0.1.0's, whose
-    -- attempt was an integer, or an early build of 0.2.0's, without provider_key). A caller
-    -- that names the columns it reads (the Go driver does) reads the new ones alike; the new
-    -- OUT columns come last, so one that reads them by position does too.
-    IF NOT (SELECT 'recovery_saved' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
-             WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
+    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin whose
+    -- OUT columns are not this release's (0.1.0's, whose attempt was an integer; an early
+    -- build of 0.2.0's, without provider_key; a pre-release build of 0.3.0's, with
+    -- recovery_point and recovery_saved). Release 0.2.0's has the same columns as this one and
+    -- is replaced in place: a function dropped under a serving release fails the calls that
+    -- planned it before the drop committed (SQLSTATE XX000, "cache lookup failed").
+    IF (SELECT NOT ('provider_key' = ANY (p.proargnames)) OR 'recovery_saved' = ANY (p.proargnames)
+          FROM pg_catalog.pg_proc AS p
+         WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
 END
 $$;
--- idem_health without the replication columns (0.2.0's and earlier): CREATE OR REPLACE cannot
--- add OUT parameters. Its grants are given again below.
+-- idem_health with the replication columns (a pre-release build of 0.3.0's; they are
+-- idem_replication's now): CREATE OR REPLACE cannot remove OUT parameters. Release 0.2.0's has
+-- this release's columns and is replaced in place. Its grants are given again below.
 DO $$
 BEGIN
-    IF NOT (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
-             WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
+    IF (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+         WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
         DROP FUNCTION idem.idem_health();
     END IF;
 END
@@ -1142,9 +1145,11 @@ $$;
 -- from the principal, the key and the generation: the same for every attempt of one request,
 -- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
--- Work in steps: a takeover in the same generation answers the steps recorded so far
--- (recovery_point, the last; recovery_saved, each by name with what it saved, idem_step); a
--- new generation starts without, and clears them.
+-- Work in steps: a takeover in the same generation keeps the steps recorded so far (idem_step),
+-- which its holder reads with idem_recovery; a new generation starts without, and clears them.
+-- The OUT columns are those of release 0.2.0, which calls this function while the next
+-- release's migrate replaces it: CREATE OR REPLACE keeps it (and its callers' plans) in place,
+-- where new OUT columns would drop it under them.
 --
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
@@ -1166,9 +1171,7 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT withheld         text,
     OUT changed_fields   text[],
     OUT retry_after      interval,
-    OUT provider_key     text,
-    OUT recovery_point   text,
-    OUT recovery_saved   jsonb)
+    OUT provider_key     text)
 LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER
@@ -1280,7 +1283,7 @@ IF p_ttl IS NOT NULL THEN
         IF v_lock IS NOT TRUE THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
             IF FOUND AND v_checked IS NOT TRUE THEN
@@ -1361,13 +1364,13 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -1527,9 +1530,6 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
 ;
-            -- The steps its generation recorded (idem_step): the new holder goes on after them.
-            recovery_point := v_row.recovery_point;
-            recovery_saved := v_row.recovery_saved;
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -1990,6 +1990,78 @@ $$;
 
 COMMENT ON FUNCTION idem.idem_step(text, text, bigint, text, jsonb) IS
     'Records, in the caller''s transaction, that step p_step of the in-progress lease claim with this attempt is done, with what it saved; 55000 when there is no such claim (roll back), 23505 when the step is recorded already. See docs/sql-api.md.';
+
+-- idem_recovery: what the generation of an in-progress claim has done so far, for its holder
+-- (work in steps, idem_step): recovery_point is the last step recorded, recovery_saved each
+-- recorded step by name with what it saved; both NULL when none is recorded (a fresh
+-- generation, or a claim whose earlier attempts recorded nothing).
+--
+-- A holder calls it right after idem_begin answered 'claimed', in the claim's transaction or
+-- after it committed: a takeover of the same generation (a lease that ran out or was given
+-- up, idem_yield) goes on after the steps recorded; a new generation (a claim of an expired or
+-- released key) has none. The Go driver asks in the claim's own statement (a LATERAL call
+-- beside idem_begin), so a lease claim costs no extra round trip. Not a column of idem_begin:
+-- adding OUT columns to it would mean dropping the function the previous release calls while
+-- it serves (docs/DECISIONS.md).
+--
+-- Fenced by p_attempt, as idem_step is: when no claim with this token is in progress (taken
+-- over, yielded, released, completed, expired and cleaned up, or never made) it raises 55000.
+-- It reads without a lock: only the holder of this token records steps, and a takeover moves
+-- the token on.
+CREATE OR REPLACE FUNCTION idem.idem_recovery(
+    p_principal text,
+    p_key       text,
+    p_attempt   bigint,
+    OUT recovery_point text,
+    OUT recovery_saved jsonb)
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+
+AS $$
+-- VOLATILE, not STABLE: called beside idem_begin in one statement, it must see the row that
+-- idem_begin wrote, which a STABLE function's snapshot (the statement's start) does not.
+-- @plpgsql_check_options: performance_warnings = false
+DECLARE
+    v_problem text;
+BEGIN
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND p_attempt IS NOT NULL, false) THEN
+        v_problem := CASE
+WHEN p_principal IS NULL OR p_key IS NULL
+            THEN '22004 p_principal and p_key must not be NULL'
+        WHEN length(p_principal) NOT BETWEEN 1 AND 255
+            THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
+        -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
+        -- of the backend's time in a profile; a length check and a one-class search do not.
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+            THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
+                        length(p_key), octet_length(p_key))
+
+            WHEN p_attempt IS NULL
+                THEN '22004 p_attempt must not be NULL'
+        END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_recovery: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    END IF;
+    SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
+      FROM idem.idempotency_keys AS k
+     WHERE k.principal_id = p_principal AND k.key = p_key
+       AND k.attempt = p_attempt AND k.state = 'p';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem_recovery: no claim in progress for this key with attempt %', p_attempt
+            USING ERRCODE = '55000',
+                  HINT = 'The claim was taken over by a later attempt or yielded, completed or released, or the key expired and was cleaned up.';
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_recovery(text, text, bigint) IS
+    'The steps recorded (idem_step) in the generation of the in-progress claim with this attempt: the last one and what each saved; 55000 when there is no such claim. See docs/sql-api.md.';
 
 -- idem_extend: the holder of a lease claim moves its lease's end to p_lease from now, while its
 -- work outside the database runs (a heartbeat). Fenced by p_attempt: only the current holder
@@ -2863,17 +2935,9 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
 -- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
 -- cluster_figures) and they are added up. On a Citus worker, of the shards stored there.
---
--- Then the replication of the server it runs on (the node it is called on, on Citus), for the
--- promise across a failover (docs/operations.md, "Replication and failover"): replication is
--- 'standby' (in recovery: read only), 'synchronous' (a commit waits for a standby:
--- synchronous_standby_names is set and this session's synchronous_commit is on, remote_write
--- or remote_apply), 'asynchronous' (standbys stream from it, none is waited for) or 'none';
--- standbys is how many stream from it (WAL senders, logical ones left out); replication_warning
--- says in plain words when an answered key could be lost on a failover, or when commits wait
--- for a synchronous standby that is not there. pg_stat_replication shows its details (state,
--- sync_state) only to superusers and pg_read_all_stats, here to the function's owner: when the
--- owner does not see them, the mode comes from the settings alone.
+-- Its OUT columns are those of release 0.2.0, whose gauges call it while the next release's
+-- migrate replaces it: CREATE OR REPLACE keeps it in place; the replication's figures are a
+-- function of their own (idem_replication), not new columns that would drop it under them.
 CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT in_progress            bigint,
     OUT leases_run_out         bigint,
@@ -2881,7 +2945,36 @@ CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT oldest_in_progress_age interval,
     OUT cleanup_backlog        bigint,
     OUT table_bytes            bigint,
-    OUT estimated_keys         bigint,
+    OUT estimated_keys         bigint)
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
+           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
+           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
+      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
+      FROM idem.cluster_figures(true) AS f;
+    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_health() IS
+    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys. See docs/sql-api.md.';
+
+-- idem_replication: the replication of the server it runs on (the node it is called on, on
+-- Citus), for the promise across a failover (docs/operations.md, "Replication and failover"):
+-- replication is 'standby' (in recovery: read only), 'synchronous' (a commit waits for a
+-- standby: synchronous_standby_names is set and this session's synchronous_commit is on,
+-- remote_write or remote_apply), 'asynchronous' (standbys stream from it, none is waited for)
+-- or 'none'; standbys is how many stream from it (WAL senders, logical ones left out);
+-- replication_warning says in plain words when an answered key could be lost on a failover,
+-- or when commits wait for a synchronous standby that is not there. pg_stat_replication shows
+-- its details (state, sync_state) only to superusers and pg_read_all_stats, here to the
+-- function's owner: when the owner does not see them, the mode comes from the settings alone.
+CREATE OR REPLACE FUNCTION idem.idem_replication(
     OUT replication            text,
     OUT standbys               integer,
     OUT replication_warning    text)
@@ -2897,13 +2990,6 @@ DECLARE
     v_visible boolean;
     v_sync    integer;
 BEGIN
-    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
-           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
-           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
-      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
-      FROM idem.cluster_figures(true) AS f;
-    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
-
     -- The WAL senders of standbys: not those of logical replication slots, nor a base backup's
     -- (state 'backup', when the owner sees it).
     SELECT count(*) FILTER (WHERE r.state IS DISTINCT FROM 'backup')::integer,
@@ -2936,8 +3022,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION idem.idem_health() IS
-    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys; and this server''s replication (none, synchronous, asynchronous, standby), its standbys and a warning when an answered key could be lost on failover. See docs/sql-api.md.';
+COMMENT ON FUNCTION idem.idem_replication() IS
+    'This server''s replication (none, synchronous, asynchronous, standby), its standbys and a warning when an answered key could be lost on failover. See docs/sql-api.md.';
 
 -- idem_key: one key's story: its state (and whether it expired), when its claim was made (a
 -- lease claim), when it expires, until when its answer is kept, its lease's end, its fencing
@@ -3324,13 +3410,13 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_recovery, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
 -- bodies and the lever for operators (docs/operations.md, "Operators").
-GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO "idem_app";
-GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key TO "idem_app";
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key, idem.idem_key_body,
     idem.idem_release_stuck, idem.idem_version
 TO "idem_operator";
 -- The claims in progress with their keys and tokens: for operators only (docs/operations.md).

@@ -187,3 +187,60 @@ func TestOperationsSQLRuns(t *testing.T) {
 		t.Fatalf("reloptions after the documented ALTER TABLE: %v", opts)
 	}
 }
+
+// TestRecoveryClaimSQLRuns runs the lease claim with its recovery points that docs/sql-api.md
+// shows (idem_begin and idem_recovery in one statement) as idem_app: a fresh claim reads no
+// step; a takeover of the same generation reads the step recorded; a replay and an
+// in_progress answer do not call idem_recovery (it would raise 55000 for them).
+func TestRecoveryClaimSQLRuns(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("../docs/sql-api.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block := replaceBlock(t, string(raw), "<!-- recovery-claim:begin", "<!-- recovery-claim:end -->", "")
+	m := regexp.MustCompile("(?s)```sql\n(.*?);\n```").FindStringSubmatch(block)
+	if m == nil {
+		t.Fatalf("no sql block between the recovery-claim markers:\n%s", block)
+	}
+	claim := m[1]
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	admin := pgtest.Connect(t, url)
+	app := pgtest.Connect(t, url)
+	pgtest.Exec(t, app, `SET ROLE idem_app`)
+	type row struct {
+		outcome string
+		attempt *int64
+		pk      *string
+		point   *string
+		saved   *string
+	}
+	run := func() row {
+		t.Helper()
+		var r row
+		if err := app.QueryRow(ctx, claim).Scan(&r.outcome, &r.attempt, &r.pk, &r.point, &r.saved); err != nil {
+			t.Fatalf("the documented claim: %v", err)
+		}
+		return r
+	}
+	first := run()
+	if first.outcome != "claimed" || first.point != nil || first.saved != nil {
+		t.Fatalf("a fresh claim: %s, recovery %v %v; want claimed without steps", first.outcome, first.point, first.saved)
+	}
+	pgtest.Exec(t, app, `SELECT idem.idem_step('alice', 'k1', $1, 'reserve', '{"id": 41}')`, *first.attempt)
+	if r := run(); r.outcome != "in_progress" || r.point != nil {
+		t.Fatalf("a duplicate while the lease runs: %s, recovery %v; want in_progress without steps", r.outcome, r.point)
+	}
+	pgtest.Exec(t, admin, `UPDATE idem.idempotency_keys SET lease_expires_at = clock_timestamp() - interval '1 second' WHERE key = 'k1'`)
+	took := run()
+	if took.outcome != "claimed" || took.point == nil || *took.point != "reserve" || took.saved == nil ||
+		*took.saved != `{"reserve": {"id": 41}}` || *took.pk != *first.pk {
+		t.Fatalf("the takeover: %s, recovery %v %v, provider key %v (first %v); want claimed after step reserve, the same provider key",
+			took.outcome, took.point, took.saved, took.pk, first.pk)
+	}
+	pgtest.Exec(t, app, `SELECT idem.idem_complete('alice', 'k1', $1, 201, '{}', 'paid')`, *took.attempt)
+	if r := run(); r.outcome != "replay" || r.point != nil {
+		t.Fatalf("a repeat after the answer: %s, recovery %v; want replay without steps", r.outcome, r.point)
+	}
+}

@@ -229,9 +229,38 @@ func TestUpgradeFrom020UnderTraffic(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 
+	// The functions of 0.2.0, by oid: this migrate may replace them in place, never drop one
+	// (a call of 0.2.0 planned before the drop and run after it fails: D135).
+	functionsOf := func() map[string]uint32 {
+		rows, err := conn.Query(ctx, `SELECT p.oid::regprocedure::text, p.oid FROM pg_proc p WHERE p.pronamespace = 'idem'::regnamespace`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := map[string]uint32{}
+		for rows.Next() {
+			var name string
+			var oid uint32
+			if err := rows.Scan(&name, &oid); err != nil {
+				t.Fatal(err)
+			}
+			m[name] = oid
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	before := functionsOf()
+
 	migStart := time.Now()
 	took := migrateLogged(t, url)
 	migEnd := time.Now()
+	after := functionsOf()
+	for name, oid := range before {
+		if after[name] != oid {
+			t.Errorf("0.2.0's function %s was dropped by this migrate (oid %d, now %d): 0.2.0's calls in flight fail", name, oid, after[name])
+		}
+	}
 	time.Sleep(1500 * time.Millisecond) // 0.2.0 keeps serving on the migrated database
 	close(stop)
 	wg.Wait()

@@ -11,7 +11,8 @@ import (
 // The operators' view of the keys (idem_summary, idem_health, idem_key) and their lever
 // (idem_release_stuck). docs/operations.md ("Operators") says who may call which.
 
-// Health is the cheap part of the keys' summary (idem.idem_health), for monitoring.
+// Health is the cheap part of the keys' summary (idem.idem_health) and the server's
+// replication (idem.idem_replication), for monitoring.
 type Health struct {
 	// InProgress is how many (lease) claims are in progress; LeasesRunOut how many of them
 	// have a lease that ran out (their work is dead, or a retry will take them over).
@@ -37,7 +38,7 @@ type Health struct {
 	ReplicationWarning string
 }
 
-// ReadHealth reads idem.idem_health().
+// ReadHealth reads idem.idem_health() and idem.idem_replication() in one statement.
 func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	var h Health
 	var oldest *time.Time
@@ -45,8 +46,8 @@ func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	var warning *string
 	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, oldest_in_progress_at,
 		extract(epoch FROM oldest_in_progress_age)::float8, cleanup_backlog, table_bytes, estimated_keys,
-		replication, standbys, replication_warning
-		FROM idem.idem_health()`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
+		r.replication, r.standbys, r.replication_warning
+		FROM idem.idem_health() AS h, idem.idem_replication() AS r`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
 		&h.Replication, &h.Standbys, &warning)
 	if err != nil {
 		return Health{}, classify(err)

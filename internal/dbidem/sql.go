@@ -15,13 +15,26 @@ import (
 // by hand (the benchmark's variant without a savepoint); their arguments are those of Begin and
 // Complete, in that order, durations as intervals, JSON as text.
 const (
-	// BeginSQL calls idem_begin and returns its row.
+	// BeginSQL calls idem_begin and returns its row (a transactional claim's statement).
 	BeginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
-       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key, recovery_point,
-       recovery_saved
+       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
+
+	// beginLeaseSQL is BeginSQL for a lease claim, with the steps its generation recorded
+	// (idem_recovery) read in the same statement when it claimed. OFFSET 0 keeps the subquery
+	// apart, so that its outer-only condition gates the call: idem_recovery runs for a claim
+	// only, never for a replay or an in_progress answer.
+	beginLeaseSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body,
+       b.resource_id, b.withheld, b.changed_fields, extract(epoch FROM b.retry_after)::float8,
+       b.provider_key, r.recovery_point, r.recovery_saved
+  FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
+                       p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
+                       p_request_fields => $7::jsonb, p_lock_timeout => $8::interval) AS b
+  LEFT JOIN LATERAL (SELECT s.recovery_point, s.recovery_saved
+                       FROM idem.idem_recovery(p_principal => $1::text, p_key => $2::text, p_attempt => b.attempt) AS s
+                      WHERE b.outcome = 'claimed' OFFSET 0) AS r ON true`
 
 	// CompleteSQL calls idem_complete.
 	CompleteSQL = `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
@@ -100,6 +113,14 @@ func decodeHeader(b []byte) (http.Header, error) {
 	return h, nil
 }
 
+// beginSQL is the statement of c's claim: a lease claim reads its recovery points too.
+func (c Claim) beginSQL() string {
+	if c.Lease != 0 {
+		return beginLeaseSQL
+	}
+	return BeginSQL
+}
+
 func (c Claim) beginArgs() []any {
 	return []any{c.Principal, c.Key, c.Action, c.Fingerprint[:], interval(c.TTL), interval(c.Lease),
 		fieldsJSON(c.Fields), interval(c.LockTimeout)}
@@ -129,9 +150,14 @@ type decisionRow struct {
 	saved    []byte
 }
 
-func (r *decisionRow) dest() []any {
-	return []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
-		&r.d.ChangedFields, &r.retry, &r.provider, &r.point, &r.saved}
+// dest is where the row of BeginSQL goes; with lease, the row of beginLeaseSQL.
+func (r *decisionRow) dest(lease bool) []any {
+	d := []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
+		&r.d.ChangedFields, &r.retry, &r.provider}
+	if lease {
+		d = append(d, &r.point, &r.saved)
+	}
+	return d
 }
 
 func (r *decisionRow) decision() (Decision, error) {
@@ -176,7 +202,7 @@ func (r *decisionRow) decision() (Decision, error) {
 func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
-	if err := q.QueryRow(ctx, BeginSQL, c.beginArgs()...).Scan(row.dest()...); err != nil {
+	if err := q.QueryRow(ctx, c.beginSQL(), c.beginArgs()...).Scan(row.dest(c.Lease != 0)...); err != nil {
 		return Decision{}, classify(err)
 	}
 	return row.decision()

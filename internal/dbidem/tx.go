@@ -93,7 +93,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	}
 	var row decisionRow
 	row.d.Sent = time.Now()
-	b.Queue(BeginSQL, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest()...) })
+	b.Queue(c.beginSQL(), c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest(c.Lease != 0)...) })
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {

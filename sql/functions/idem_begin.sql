@@ -15,9 +15,11 @@
 -- from the principal, the key and the generation: the same for every attempt of one request,
 -- different for any other (docs/sql-api.md, "Generations and provider keys").
 --
--- Work in steps: a takeover in the same generation answers the steps recorded so far
--- (recovery_point, the last; recovery_saved, each by name with what it saved, idem_step); a
--- new generation starts without, and clears them.
+-- Work in steps: a takeover in the same generation keeps the steps recorded so far (idem_step),
+-- which its holder reads with idem_recovery; a new generation starts without, and clears them.
+-- The OUT columns are those of release 0.2.0, which calls this function while the next
+-- release's migrate replaces it: CREATE OR REPLACE keeps it (and its callers' plans) in place,
+-- where new OUT columns would drop it under them.
 --
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
@@ -39,9 +41,7 @@ CREATE OR REPLACE FUNCTION idem.idem_begin(
     OUT withheld         text,
     OUT changed_fields   text[],
     OUT retry_after      interval,
-    OUT provider_key     text,
-    OUT recovery_point   text,
-    OUT recovery_saved   jsonb)
+    OUT provider_key     text)
 {{ template "include/attributes.sql" . }}
 AS $$
 DECLARE
@@ -114,7 +114,7 @@ BEGIN
         IF v_lock IS NOT TRUE THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
             IF FOUND AND v_checked IS NOT TRUE THEN
@@ -155,13 +155,13 @@ BEGIN
             -- the row as committed; lock it only to write.
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key;
         ELSIF v_lock THEN
             SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                    k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld, k.recovery_point, k.recovery_saved
+                   k.response_body, k.resource_id, k.withheld
               INTO v_row FROM idem.idempotency_keys AS k
              WHERE k.principal_id = p_principal AND k.key = p_key
                FOR UPDATE;
@@ -267,9 +267,6 @@ BEGIN
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
             provider_key := {{ template "include/provider_key.sql" "v_gen" }};
-            -- The steps its generation recorded (idem_step): the new holder goes on after them.
-            recovery_point := v_row.recovery_point;
-            recovery_saved := v_row.recovery_saved;
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.

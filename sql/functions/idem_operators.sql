@@ -83,17 +83,9 @@ COMMENT ON FUNCTION idem.idem_summary(boolean) IS
 -- expires_at, counted up to a million), the table's size and its estimated keys. On a Citus
 -- coordinator, of the whole cluster: every worker reports its shards' figures (one round,
 -- cluster_figures) and they are added up. On a Citus worker, of the shards stored there.
---
--- Then the replication of the server it runs on (the node it is called on, on Citus), for the
--- promise across a failover (docs/operations.md, "Replication and failover"): replication is
--- 'standby' (in recovery: read only), 'synchronous' (a commit waits for a standby:
--- synchronous_standby_names is set and this session's synchronous_commit is on, remote_write
--- or remote_apply), 'asynchronous' (standbys stream from it, none is waited for) or 'none';
--- standbys is how many stream from it (WAL senders, logical ones left out); replication_warning
--- says in plain words when an answered key could be lost on a failover, or when commits wait
--- for a synchronous standby that is not there. pg_stat_replication shows its details (state,
--- sync_state) only to superusers and pg_read_all_stats, here to the function's owner: when the
--- owner does not see them, the mode comes from the settings alone.
+-- Its OUT columns are those of release 0.2.0, whose gauges call it while the next release's
+-- migrate replaces it: CREATE OR REPLACE keeps it in place; the replication's figures are a
+-- function of their own (idem_replication), not new columns that would drop it under them.
 CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT in_progress            bigint,
     OUT leases_run_out         bigint,
@@ -101,7 +93,36 @@ CREATE OR REPLACE FUNCTION idem.idem_health(
     OUT oldest_in_progress_age interval,
     OUT cleanup_backlog        bigint,
     OUT table_bytes            bigint,
-    OUT estimated_keys         bigint,
+    OUT estimated_keys         bigint)
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
+           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
+           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
+      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
+      FROM idem.cluster_figures(true) AS f;
+    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_health() IS
+    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys. See docs/sql-api.md.';
+
+-- idem_replication: the replication of the server it runs on (the node it is called on, on
+-- Citus), for the promise across a failover (docs/operations.md, "Replication and failover"):
+-- replication is 'standby' (in recovery: read only), 'synchronous' (a commit waits for a
+-- standby: synchronous_standby_names is set and this session's synchronous_commit is on,
+-- remote_write or remote_apply), 'asynchronous' (standbys stream from it, none is waited for)
+-- or 'none'; standbys is how many stream from it (WAL senders, logical ones left out);
+-- replication_warning says in plain words when an answered key could be lost on a failover,
+-- or when commits wait for a synchronous standby that is not there. pg_stat_replication shows
+-- its details (state, sync_state) only to superusers and pg_read_all_stats, here to the
+-- function's owner: when the owner does not see them, the mode comes from the settings alone.
+CREATE OR REPLACE FUNCTION idem.idem_replication(
     OUT replication            text,
     OUT standbys               integer,
     OUT replication_warning    text)
@@ -117,13 +138,6 @@ DECLARE
     v_visible boolean;
     v_sync    integer;
 BEGIN
-    SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
-           min((f ->> 'oldest_in_progress_at')::timestamptz), least(sum((f ->> 'cleanup_backlog')::bigint), 1000000)::bigint,
-           sum((f ->> 'table_bytes')::bigint)::bigint, sum((f ->> 'estimated_keys')::bigint)::bigint
-      INTO in_progress, leases_run_out, oldest_in_progress_at, cleanup_backlog, table_bytes, estimated_keys
-      FROM idem.cluster_figures(true) AS f;
-    oldest_in_progress_age := clock_timestamp() - oldest_in_progress_at;
-
     -- The WAL senders of standbys: not those of logical replication slots, nor a base backup's
     -- (state 'backup', when the owner sees it).
     SELECT count(*) FILTER (WHERE r.state IS DISTINCT FROM 'backup')::integer,
@@ -156,8 +170,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION idem.idem_health() IS
-    'The cheap figures of the keys for monitoring: claims in progress, the oldest, leases run out, the cleanup backlog (up to a million), the table''s size and estimated keys; and this server''s replication (none, synchronous, asynchronous, standby), its standbys and a warning when an answered key could be lost on failover. See docs/sql-api.md.';
+COMMENT ON FUNCTION idem.idem_replication() IS
+    'This server''s replication (none, synchronous, asynchronous, standby), its standbys and a warning when an answered key could be lost on failover. See docs/sql-api.md.';
 
 -- idem_key: one key's story: its state (and whether it expired), when its claim was made (a
 -- lease claim), when it expires, until when its answer is kept, its lease's end, its fencing

@@ -6,23 +6,26 @@
 -- idem_save_final had no p_withheld and p_resource_id.
 DO $$
 BEGIN
-    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin without
-    -- recovery_saved (0.2.0's, without recovery_point and recovery_saved; 0.1.0's, whose
-    -- attempt was an integer, or an early build of 0.2.0's, without provider_key). A caller
-    -- that names the columns it reads (the Go driver does) reads the new ones alike; the new
-    -- OUT columns come last, so one that reads them by position does too.
-    IF NOT (SELECT 'recovery_saved' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
-             WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
+    -- CREATE OR REPLACE cannot change a function's OUT parameters: drop an idem_begin whose
+    -- OUT columns are not this release's (0.1.0's, whose attempt was an integer; an early
+    -- build of 0.2.0's, without provider_key; a pre-release build of 0.3.0's, with
+    -- recovery_point and recovery_saved). Release 0.2.0's has the same columns as this one and
+    -- is replaced in place: a function dropped under a serving release fails the calls that
+    -- planned it before the drop committed (SQLSTATE XX000, "cache lookup failed").
+    IF (SELECT NOT ('provider_key' = ANY (p.proargnames)) OR 'recovery_saved' = ANY (p.proargnames)
+          FROM pg_catalog.pg_proc AS p
+         WHERE p.oid = to_regprocedure('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)')) THEN
         DROP FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval);
     END IF;
 END
 $$;
--- idem_health without the replication columns (0.2.0's and earlier): CREATE OR REPLACE cannot
--- add OUT parameters. Its grants are given again below.
+-- idem_health with the replication columns (a pre-release build of 0.3.0's; they are
+-- idem_replication's now): CREATE OR REPLACE cannot remove OUT parameters. Release 0.2.0's has
+-- this release's columns and is replaced in place. Its grants are given again below.
 DO $$
 BEGIN
-    IF NOT (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
-             WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
+    IF (SELECT 'replication' = ANY (p.proargnames) FROM pg_catalog.pg_proc AS p
+         WHERE p.oid = to_regprocedure('idem.idem_health()')) THEN
         DROP FUNCTION idem.idem_health();
     END IF;
 END
@@ -49,6 +52,7 @@ $$;
 {{ template "idem_release.sql" . }}
 {{ template "idem_yield.sql" . }}
 {{ template "idem_step.sql" . }}
+{{ template "idem_recovery.sql" . }}
 {{ template "idem_extend.sql" . }}
 {{ template "idem_cleanup.sql" . }}
 {{ template "idem_defaults.sql" . }}
@@ -63,13 +67,13 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_recovery, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
 -- bodies and the lever for operators (docs/operations.md, "Operators").
-GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key TO "{{.app_role}}";
-GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_key, idem.idem_key_body,
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key TO "{{.app_role}}";
+GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key, idem.idem_key_body,
     idem.idem_release_stuck, idem.idem_version
 TO "{{.operator_role}}";
 -- The claims in progress with their keys and tokens: for operators only (docs/operations.md).

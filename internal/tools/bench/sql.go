@@ -151,12 +151,10 @@ type decision struct {
 	changed  []string
 	retry    *float64
 	provider *string
-	point    *string // the recovery point and steps of a takeover: none in the benchmark
-	saved    []byte
 }
 
 func (d *decision) dest() []any {
-	return []any{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry, &d.provider, &d.point, &d.saved}
+	return []any{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry, &d.provider}
 }
 
 // handwrittenTx: our table, statements written by hand, each its own round trip.
