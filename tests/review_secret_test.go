@@ -44,7 +44,7 @@ func TestNewInstallationSecretVersusARepeatableReadClaim(t *testing.T) {
 		_, err := pgtest.Connect(t, url).Exec(ctx, `CALL idem.idem_new_installation_secret()`)
 		called <- err
 	}()
-	pgtest.WaitFor(t, owner, `SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'CALL idem.idem_new_installation_secret%'
+	pgtest.WaitFor(t, owner, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'CALL idem.idem_new_installation_secret%'
 		AND wait_event = 'PgSleep'`)
 	var attempt int64
 	var claimedKey, outcome string

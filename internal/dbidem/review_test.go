@@ -78,7 +78,7 @@ func TestLeaseThatRanOutBeforeItStartedRunsNoWork(t *testing.T) {
 		_, _, err := dbidem.DoLease(ctx, pool, job, fn)
 		done <- err
 	}()
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%idem_begin%'`)
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%'`)
 	time.Sleep(1200 * time.Millisecond) // the claim waits on the holder longer than its lease
 	_ = holder.Rollback(ctx)
 	err = <-done

@@ -25,7 +25,7 @@ func holdKeyElsewhere(t *testing.T, a *app, principal, key string) func() {
 }
 
 const lockWaiters = `SELECT count(*) FROM pg_stat_activity
-	WHERE wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`
+	WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`
 
 // TestRowLockWaitEndsWithTheClient (review finding): "the waits before the work still end with
 // the client" (Gate.RunDetached: the wait context for the wait, the work context for the work).

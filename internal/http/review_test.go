@@ -41,7 +41,7 @@ func TestShutdownEndsLeaseWorkThatClaimedDuringIt(t *testing.T) {
 	answered := make(chan reply, 1)
 	go func() { answered <- a.do("POST", "/jobs", "alice", "sd-late", `{"block":true}`) }()
 	pgtest.WaitFor(t, a.pool, `SELECT count(*) FROM pg_stat_activity
-		WHERE wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`)
+		WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`)
 
 	// The shutdown, as docs say: the HTTP server's and the middleware's, with one deadline. The
 	// other claim goes away only after that deadline, while Shutdown gives the work its grace:
@@ -185,10 +185,10 @@ func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
 	pgtest.Exec(t, locker, `BEGIN`)
 	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
 	close(release)
-	pgtest.WaitFor(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-		AND query LIKE '%idem_complete%'`)
+	pgtest.WaitFor(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+		AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
 	time.Sleep(100 * time.Millisecond) // every completion is waiting on the lock by now
-	waiting := pgtest.Count(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
+	waiting := pgtest.Count(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
 
 	// An unkeyed request's query, on the same pool.
 	began := time.Now()
