@@ -1128,6 +1128,23 @@ COMMENT ON FUNCTION idem.installation_secret_seqs() IS
 
 END
 $$;
+-- The secrets' values, 32 bytes each, in the order of installation_secret_tokens(): read from
+-- their sequences when the planner folds this IMMUTABLE function into the plan of the provider
+-- key's expression, once a session (and again when idem_new_installation_secret has every
+-- session compile the functions that compute provider keys anew), so that a call reads no
+-- sequence. INVOKER: only the owner may read the sequences, and the folding runs inside the
+-- SECURITY DEFINER functions, as the owner; nobody else may call it (below). The values live in
+-- the session's plans only; the function's text holds none.
+CREATE OR REPLACE FUNCTION idem.installation_secret_values() RETURNS bytea[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(int8send(pg_sequence_last_value(q.s[4 * i - 3])) || int8send(pg_sequence_last_value(q.s[4 * i - 2]))
+                              || int8send(pg_sequence_last_value(q.s[4 * i - 1])) || int8send(pg_sequence_last_value(q.s[4 * i]))
+                              ORDER BY i), '{}')
+      FROM (SELECT idem.installation_secret_seqs() AS s) AS q, generate_series(1, cardinality(q.s) / 4) AS i
+$$;
+COMMENT ON FUNCTION idem.installation_secret_values() IS
+    'Internal: the 32 bytes of each installation secret, in the order of installation_secret_tokens; folded into the provider key''s plan, for the owner only.';
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
 -- Hot path: one index probe that finds nothing (the row is read without a lock), then one
@@ -1348,11 +1365,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 provider_key := encode(sha256(CASE WHEN (width_bucket(v_token, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_token, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
@@ -1413,11 +1426,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 provider_key := encode(sha256(CASE WHEN (width_bucket(v_token, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_token, idem.installation_secret_tokens())] >> 48 = v_token >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_token, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_token, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_token::text, 'UTF8')), 'hex')
@@ -1470,11 +1479,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -1490,11 +1495,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -1521,11 +1522,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
@@ -3289,11 +3286,7 @@ IF v_problem IS NOT NULL THEN
         provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
  AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
 
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 3]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 2]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens()) - 1]))
- || int8send(pg_sequence_last_value((idem.installation_secret_seqs())[4 * width_bucket(v_gen, idem.installation_secret_tokens())]))
-
+            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
             ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
         || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')

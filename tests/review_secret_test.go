@@ -102,6 +102,7 @@ func TestInstallationSecretIsTheOwnersOnly(t *testing.T) {
 			`SELECT pg_sequence_last_value('idem.installation_secret_1_2')`,
 			`SELECT last_value FROM pg_sequences WHERE sequencename = 'installation_secret_1_3' AND last_value IS NOT NULL`,
 			`SELECT idem.installation_secret_seqs()`,
+			`SELECT idem.installation_secret_values()`,
 			`SELECT nextval('idem.token_seq')`,
 			`SELECT last_value FROM idem.token_seq`,
 			`SELECT setval('idem.token_seq', 1)`,

@@ -46,6 +46,23 @@ BEGIN
 {{ template "include/publish_secrets.sql" . }}
 END
 $$;
+-- The secrets' values, 32 bytes each, in the order of installation_secret_tokens(): read from
+-- their sequences when the planner folds this IMMUTABLE function into the plan of the provider
+-- key's expression, once a session (and again when idem_new_installation_secret has every
+-- session compile the functions that compute provider keys anew), so that a call reads no
+-- sequence. INVOKER: only the owner may read the sequences, and the folding runs inside the
+-- SECURITY DEFINER functions, as the owner; nobody else may call it (below). The values live in
+-- the session's plans only; the function's text holds none.
+CREATE OR REPLACE FUNCTION idem.installation_secret_values() RETURNS bytea[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(int8send(pg_sequence_last_value(q.s[4 * i - 3])) || int8send(pg_sequence_last_value(q.s[4 * i - 2]))
+                              || int8send(pg_sequence_last_value(q.s[4 * i - 1])) || int8send(pg_sequence_last_value(q.s[4 * i]))
+                              ORDER BY i), '{}')
+      FROM (SELECT idem.installation_secret_seqs() AS s) AS q, generate_series(1, cardinality(q.s) / 4) AS i
+$$;
+COMMENT ON FUNCTION idem.installation_secret_values() IS
+    'Internal: the 32 bytes of each installation secret, in the order of installation_secret_tokens; folded into the provider key''s plan, for the owner only.';
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}
