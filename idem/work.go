@@ -62,11 +62,15 @@ var _ pgx.Tx = (*Tx)(nil)
 // whose statements or commit fail with a serialization failure, a deadlock or a lock timeout
 // runs again, up to opts.MaxAttempts times, so fn must not keep state from a failed run.
 //
-// When ctx ends before the commit, the work rolls back. The COMMIT itself is never canceled:
-// a canceled COMMIT that waits for a synchronous standby stays on the primary alone and
-// visible there, and a failover loses what a replay has already answered. When ctx ends
-// while it runs, RunTx returns ErrCommitUnknown (and ctx's error) at once; the COMMIT goes on
-// holding its connection until PostgreSQL answers it, then the connection returns to db.
+// When ctx ends before the commit, the work rolls back. A COMMIT that may wait for a
+// synchronous standby is never canceled: a canceled COMMIT that waits for a synchronous standby
+// stays on the primary alone and visible there, and a failover loses what a replay has already
+// answered. The claim's round trip tells whether it may (synchronous_standby_names is set and
+// the session's synchronous_commit waits for a standby, or Citus is loaded). When ctx ends while
+// such a COMMIT runs, RunTx returns ErrCommitUnknown (and ctx's error) at once; the COMMIT goes
+// on holding its connection until PostgreSQL answers it, then the connection returns to db.
+// Any other COMMIT runs on ctx, as a statement does: when ctx ends while it runs, pgx cancels
+// it (it then either did not commit or committed in full) and RunTx returns ErrCommitUnknown.
 func RunTx(ctx context.Context, db Pool, opts TxOptions, fn func(tx *Tx) error) error {
 	return dbidem.RunTx(ctx, db, dbidem.TxOptions(opts), func(t *dbidem.Tx) error { return fn(&Tx{t}) })
 }

@@ -113,19 +113,24 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx 
 		t.rollback(ctx)
 		return false, context.Cause(ctx)
 	}
-	if ctx.Done() == nil {
+	if ctx.Done() == nil || t.noStandbyWait {
+		// Nothing can cancel it, or it cannot wait for a standby: a cancel request then
+		// either stops it before it commits or finds it committed everywhere it will ever be
+		// (D108, D136). Sent from this goroutine, as any statement.
 		err = t.commit(ctx)
 		return IsRetryable(err), err
 	}
-	// The COMMIT runs in a goroutine of its own, on a context that never ends, so that pgx
-	// never sends PostgreSQL a cancel request for it. A COMMIT waiting for a synchronous
-	// standby that a cancel request reaches stays committed on the primary alone and becomes
-	// visible there: a replay answers it, and a failover before the standby has it loses an
-	// answered key (docs/DECISIONS.md, D108). Closing the connection instead is no better: pgx
-	// sends a cancel request whenever it closes a connection in the middle of a statement. So
-	// when ctx ends first, RunTx returns ErrCommitUnknown at once, and the COMMIT goes on
-	// holding its connection, its transaction invisible to every other session, until
-	// PostgreSQL answers it; then the connection goes back to the pool.
+	// A COMMIT that may wait for a synchronous standby (or whose claim did not say) runs in a
+	// goroutine of its own, on a context that never ends, so that pgx never sends PostgreSQL a
+	// cancel request for it. A COMMIT waiting for a synchronous standby that a cancel request
+	// reaches stays committed on the primary alone and becomes visible there: a replay answers
+	// it, and a failover before the standby has it loses an answered key (docs/DECISIONS.md,
+	// D108). Closing the connection instead is no better: pgx sends a cancel request whenever
+	// it closes a connection in the middle of a statement. So when ctx ends first, RunTx
+	// returns ErrCommitUnknown at once, and the COMMIT goes on holding its connection, its
+	// transaction invisible to every other session, until PostgreSQL answers it; then the
+	// connection goes back to the pool. The goroutine's hand-offs cost about as much CPU as
+	// the whole keyed part of a transaction (D136), hence the path above where it can.
 	committed := make(chan error, 1)
 	go func() { committed <- t.commit(context.WithoutCancel(ctx)) }()
 	select {

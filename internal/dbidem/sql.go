@@ -121,6 +121,37 @@ func (c Claim) beginSQL() string {
 	return BeginSQL
 }
 
+// standbyWaitColumn, a last column of the claim's statement in RunTx (Tx.Claim), tells whether
+// this transaction's COMMIT may wait for a synchronous standby: synchronous_standby_names is set
+// and the session's synchronous_commit waits for a standby (on, remote_write, remote_apply),
+// or Citus is loaded (its coordinator commits on workers whose settings it does not show). Only
+// such a COMMIT must never be canceled (D108); the others RunTx sends on the caller's context.
+const standbyWaitColumn = `,
+       (current_setting('synchronous_standby_names') <> ''
+        AND current_setting('synchronous_commit') NOT IN ('off', 'local'))
+       OR current_setting('citus.node_conninfo', true) IS NOT NULL`
+
+// txBeginSQL and txBeginLeaseSQL are BeginSQL and beginLeaseSQL with standbyWaitColumn.
+var (
+	txBeginSQL      = withColumn(BeginSQL, standbyWaitColumn)
+	txBeginLeaseSQL = withColumn(beginLeaseSQL, standbyWaitColumn)
+)
+
+// withColumn adds column (text that starts with a comma) to the select list of stmt, a
+// statement whose FROM starts a line.
+func withColumn(stmt, column string) string {
+	i := strings.Index(stmt, "\n  FROM ")
+	return stmt[:i] + column + stmt[i:]
+}
+
+// txBeginSQL is the statement of c's claim in RunTx: beginSQL with standbyWaitColumn.
+func (c Claim) txBeginSQL() string {
+	if c.Lease != 0 {
+		return txBeginLeaseSQL
+	}
+	return txBeginSQL
+}
+
 func (c Claim) beginArgs() []any {
 	return []any{c.Principal, c.Key, c.Action, c.Fingerprint[:], interval(c.TTL), interval(c.Lease),
 		fieldsJSON(c.Fields), interval(c.LockTimeout)}

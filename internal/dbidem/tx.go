@@ -47,6 +47,10 @@ type Tx struct {
 	end     []any // the arguments of idem_complete (complete) or idem_save_final (final)
 	final   bool
 	retry   error // the first serialization failure or deadlock a statement hit
+	// noStandbyWait: the claim's statement found that this transaction's COMMIT cannot wait
+	// for a synchronous standby (standbyWaitColumn), so RunTx may send it on its caller's
+	// context.
+	noStandbyWait bool
 }
 
 var _ pgx.Tx = (*Tx)(nil)
@@ -93,7 +97,10 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	}
 	var row decisionRow
 	row.d.Sent = time.Now()
-	b.Queue(c.beginSQL(), c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(row.dest(c.Lease != 0)...) })
+	var standbyWait bool
+	b.Queue(c.txBeginSQL(), c.beginArgs()...).QueryRow(func(r pgx.Row) error {
+		return r.Scan(append(row.dest(c.Lease != 0), &standbyWait)...)
+	})
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {
@@ -113,6 +120,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		return Decision{}, err
 	}
 	t.claim = &c
+	t.noStandbyWait = !standbyWait
 	if d.Outcome == Claimed {
 		t.attempt = d.Attempt
 	}

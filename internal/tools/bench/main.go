@@ -34,7 +34,7 @@
 //
 // Environment: BENCH_SECONDS (10) per run, BENCH_ROUNDS (3), BENCH_CLIENTS (16),
 // BENCH_SOAK_SECONDS (150), BENCH_SCALE_KEYS (10000000), BENCH_UPGRADE_KEYS (1500000),
-// BENCH_ONLY (a comma list of parts; default all),
+// BENCH_ONLY (a comma list of parts; default all), BENCH_CPUPROFILE (a file for a Go CPU profile of the run),
 // BENCH_DATABASE_URL (unset: a private cluster in a temporary directory).
 package main
 
@@ -45,6 +45,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -98,10 +99,27 @@ type row struct{ measure, value, target, status string }
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// BENCH_CPUPROFILE: a Go CPU profile of this process (the driver, pgx and the load
+	// generator) for the whole run, for `go tool pprof`.
+	if path := os.Getenv("BENCH_CPUPROFILE"); path != "" {
+		f, err := os.Create(path)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench: BENCH_CPUPROFILE:", err)
+			os.Exit(1)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			_ = f.Close()
+		}()
+	}
 	err := run(ctx)
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
+		pprof.StopCPUProfile()
 		os.Exit(1)
 	}
 }
