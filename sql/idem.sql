@@ -1076,19 +1076,6 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 -- An early build of this release had idem_new_installation_secret without p_wait.
 DROP PROCEDURE IF EXISTS idem.idem_new_installation_secret();
 
--- Fencing tokens are drawn 32 at a time by each connection (CACHE 32): every nextval of a
--- sequence without a cache takes its one page's lock, and at 16 clients that was 7% of the
--- keyed throughput (docs/benchmarks.md). Tokens stay unique for the life of the database,
--- nothing compares their order, and what a promotion keeps is unchanged: every cached token
--- was covered by a WAL record of the sequence before it was handed out (D103, D137). Only when
--- the cache differs: ALTER SEQUENCE locks the sequence until the migrate commits.
-DO $$
-BEGIN
-    IF (SELECT s.seqcache FROM pg_catalog.pg_sequence AS s WHERE s.seqrelid = 'idem.token_seq'::regclass) <> 32 THEN
-        ALTER SEQUENCE idem.token_seq CACHE 32;
-    END IF;
-END
-$$;
 -- answer_expires_at: until when a key whose answer is stored at p_now is kept at least: the
 -- TTL after p_now. idem_complete and idem_save_final store it in lease_expires_at (which
 -- idem_begin and cleanup already honour: a row is expired only once expires_at and
@@ -3325,8 +3312,7 @@ COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
 --      hold the lists); a transaction that starts after this sees both;
 --   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
 --      CONCURRENTLY waits for old snapshots), at most p_wait;
---   3. only then the token sequence moves to the new secret's first token, and the tokens
---      that connections hold in their caches are dropped.
+--   3. only then the token sequence moves to the new secret's first token.
 -- A claim that draws a token of the new secret therefore runs in a transaction that started
 -- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
 -- secret's tokens are 2^32 draws away; run it again.
@@ -3401,11 +3387,8 @@ COMMENT ON FUNCTION idem.installation_secret_seqs() IS
     END LOOP;
 
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
-    -- RESTART, not setval: it gives the sequence a new file, and every connection then drops
-    -- the tokens it holds in its cache (CACHE 32, install.sql) at its next draw, so that none
-    -- hands out a token of an older secret after this.
     IF pg_catalog.nextval('idem.token_seq') < v_from THEN
-        EXECUTE pg_catalog.format('ALTER SEQUENCE idem.token_seq RESTART WITH %s', v_from);
+        PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
     END IF;
     COMMIT;
 END

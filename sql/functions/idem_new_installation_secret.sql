@@ -11,8 +11,7 @@
 --      hold the lists); a transaction that starts after this sees both;
 --   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
 --      CONCURRENTLY waits for old snapshots), at most p_wait;
---   3. only then the token sequence moves to the new secret's first token, and the tokens
---      that connections hold in their caches are dropped.
+--   3. only then the token sequence moves to the new secret's first token.
 -- A claim that draws a token of the new secret therefore runs in a transaction that started
 -- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
 -- secret's tokens are 2^32 draws away; run it again.
@@ -74,11 +73,8 @@ BEGIN
     END LOOP;
 
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
-    -- RESTART, not setval: it gives the sequence a new file, and every connection then drops
-    -- the tokens it holds in its cache (CACHE 32, install.sql) at its next draw, so that none
-    -- hands out a token of an older secret after this.
     IF pg_catalog.nextval('idem.token_seq') < v_from THEN
-        EXECUTE pg_catalog.format('ALTER SEQUENCE idem.token_seq RESTART WITH %s', v_from);
+        PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
     END IF;
     COMMIT;
 END

@@ -38,19 +38,6 @@ DROP FUNCTION IF EXISTS idem.on_workers(text);
 -- An early build of this release had idem_new_installation_secret without p_wait.
 DROP PROCEDURE IF EXISTS idem.idem_new_installation_secret();
 
--- Fencing tokens are drawn 32 at a time by each connection (CACHE 32): every nextval of a
--- sequence without a cache takes its one page's lock, and at 16 clients that was 7% of the
--- keyed throughput (docs/benchmarks.md). Tokens stay unique for the life of the database,
--- nothing compares their order, and what a promotion keeps is unchanged: every cached token
--- was covered by a WAL record of the sequence before it was handed out (D103, D137). Only when
--- the cache differs: ALTER SEQUENCE locks the sequence until the migrate commits.
-DO $$
-BEGIN
-    IF (SELECT s.seqcache FROM pg_catalog.pg_sequence AS s WHERE s.seqrelid = 'idem.token_seq'::regclass) <> 32 THEN
-        ALTER SEQUENCE idem.token_seq CACHE 32;
-    END IF;
-END
-$$;
 {{ template "answer_expires_at.sql" . }}
 -- The lists of the installation's secrets, written from idem.installation_secrets (migration
 -- 006) as functions the planner folds into the provider key's plan.
