@@ -65,8 +65,8 @@ var _ pgx.Tx = (*Tx)(nil)
 // When ctx ends before the commit, the work rolls back. A COMMIT that may wait for a
 // synchronous standby is never canceled: a canceled COMMIT that waits for a synchronous standby
 // stays on the primary alone and visible there, and a failover loses what a replay has already
-// answered. The claim's round trip tells whether it may (synchronous_standby_names is set and
-// the session's synchronous_commit waits for a standby, or Citus is loaded). When ctx ends while
+// answered. The claim's round trip tells whether it may (synchronous_standby_names is set,
+// whatever synchronous_commit says, or Citus is loaded). When ctx ends while
 // such a COMMIT runs, RunTx returns ErrCommitUnknown (and ctx's error) at once; the COMMIT goes
 // on holding its connection until PostgreSQL answers it, then the connection returns to db.
 // Any other COMMIT runs on ctx, as a statement does: when ctx ends while it runs, pgx cancels

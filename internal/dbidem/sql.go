@@ -123,12 +123,11 @@ func (c Claim) beginSQL() string {
 
 // standbyWaitColumn, a last column of the claim's statement in RunTx (Tx.Claim), tells whether
 // this transaction's COMMIT may wait for a synchronous standby: synchronous_standby_names is set
-// and the session's synchronous_commit waits for a standby (on, remote_write, remote_apply),
+// (whatever the session's synchronous_commit, which the work may still change with SET LOCAL),
 // or Citus is loaded (its coordinator commits on workers whose settings it does not show). Only
 // such a COMMIT must never be canceled (D108); the others RunTx sends on the caller's context.
 const standbyWaitColumn = `,
-       (current_setting('synchronous_standby_names') <> ''
-        AND current_setting('synchronous_commit') NOT IN ('off', 'local'))
+       current_setting('synchronous_standby_names') <> ''
        OR current_setting('citus.node_conninfo', true) IS NOT NULL`
 
 // txBeginSQL and txBeginLeaseSQL are BeginSQL and beginLeaseSQL with standbyWaitColumn.
