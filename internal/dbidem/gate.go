@@ -294,19 +294,26 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			// Go, ends with wait (a caller whose client went away, a shutdown); the work after
 			// the claim does not.
 			cctx, cancel := context.WithCancel(ctx)
+			sent := make(chan struct{})
 			stop := context.AfterFunc(wait, func() {
+				defer close(sent)
 				// The server learns of it by a cancel request, sent first, while the
 				// connection is still whole: a backend blocked on a lock does not read its
-				// socket, and would wait on for the rest of its lock timeout. Should the claim
-				// have returned meanwhile, the request may cancel the work's next statement
-				// instead: that unit of work then rolls back, for a client that is gone.
+				// socket, and would wait on for the rest of its lock timeout.
 				cr, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 				defer done()
 				_ = tx.Conn().PgConn().CancelRequest(cr)
 				cancel()
 			})
 			d, err := tx.Claim(cctx, c)
-			stop()
+			if !stop() {
+				// The cancel request is under way. The server acts on it whenever it
+				// arrives, so the connection runs nothing more until the server has it
+				// (CancelRequest returns then): a backend that is idle by then ignores it,
+				// where it would otherwise cancel the work's next statement or, once the
+				// connection is back in the pool, another request's.
+				<-sent
+			}
 			cancel()
 			if err != nil {
 				if wait.Err() != nil && ctx.Err() == nil {
