@@ -184,6 +184,9 @@ func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
 	locker := pgtest.Connect(t, url)
 	pgtest.Exec(t, locker, `BEGIN`)
 	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	// A failure below must not leave the lock held until the leases end (srv.Close waits for
+	// the completions, which wait for the lock).
+	defer func() { _, _ = locker.Exec(context.WithoutCancel(ctx), `ROLLBACK`) }()
 	close(release)
 	pgtest.WaitFor(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
 		AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)

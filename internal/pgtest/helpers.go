@@ -66,7 +66,19 @@ func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	t.Fatalf("never true: %s %v", sql, args)
+	t.Fatalf("never true: %s %v%s", sql, args, activity(q))
+}
+
+// activity is what the sessions of q's database are doing, for a failure's message.
+func activity(q Querier) string {
+	var list string
+	err := q.QueryRow(context.Background(), `SELECT coalesce(string_agg(format(E'\n  %s %s %s %s', pid, state,
+		wait_event_type || '/' || wait_event, left(regexp_replace(query, '\s+', ' ', 'g'), 100)), '' ORDER BY pid), '')
+		  FROM pg_stat_activity WHERE datname = current_database()`).Scan(&list)
+	if err != nil {
+		return fmt.Sprintf("\n(the sessions could not be listed: %v)", err)
+	}
+	return "\nthe sessions of the database (pid, state, wait, query):" + list
 }
 
 // CitusStandIn makes the test's database behave, for cleanup and for the operators' figures,
