@@ -7,6 +7,9 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // The statements. Every parameter is cast, and JSON goes as text, so the same statements
@@ -21,6 +24,17 @@ const (
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
+
+	// BeginRecordSQL is BeginSQL with idem_begin called in the select list: its row comes
+	// back as one composite value (decisionRow.record), which spares the server the function
+	// scan's tuple store and the projection of ten columns (about 50,000 instructions of a
+	// replay's 350,000: docs/benchmarks.md). A record can be read in the binary format only,
+	// so it serves the modes that describe a statement before they run it (binaryResults);
+	// the others (QueryExecModeExec, the simple protocol: PgBouncer in transaction mode) send
+	// BeginSQL.
+	BeginRecordSQL = `SELECT idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
+       p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
+       p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
 
 	// beginLeaseSQL is BeginSQL for a lease claim, with the steps its generation recorded
 	// (idem_recovery) read in the same statement when it claimed. OFFSET 0 keeps the subquery
@@ -130,11 +144,23 @@ const standbyWaitColumn = `,
        current_setting('synchronous_standby_names') <> ''
        OR current_setting('citus.node_conninfo', true) IS NOT NULL`
 
-// txBeginSQL and txBeginLeaseSQL are BeginSQL and beginLeaseSQL with standbyWaitColumn.
+// txBeginSQL, txBeginRecordSQL and txBeginLeaseSQL are BeginSQL, BeginRecordSQL and
+// beginLeaseSQL with standbyWaitColumn.
 var (
-	txBeginSQL      = withColumn(BeginSQL, standbyWaitColumn)
-	txBeginLeaseSQL = withColumn(beginLeaseSQL, standbyWaitColumn)
+	txBeginSQL       = withColumn(BeginSQL, standbyWaitColumn)
+	txBeginRecordSQL = BeginRecordSQL + standbyWaitColumn
+	txBeginLeaseSQL  = withColumn(beginLeaseSQL, standbyWaitColumn)
 )
+
+// binaryResults tells whether conn's statements get their results in the binary format (the
+// modes that describe a statement first), which a record (BeginRecordSQL) needs.
+func binaryResults(conn *pgx.Conn) bool {
+	switch conn.Config().DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec:
+		return true
+	}
+	return false
+}
 
 // withColumn adds column (text that starts with a comma) to the select list of stmt, a
 // statement whose FROM starts a line.
@@ -143,12 +169,16 @@ func withColumn(stmt, column string) string {
 	return stmt[:i] + column + stmt[i:]
 }
 
-// txBeginSQL is the statement of c's claim in RunTx: beginSQL with standbyWaitColumn.
-func (c Claim) txBeginSQL() string {
-	if c.Lease != 0 {
-		return txBeginLeaseSQL
+// txBegin is the statement of c's claim in RunTx on conn (beginSQL with standbyWaitColumn, as a
+// record where conn reads one) and where its row goes: r, then standbyWait.
+func (c Claim) txBegin(conn *pgx.Conn, r *decisionRow, standbyWait *bool) (string, []any) {
+	switch {
+	case c.Lease != 0:
+		return txBeginLeaseSQL, append(r.dest(true), standbyWait)
+	case binaryResults(conn):
+		return txBeginRecordSQL, []any{r.record(), standbyWait}
 	}
-	return txBeginSQL
+	return txBeginSQL, append(r.dest(false), standbyWait)
 }
 
 func (c Claim) beginArgs() []any {
@@ -178,6 +208,7 @@ type decisionRow struct {
 	provider *string
 	point    *string
 	saved    []byte
+	interval pgtype.Interval // retry_after, read from a record
 }
 
 // dest is where the row of BeginSQL goes; with lease, the row of beginLeaseSQL.
@@ -190,7 +221,19 @@ func (r *decisionRow) dest(lease bool) []any {
 	return d
 }
 
+// record is where the row of BeginRecordSQL goes: idem_begin's columns, retry_after as an
+// interval.
+func (r *decisionRow) record() pgtype.CompositeFields {
+	return pgtype.CompositeFields{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
+		&r.d.ChangedFields, &r.interval, &r.provider}
+}
+
 func (r *decisionRow) decision() (Decision, error) {
+	if r.interval.Valid {
+		// extract(epoch FROM retry_after), as BeginSQL reads it: a month is 365.25/12 days.
+		s := float64(r.interval.Microseconds)/1e6 + float64(r.interval.Days)*86400 + float64(r.interval.Months)*(365.25/12)*86400
+		r.retry = &s
+	}
 	d := r.d
 	d.Outcome = Outcome(r.outcome)
 	if r.status != nil {

@@ -98,9 +98,8 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
 	var standbyWait bool
-	b.Queue(c.txBeginSQL(), c.beginArgs()...).QueryRow(func(r pgx.Row) error {
-		return r.Scan(append(row.dest(c.Lease != 0), &standbyWait)...)
-	})
+	sql, dest := c.txBegin(t.conn, &row, &standbyWait)
+	b.Queue(sql, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(dest...) })
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {

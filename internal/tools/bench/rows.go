@@ -155,8 +155,8 @@ func claimBatch(ctx context.Context, pool *pgxpool.Pool, claims []dbidem.Claim, 
 	b.BeginTx(pgx.TxOptions{})
 	for i, c := range claims {
 		fields, _ := json.Marshal(c.Fields)
-		b.Queue(dbidem.BeginSQL, c.Principal, c.Key, c.Action, c.Fingerprint[:], none, none, string(fields), none).
-			QueryRow(func(row pgx.Row) error { return row.Scan(ds[i].dest()...) })
+		b.Queue(dbidem.BeginRecordSQL, c.Principal, c.Key, c.Action, c.Fingerprint[:], none, none, string(fields), none).
+			QueryRow(func(row pgx.Row) error { return row.Scan(ds[i].record()) })
 	}
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()

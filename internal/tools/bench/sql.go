@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/canon"
@@ -112,8 +113,8 @@ func noSavepointTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	var d decision
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	b.Queue(dbidem.BeginSQL, principal, r.key, action, r.fp.Sum[:], none, none, &fieldsText, none).
-		QueryRow(func(row pgx.Row) error { return row.Scan(d.dest()...) })
+	b.Queue(dbidem.BeginRecordSQL, principal, r.key, action, r.fp.Sum[:], none, none, &fieldsText, none).
+		QueryRow(func(row pgx.Row) error { return row.Scan(d.record()) })
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()
 	if err := br.Close(); err != nil {
@@ -139,7 +140,8 @@ func noSavepointTx(ctx context.Context, pool *pgxpool.Pool, w *worker) error {
 	return nil
 }
 
-// decision is idem_begin's row, scanned into the types the driver scans it into.
+// decision is idem_begin's row as one record (dbidem.BeginRecordSQL), scanned into the types
+// the driver scans it into.
 type decision struct {
 	outcome  string
 	attempt  int64
@@ -149,12 +151,12 @@ type decision struct {
 	resource *string
 	withheld *string
 	changed  []string
-	retry    *float64
+	retry    pgtype.Interval
 	provider *string
 }
 
-func (d *decision) dest() []any {
-	return []any{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry, &d.provider}
+func (d *decision) record() pgtype.CompositeFields {
+	return pgtype.CompositeFields{&d.outcome, &d.attempt, &d.status, &d.headers, &d.body, &d.resource, &d.withheld, &d.changed, &d.retry, &d.provider}
 }
 
 // handwrittenTx: our table, statements written by hand, each its own round trip.
