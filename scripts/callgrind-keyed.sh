@@ -3,9 +3,10 @@
 # part of a request, minus those of a prepared SELECT, on a private cluster (as the postgres
 # user; run as root) with IDEM_SQL (a build of sql/idem.sql) installed and 50,000 completed
 # keys: fresh (idem_begin and idem_complete in one statement), replay (idem_begin on a
-# completed key), seed001 (the seed tutorial's DELETE, INSERT and UPDATE) and handwritten (the
-# same statements on our table). Each part runs 200 and then 600 times in single-user mode, each
-# line its own transaction; the difference over 400 leaves out every one-time cost.
+# completed key; replayall: every column, as BeginSQL reads them; replayrow: the row as one
+# record, as BeginRecordSQL reads it), seed001 (the seed tutorial's DELETE, INSERT and UPDATE)
+# and handwritten (the same statements on our table). Each part runs 200 and then 600 times in
+# single-user mode, each line its own transaction; the difference over 400 leaves out every one-time cost.
 # Needs valgrind. docs/benchmarks.md, "Where a keyed transaction's time goes".
 set -euo pipefail
 name=$1; sql=$2; shift 2
@@ -39,6 +40,8 @@ gen() { # name prepare execute-template(with @): NAME.sql runs it 200 times, NAM
   { echo "$2"; for i in $(seq 1 200); do echo "${3//@/$i}"; done; } > $W/$1.sql
   { echo "$2"; for i in $(seq 1001 1600); do echo "${3//@/$i}"; done; } > $W/$1.long.sql
 }
+gen replayrow "PREPARE s(text) AS SELECT idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL);" "EXECUTE s('k@7');"
+gen replayall "PREPARE s(text) AS SELECT * FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL);" "EXECUTE s('k@7');"
 gen base "PREPARE s(text) AS SELECT \$1;" "EXECUTE s('g@');"
 gen fresh "PREPARE s(text) AS SELECT idem.idem_complete('p', \$1, b.attempt, 201, '{\"Content-Type\":\"application/json\"}', '\\x7b7d') FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL) b;" "EXECUTE s('g@');"
 gen replay "PREPARE s(text) AS SELECT outcome, provider_key FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL);" "EXECUTE s('k@7');"

@@ -144,13 +144,19 @@ const standbyWaitColumn = `,
        current_setting('synchronous_standby_names') <> ''
        OR current_setting('citus.node_conninfo', true) IS NOT NULL`
 
-// txBeginSQL, txBeginRecordSQL and txBeginLeaseSQL are BeginSQL, BeginRecordSQL and
-// beginLeaseSQL with standbyWaitColumn.
+// txBeginSQL and txBeginLeaseSQL are BeginSQL and beginLeaseSQL with standbyWaitColumn.
 var (
-	txBeginSQL       = withColumn(BeginSQL, standbyWaitColumn)
-	txBeginRecordSQL = BeginRecordSQL + standbyWaitColumn
-	txBeginLeaseSQL  = withColumn(beginLeaseSQL, standbyWaitColumn)
+	txBeginSQL      = withColumn(BeginSQL, standbyWaitColumn)
+	txBeginLeaseSQL = withColumn(beginLeaseSQL, standbyWaitColumn)
 )
+
+// standbyWaitSQL is standbyWaitColumn as a statement of its own, queued right after
+// BeginRecordSQL in the same round trip. BeginRecordSQL must stay the call alone: Citus
+// delegates `SELECT idem.idem_begin(...)` (and `SELECT ... FROM idem.idem_begin(...)`) to the
+// principal's worker, but not a select list with anything beside the call, which it then runs
+// on the coordinator, where the function's lock_timeout does not reach the worker's statements:
+// a claim of a held key waited on the worker without end (TestCitusErrorForms).
+var standbyWaitSQL = "SELECT" + strings.TrimPrefix(standbyWaitColumn, ",")
 
 // binaryResults tells whether conn's statements get their results in the binary format (the
 // modes that describe a statement first), which a record (BeginRecordSQL) needs.
@@ -169,16 +175,22 @@ func withColumn(stmt, column string) string {
 	return stmt[:i] + column + stmt[i:]
 }
 
-// txBegin is the statement of c's claim in RunTx on conn (beginSQL with standbyWaitColumn, as a
-// record where conn reads one) and where its row goes: r, then standbyWait.
-func (c Claim) txBegin(conn *pgx.Conn, r *decisionRow, standbyWait *bool) (string, []any) {
+// queueTxBegin queues c's claim in RunTx on conn: beginSQL with standbyWaitColumn, or, where conn
+// reads records, BeginRecordSQL and then standbyWaitSQL. The decision goes to r, the
+// standby's column to standbyWait.
+func (c Claim) queueTxBegin(b *pgx.Batch, conn *pgx.Conn, r *decisionRow, standbyWait *bool) {
+	scan := func(dest ...any) func(pgx.Row) error {
+		return func(row pgx.Row) error { return row.Scan(dest...) }
+	}
 	switch {
 	case c.Lease != 0:
-		return txBeginLeaseSQL, append(r.dest(true), standbyWait)
+		b.Queue(txBeginLeaseSQL, c.beginArgs()...).QueryRow(scan(append(r.dest(true), standbyWait)...))
 	case binaryResults(conn):
-		return txBeginRecordSQL, []any{r.record(), standbyWait}
+		b.Queue(BeginRecordSQL, c.beginArgs()...).QueryRow(scan(r.record()))
+		b.Queue(standbyWaitSQL).QueryRow(scan(standbyWait))
+	default:
+		b.Queue(txBeginSQL, c.beginArgs()...).QueryRow(scan(append(r.dest(false), standbyWait)...))
 	}
-	return txBeginSQL, append(r.dest(false), standbyWait)
 }
 
 func (c Claim) beginArgs() []any {

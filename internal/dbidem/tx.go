@@ -98,8 +98,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
 	var standbyWait bool
-	sql, dest := c.txBegin(t.conn, &row, &standbyWait)
-	b.Queue(sql, c.beginArgs()...).QueryRow(func(r pgx.Row) error { return r.Scan(dest...) })
+	c.queueTxBegin(b, t.conn, &row, &standbyWait)
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {
