@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/tern/v2/migrate"
 
 	"github.com/pgidem/pgidem/idem"
@@ -53,7 +56,7 @@ func (m *Main) migrate(ctx context.Context) error {
 	if err := mig.LoadMigrations(ledgerFS()); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
-	if err := mig.Migrate(ctx); err != nil {
+	if err := migrateLedger(ctx, conn.Conn(), mig); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
 	if err := m.migrateRiver(ctx); err != nil {
@@ -61,6 +64,42 @@ func (m *Main) migrate(ctx context.Context) error {
 	}
 	m.log.Info("migrated")
 	return nil
+}
+
+// ledgerLockTimeout bounds each lock wait of a ledger migration, ledgerTries its runs.
+const (
+	ledgerLockTimeout = "200ms"
+	ledgerTries       = 10
+)
+
+// migrateLedger runs the ledger's migrations while the previous release may be serving. A new
+// table's foreign keys take SHARE ROW EXCLUSIVE on the tables they reference, one after the
+// other, and a request can hold one of those tables while it waits for another (a payout
+// inserts into ledger.payouts, then updates ledger.accounts): waiting without bound, the
+// migration deadlocked with such a request, and requests queued behind it. So each lock wait
+// is bounded (ledgerLockTimeout), and a migration that meets a lock timeout or a deadlock is
+// rolled back (tern runs each in its own transaction) and runs again, after the requests in its
+// way are through, up to ledgerTries times.
+func migrateLedger(ctx context.Context, conn *pgx.Conn, mig *migrate.Migrator) error {
+	if _, err := conn.Exec(ctx, "SET lock_timeout = '"+ledgerLockTimeout+"'"); err != nil {
+		return err
+	}
+	defer func() { _, _ = conn.Exec(context.WithoutCancel(ctx), "RESET lock_timeout") }()
+	for try := 1; ; try++ {
+		err := mig.Migrate(ctx)
+		var pgErr *pgconn.PgError
+		if err == nil || try == ledgerTries || ctx.Err() != nil ||
+			!errors.As(err, &pgErr) || (pgErr.Code != "55P03" && pgErr.Code != "40P01") {
+			return err
+		}
+		t := time.NewTimer(time.Duration(try) * 100 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
 }
 
 // errNotMigrated is what serve, cleanup and principal create say on a database that lacks
