@@ -49,18 +49,18 @@ DECLARE
     v_now     timestamptz;
     v_expires timestamptz;
     v_lease   timestamptz;
-    v_claimed timestamptz;
-    v_guard   boolean;
+    v_token   bigint;
     v_action  bigint;
     v_fields  bytea;
-    v_checked boolean; -- p_request_fields was checked (and v_fields built, on the INSERT's path)
     v_ok      boolean;
-    v_token   bigint;
     v_gen     bigint;
-    -- A record, not idem.idempotency_keys%ROWTYPE: a row type is looked up, with a lock on the
-    -- table, when the function is compiled, before p_lock_timeout applies; a LOCK TABLE by a
-    -- migration or maintenance then kept every new session's first claim waiting the SET
-    -- clause's whole lock timeout. The statements below take the table's lock under it.
+    -- The key's row as last read (include/read_key.sql). A record, not scalars: a read that
+    -- finds no row sets a record to NULL at once, where each scalar target would be cast from
+    -- an unknown NULL (a cast set up again in every transaction, about 14,000 instructions of a
+    -- fresh claim). Not idem.idempotency_keys%ROWTYPE either: a row type is looked up, with a
+    -- lock on the table, when the function is compiled, before p_lock_timeout applies; a LOCK
+    -- TABLE by a migration or maintenance then kept every new session's first claim waiting
+    -- the SET clause's whole lock timeout. The statements below take the table's lock under it.
     v_row     record;
     v_lock    boolean;
     v_tries   integer;
@@ -69,10 +69,53 @@ DECLARE
     v_pos     integer;
     v_nul     integer;
 BEGIN
-    -- Validation. PL/pgSQL compiles an expression the first time a transaction evaluates it,
-    -- and a claim is usually the only call of its transaction, so what costs is what gets
-    -- compiled: a valid call compiles one small test; the CASE that names the problem, and
-    -- the checks of optional arguments, are compiled only when they are needed.
+    -- PL/pgSQL sets up each expression it evaluates again in every transaction, and a claim is
+    -- usually the only call of its transaction: what costs is the number of expressions a path
+    -- evaluates, and their size. So the two paths that matter come first: a replay (the probe
+    -- and about five expressions) and a fresh key (the probe, the INSERT and about ten); every
+    -- other path decides in the loop below. A valid call evaluates one small test of the
+    -- optional arguments and one of the others (not on a replay, below); the CASE that names a
+    -- problem, and the checks of optional arguments given, run only when they are needed. The
+    -- optional arguments are tested first: p_lock_timeout bounds every statement's wait,
+    -- the probe's for the table's lock too.
+    IF p_ttl IS NOT NULL OR p_lease IS NOT NULL OR p_lock_timeout IS NOT NULL THEN
+{{ template "include/check_ttl.sql" "idem_begin" }}
+        IF p_lease IS NOT NULL THEN
+            IF {{ template "include/not_positive.sql" "p_lease" }} THEN
+                RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
+                    USING ERRCODE = '22023';
+            END IF;
+            IF p_lease > interval '{{ template "max_interval" }}' THEN
+                RAISE EXCEPTION 'idem_begin: p_lease must be at most {{ template "max_interval" }}, got %', p_lease
+                    USING ERRCODE = '22023';
+            END IF;
+        END IF;
+        IF p_lock_timeout IS NOT NULL THEN
+            IF {{ template "include/not_positive.sql" "p_lock_timeout" }} THEN
+                RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive in every part, got %', p_lock_timeout
+                    USING ERRCODE = '22023';
+            END IF;
+            -- Local to this call: the SET clause above restores the caller's value on return.
+            PERFORM set_config('lock_timeout',
+                greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
+        END IF;
+    END IF;
+
+    -- The probe: the key's row, read without a lock.
+{{ template "include/read_key.sql" "" }}
+    -- A repeat of a completed key: decided on the committed row the probe found, without
+    -- drawing a token or building the request's field hashes. The key and request arguments
+    -- need no test on this path: a row is found only for a valid principal and key (idem_begin
+    -- stores no other), and a replay only for the action and the 32-byte fingerprint stored.
+    IF FOUND AND v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
+       AND v_row.request_sha256 = p_request_sha256
+       AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
+{{ template "include/check_fields.sql" "idem_begin" }}
+        outcome := 'replay';
+{{ template "include/replay_answer.sql" }}
+        provider_key := {{ template "include/provider_key.sql" "coalesce(v_row.generation, v_row.attempt)" }};
+        RETURN;
+    END IF;
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}, false) THEN
         v_problem := CASE
 {{ template "include/check_key.sql" . }}
@@ -80,123 +123,79 @@ BEGIN
         END;
 {{ template "include/raise.sql" "idem_begin" }}
     END IF;
-{{ template "include/check_ttl.sql" "idem_begin" }}
-    IF p_lease IS NOT NULL THEN
-        IF {{ template "include/not_positive.sql" "p_lease" }} THEN
-            RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
-                USING ERRCODE = '22023';
-        END IF;
-        IF p_lease > interval '{{ template "max_interval" }}' THEN
-            RAISE EXCEPTION 'idem_begin: p_lease must be at most {{ template "max_interval" }}, got %', p_lease
-                USING ERRCODE = '22023';
-        END IF;
-    END IF;
-    IF p_lock_timeout IS NOT NULL THEN
-        IF {{ template "include/not_positive.sql" "p_lock_timeout" }} THEN
-            RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive in every part, got %', p_lock_timeout
-                USING ERRCODE = '22023';
-        END IF;
-        -- Local to this call: the SET clause above restores the caller's value on return.
-        PERFORM set_config('lock_timeout',
-            greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);
-    END IF;
-    -- statement_timestamp() is one instant for the whole call (the request's arrival);
-    -- decisions after a wait use clock_timestamp(). A claim's expires_at is the TTL after now
-    -- (a transactional claim) or after the end of its lease (a lease claim); the completion
-    -- keeps the key the TTL after the answer (answer_expires_at).
-    -- What a claim writes is computed on the paths that claim: a repeat evaluates none of it.
-    v_now := statement_timestamp();
-    v_action := hashtextextended(p_action, 0);
-
-    -- Every pass starts with the probe unless the previous pass asked for the row locked. A
-    -- fresh key leaves at the first RETURN, a repeat of a committed key right after the probe.
-    LOOP
-        IF v_lock IS NOT TRUE THEN
-            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
-                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
-              INTO v_row FROM idem.idempotency_keys AS k
-             WHERE k.principal_id = p_principal AND k.key = p_key;
-            IF FOUND AND v_checked IS NOT TRUE THEN
-{{ template "include/check_fields.sql" "idem_begin" }}
-                v_checked := true;
-            END IF;
-        END IF;
-        IF v_lock IS NOT TRUE AND NOT FOUND THEN
-            -- The fencing token: no holder of any key ever had it. The field hashes as stored,
-            -- checked as they are built.
-            v_token := coalesce(v_token, nextval('idem.token_seq'));
-            IF v_checked IS NOT TRUE THEN
+    IF NOT FOUND THEN
+        -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
+        -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
+        -- expires_at is the TTL after now (a transactional claim) or after the end of its lease
+        -- (a lease claim); the completion keeps the key the TTL after the answer
+        -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
+        -- hashes as stored, checked as they are built.
 {{ template "include/fields_blob.sql" "idem_begin" }}
-                v_checked := true;
-            ELSE
-                -- Checked on an earlier pass, whose row has vanished since (cleanup).
-{{ template "include/fields_blob_lazy.sql" . }}
-            END IF;
+        v_token := nextval('idem.token_seq');
+        IF p_lease IS NOT NULL THEN
+            v_now := statement_timestamp();
             v_lease := v_now + p_lease;
-            v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
-            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-            v_guard := nullif(p_lease IS NULL, false);
-            INSERT INTO idem.idempotency_keys AS k
-                (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
-                 principal_id, key, request_sha256, request_fields, claimed_at)
-            VALUES
-                (v_expires, v_token, v_action, v_lease, 'p', v_guard,
-                 p_principal, p_key, p_request_sha256, v_fields, v_claimed)
-            ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
-            RETURNING k.attempt INTO attempt;
-            IF FOUND THEN
-                outcome := 'claimed';
-                provider_key := {{ template "include/provider_key.sql" "v_token" }};
-                RETURN;
-            END IF;
-            -- The key exists (committed since the probe, or its holder's claim was not
-            -- committed yet), and the INSERT has waited for an uncommitted holder. Decide on
-            -- the row as committed; lock it only to write.
-            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
-                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
-              INTO v_row FROM idem.idempotency_keys AS k
-             WHERE k.principal_id = p_principal AND k.key = p_key;
-        ELSIF v_lock THEN
-            SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
-                   k.request_sha256, k.request_fields, k.response_status, k.response_headers,
-                   k.response_body, k.resource_id, k.withheld
-              INTO v_row FROM idem.idempotency_keys AS k
-             WHERE k.principal_id = p_principal AND k.key = p_key
-               FOR UPDATE;
         END IF;
+        v_expires := coalesce(v_lease, statement_timestamp()) + coalesce(p_ttl, {{ template "default_ttl" }});
+{{ template "include/claim_insert.sql" . }}
+        IF FOUND THEN
+            provider_key := {{ template "include/provider_key.sql" "attempt" }};
+            RETURN;
+        END IF;
+        -- The key exists (committed since the probe, or its holder's claim was not committed
+        -- yet), and the INSERT has waited for an uncommitted holder. Decide on the row as
+        -- committed, in the loop; lock it only to write.
+{{ template "include/read_key.sql" "" }}
+    ELSE
+{{ template "include/check_fields.sql" "idem_begin" }}
+    END IF;
 
+    -- Every other path: the row found is not a replay, or the INSERT met one. p_request_fields
+    -- has been checked either way.
+    v_action := hashtextextended(p_action, 0);
+    LOOP
         IF NOT FOUND THEN
-            -- idem_cleanup deleted the (expired) row since the INSERT saw it: insert again.
+            -- idem_cleanup deleted the (expired) row since it was read: probe and insert again.
             v_tries := coalesce(v_tries, 0) + 1;
             EXIT WHEN v_tries >= 8;
             v_lock := false;
+{{ template "include/read_key.sql" "" }}
+            IF NOT FOUND THEN
+{{ template "include/fields_blob_lazy.sql" . }}
+                v_now := clock_timestamp();
+                v_token := nextval('idem.token_seq');
+                v_lease := v_now + p_lease;
+                v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+{{ template "include/claim_insert.sql" . }}
+                IF FOUND THEN
+                    provider_key := {{ template "include/provider_key.sql" "attempt" }};
+                    RETURN;
+                END IF;
+{{ template "include/read_key.sql" "" }}
+            END IF;
             CONTINUE;
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.state = 'r' OR (v_row.expires_at <= v_now
-                                 AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)) THEN
+        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)) THEN
             -- An expired key is absent, a released one free: claim it again, with a new
             -- token, so that a holder of an older claim stays fenced off.
             IF v_lock THEN
-                v_token := coalesce(v_token, nextval('idem.token_seq'));
+                v_token := nextval('idem.token_seq');
 {{ template "include/fields_blob_lazy.sql" . }}
                 v_lease := v_now + p_lease;
-                v_claimed := CASE WHEN p_lease IS NOT NULL THEN v_now END;
                 v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-                v_guard := nullif(p_lease IS NULL, false);
                 UPDATE idem.idempotency_keys AS k
                    SET state = 'p', attempt = v_token, expires_at = v_expires, lease_expires_at = v_lease,
-                       uncompleted = v_guard, action_hash = v_action, request_sha256 = p_request_sha256,
-                       request_fields = v_fields, response_status = NULL, response_headers = NULL,
-                       response_body = NULL, resource_id = NULL, withheld = NULL, claimed_at = v_claimed,
+                       uncompleted = nullif(p_lease IS NULL, false), action_hash = v_action,
+                       request_sha256 = p_request_sha256, request_fields = v_fields, response_status = NULL,
+                       response_headers = NULL, response_body = NULL, resource_id = NULL, withheld = NULL,
+                       claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                        generation = NULL, recovery_point = NULL, recovery_saved = NULL
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
-                provider_key := {{ template "include/provider_key.sql" "v_token" }};
+                provider_key := {{ template "include/provider_key.sql" "attempt" }};
                 RETURN;
             END IF;
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
@@ -230,14 +229,8 @@ BEGIN
             RETURN;
         ELSIF v_row.state = 'c' THEN
             outcome := 'replay';
-            attempt := v_row.attempt;
-            response_status := v_row.response_status::integer;
-            response_headers := v_row.response_headers;
-            response_body := v_row.response_body;
-            resource_id := v_row.resource_id;
-            withheld := v_row.withheld;
-            v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := {{ template "include/provider_key.sql" "v_gen" }};
+{{ template "include/replay_answer.sql" }}
+            provider_key := {{ template "include/provider_key.sql" "coalesce(v_row.generation, v_row.attempt)" }};
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -254,13 +247,12 @@ BEGIN
             -- the new lease's end), so that the completion keeps the answer the TTL after it is
             -- given, whichever kind of claim took over; and no other request can claim the key
             -- while this one works.
-            v_token := coalesce(v_token, nextval('idem.token_seq'));
+            v_token := nextval('idem.token_seq');
             v_lease := v_now + p_lease;
             v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-            v_guard := nullif(p_lease IS NULL, false);
             v_gen := coalesce(v_row.generation, v_row.attempt);
             UPDATE idem.idempotency_keys AS k
-               SET attempt = v_token, lease_expires_at = v_lease, uncompleted = v_guard,
+               SET attempt = v_token, lease_expires_at = v_lease, uncompleted = nullif(p_lease IS NULL, false),
                    expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                    generation = v_gen
              WHERE k.principal_id = p_principal AND k.key = p_key
@@ -271,6 +263,7 @@ BEGIN
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
         v_lock := true;
+{{ template "include/read_key.sql" "FOR UPDATE" }}
     END LOOP;
     RAISE EXCEPTION 'idem_begin: the row of this key kept vanishing; retry the transaction'
         USING ERRCODE = '40001';

@@ -21,9 +21,10 @@ DECLARE
     v_now     timestamptz;
     v_since   timestamptz;
 BEGIN
-    -- Validation: one small test on the fast path; see idem_begin.
-    IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL
-                    AND {{ template "include/valid_response.sql" }}, false) THEN
+    -- Validation: one small test on the fast path; see idem_begin. What is stored (the
+    -- response) is checked before the UPDATE; the key only where the UPDATE finds no claim (no
+    -- row has a key that idem_begin refuses), so that a bad key still raises 22004 or 22023.
+    IF NOT coalesce(p_attempt IS NOT NULL AND {{ template "include/valid_response.sql" }}, false) THEN
         v_problem := CASE
 {{ template "include/check_key.sql" . }}
         WHEN p_attempt IS NULL
@@ -42,6 +43,12 @@ BEGIN
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p';
     IF NOT FOUND THEN
+        IF NOT coalesce({{ template "include/valid_key.sql" }}, false) THEN
+            v_problem := CASE
+{{ template "include/check_key.sql" . }}
+            END;
+{{ template "include/raise.sql" "idem_complete" }}
+        END IF;
         RAISE EXCEPTION 'idem_complete: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
                   HINT = 'The claim was taken over by a later attempt, released, expired and cleaned up, or never made.';
