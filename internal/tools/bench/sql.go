@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -239,7 +242,17 @@ func sqlPart(ctx context.Context, b *bench) error {
 			p.Close()
 		}
 	}()
-	for _, v := range sqlVariants {
+	variants := sqlVariants
+	if only := os.Getenv("BENCH_SQL_VARIANTS"); only != "" {
+		// For an A/B of some variants with more rounds; the rows of the others read n/a.
+		variants = nil
+		for _, v := range sqlVariants {
+			if slices.Contains(strings.Split(only, ","), v.name) {
+				variants = append(variants, v)
+			}
+		}
+	}
+	for _, v := range variants {
 		if pools[v.db] != nil {
 			continue
 		}
@@ -254,11 +267,11 @@ func sqlPart(ctx context.Context, b *bench) error {
 	}
 	fmt.Printf("SQL: %d clients (pgx v5 pool, one connection each), %d rounds of %ds per variant, TCP loopback\n",
 		b.clients, b.rounds, b.seconds)
-	tps, fails, err := rounds(ctx, b, b.clients, sqlVariants, pools, "")
+	tps, fails, err := rounds(ctx, b, b.clients, variants, pools, "")
 	if err != nil {
 		return err
 	}
-	med := printMedians(sqlVariants, tps)
+	med := printMedians(variants, tps)
 	b.ratio("SQL: functions / seed 001 statements (loopback)", med["functions"]/med["seed001"], ">=", 1.00)
 	b.ratio("SQL: functions / hand-written on our table", med["functions"]/med["handwritten"], ">=", 1.05)
 	b.ratio("SQL: guard / no guard", med["functions"]/med["noguard"], ">=", 0.95)
