@@ -49,8 +49,8 @@ var All = []Mutant{
 	{
 		Name: "sql-ttl-lease-claim", Promise: "a lease claim's answer is kept the TTL after the answer (its key counted from the claim)",
 		File:     "sql/functions/idem_begin.sql",
-		Search:   "v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template \"default_ttl\" }});\n            v_guard := nullif(p_lease IS NULL, false);\n            INSERT",
-		Replace:  "v_expires := v_now + coalesce(p_ttl, {{ template \"default_ttl\" }});\n            v_guard := nullif(p_lease IS NULL, false);\n            INSERT",
+		Search:   "v_expires := coalesce(v_lease, statement_timestamp()) + coalesce(p_ttl, {{ template \"default_ttl\" }});\n",
+		Replace:  "v_expires := statement_timestamp() + coalesce(p_ttl, {{ template \"default_ttl\" }});\n",
 		Expected: "TestSQLHistory, TestDoHistory: expiry edge lease",
 	},
 	{
