@@ -1283,12 +1283,13 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
        AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
                OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
-            IF jsonb_typeof(p_request_fields) <> 'object' THEN
-                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+IF jsonb_typeof(p_request_fields) <> 'object' THEN
+                    RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                        USING ERRCODE = '22023';
+                END IF;
+                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
                     USING ERRCODE = '22023';
-            END IF;
-            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                USING ERRCODE = '22023';
+
         END IF;
 
         outcome := 'replay';
@@ -1349,12 +1350,13 @@ IF p_request_fields IS NOT NULL THEN
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
-                IF jsonb_typeof(p_request_fields) <> 'object' THEN
+IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
                 END IF;
                 RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
                     USING ERRCODE = '22023';
+
             END IF;
         END IF;
 
@@ -1396,12 +1398,13 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
     ELSE
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
                OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
-            IF jsonb_typeof(p_request_fields) <> 'object' THEN
-                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+IF jsonb_typeof(p_request_fields) <> 'object' THEN
+                    RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                        USING ERRCODE = '22023';
+                END IF;
+                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
                     USING ERRCODE = '22023';
-            END IF;
-            RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                USING ERRCODE = '22023';
+
         END IF;
 
     END IF;
@@ -1809,12 +1812,13 @@ IF p_request_fields IS NOT NULL THEN
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
-                IF jsonb_typeof(p_request_fields) <> 'object' THEN
+IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
                 END IF;
                 RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
                     USING ERRCODE = '22023';
+
             END IF;
         END IF;
 

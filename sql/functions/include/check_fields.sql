@@ -6,10 +6,5 @@
    it is stored or compared). The argument is the function's name. */ -}}
         IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
                OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
-            IF jsonb_typeof(p_request_fields) <> 'object' THEN
-                RAISE EXCEPTION '{{ . }}: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
-                    USING ERRCODE = '22023';
-            END IF;
-            RAISE EXCEPTION '{{ . }}: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                USING ERRCODE = '22023';
+{{ template "include/bad_fields.sql" . }}
         END IF;

@@ -11,11 +11,6 @@
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
-                IF jsonb_typeof(p_request_fields) <> 'object' THEN
-                    RAISE EXCEPTION '{{ . }}: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
-                        USING ERRCODE = '22023';
-                END IF;
-                RAISE EXCEPTION '{{ . }}: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                    USING ERRCODE = '22023';
+{{ template "include/bad_fields.sql" . }}
             END IF;
         END IF;
