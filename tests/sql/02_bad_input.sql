@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(64);
+SELECT plan(75);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -71,6 +71,28 @@ SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
 SELECT throws_ok($$SELECT idem.idem_cleanup(0)$$, '22023', 'idem_cleanup: p_batch_size must be at least 1, got 0',
     'the error names the function called, not an internal one');
 SELECT is((SELECT count(*) FROM idem.idempotency_keys), 0::bigint, 'nothing was written');
+
+-- A completed key's replay is answered before the key and request arguments are tested (a row
+-- is found only for arguments once accepted, D138); bad arguments on that key still raise, and
+-- change nothing. idem_complete tests the key once it finds no claim; a bad one still raises.
+SELECT idem.idem_complete('p', 'done', b.attempt, 201, '{}', 'answer')
+  FROM idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef"}') AS b;
+DELETE FROM bad;
+INSERT INTO bad VALUES
+ ('begin', $$SELECT idem.idem_begin('p', 'done', NULL, sha256('x'))$$, '22004'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', repeat('a', 1001), sha256('x'))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', substr(sha256('x'), 1, 31))$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_ttl => '0 s')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lease => '-1 s')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lock_timeout => '0 s')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": 1}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '[]')$$, '22023'),
+ ('complete', $$SELECT idem.idem_complete(NULL, 'done', 1, 200, '{}', NULL)$$, '22004'),
+ ('complete', $$SELECT idem.idem_complete('p', repeat('k', 256), 1, 200, '{}', NULL)$$, '22023');
+SELECT throws_ok(call, state, NULL, fn || ' refuses, on a completed key: ' || call) FROM bad;
+SELECT is((SELECT format('%s %s %s', count(*), min(state), min(convert_from(response_body, 'UTF8'))) FROM idem.idempotency_keys),
+    '1 c answer', 'the completed key is as it was');
+DELETE FROM idem.idempotency_keys;
 SELECT lives_ok($$SELECT idem.idem_release('p', 'tenyears', attempt) FROM idem.idem_begin('p', 'tenyears', 'a', sha256('x'), p_ttl => '86400 hours', p_lease => '86400 hours')$$,
     'a TTL and a lease of exactly 10 years (120 months of 30 days, in hours) are accepted');
 
