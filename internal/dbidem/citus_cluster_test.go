@@ -4,6 +4,7 @@ package dbidem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"testing"
 	"time"
@@ -122,7 +123,41 @@ func TestCitusErrorForms(t *testing.T) {
 	if !errors.Is(err, dbidem.ErrInProgress) || !dbidem.IsKeyWait(err) {
 		t.Fatalf("a wait on a held key: %v, want ErrInProgress, a wait on the key", err)
 	}
+	// A lease claim of the held key (idem_begin_steps, D139) waits the lock timeout too, not
+	// until the holder ends: the holder never ends before the bound below.
+	busyLease := busy
+	busyLease.Lease = time.Minute
+	waitCtx, cancelWait := context.WithTimeout(ctx, 10*time.Second)
+	start := time.Now()
+	_, err = dbidem.Begin(waitCtx, pool, busyLease)
+	cancelWait()
+	if waited := time.Since(start); !errors.Is(err, dbidem.ErrInProgress) || !dbidem.IsKeyWait(err) || waited > 2*time.Second {
+		t.Fatalf("a lease claim of a held key: %v after %v, want ErrInProgress, a wait on the key, past its 200 ms lock timeout", err, waited)
+	}
 	_ = holder.Rollback(ctx)
+
+	// Work in steps through the coordinator: a lease claim records a step, yields, and the
+	// takeover (same generation, same provider key) reads the step with its claim.
+	steps := at(b, "steps")
+	steps.Lease = time.Minute
+	d1, err := dbidem.Begin(ctx, pool, steps)
+	if err != nil || d1.Outcome != dbidem.Claimed || d1.RecoveryPoint != "" {
+		t.Fatalf("a lease claim to work in steps: %+v %v", d1, err)
+	}
+	if err := dbidem.RecordStep(ctx, pool, b, "steps", d1.Attempt, "order", json.RawMessage(`{"id":41}`)); err != nil {
+		t.Fatalf("a step: %v", err)
+	}
+	if ok, err := dbidem.Yield(ctx, pool, b, "steps", d1.Attempt); err != nil || !ok {
+		t.Fatalf("a yield: %v %v", ok, err)
+	}
+	d2, err := dbidem.Begin(ctx, pool, steps)
+	if err != nil || d2.Outcome != dbidem.Claimed || d2.Attempt == d1.Attempt || d2.ProviderKey != d1.ProviderKey ||
+		d2.RecoveryPoint != "order" || string(d2.Steps["order"]) != `{"id": 41}` {
+		t.Fatalf("the takeover after a yield: %+v %v, want a claim of the same generation that reads the step", d2, err)
+	}
+	if err := dbidem.RecordStep(ctx, pool, b, "steps", d1.Attempt, "charge", nil); !errors.Is(err, dbidem.ErrClaimLost) {
+		t.Fatalf("a step of the holder that yielded: %v, want ErrClaimLost", err)
+	}
 
 	// A lost claim: a completion with another token.
 	d, err := dbidem.Begin(ctx, pool, func() dbidem.Claim { c := at(b, "lease"); c.Lease = time.Minute; return c }())

@@ -36,19 +36,16 @@ const (
        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
 
-	// beginLeaseSQL is BeginSQL for a lease claim, with the steps its generation recorded
-	// (idem_recovery) read in the same statement when it claimed. OFFSET 0 keeps the subquery
-	// apart, so that its outer-only condition gates the call: idem_recovery runs for a claim
-	// only, never for a replay or an in_progress answer.
+	// beginLeaseSQL is BeginSQL for a lease claim, through idem_begin_steps: the steps its
+	// generation recorded (idem_recovery) come with a claim, in the same call. One function in
+	// FROM, so that Citus delegates the call, with its lock timeout, to the principal's worker
+	// (D139).
 	beginLeaseSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body,
        b.resource_id, b.withheld, b.changed_fields, extract(epoch FROM b.retry_after)::float8,
-       b.provider_key, r.recovery_point, r.recovery_saved
-  FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
-                       p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
-                       p_request_fields => $7::jsonb, p_lock_timeout => $8::interval) AS b
-  LEFT JOIN LATERAL (SELECT s.recovery_point, s.recovery_saved
-                       FROM idem.idem_recovery(p_principal => $1::text, p_key => $2::text, p_attempt => b.attempt) AS s
-                      WHERE b.outcome = 'claimed' OFFSET 0) AS r ON true`
+       b.provider_key, b.recovery_point, b.recovery_saved
+  FROM idem.idem_begin_steps(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
+                             p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
+                             p_request_fields => $7::jsonb, p_lock_timeout => $8::interval) AS b`
 
 	// CompleteSQL calls idem_complete.
 	CompleteSQL = `SELECT idem.idem_complete(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,

@@ -120,8 +120,9 @@ $do$
 $cmd$, (SELECT array_agg(q ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q),
        (SELECT array_agg(pg_sequence_last_value(q::regclass) ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q)));
 
--- 5. The API: each claim, completion, final answer, release and lease extension runs on the worker that holds
---    p_principal's shard, in the caller's transaction (force_delegation).
+-- 5. The API: each claim, completion, final answer, release, lease extension, yield, step and
+--    read of the steps runs on the worker that holds p_principal's shard, in the caller's
+--    transaction (force_delegation), with the function's own lock_timeout.
 SELECT create_distributed_function('idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 SELECT create_distributed_function('idem.idem_complete(text,text,bigint,integer,jsonb,bytea,text,text)',
@@ -131,6 +132,14 @@ SELECT create_distributed_function('idem.idem_save_final(text,text,text,bytea,in
 SELECT create_distributed_function('idem.idem_release(text,text,bigint)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 SELECT create_distributed_function('idem.idem_extend(text,text,bigint,interval)',
+    distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
+SELECT create_distributed_function('idem.idem_begin_steps(text,text,text,bytea,interval,interval,jsonb,interval)',
+    distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
+SELECT create_distributed_function('idem.idem_step(text,text,bigint,text,jsonb)',
+    distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
+SELECT create_distributed_function('idem.idem_recovery(text,text,bigint)',
+    distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
+SELECT create_distributed_function('idem.idem_yield(text,text,bigint)',
     distribution_arg_name => 'p_principal', colocate_with => 'idem.idempotency_keys', force_delegation => true);
 
 -- 6. The privileges, again, on every worker. Citus creates the API's functions on the workers
@@ -153,7 +162,7 @@ BEGIN
     SET LOCAL citus.enable_ddl_propagation = off;
     GRANT USAGE ON SCHEMA idem TO %1$I;
     GRANT EXECUTE ON FUNCTION idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release,
-        idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version TO %1$I;
+        idem.idem_extend, idem.idem_yield, idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version TO %1$I;
     GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO %1$I;
 END
 $do$

@@ -1,7 +1,7 @@
 -- idem_app may call the API and nothing else; PUBLIC may call nothing; no role but the
 -- owner may touch the key table, so the functions are its only writers.
 BEGIN;
-SELECT plan(35);
+SELECT plan(36);
 
 CREATE ROLE idem_test_stranger NOLOGIN;
 
@@ -17,6 +17,7 @@ SELECT ok(has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may execut
     'idem.idem_health()',
     'idem.idem_replication()',
     'idem.idem_recovery(text,text,bigint)',
+    'idem.idem_begin_steps(text,text,text,bytea,interval,interval,jsonb,interval)',
     'idem.idem_key(text,text)',
     'idem.idem_cleanup(integer)',
     'idem.idem_cleanup_all(integer,bigint)',

@@ -5,7 +5,7 @@
 -- internal/dbidem (TestStepFenceRowLock), which pgTAP's one transaction cannot show.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(33);
+SELECT plan(42);
 
 -- Arguments.
 SELECT throws_ok($$SELECT idem.idem_step(NULL, 'k', 1, 's')$$, '22004', NULL, 'a NULL principal is refused');
@@ -83,6 +83,32 @@ SELECT attempt AS t1 FROM r \gset
 SELECT throws_ok(format($$SELECT idem.idem_step('steps', 'tx', %s, 's')$$, :t1), '55000', NULL, 'a transactional claim records no step');
 SELECT idem.idem_complete('steps', 'tx', :t1, 201, '{}', 'ok');
 
+-- idem_begin_steps: idem_begin's answer and, for a claim, idem_recovery's, in one call.
+SELECT throws_ok($$SELECT * FROM idem.idem_begin_steps(NULL, 'k', 'a', sha256('x'))$$, '22004', NULL,
+    'idem_begin_steps refuses a NULL principal as idem_begin does');
+SELECT throws_ok($$SELECT * FROM idem.idem_begin_steps('p', 'k k', 'a', sha256('x'))$$, '22023', NULL, 'and an invalid key');
+SELECT is(row(outcome, recovery_point, recovery_saved)::text, '(claimed,,)', 'a fresh claim has no steps')
+  FROM idem.idem_begin_steps('steps', 's2', 'POST /payouts', sha256('s2'), p_lease => '1 minute');
+SELECT attempt AS s1 FROM idem.idempotency_keys WHERE principal_id = 'steps' AND key = 's2' \gset
+SELECT idem.idem_step('steps', 's2', :s1, 'reserve', '{"id": 41}');
+SELECT is(row(outcome, recovery_point)::text, '(in_progress,)', 'a duplicate while the lease runs reads no steps')
+  FROM idem.idem_begin_steps('steps', 's2', 'POST /payouts', sha256('s2'), p_lease => '1 minute');
+SELECT idem.idem_yield('steps', 's2', :s1);
+CREATE TEMP TABLE took AS
+SELECT * FROM idem.idem_begin_steps('steps', 's2', 'POST /payouts', sha256('s2'), p_lease => '1 minute');
+SELECT is(row(t.outcome, t.recovery_point, t.recovery_saved)::text, row('claimed', s.recovery_point, s.recovery_saved)::text,
+    'the takeover reads the steps as idem_recovery gives them')
+  FROM took AS t, idem.idem_recovery('steps', 's2', t.attempt) AS s;
+SELECT is(recovery_saved, '{"reserve": {"id": 41}}'::jsonb, 'every step with what it saved') FROM took;
+SELECT is(provider_key, (SELECT provider_key FROM idem.idem_begin('steps', 's2', 'POST /payouts', sha256('s2'), p_lease => '1 minute')),
+    'the same generation as idem_begin answers it') FROM took;
+SELECT idem.idem_complete('steps', 's2', attempt, 201, '{}', 'paid') FROM took;
+SELECT is(row(b.outcome, b.attempt, b.response_status, b.response_body, b.provider_key, b.recovery_point, b.recovery_saved)::text,
+          row(a.outcome, a.attempt, a.response_status, a.response_body, a.provider_key, NULL::text, NULL::jsonb)::text,
+    'a replay: idem_begin''s answer, without steps')
+  FROM idem.idem_begin_steps('steps', 's2', 'POST /payouts', sha256('s2')) AS b,
+       idem.idem_begin('steps', 's2', 'POST /payouts', sha256('s2')) AS a;
+
 -- The least-privileged role records steps through the function alone.
 SET LOCAL ROLE idem_app;
 CREATE TEMP TABLE app_claim AS
@@ -90,6 +116,8 @@ SELECT attempt FROM idem.idem_begin('steps', 'app', 'POST /payouts', sha256('app
 SELECT lives_ok($$SELECT idem.idem_step('steps', 'app', (SELECT attempt FROM app_claim), 'reserve', '7')$$,
     'idem_app records a step');
 SELECT is(recovery_saved, '{"reserve": 7}'::jsonb, 'and reads it') FROM idem.idem_recovery('steps', 'app', (SELECT attempt FROM app_claim));
+SELECT is(outcome, 'in_progress', 'and claims with idem_begin_steps')
+  FROM idem.idem_begin_steps('steps', 'app', 'POST /payouts', sha256('app'), p_lease => '1 minute');
 RESET ROLE;
 
 SELECT * FROM finish();

@@ -1,0 +1,51 @@
+-- idem_begin_steps: idem_begin and, when it claimed, idem_recovery of that claim, in one call:
+-- the claim of work in steps (idem_step), which must know what its generation has done so far
+-- before it starts. The same arguments and answers as idem_begin, and two columns more, as
+-- idem_recovery gives them for a claim (NULL for any other outcome, and for a generation that
+-- recorded no step).
+--
+-- Why a function and not idem_begin joined laterally with idem_recovery in one statement (what
+-- the Go driver sent before): Citus delegates a call of one function to the worker that holds
+-- the principal's shard, with the function's own lock_timeout, but not a join of two; the join
+-- ran on the coordinator, and a claim of a key that a transaction held waited on the worker
+-- until that transaction ended (docs/DECISIONS.md, D139). Not new OUT columns of idem_begin
+-- either: the previous release calls it while the next one's migrate replaces it.
+CREATE OR REPLACE FUNCTION idem.idem_begin_steps(
+    p_principal      text,
+    p_key            text,
+    p_action         text,
+    p_request_sha256 bytea,
+    p_ttl            interval DEFAULT {{ template "default_ttl" }},
+    p_lease          interval DEFAULT NULL,
+    p_request_fields jsonb    DEFAULT NULL,
+    p_lock_timeout   interval DEFAULT NULL,
+    OUT outcome          text,
+    OUT attempt          bigint,
+    OUT response_status  integer,
+    OUT response_headers jsonb,
+    OUT response_body    bytea,
+    OUT resource_id      text,
+    OUT withheld         text,
+    OUT changed_fields   text[],
+    OUT retry_after      interval,
+    OUT provider_key     text,
+    OUT recovery_point   text,
+    OUT recovery_saved   jsonb)
+{{ template "include/attributes.sql" . }}
+AS $$
+BEGIN
+    SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body, b.resource_id,
+           b.withheld, b.changed_fields, b.retry_after, b.provider_key
+      INTO outcome, attempt, response_status, response_headers, response_body, resource_id,
+           withheld, changed_fields, retry_after, provider_key
+      FROM idem.idem_begin(p_principal, p_key, p_action, p_request_sha256, p_ttl, p_lease,
+                           p_request_fields, p_lock_timeout) AS b;
+    IF outcome = 'claimed' THEN
+        SELECT r.recovery_point, r.recovery_saved INTO recovery_point, recovery_saved
+          FROM idem.idem_recovery(p_principal, p_key, attempt) AS r;
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_begin_steps(text, text, text, bytea, interval, interval, jsonb, interval) IS
+    'idem_begin and, for a claim, idem_recovery of that claim, in one call (one statement that Citus delegates). See docs/sql-api.md.';
