@@ -2088,8 +2088,8 @@ COMMENT ON FUNCTION idem.idem_step(text, text, bigint, text, jsonb) IS
 -- A holder calls it right after idem_begin answered 'claimed', in the claim's transaction or
 -- after it committed: a takeover of the same generation (a lease that ran out or was given
 -- up, idem_yield) goes on after the steps recorded; a new generation (a claim of an expired or
--- released key) has none. The Go driver asks in the claim's own statement (a LATERAL call
--- beside idem_begin), so a lease claim costs no extra round trip. Not a column of idem_begin:
+-- released key) has none. idem_begin_steps calls it with the claim, in one call, so that a
+-- lease claim costs no extra round trip (the Go driver claims leases so). Not a column of idem_begin:
 -- adding OUT columns to it would mean dropping the function the previous release calls while
 -- it serves (docs/DECISIONS.md).
 --
@@ -2110,8 +2110,9 @@ SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 
 AS $$
--- VOLATILE, not STABLE: called beside idem_begin in one statement, it must see the row that
--- idem_begin wrote, which a STABLE function's snapshot (the statement's start) does not.
+-- VOLATILE, not STABLE: called beside idem_begin in one statement (a caller's join), it must
+-- see the row that idem_begin wrote, which a STABLE function's snapshot (the statement's
+-- start) does not.
 -- @plpgsql_check_options: performance_warnings = false
 DECLARE
     v_problem text;
