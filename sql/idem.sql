@@ -1282,7 +1282,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
        AND v_row.request_sha256 = p_request_sha256
        AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
-               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
+               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^([0-9a-fA-F]{2}){8,}$"))') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1346,7 +1346,8 @@ IF v_problem IS NOT NULL THEN
         -- hashes as stored, checked as they are built.
 IF p_request_fields IS NOT NULL THEN
             SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
+                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16
+                            AND octet_length(decode(f.value #>> '{}', 'hex')) * 2 = length(f.value #>> '{}'))
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
@@ -1397,7 +1398,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
     ELSE
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
-               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
+               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^([0-9a-fA-F]{2}){8,}$"))') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1808,7 +1809,8 @@ IF p_ttl IS NOT NULL THEN
 
 IF p_request_fields IS NOT NULL THEN
             SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16)
+                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16
+                            AND octet_length(decode(f.value #>> '{}', 'hex')) * 2 = length(f.value #>> '{}'))
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN

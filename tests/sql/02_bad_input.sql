@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(75);
+SELECT plan(82);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -34,6 +34,9 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": 1}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "not hex at all"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "abc"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789ab    cdef0123"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789abcdef: not hex"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789abcdef0"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '-1 s')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '1 day -1 s')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 99, '{}', NULL)$$, '22023'),
@@ -54,6 +57,7 @@ INSERT INTO bad VALUES
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{"a": true}', NULL)$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{}', 'b', p_withheld => 'too_large')$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{}', NULL, p_request_fields => '"x"')$$, '22023'),
+ ('save_final', $$SELECT idem.idem_save_final('p', 'k', 'a', sha256('x'), '1 hour', 404, '{}', NULL, p_request_fields => '{"a": " 0123456789abcdef"}')$$, '22023'),
  ('save_final', $$SELECT idem.idem_save_final('p', 'k', NULL, sha256('x'), '1 hour', 404, '{}', NULL)$$, '22004'),
  ('release', $$SELECT idem.idem_release('p', 'k', NULL)$$, '22004'),
  ('release', $$SELECT idem.idem_release(NULL, 'k', 1)$$, '22004'),
@@ -87,6 +91,9 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lock_timeout => '0 s')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": 1}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '[]')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789ab    cdef0123"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef: not hex"}')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef0"}')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete(NULL, 'done', 1, 200, '{}', NULL)$$, '22004'),
  ('complete', $$SELECT idem.idem_complete('p', repeat('k', 256), 1, 200, '{}', NULL)$$, '22023');
 SELECT throws_ok(call, state, NULL, fn || ' refuses, on a completed key: ' || call) FROM bad;
