@@ -1684,7 +1684,8 @@ IF v_problem IS NOT NULL THEN
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
+       AND k.attempt = p_attempt AND k.state = 'p'
+       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
     IF NOT FOUND THEN
         IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
 , false) THEN
@@ -1707,7 +1708,7 @@ IF v_problem IS NOT NULL THEN
         END IF;
         RAISE EXCEPTION 'idem_complete: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The claim was taken over by a later attempt, released, expired and cleaned up, or never made.';
+                  HINT = 'The claim was taken over by a later attempt, released, expired (a lease claim past its TTL), or never made.';
     END IF;
 END
 $$;
@@ -1884,6 +1885,7 @@ SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_problem text;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
@@ -1906,10 +1908,12 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     END IF;
+    v_now := clock_timestamp();
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;
@@ -1985,7 +1989,8 @@ IF v_problem IS NOT NULL THEN
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
     RETURN FOUND;
 END
 $$;
@@ -2027,6 +2032,7 @@ DECLARE
     v_problem text;
     v_saved   jsonb;
     v_lease   timestamptz;
+    v_expires timestamptz;
 BEGIN
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND p_attempt IS NOT NULL
@@ -2052,15 +2058,15 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     END IF;
-    SELECT k.recovery_saved, k.lease_expires_at INTO v_saved, v_lease
+    SELECT k.recovery_saved, k.lease_expires_at, k.expires_at INTO v_saved, v_lease, v_expires
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
-    IF NOT FOUND OR v_lease IS NULL THEN
+    IF NOT FOUND OR v_lease IS NULL OR greatest(v_expires, v_lease) <= clock_timestamp() THEN
         RAISE EXCEPTION 'idem_step: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired and was cleaned up, or the claim is transactional: roll this transaction back.';
+                  HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired, or the claim is transactional: roll this transaction back.';
     END IF;
     IF v_saved ? p_step THEN
         RAISE EXCEPTION 'idem_step: step % is recorded already in this generation of the key', p_step
@@ -2118,6 +2124,7 @@ AS $$
 -- @plpgsql_check_options: performance_warnings = false
 DECLARE
     v_problem text;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
@@ -2140,14 +2147,16 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     END IF;
+    v_now := clock_timestamp();
     SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
+       AND k.attempt = p_attempt AND k.state = 'p'
+       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_recovery: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The claim was taken over by a later attempt or yielded, completed or released, or the key expired and was cleaned up.';
+                  HINT = 'The claim was taken over by a later attempt or yielded, completed or released, or the key expired.';
     END IF;
 END
 $$;
@@ -2236,6 +2245,7 @@ DECLARE
     v_problem text;
     v_lease   timestamptz;
     v_end     timestamptz;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND p_attempt IS NOT NULL AND p_lease IS NOT NULL, false) THEN
@@ -2266,17 +2276,19 @@ IF v_problem IS NOT NULL THEN
     IF p_lease > interval '10 years' THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be at most 10 years, got %', p_lease USING ERRCODE = '22023';
     END IF;
-    v_lease := clock_timestamp() + p_lease;
+    v_now := clock_timestamp();
+    v_lease := v_now + p_lease;
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = greatest(k.lease_expires_at, v_lease),
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now
     RETURNING k.lease_expires_at INTO v_end;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_extend: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The lease was taken over by a later attempt, the claim was completed or released, the key expired and was cleaned up, or the claim is transactional.';
+                  HINT = 'The lease was taken over by a later attempt, the claim was completed or released, the key expired, or the claim is transactional.';
     END IF;
     RETURN v_end;
 END

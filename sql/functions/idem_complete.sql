@@ -41,7 +41,8 @@ BEGIN
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
+       AND k.attempt = p_attempt AND k.state = 'p'
+       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
     IF NOT FOUND THEN
         IF NOT coalesce({{ template "include/valid_key.sql" }}, false) THEN
             v_problem := CASE
@@ -51,7 +52,7 @@ BEGIN
         END IF;
         RAISE EXCEPTION 'idem_complete: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The claim was taken over by a later attempt, released, expired and cleaned up, or never made.';
+                  HINT = 'The claim was taken over by a later attempt, released, expired (a lease claim past its TTL), or never made.';
     END IF;
 END
 $$;

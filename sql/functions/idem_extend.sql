@@ -17,6 +17,7 @@ DECLARE
     v_problem text;
     v_lease   timestamptz;
     v_end     timestamptz;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL AND p_lease IS NOT NULL, false) THEN
         v_problem := CASE
@@ -32,17 +33,19 @@ BEGIN
     IF p_lease > interval '{{ template "max_interval" }}' THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be at most {{ template "max_interval" }}, got %', p_lease USING ERRCODE = '22023';
     END IF;
-    v_lease := clock_timestamp() + p_lease;
+    v_now := clock_timestamp();
+    v_lease := v_now + p_lease;
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = greatest(k.lease_expires_at, v_lease),
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now
     RETURNING k.lease_expires_at INTO v_end;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_extend: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The lease was taken over by a later attempt, the claim was completed or released, the key expired and was cleaned up, or the claim is transactional.';
+                  HINT = 'The lease was taken over by a later attempt, the claim was completed or released, the key expired, or the claim is transactional.';
     END IF;
     RETURN v_end;
 END

@@ -29,6 +29,7 @@ AS $$
 -- @plpgsql_check_options: performance_warnings = false
 DECLARE
     v_problem text;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
@@ -38,14 +39,16 @@ BEGIN
         END;
 {{ template "include/raise.sql" "idem_recovery" }}
     END IF;
+    v_now := clock_timestamp();
     SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p';
+       AND k.attempt = p_attempt AND k.state = 'p'
+       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_recovery: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The claim was taken over by a later attempt or yielded, completed or released, or the key expired and was cleaned up.';
+                  HINT = 'The claim was taken over by a later attempt or yielded, completed or released, or the key expired.';
     END IF;
 END
 $$;

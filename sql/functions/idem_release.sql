@@ -13,6 +13,7 @@ RETURNS boolean
 AS $$
 DECLARE
     v_problem text;
+    v_now     timestamptz;
 BEGIN
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
@@ -22,10 +23,12 @@ BEGIN
         END;
 {{ template "include/raise.sql" "idem_release" }}
     END IF;
+    v_now := clock_timestamp();
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;

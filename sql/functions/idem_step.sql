@@ -27,6 +27,7 @@ DECLARE
     v_problem text;
     v_saved   jsonb;
     v_lease   timestamptz;
+    v_expires timestamptz;
 BEGIN
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND p_attempt IS NOT NULL
                     AND length(p_step) BETWEEN 1 AND 255, false) THEN
@@ -39,15 +40,15 @@ BEGIN
         END;
 {{ template "include/raise.sql" "idem_step" }}
     END IF;
-    SELECT k.recovery_saved, k.lease_expires_at INTO v_saved, v_lease
+    SELECT k.recovery_saved, k.lease_expires_at, k.expires_at INTO v_saved, v_lease, v_expires
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
-    IF NOT FOUND OR v_lease IS NULL THEN
+    IF NOT FOUND OR v_lease IS NULL OR greatest(v_expires, v_lease) <= clock_timestamp() THEN
         RAISE EXCEPTION 'idem_step: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
-                  HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired and was cleaned up, or the claim is transactional: roll this transaction back.';
+                  HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired, or the claim is transactional: roll this transaction back.';
     END IF;
     IF v_saved ? p_step THEN
         RAISE EXCEPTION 'idem_step: step % is recorded already in this generation of the key', p_step

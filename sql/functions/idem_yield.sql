@@ -38,7 +38,8 @@ BEGIN
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
     RETURN FOUND;
 END
 $$;

@@ -3,7 +3,7 @@
 -- claim raise 55000 and change nothing.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(16);
+SELECT plan(24);
 
 SELECT pg_temp.b('ext', 'job', 'POST /jobs', sha256('job'), p_lease => '1 minute', p_ttl => '1 hour');
 SELECT attempt AS a1 FROM r \gset
@@ -46,6 +46,26 @@ SELECT pg_temp.b('ext', 'tx', 'POST /t', sha256('tx'));
 SELECT throws_ok(format($$SELECT idem.idem_extend('ext', 'tx', %s, '10 minutes')$$, (SELECT attempt FROM r)), '55000', NULL,
     'a transactional claim cannot be extended');
 SELECT idem.idem_complete('ext', 'tx', (SELECT attempt FROM r), 200, '{}', NULL);
+
+-- An expired lease claim (its TTL ran out past the lease's end) is absent for its holder as
+-- for everyone, whether cleanup came by or not: nothing the holder does revives the key.
+SELECT pg_temp.b('ext', 'gone', 'POST /payouts', sha256('gone'), p_lease => '1 minute', p_ttl => '1 minute');
+SELECT attempt AS g1, provider_key AS gpk FROM r \gset
+UPDATE idem.idempotency_keys SET lease_expires_at = clock_timestamp() - interval '2 minutes',
+       expires_at = clock_timestamp() - interval '1 minute' WHERE principal_id = 'ext' AND key = 'gone';
+CREATE TEMP TABLE gone_row AS SELECT * FROM idem.idempotency_keys WHERE principal_id = 'ext' AND key = 'gone';
+SELECT throws_ok(format($$SELECT idem.idem_extend('ext', 'gone', %s, '10 minutes')$$, :g1), '55000', NULL,
+    'the holder of an expired lease claim cannot extend it');
+SELECT throws_ok(format($$SELECT idem.idem_complete('ext', 'gone', %s, 200, '{}', 'late')$$, :g1), '55000', NULL,
+    'nor answer it');
+SELECT throws_ok(format($$SELECT idem.idem_step('ext', 'gone', %s, 's')$$, :g1), '55000', NULL, 'nor record a step');
+SELECT throws_ok(format($$SELECT * FROM idem.idem_recovery('ext', 'gone', %s)$$, :g1), '55000', NULL, 'nor read its steps');
+SELECT is(idem.idem_yield('ext', 'gone', :g1), false, 'nor yield it');
+SELECT is(idem.idem_release('ext', 'gone', :g1), false, 'nor release it');
+SELECT is((SELECT count(*) FROM (SELECT * FROM idem.idempotency_keys WHERE principal_id = 'ext' AND key = 'gone'
+                                 INTERSECT TABLE gone_row) AS d), 1::bigint, 'the row is as it was');
+SELECT pg_temp.b('ext', 'gone', 'POST /payouts', sha256('another request'), p_lease => '1 minute');
+SELECT is(outcome || ' ' || (provider_key <> :'gpk')::text, 'claimed true', 'another request claims it: a new generation') FROM r;
 
 -- Bad input.
 SELECT throws_ok($$SELECT idem.idem_extend('ext', 'job', NULL, '1 minute')$$, '22004', NULL, 'NULL token');
