@@ -1755,6 +1755,7 @@ DECLARE
     v_token   bigint;
     v_stored  boolean;
     v_since   timestamptz;
+    v_try     integer;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
@@ -1831,34 +1832,56 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
     v_action := hashtextextended(p_action, 0);
     v_token := nextval('idem.token_seq');
 
-    -- ON CONFLICT waits for an uncommitted holder of the key (bounded by lock_timeout), then
-    -- decides on the committed row. An uncompleted transactional claim that it sees can only
-    -- be this transaction's own: the commit guard keeps any other from being committed.
-    INSERT INTO idem.idempotency_keys AS k
-        (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
-         request_fields, response_status, response_headers, response_body, resource_id, withheld)
-    VALUES
-        (v_expires, v_token, v_action, 'c', p_principal, p_key, p_request_sha256,
-         v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
-    ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO UPDATE
-       SET state = 'c',
-           attempt = CASE WHEN k.uncompleted THEN k.attempt ELSE excluded.attempt END,
-           expires_at = CASE WHEN k.uncompleted THEN k.expires_at ELSE excluded.expires_at END,
-           -- This transaction's own claim is kept the TTL after now (answer_expires_at); a
-           -- row inserted now expires the TTL after now already.
-           lease_expires_at = CASE WHEN k.uncompleted THEN idem.answer_expires_at(k.expires_at, v_since, v_now) END,
-           uncompleted = NULL, action_hash = excluded.action_hash,
-           request_sha256 = excluded.request_sha256, request_fields = excluded.request_fields,
-           response_status = excluded.response_status, response_headers = excluded.response_headers,
-           response_body = excluded.response_body, resource_id = excluded.resource_id,
-           withheld = excluded.withheld, claimed_at = NULL,
-           -- This transaction's own claim keeps its generation; a free key starts a new one.
-           generation = CASE WHEN k.uncompleted THEN k.generation END
-     WHERE k.state = 'r'
-        OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
-        OR (k.uncompleted AND k.action_hash = excluded.action_hash AND k.request_sha256 = excluded.request_sha256)
-    RETURNING true INTO v_stored;
-    RETURN coalesce(v_stored, false);
+    -- A free key: the INSERT stores the answer (a new generation). ON CONFLICT waits for an
+    -- uncommitted holder of the key (bounded by lock_timeout), then finds the committed row.
+    -- Then the UPDATE stores the answer only where it may: this transaction's own claim of the
+    -- same request (an uncompleted transactional claim that it sees can only be its own: the
+    -- commit guard keeps any other from being committed), or a released or expired row. Not
+    -- INSERT ... ON CONFLICT DO UPDATE ... WHERE: that locks the row it finds even when its
+    -- WHERE refuses it, and another holder's lease then could not be extended or answered
+    -- until this transaction ended. An UPDATE locks only a row that passes its WHERE. When the
+    -- row went away in between (cleanup), the INSERT runs again.
+    FOR v_try IN 1..3 LOOP
+        INSERT INTO idem.idempotency_keys AS k
+            (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
+             request_fields, response_status, response_headers, response_body, resource_id, withheld)
+        VALUES
+            (v_expires, v_token, v_action, 'c', p_principal, p_key, p_request_sha256,
+             v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
+        RETURNING true INTO v_stored;
+        IF FOUND THEN
+            RETURN true;
+        END IF;
+        UPDATE idem.idempotency_keys AS k
+           SET state = 'c',
+               attempt = CASE WHEN k.uncompleted THEN k.attempt ELSE v_token END,
+               expires_at = CASE WHEN k.uncompleted THEN k.expires_at ELSE v_expires END,
+               -- This transaction's own claim is kept the TTL after now: its own TTL moved on
+               -- by the time since the claim (answer_expires_at), and at least p_ttl; a free
+               -- key's new row expires p_ttl after now already.
+               lease_expires_at = CASE WHEN k.uncompleted THEN greatest(idem.answer_expires_at(k.expires_at, v_since, v_now), v_expires) END,
+               uncompleted = NULL, action_hash = v_action,
+               request_sha256 = p_request_sha256, request_fields = v_fields,
+               response_status = p_status, response_headers = p_headers,
+               response_body = p_body, resource_id = p_resource_id,
+               withheld = p_withheld, claimed_at = NULL,
+               recovery_point = NULL, recovery_saved = NULL,
+               -- This transaction's own claim keeps its generation; a free key starts a new one.
+               generation = CASE WHEN k.uncompleted THEN k.generation END
+         WHERE k.principal_id = p_principal AND k.key = p_key
+           AND (k.state = 'r'
+                OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
+                OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256))
+        RETURNING true INTO v_stored;
+        IF FOUND THEN
+            RETURN true;
+        END IF;
+        IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key) THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    RETURN false;
 END
 $$;
 

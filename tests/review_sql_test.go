@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -34,5 +35,43 @@ func TestYieldedHolderIsFenced(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Errorf("idem_extend by the holder that yielded succeeded (docs: 55000); the client's retry is then told %q instead of taking over", outcome)
+	}
+}
+
+// TestSaveFinalLeavesAnotherHoldersLeaseAlone (review finding): docs/sql-api.md says
+// idem_save_final "never overwrites a completed key, nor touches another holder's lease: then
+// it returns false". It returned false but kept the row locked (INSERT ... ON CONFLICT DO
+// UPDATE locks the row it finds even when its WHERE refuses it), so the lease's holder could
+// neither extend nor answer its claim until that transaction ended: 55P03 after the 2 s lock
+// timeout. Two connections, the save_final's transaction held open.
+func TestSaveFinalLeavesAnotherHoldersLeaseAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	holder := pgtest.Connect(t, url)
+	other := pgtest.Connect(t, url)
+	var attempt int64
+	if err := holder.QueryRow(ctx, `SELECT attempt FROM idem.idem_begin('p', 'k', 'POST /jobs', sha256('job'),
+		p_lease => '10 minutes')`).Scan(&attempt); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := other.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var stored bool
+	if err := tx.QueryRow(ctx, `SELECT idem.idem_save_final('p', 'k', 'POST /jobs', sha256('job'), NULL, 422, '{}', 'no')`).Scan(&stored); err != nil || stored {
+		t.Fatalf("save_final on another holder's lease: %v %v, want false", stored, err)
+	}
+	start := time.Now()
+	if _, err := holder.Exec(ctx, `SELECT idem.idem_extend('p', 'k', $1, '10 minutes')`, attempt); err != nil {
+		t.Fatalf("the holder's heartbeat while the save_final's transaction is open: %v after %v", err, time.Since(start))
+	}
+	if _, err := holder.Exec(ctx, `SELECT idem.idem_complete('p', 'k', $1, 200, '{}', 'done')`, attempt); err != nil {
+		t.Fatalf("the holder's answer while the save_final's transaction is open: %v after %v", err, time.Since(start))
+	}
+	if waited := time.Since(start); waited > time.Second {
+		t.Fatalf("the holder waited %v for the save_final's transaction (want no wait; the lock timeout is 2 s)", waited)
 	}
 }

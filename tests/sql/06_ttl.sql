@@ -2,7 +2,7 @@
 -- however long the work took; the completion changes no indexed column (it stays HOT).
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(12);
+SELECT plan(13);
 
 -- A transactional claim with a TTL of one hour, completed later in its transaction.
 SELECT pg_temp.b('ttl', 'tx', 'POST /t', sha256('tx'), p_ttl => '1 hour');
@@ -58,6 +58,14 @@ SELECT idem.idem_save_final('ttl', 'final', 'POST /t', sha256('final'), '1 hour'
 SELECT ok(lease_expires_at >= :'before_final'::timestamptz + interval '1 hour',
     'a final answer stored in the claiming transaction is kept the TTL after it was given')
   FROM idem.idempotency_keys WHERE key = 'final';
+-- Its p_ttl counts too: an answer is kept at least p_ttl after it is stored, whatever the
+-- claim's TTL was.
+SELECT pg_temp.b('ttl', 'final2', 'POST /t', sha256('final2'), p_ttl => '2 seconds');
+SELECT clock_timestamp() AS before_final2 \gset
+SELECT idem.idem_save_final('ttl', 'final2', 'POST /t', sha256('final2'), '1 hour', 422, '{}', 'no');
+SELECT ok(greatest(expires_at, lease_expires_at) >= :'before_final2'::timestamptz + interval '1 hour',
+    'a final answer in the claiming transaction is kept its own p_ttl after it was given')
+  FROM idem.idempotency_keys WHERE key = 'final2';
 
 SELECT * FROM finish();
 ROLLBACK;
