@@ -95,6 +95,12 @@ BEGIN
                 RAISE EXCEPTION 'idem_begin: p_lock_timeout must be positive in every part, got %', p_lock_timeout
                     USING ERRCODE = '22023';
             END IF;
+            -- PostgreSQL's lock_timeout is an int of milliseconds: at most 2^31 - 1 ms, about
+            -- 24.8 days (the Go driver's MaxLockTimeout).
+            IF p_lock_timeout > interval '2147483.647 seconds' THEN
+                RAISE EXCEPTION 'idem_begin: p_lock_timeout must be at most 2147483.647 seconds (PostgreSQL''s largest lock_timeout, about 24.8 days), got %', p_lock_timeout
+                    USING ERRCODE = '22023';
+            END IF;
             -- Local to this call: the SET clause above restores the caller's value on return.
             PERFORM set_config('lock_timeout',
                 greatest(ceil(date_part('epoch', p_lock_timeout) * 1000), 1)::bigint || 'ms', true);

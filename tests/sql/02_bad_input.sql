@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(82);
+SELECT plan(85);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -72,6 +72,12 @@ INSERT INTO bad VALUES
  ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, NULL)$$, '22004');
 
 SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
+SELECT throws_ok($$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '25 days')$$, '22023',
+    'idem_begin: p_lock_timeout must be at most 2147483.647 seconds (PostgreSQL''s largest lock_timeout, about 24.8 days), got 25 days',
+    'a lock timeout PostgreSQL cannot take is named as the argument');
+SELECT lives_ok($$SELECT idem.idem_begin('p', 'k24', 'a', sha256('x'), p_lock_timeout => '2147483.647 seconds')$$,
+    'the largest lock timeout PostgreSQL takes is accepted');
+DELETE FROM idem.idempotency_keys WHERE key = 'k24';
 SELECT throws_ok($$SELECT idem.idem_cleanup(0)$$, '22023', 'idem_cleanup: p_batch_size must be at least 1, got 0',
     'the error names the function called, not an internal one');
 SELECT is((SELECT count(*) FROM idem.idempotency_keys), 0::bigint, 'nothing was written');
@@ -89,6 +95,7 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_ttl => '0 s')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lease => '-1 s')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lock_timeout => '0 s')$$, '22023'),
+ ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_lock_timeout => '25 days')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": 1}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '[]')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789ab    cdef0123"}')$$, '22023'),
