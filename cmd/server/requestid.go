@@ -36,7 +36,13 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 		if r.URL.Path == "/metrics" || r.URL.Path == "/healthz" {
 			level = slog.LevelDebug
 		}
-		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", r.URL.Path, "status", sw.status,
+		status := sw.status
+		if !sw.wrote && r.Context().Err() != nil {
+			// Nothing was answered and the client is gone (it disconnected or timed out while
+			// the request waited): no 200 was sent, whatever net/http would have defaulted to.
+			status = statusClientGone
+		}
+		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", r.URL.Path, "status", status,
 			"replayed", sw.Header().Get("Idempotent-Replayed") == "true", "duration_ms", time.Since(start).Milliseconds())
 	})
 }
@@ -53,12 +59,22 @@ func validRequestID(id string) bool {
 	return true
 }
 
+// statusClientGone is the status logged for a request whose client went away before anything
+// was answered (nginx's 499, "client closed request"); nothing is sent.
+const statusClientGone = 499
+
 type statusWriter struct {
 	http.ResponseWriter
 	status int
+	wrote  bool
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	w.wrote = true
+	return w.ResponseWriter.Write(b)
 }
 
 func (w *statusWriter) WriteHeader(code int) {
-	w.status = code
+	w.status, w.wrote = code, true
 	w.ResponseWriter.WriteHeader(code)
 }
