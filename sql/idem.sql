@@ -1288,7 +1288,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
        AND v_row.request_sha256 = p_request_sha256
        AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
-               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^([0-9a-fA-F]{2}){8,}$"))') THEN
+               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1352,8 +1352,7 @@ IF v_problem IS NOT NULL THEN
         -- hashes as stored, checked as they are built.
 IF p_request_fields IS NOT NULL THEN
             SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16
-                            AND octet_length(decode(f.value #>> '{}', 'hex')) * 2 = length(f.value #>> '{}'))
+                   bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
@@ -1404,7 +1403,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
     ELSE
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
-               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^([0-9a-fA-F]{2}){8,}$"))') THEN
+               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1691,7 +1690,9 @@ IF v_problem IS NOT NULL THEN
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
-       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
+       -- A lease claim past its TTL is absent (its expiry is never before its lease's end); a
+       -- transactional claim is its transaction's own, whatever its age.
+       AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
         IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
 , false) THEN
@@ -1817,8 +1818,7 @@ IF p_ttl IS NOT NULL THEN
 
 IF p_request_fields IS NOT NULL THEN
             SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND length(f.value #>> '{}') >= 16
-                            AND octet_length(decode(f.value #>> '{}', 'hex')) * 2 = length(f.value #>> '{}'))
+                   bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
               INTO v_fields, v_ok
               FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
             IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
@@ -1942,7 +1942,7 @@ IF v_problem IS NOT NULL THEN
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
+       AND k.expires_at > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;
@@ -2019,7 +2019,7 @@ IF v_problem IS NOT NULL THEN
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
+       AND k.expires_at > v_now;
     RETURN FOUND;
 END
 $$;
@@ -2092,7 +2092,7 @@ IF v_problem IS NOT NULL THEN
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
-    IF NOT FOUND OR v_lease IS NULL OR greatest(v_expires, v_lease) <= clock_timestamp() THEN
+    IF NOT FOUND OR v_lease IS NULL OR v_expires <= clock_timestamp() THEN
         RAISE EXCEPTION 'idem_step: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
                   HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired, or the claim is transactional: roll this transaction back.';
@@ -2181,7 +2181,7 @@ IF v_problem IS NOT NULL THEN
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
-       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
+       AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_recovery: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
@@ -2312,7 +2312,7 @@ IF v_problem IS NOT NULL THEN
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now
+       AND k.expires_at > v_now
     RETURNING k.lease_expires_at INTO v_end;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_extend: no lease claim in progress for this key with attempt %', p_attempt

@@ -42,7 +42,9 @@ BEGIN
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
-       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
+       -- A lease claim past its TTL is absent (its expiry is never before its lease's end); a
+       -- transactional claim is its transaction's own, whatever its age.
+       AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
         IF NOT coalesce({{ template "include/valid_key.sql" }}, false) THEN
             v_problem := CASE

@@ -40,7 +40,7 @@ BEGIN
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now
+       AND k.expires_at > v_now
     RETURNING k.lease_expires_at INTO v_end;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_extend: no lease claim in progress for this key with attempt %', p_attempt

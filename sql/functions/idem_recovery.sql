@@ -44,7 +44,7 @@ BEGIN
       FROM idem.idempotency_keys AS k
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
-       AND (k.lease_expires_at IS NULL OR greatest(k.expires_at, k.lease_expires_at) > v_now);
+       AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idem_recovery: no claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',

@@ -28,7 +28,7 @@ BEGIN
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
+       AND k.expires_at > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;

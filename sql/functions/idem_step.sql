@@ -45,7 +45,7 @@ BEGIN
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
-    IF NOT FOUND OR v_lease IS NULL OR greatest(v_expires, v_lease) <= clock_timestamp() THEN
+    IF NOT FOUND OR v_lease IS NULL OR v_expires <= clock_timestamp() THEN
         RAISE EXCEPTION 'idem_step: no lease claim in progress for this key with attempt %', p_attempt
             USING ERRCODE = '55000',
                   HINT = 'The lease was taken over by a later attempt or yielded, the claim was completed or released, the key expired, or the claim is transactional: roll this transaction back.';

@@ -39,7 +39,7 @@ BEGIN
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
-       AND greatest(k.expires_at, k.lease_expires_at) > v_now;
+       AND k.expires_at > v_now;
     RETURN FOUND;
 END
 $$;

@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(85);
+SELECT plan(83);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -35,8 +35,6 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "not hex at all"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "abc"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789ab    cdef0123"}')$$, '22023'),
- ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789abcdef: not hex"}')$$, '22023'),
- ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_request_fields => '{"a": "0123456789abcdef0"}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '-1 s')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '1 day -1 s')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete('p', 'k', 1, 99, '{}', NULL)$$, '22023'),
@@ -99,14 +97,20 @@ INSERT INTO bad VALUES
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": 1}')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '[]')$$, '22023'),
  ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789ab    cdef0123"}')$$, '22023'),
- ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef: not hex"}')$$, '22023'),
- ('begin', $$SELECT idem.idem_begin('p', 'done', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef0"}')$$, '22023'),
  ('complete', $$SELECT idem.idem_complete(NULL, 'done', 1, 200, '{}', NULL)$$, '22004'),
  ('complete', $$SELECT idem.idem_complete('p', repeat('k', 256), 1, 200, '{}', NULL)$$, '22023');
 SELECT throws_ok(call, state, NULL, fn || ' refuses, on a completed key: ' || call) FROM bad;
 SELECT is((SELECT format('%s %s %s', count(*), min(state), min(convert_from(response_body, 'UTF8'))) FROM idem.idempotency_keys),
     '1 c answer', 'the completed key is as it was');
 DELETE FROM idem.idempotency_keys;
+-- Only a field hash's first 16 characters are examined and stored: what follows them is not
+-- looked at, on a fresh key as on a completed one.
+SELECT is(outcome, 'claimed', 'a field hash whose first 16 characters are hex is taken on a fresh key')
+  FROM idem.idem_begin('p', 'suffix', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef: the rest is not read"}');
+SELECT idem.idem_complete('p', 'suffix', attempt, 201, '{}', 'ok') FROM idem.idempotency_keys WHERE key = 'suffix';
+SELECT is(outcome, 'replay', 'and on a completed key')
+  FROM idem.idem_begin('p', 'suffix', 'a', sha256('x'), p_request_fields => '{"f": "0123456789abcdef0"}');
+DELETE FROM idem.idempotency_keys WHERE key = 'suffix';
 SELECT lives_ok($$SELECT idem.idem_release('p', 'tenyears', attempt) FROM idem.idem_begin('p', 'tenyears', 'a', sha256('x'), p_ttl => '86400 hours', p_lease => '86400 hours')$$,
     'a TTL and a lease of exactly 10 years (120 months of 30 days, in hours) are accepted');
 
