@@ -30,9 +30,7 @@ DECLARE
     v_fields  bytea;
     v_ok      boolean;
     v_token   bigint;
-    v_stored  boolean;
     v_since   timestamptz;
-    v_try     integer;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}
@@ -68,8 +66,7 @@ BEGIN
         VALUES
             (v_expires, v_token, v_action, 'c', p_principal, p_key, p_request_sha256,
              v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
-        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
-        RETURNING true INTO v_stored;
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING;
         IF FOUND THEN
             RETURN true;
         END IF;
@@ -92,8 +89,7 @@ BEGIN
          WHERE k.principal_id = p_principal AND k.key = p_key
            AND (k.state = 'r'
                 OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
-                OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256))
-        RETURNING true INTO v_stored;
+                OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
         IF FOUND THEN
             RETURN true;
         END IF;
