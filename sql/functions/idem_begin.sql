@@ -24,24 +24,7 @@
 -- Every value a write needs is computed into a variable first: no statement that writes the
 -- key table calls a function that is not IMMUTABLE (Citus refuses those; docs/scale-out.md).
 CREATE OR REPLACE FUNCTION idem.idem_begin(
-    p_principal      text,
-    p_key            text,
-    p_action         text,
-    p_request_sha256 bytea,
-    p_ttl            interval DEFAULT {{ template "default_ttl" }},
-    p_lease          interval DEFAULT NULL,
-    p_request_fields jsonb    DEFAULT NULL,
-    p_lock_timeout   interval DEFAULT NULL,
-    OUT outcome          text,
-    OUT attempt          bigint,
-    OUT response_status  integer,
-    OUT response_headers jsonb,
-    OUT response_body    bytea,
-    OUT resource_id      text,
-    OUT withheld         text,
-    OUT changed_fields   text[],
-    OUT retry_after      interval,
-    OUT provider_key     text)
+{{ template "include/begin_signature.sql" . }})
 {{ template "include/attributes.sql" . }}
 AS $$
 DECLARE

@@ -11,24 +11,7 @@
 -- until that transaction ended (docs/DECISIONS.md, D139). Not new OUT columns of idem_begin
 -- either: the previous release calls it while the next one's migrate replaces it.
 CREATE OR REPLACE FUNCTION idem.idem_begin_steps(
-    p_principal      text,
-    p_key            text,
-    p_action         text,
-    p_request_sha256 bytea,
-    p_ttl            interval DEFAULT {{ template "default_ttl" }},
-    p_lease          interval DEFAULT NULL,
-    p_request_fields jsonb    DEFAULT NULL,
-    p_lock_timeout   interval DEFAULT NULL,
-    OUT outcome          text,
-    OUT attempt          bigint,
-    OUT response_status  integer,
-    OUT response_headers jsonb,
-    OUT response_body    bytea,
-    OUT resource_id      text,
-    OUT withheld         text,
-    OUT changed_fields   text[],
-    OUT retry_after      interval,
-    OUT provider_key     text,
+{{ template "include/begin_signature.sql" . }},
     OUT recovery_point   text,
     OUT recovery_saved   jsonb)
 {{ template "include/attributes.sql" . }}
