@@ -138,7 +138,9 @@ func StartCleaner(ctx context.Context, db Querier, o CleanerOptions) (*Cleaner, 
 func (c *Cleaner) Start(ctx context.Context) error { return c.c.Start(ctx) }
 
 // Stop ends the schedule: it cancels a running pass and waits for it (the next pass, in any
-// process, picks up where it stopped). Safe to call more than once, and on a cleaner never
+// process, picks up where it stopped). With pgx's default handling of a canceled context the
+// batch statement in flight is not canceled on the server: it may still delete expired keys
+// after Stop returns. Safe to call more than once, and on a cleaner never
 // started.
 func (c *Cleaner) Stop() { c.c.Stop() }
 

@@ -351,7 +351,9 @@ func (c *Cleaner) Start(ctx context.Context) error {
 }
 
 // Stop ends the schedule: it cancels a running pass and waits for it (the next pass, in any
-// process, picks up where it stopped). Safe to call more than once, and on a cleaner that was
+// process, picks up where it stopped). With pgx's default handling of a canceled context the
+// batch statement in flight is not canceled on the server: it may still delete expired keys
+// after Stop returns. Safe to call more than once, and on a cleaner that was
 // never started.
 func (c *Cleaner) Stop() {
 	c.mu.Lock()
