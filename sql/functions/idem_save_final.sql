@@ -57,8 +57,10 @@ BEGIN
     -- commit guard keeps any other from being committed), or a released or expired row. Not
     -- INSERT ... ON CONFLICT DO UPDATE ... WHERE: that locks the row it finds even when its
     -- WHERE refuses it, and another holder's lease then could not be extended or answered
-    -- until this transaction ended. An UPDATE locks only a row that passes its WHERE. When the
-    -- row went away in between (cleanup), the INSERT runs again.
+    -- until this transaction ended. An UPDATE locks only a row that passes its WHERE (but for
+    -- a row another transaction changed while the UPDATE waited for it: PostgreSQL keeps that
+    -- one locked even when the WHERE then refuses it). When the row went away in between
+    -- (cleanup), the INSERT runs again.
     FOR v_try IN 1..3 LOOP
         INSERT INTO idem.idempotency_keys AS k
             (expires_at, attempt, action_hash, state, principal_id, key, request_sha256,
