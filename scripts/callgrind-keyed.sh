@@ -5,7 +5,8 @@
 # keys: fresh (idem_begin and idem_complete in one statement), replay (idem_begin on a
 # completed key; replayall: every column, as BeginSQL reads them; replayrow: the row as one
 # record, as BeginRecordSQL reads it), seed001 (the seed tutorial's DELETE, INSERT and UPDATE)
-# and handwritten (the same statements on our table). Each part runs 200 and then 600 times in
+# and handwritten (the same statements on our table); freshtx: the driver's statements, BEGIN,
+# idem_begin as one record, idem_complete, COMMIT, minus basetx (the same with SELECT $1). Each part runs 200 and then 600 times in
 # single-user mode, each line its own transaction; the difference over 400 leaves out every one-time cost.
 # Needs valgrind. docs/benchmarks.md, "Where a keyed transaction's time goes".
 set -euo pipefail
@@ -44,6 +45,8 @@ gen replayrow "PREPARE s(text) AS SELECT idem.idem_begin('p', \$1, 'POST /v1/tra
 gen replayall "PREPARE s(text) AS SELECT * FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL);" "EXECUTE s('k@7');"
 gen base "PREPARE s(text) AS SELECT \$1;" "EXECUTE s('g@');"
 gen fresh "PREPARE s(text) AS SELECT idem.idem_complete('p', \$1, b.attempt, 201, '{\"Content-Type\":\"application/json\"}', '\\x7b7d') FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL) b;" "EXECUTE s('g@');"
+gen freshtx "PREPARE b(text) AS SELECT idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL); PREPARE c(text) AS SELECT idem.idem_complete('p', \$1, currval('idem.token_seq'), 201, '{\"Content-Type\":\"application/json\"}', '\\x7b7d');" "BEGIN; EXECUTE b('t@'); EXECUTE c('t@'); COMMIT;"
+gen basetx "PREPARE s(text) AS SELECT \$1;" "BEGIN; EXECUTE s('t@'); EXECUTE s('t@'); COMMIT;"
 gen replay "PREPARE s(text) AS SELECT outcome, provider_key FROM idem.idem_begin('p', \$1, 'POST /v1/transfers', $fp, NULL, NULL, $fields, NULL);" "EXECUTE s('k@7');"
 gen seed001 "PREPARE d(text) AS DELETE FROM seed_keys WHERE user_id = 1 AND key = \$1 AND created_at < now() - interval '24 hours'; PREPARE i(text) AS INSERT INTO seed_keys (user_id, key, fingerprint, created_at) VALUES (1, \$1, $fp, now()) ON CONFLICT DO NOTHING; PREPARE u(text) AS UPDATE seed_keys SET response_status = 201, response_body = '\\x7b7d' WHERE user_id = 1 AND key = \$1;" "BEGIN; EXECUTE d('g@'); EXECUTE i('g@'); EXECUTE u('g@'); COMMIT;"
 gen handwritten "PREPARE d(text) AS DELETE FROM idem.idempotency_keys WHERE principal_id = 'p' AND key = \$1 AND expires_at <= now(); PREPARE i(text) AS INSERT INTO idem.idempotency_keys (expires_at, attempt, action_hash, state, uncompleted, principal_id, key, request_sha256, request_fields) VALUES (now() + interval '24 hours', nextval('idem.token_seq'), hashtextextended('POST /v1/transfers', 0), 'p', true, 'p', \$1, $fp, $fblob) ON CONFLICT DO NOTHING RETURNING attempt; PREPARE u(text) AS UPDATE idem.idempotency_keys SET state = 'c', uncompleted = NULL, response_status = 201, response_headers = '{\"Content-Type\":\"application/json\"}', response_body = '\\x7b7d' WHERE principal_id = 'p' AND key = \$1;" "BEGIN; EXECUTE d('h@'); EXECUTE i('h@'); EXECUTE u('h@'); COMMIT;"

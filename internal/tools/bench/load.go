@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -59,6 +62,9 @@ type result struct {
 	// cpu is the CPU time this process used during the run (the load generator, and the
 	// proxy in the latency part).
 	cpu time.Duration
+	// machine is the CPU time the whole machine used during the run (every process: the
+	// server's too when it runs here), from /proc/stat; 0 where there is none.
+	machine time.Duration
 }
 
 func (r result) rate() float64 { return float64(r.n) / r.elapsed.Seconds() }
@@ -66,6 +72,11 @@ func (r result) rate() float64 { return float64(r.n) / r.elapsed.Seconds() }
 // errNote is the progress line's note: the load generator's CPU, and the errors.
 func (r result) errNote() string {
 	s := fmt.Sprintf("  (load generator %.2f cores)", r.cpu.Seconds()/r.elapsed.Seconds())
+	if r.machine > 0 && r.n > 0 {
+		// Per committed transaction: the machine's CPU and this process's share of it.
+		s += fmt.Sprintf("  (machine %.2f cores; µs/tx: machine %.0f, load generator %.0f)", r.machine.Seconds()/r.elapsed.Seconds(),
+			float64(r.machine.Microseconds())/float64(r.n), float64(r.cpu.Microseconds())/float64(r.n))
+	}
 	if r.errors == 0 {
 		return s
 	}
@@ -79,6 +90,33 @@ func cpuTime() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// machineCPU is the CPU time every core of this machine has spent outside idle and iowait
+// (the first line of /proc/stat), 0 where there is no /proc.
+func machineCPU() time.Duration {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		return 0
+	}
+	var busy int64
+	for i, v := range f[1:8] {
+		if i == 3 || i == 4 { // idle, iowait
+			continue
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return 0
+		}
+		busy += n
+	}
+	const hz = 100 // USER_HZ on Linux
+	return time.Duration(busy) * time.Second / hz
 }
 
 // maxErrors stops a client that keeps failing.
@@ -106,6 +144,7 @@ func drive(ctx context.Context, clients int, stop <-chan struct{}, tx func(ctx c
 		stopAt  atomic.Int64 // from start, in nanoseconds
 	)
 	cpu0 := cpuTime()
+	m0 := machineCPU()
 	start := time.Now()
 	watch := make(chan struct{})
 	go func() {
@@ -158,6 +197,9 @@ func drive(ctx context.Context, clients int, stop <-chan struct{}, tx func(ctx c
 	wg.Wait()
 	<-watch
 	res.cpu = cpuTime() - cpu0
+	if m0 > 0 {
+		res.machine = machineCPU() - m0
+	}
 	end := time.Duration(stopAt.Load())
 	res.elapsed = end
 	kept := res.samples[:0]
