@@ -1145,6 +1145,45 @@ AS $$
 $$;
 COMMENT ON FUNCTION idem.installation_secret_values() IS
     'Internal: the 32 bytes of each installation secret, in the order of installation_secret_tokens; folded into the provider key''s plan, for the owner only.';
+-- The provider key's prefix (include/provider_key.sql) by token, derived from the lists above
+-- and folded into the provider key's plan like them, so that a call picks its prefix with one
+-- width_bucket and reads no sequence and no table. The rule: a generation takes the secret whose
+-- first token is the greatest at or below it (width_bucket over the sorted first tokens), if
+-- that token is in the generation's token range (the top 16 bits); otherwise (a generation the
+-- previous release started) none. provider_key_bounds: the sorted lower bounds of the token
+-- intervals in which the rule gives one answer (each secret's first token, and the start of the
+-- next token range after it when the next secret does not start there first).
+-- provider_key_prefixes: for the tokens below the first bound (index 1) and for each interval
+-- (index k + 1), the label (v3 with a secret, v2 without) and the secret, each followed by a NUL
+-- byte; the rule is applied to the interval's lower bound. Both INVOKER and granted to nobody:
+-- the prefixes hold the secrets, and the folding runs inside the SECURITY DEFINER functions.
+CREATE OR REPLACE FUNCTION idem.provider_key_bounds() RETURNS bigint[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(x.b ORDER BY x.b), '{}')
+      FROM (SELECT t.t FROM unnest(idem.installation_secret_tokens()) AS t(t)
+            UNION ALL
+            SELECT ((t.t >> 48) + 1) << 48
+              FROM unnest(idem.installation_secret_tokens()) WITH ORDINALITY AS t(t, i)
+             WHERE t.t >> 48 < 32767
+               AND ((t.t >> 48) + 1) << 48 < coalesce((idem.installation_secret_tokens())[t.i + 1], 9223372036854775807)) AS x(b)
+$$;
+COMMENT ON FUNCTION idem.provider_key_bounds() IS
+    'Internal: the lower bounds of the token intervals that share one provider key prefix; derived from installation_secret_tokens, folded into the provider key''s plan.';
+CREATE OR REPLACE FUNCTION idem.provider_key_prefixes() RETURNS bytea[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT array_agg(CASE WHEN w.i > 0 AND q.t[w.i] >> 48 = w.g >> 48
+                          THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || q.v[w.i] || '\x00'::bytea
+                          ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea END
+                     ORDER BY w.k)
+      FROM (SELECT idem.installation_secret_tokens() AS t, idem.installation_secret_values() AS v,
+                   idem.provider_key_bounds() AS b) AS q,
+           LATERAL (SELECT k.k, q.b[k.k] AS g, coalesce(width_bucket(q.b[k.k], q.t), 0) AS i
+                      FROM generate_series(0, cardinality(q.b)) AS k(k)) AS w
+$$;
+COMMENT ON FUNCTION idem.provider_key_prefixes() IS
+    'Internal: the provider key''s prefix (label, secret) of each interval of provider_key_bounds, the first for the tokens below them; folded into the provider key''s plan, for the owner only.';
 -- idem_begin: claim a key, or answer from the row that already holds it.
 --
 -- Hot path: one index probe that finds nothing (the row is read without a lock), then one
@@ -1280,46 +1319,19 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
           INTO v_row FROM idem.idempotency_keys AS k
          WHERE k.principal_id = p_principal AND k.key = p_key;
 
-    -- A repeat of a completed key: decided on the committed row the probe found, without
-    -- drawing a token or building the request's field hashes. The key and request arguments
-    -- need no test on this path: a row is found only for a valid principal and key (idem_begin
-    -- stores no other), and a replay only for the action and the 32-byte fingerprint stored.
-    IF FOUND AND v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
-       AND v_row.request_sha256 = p_request_sha256
-       AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
-IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
-               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
-IF jsonb_typeof(p_request_fields) <> 'object' THEN
-                    RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
-                        USING ERRCODE = '22023';
-                END IF;
-                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
-                    USING ERRCODE = '22023';
-
-        END IF;
-
-        outcome := 'replay';
-attempt := v_row.attempt;
-            response_status := v_row.response_status;
-            response_headers := v_row.response_headers;
-            response_body := v_row.response_body;
-            resource_id := v_row.resource_id;
-            withheld := v_row.withheld;
-
-        provider_key := encode(sha256(CASE WHEN (width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens())] >> 48 = coalesce(v_row.generation, v_row.attempt) >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex')
-;
-        RETURN;
-    END IF;
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    -- Each path's first test is small: PL/pgSQL sets up an expression in full, in every
+    -- transaction, even where it stops at its first operand.
+    IF NOT FOUND THEN
+        -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
+        -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
+        -- expires_at is the TTL after now (a transactional claim) or after the end of its lease
+        -- (a lease claim); the completion keeps the key the TTL after the answer
+        -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
+        -- hashes as stored, checked as they are built.
+IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
  AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
 , false) THEN
-        v_problem := CASE
+            v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
             THEN '22004 p_principal and p_key must not be NULL'
         WHEN length(p_principal) NOT BETWEEN 1 AND 255
@@ -1337,19 +1349,13 @@ WHEN p_action IS NULL OR p_request_sha256 IS NULL
         WHEN octet_length(p_request_sha256) <> 32
             THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
 
-        END;
+            END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_begin: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
-    END IF;
-    IF NOT FOUND THEN
-        -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
-        -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
-        -- expires_at is the TTL after now (a transactional claim) or after the end of its lease
-        -- (a lease claim); the completion keeps the key the TTL after the answer
-        -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
-        -- hashes as stored, checked as they are built.
+        END IF;
+
 IF p_request_fields IS NOT NULL THEN
             SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
                    bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
@@ -1382,14 +1388,9 @@ INSERT INTO idem.idempotency_keys AS k
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
 
         IF FOUND THEN
-            provider_key := encode(sha256(CASE WHEN (width_bucket(attempt, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(attempt, idem.installation_secret_tokens())] >> 48 = attempt >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(attempt, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex')
-;
+            provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
         -- The key exists (committed since the probe, or its holder's claim was not committed
@@ -1401,7 +1402,66 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
           INTO v_row FROM idem.idempotency_keys AS k
          WHERE k.principal_id = p_principal AND k.key = p_key;
 
+    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
+          AND v_row.request_sha256 = p_request_sha256
+          AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
+        -- A repeat of a completed key: decided on the committed row the probe found, without
+        -- drawing a token or building the request's field hashes. The key and request
+        -- arguments need no test on this path: a row is found only for a valid principal and
+        -- key (idem_begin stores no other), and a replay only for the action and the 32-byte
+        -- fingerprint stored.
+IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
+               OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
+IF jsonb_typeof(p_request_fields) <> 'object' THEN
+                    RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
+                        USING ERRCODE = '22023';
+                END IF;
+                RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)'
+                    USING ERRCODE = '22023';
+
+        END IF;
+
+        outcome := 'replay';
+attempt := v_row.attempt;
+            response_status := v_row.response_status;
+            response_headers := v_row.response_headers;
+            response_body := v_row.response_body;
+            resource_id := v_row.resource_id;
+            withheld := v_row.withheld;
+
+        provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
+        RETURN;
     ELSE
+IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+ AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
+, false) THEN
+            v_problem := CASE
+WHEN p_principal IS NULL OR p_key IS NULL
+            THEN '22004 p_principal and p_key must not be NULL'
+        WHEN length(p_principal) NOT BETWEEN 1 AND 255
+            THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
+        -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
+        -- of the backend's time in a profile; a length check and a one-class search do not.
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+            THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
+                        length(p_key), octet_length(p_key))
+
+WHEN p_action IS NULL OR p_request_sha256 IS NULL
+            THEN '22004 p_action and p_request_sha256 must not be NULL'
+        WHEN length(p_action) NOT BETWEEN 1 AND 1000
+            THEN '22023 p_action must be 1 to 1000 characters'
+        WHEN octet_length(p_request_sha256) <> 32
+            THEN format('22023 p_request_sha256 must be 32 bytes, got %s', octet_length(p_request_sha256))
+
+            END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_begin: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+        END IF;
+
 IF p_request_fields IS NOT NULL AND (jsonb_typeof(p_request_fields) <> 'object'
                OR p_request_fields @? 'strict $.* ? (@.type() != "string" || !(@ like_regex "^[0-9a-fA-F]{16}"))') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
@@ -1451,14 +1511,9 @@ INSERT INTO idem.idempotency_keys AS k
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
 
                 IF FOUND THEN
-                    provider_key := encode(sha256(CASE WHEN (width_bucket(attempt, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(attempt, idem.installation_secret_tokens())] >> 48 = attempt >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(attempt, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex')
-;
+                    provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
                     RETURN;
                 END IF;
 SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
@@ -1495,14 +1550,9 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                  WHERE k.principal_id = p_principal AND k.key = p_key
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
-                provider_key := encode(sha256(CASE WHEN (width_bucket(attempt, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(attempt, idem.installation_secret_tokens())] >> 48 = attempt >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(attempt, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex')
-;
+                provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
                 RETURN;
             END IF;
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
@@ -1548,14 +1598,9 @@ attempt := v_row.attempt;
             resource_id := v_row.resource_id;
             withheld := v_row.withheld;
 
-            provider_key := encode(sha256(CASE WHEN (width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens())] >> 48 = coalesce(v_row.generation, v_row.attempt) >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex')
-;
+            provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -1564,14 +1609,9 @@ attempt := v_row.attempt;
             attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
-            provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-;
+            provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         ELSIF v_lock THEN
             -- The lease ran out: take it over with a new token, in the same generation. The
@@ -1590,14 +1630,9 @@ attempt := v_row.attempt;
              WHERE k.principal_id = p_principal AND k.key = p_key
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
-            provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-;
+            provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -3474,14 +3509,9 @@ IF v_problem IS NOT NULL THEN
         lease_expires_at := v_row.lease_expires_at;
         lease_run_out := v_row.lease_expires_at <= v_now;
         age := v_now - v_row.claimed_at;
-        provider_key := encode(sha256(CASE WHEN (width_bucket(v_gen, idem.installation_secret_tokens()) > 0
- AND (idem.installation_secret_tokens())[width_bucket(v_gen, idem.installation_secret_tokens())] >> 48 = v_gen >> 48)
-
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || (idem.installation_secret_values())[width_bucket(v_gen, idem.installation_secret_tokens())]
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex')
-;
+        provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
         RETURN NEXT;
     END LOOP;
 END

@@ -103,6 +103,8 @@ func TestInstallationSecretIsTheOwnersOnly(t *testing.T) {
 			`SELECT last_value FROM pg_sequences WHERE sequencename = 'installation_secret_1_3' AND last_value IS NOT NULL`,
 			`SELECT idem.installation_secret_seqs()`,
 			`SELECT idem.installation_secret_values()`,
+			`SELECT idem.provider_key_prefixes()`,
+			`SELECT idem.provider_key_bounds()`,
 			`SELECT nextval('idem.token_seq')`,
 			`SELECT last_value FROM idem.token_seq`,
 			`SELECT setval('idem.token_seq', 1)`,

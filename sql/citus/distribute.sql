@@ -179,7 +179,7 @@ $cmd$, r.rolname))
 SELECT create_distributed_function(f::regprocedure)
   FROM unnest(ARRAY['idem.key_relations()', 'idem.cleanup_relations(regclass[],integer)', 'idem.node_group()',
                     'idem.worker_groups()', 'idem.cleanup_on_workers(jsonb)', 'idem.cleanup_share(jsonb)',
-                    'idem.installation_secret_values()',
+                    'idem.installation_secret_values()', 'idem.provider_key_bounds()', 'idem.provider_key_prefixes()',
                     'idem.cleanup_workers(integer[],integer)', 'idem.idem_cleanup(integer)',
                     'idem.cleanup_node(integer,double precision,double precision,text)',
                     'idem.cleanup_pass_on_workers(integer,double precision,double precision)',

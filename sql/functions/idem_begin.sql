@@ -92,26 +92,8 @@ BEGIN
 
     -- The probe: the key's row, read without a lock.
 {{ template "include/read_key.sql" "" }}
-    -- A repeat of a completed key: decided on the committed row the probe found, without
-    -- drawing a token or building the request's field hashes. The key and request arguments
-    -- need no test on this path: a row is found only for a valid principal and key (idem_begin
-    -- stores no other), and a replay only for the action and the 32-byte fingerprint stored.
-    IF FOUND AND v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
-       AND v_row.request_sha256 = p_request_sha256
-       AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
-{{ template "include/check_fields.sql" "idem_begin" }}
-        outcome := 'replay';
-{{ template "include/replay_answer.sql" }}
-        provider_key := {{ template "include/provider_key.sql" "coalesce(v_row.generation, v_row.attempt)" }};
-        RETURN;
-    END IF;
-    IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}, false) THEN
-        v_problem := CASE
-{{ template "include/check_key.sql" . }}
-{{ template "include/check_request.sql" . }}
-        END;
-{{ template "include/raise.sql" "idem_begin" }}
-    END IF;
+    -- Each path's first test is small: PL/pgSQL sets up an expression in full, in every
+    -- transaction, even where it stops at its first operand.
     IF NOT FOUND THEN
         -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
         -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
@@ -119,6 +101,7 @@ BEGIN
         -- (a lease claim); the completion keeps the key the TTL after the answer
         -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
         -- hashes as stored, checked as they are built.
+{{ template "include/check_begin_args.sql" . }}
 {{ template "include/fields_blob.sql" "idem_begin" }}
         v_token := nextval('idem.token_seq');
         IF p_lease IS NOT NULL THEN
@@ -135,7 +118,21 @@ BEGIN
         -- yet), and the INSERT has waited for an uncommitted holder. Decide on the row as
         -- committed, in the loop; lock it only to write.
 {{ template "include/read_key.sql" "" }}
+    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
+          AND v_row.request_sha256 = p_request_sha256
+          AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
+        -- A repeat of a completed key: decided on the committed row the probe found, without
+        -- drawing a token or building the request's field hashes. The key and request
+        -- arguments need no test on this path: a row is found only for a valid principal and
+        -- key (idem_begin stores no other), and a replay only for the action and the 32-byte
+        -- fingerprint stored.
+{{ template "include/check_fields.sql" "idem_begin" }}
+        outcome := 'replay';
+{{ template "include/replay_answer.sql" }}
+        provider_key := {{ template "include/provider_key.sql" "coalesce(v_row.generation, v_row.attempt)" }};
+        RETURN;
     ELSE
+{{ template "include/check_begin_args.sql" . }}
 {{ template "include/check_fields.sql" "idem_begin" }}
     END IF;
 

@@ -63,6 +63,45 @@ AS $$
 $$;
 COMMENT ON FUNCTION idem.installation_secret_values() IS
     'Internal: the 32 bytes of each installation secret, in the order of installation_secret_tokens; folded into the provider key''s plan, for the owner only.';
+-- The provider key's prefix (include/provider_key.sql) by token, derived from the lists above
+-- and folded into the provider key's plan like them, so that a call picks its prefix with one
+-- width_bucket and reads no sequence and no table. The rule: a generation takes the secret whose
+-- first token is the greatest at or below it (width_bucket over the sorted first tokens), if
+-- that token is in the generation's token range (the top 16 bits); otherwise (a generation the
+-- previous release started) none. provider_key_bounds: the sorted lower bounds of the token
+-- intervals in which the rule gives one answer (each secret's first token, and the start of the
+-- next token range after it when the next secret does not start there first).
+-- provider_key_prefixes: for the tokens below the first bound (index 1) and for each interval
+-- (index k + 1), the label (v3 with a secret, v2 without) and the secret, each followed by a NUL
+-- byte; the rule is applied to the interval's lower bound. Both INVOKER and granted to nobody:
+-- the prefixes hold the secrets, and the folding runs inside the SECURITY DEFINER functions.
+CREATE OR REPLACE FUNCTION idem.provider_key_bounds() RETURNS bigint[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(x.b ORDER BY x.b), '{}')
+      FROM (SELECT t.t FROM unnest(idem.installation_secret_tokens()) AS t(t)
+            UNION ALL
+            SELECT ((t.t >> 48) + 1) << 48
+              FROM unnest(idem.installation_secret_tokens()) WITH ORDINALITY AS t(t, i)
+             WHERE t.t >> 48 < 32767
+               AND ((t.t >> 48) + 1) << 48 < coalesce((idem.installation_secret_tokens())[t.i + 1], 9223372036854775807)) AS x(b)
+$$;
+COMMENT ON FUNCTION idem.provider_key_bounds() IS
+    'Internal: the lower bounds of the token intervals that share one provider key prefix; derived from installation_secret_tokens, folded into the provider key''s plan.';
+CREATE OR REPLACE FUNCTION idem.provider_key_prefixes() RETURNS bytea[]
+    LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT array_agg(CASE WHEN w.i > 0 AND q.t[w.i] >> 48 = w.g >> 48
+                          THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || q.v[w.i] || '\x00'::bytea
+                          ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea END
+                     ORDER BY w.k)
+      FROM (SELECT idem.installation_secret_tokens() AS t, idem.installation_secret_values() AS v,
+                   idem.provider_key_bounds() AS b) AS q,
+           LATERAL (SELECT k.k, q.b[k.k] AS g, coalesce(width_bucket(q.b[k.k], q.t), 0) AS i
+                      FROM generate_series(0, cardinality(q.b)) AS k(k)) AS w
+$$;
+COMMENT ON FUNCTION idem.provider_key_prefixes() IS
+    'Internal: the provider key''s prefix (label, secret) of each interval of provider_key_bounds, the first for the tokens below them; folded into the provider key''s plan, for the owner only.';
 {{ template "idem_begin.sql" . }}
 {{ template "idem_complete.sql" . }}
 {{ template "idem_save_final.sql" . }}

@@ -7,11 +7,10 @@
    "pgidem provider key v2", the principal, the key and the generation, as that release gave it
    (an upgrade never changes the provider key of a generation that exists). Text in UTF-8, each
    part followed by a NUL byte but the last. The same for every attempt of the generation,
-   different for every other generation, principal and installation. A simple expression
-   (include/secret_applies.sql, include/secret_of.sql: the secret's sequences are read
-   once, only for a generation that has one). */ -}}
-encode(sha256(CASE WHEN {{ template "include/secret_applies.sql" . }}
-            THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || {{ template "include/secret_of.sql" . }}
-            ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea END
-        || '\x00'::bytea || convert_to(p_principal, 'UTF8') || '\x00'::bytea
+   different for every other generation, principal and installation. Which label and secret
+   apply is worked out once a session for every interval of tokens (provider_key_bounds,
+   provider_key_prefixes in install.sql, folded into the plan): a call picks its prefix with one
+   width_bucket and reads no sequence and no table. A simple expression. */ -}}
+encode(sha256((idem.provider_key_prefixes())[width_bucket({{ . }}, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
         || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to({{ . }}::text, 'UTF8')), 'hex')
