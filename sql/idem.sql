@@ -1234,6 +1234,9 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 
+SET debug_print_plan = off
+SET client_min_messages = notice
+
 AS $$
 DECLARE
     v_problem text;
@@ -3374,8 +3377,8 @@ COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
 -- once and runs the work again, in the same generation: with the same provider key, so a
 -- provider that saw the stuck attempt's call does not act twice (idem_yield's rule; the key is
 -- not freed for another request). Fenced by the token the operator read (idem_key): a claim
--- taken over since, completed, released or absent raises 55000 and changes nothing. A NOTICE
--- says who released what. Not granted to the application role: it must not end what another
+-- taken over since, completed, released or absent raises 55000 and changes nothing. A LOG
+-- message (the server's log) and a NOTICE (the session) say who released what. Not granted to the application role: it must not end what another
 -- process holds.
 CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
     p_principal text,
@@ -3410,6 +3413,8 @@ WHEN p_principal IS NULL OR p_key IS NULL
 
         WHEN p_attempt IS NULL
             THEN '22004 p_attempt must not be NULL'
+        WHEN length(p_reason) > 1000
+            THEN format('22023 p_reason must be at most 1000 characters, got %s', length(p_reason))
     END;
 IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_release_stuck: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
@@ -3435,6 +3440,10 @@ IF v_problem IS NOT NULL THEN
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
     END IF;
+    -- Who released what: in the server's log (LOG is written there at every log_min_messages
+    -- but FATAL and PANIC), and to the operator's session.
+    RAISE LOG 'idem: % released the stuck lease claim of key % of principal % (token %): %',
+        session_user, p_key, p_principal, p_attempt, coalesce(p_reason, 'no reason given');
     RAISE NOTICE 'idem: % released the stuck lease claim of key % of principal % (token %): %',
         session_user, p_key, p_principal, p_attempt, coalesce(p_reason, 'no reason given');
 END
@@ -3469,6 +3478,9 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET debug_print_plan = off
+SET client_min_messages = notice
+
 AS $$
 DECLARE
     v_problem   text;
@@ -3483,8 +3495,13 @@ BEGIN
     v_problem := CASE
         WHEN p_older_than IS NULL OR p_limit IS NULL
             THEN '22004 p_older_than and p_limit must not be NULL'
-        WHEN p_older_than < interval '0'
-            THEN format('22023 p_older_than must not be negative, got %s', p_older_than)
+        -- Every part at least zero ('-1 month 31 days' is "positive" as a whole), and at most
+        -- the longest TTL or lease a key can have: older than that, no claim can be.
+        WHEN p_older_than < interval '0' OR date_part('year', p_older_than) < 0 OR date_part('month', p_older_than) < 0
+             OR date_part('day', p_older_than) < 0 OR p_older_than - date_trunc('day', p_older_than) < interval '0'
+            THEN format('22023 p_older_than must not be negative in any part, got %s', p_older_than)
+        WHEN p_older_than > interval '10 years'
+            THEN format('22023 p_older_than must be at most 10 years, got %s', p_older_than)
         WHEN p_limit NOT BETWEEN 1 AND 10000
             THEN format('22023 p_limit must be 1 to 10000, got %s', p_limit)
     END;
@@ -3531,8 +3548,8 @@ COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
 --      one drawn; the lists of secrets are written again (include/publish_secrets.sql) and the
 --      functions that compute provider keys are compiled anew in every session (their plans
 --      hold the lists); a transaction that starts after this sees both;
---   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
---      CONCURRENTLY waits for old snapshots), at most p_wait;
+--   2. it waits until every transaction of this database that was running at 1 has ended (as
+--      CREATE INDEX CONCURRENTLY waits for old snapshots), at most p_wait;
 --   3. only then the token sequence moves to the new secret's first token.
 -- A claim that draws a token of the new secret therefore runs in a transaction that started
 -- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
@@ -3553,8 +3570,11 @@ DECLARE
     v_older text[];
     v_until timestamptz;
 BEGIN
-    IF p_wait IS NULL OR p_wait < interval '0' THEN
-        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL or negative, got %', p_wait
+    IF p_wait IS NULL THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF p_wait < interval '0' THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be negative, got %', p_wait
             USING ERRCODE = '22023';
     END IF;
     -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
@@ -3594,8 +3614,13 @@ COMMENT ON FUNCTION idem.installation_secret_seqs() IS
     ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
 
-    v_older := ARRAY(SELECT l.virtualxid FROM pg_catalog.pg_locks AS l
-                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid());
+    -- The transactions of this database only: one in another database of the cluster (a
+    -- pg_dump of it, a long report) claims no key here.
+    v_older := ARRAY(SELECT l.virtualxid
+                       FROM pg_catalog.pg_locks AS l
+                       JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid()
+                        AND a.datname = pg_catalog.current_database());
     v_until := pg_catalog.clock_timestamp() + p_wait;
     WHILE EXISTS (SELECT FROM pg_catalog.pg_locks AS l
                    WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY (v_older)) LOOP

@@ -3,8 +3,11 @@ package tests
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/idem/idemmigrate"
@@ -116,5 +119,40 @@ func TestNewInstallationSecret(t *testing.T) {
 	app := pgtest.Connect(t, pgtest.LoginRole(t, copyB, "idem_app"))
 	if _, err := app.Exec(ctx, `CALL idem.idem_new_installation_secret()`); err == nil {
 		t.Fatal("the application role ran idem_new_installation_secret")
+	}
+}
+
+// TestNewInstallationSecretWaitsForThisDatabaseOnly (review finding): the procedure waits for the
+// transactions that were running when the new secret committed, and only this database's can
+// claim a key here: a transaction open in another database of the cluster (a pg_dump, a long
+// report) must not hold it up, while one open in this database must.
+func TestNewInstallationSecretWaitsForThisDatabaseOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	here, elsewhere := pgtest.NewDB(t), pgtest.NewDB(t)
+	other, err := pgtest.Connect(t, elsewhere).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback(ctx)
+	if _, err := other.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	conn := pgtest.Connect(t, here)
+	start := time.Now()
+	if _, err := conn.Exec(ctx, `CALL idem.idem_new_installation_secret(p_wait => '5 seconds')`); err != nil {
+		t.Fatalf("a transaction open in another database held the call up: %v (after %s)", err, time.Since(start))
+	}
+	local, err := pgtest.Connect(t, here).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Rollback(ctx)
+	if _, err := local.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.Exec(ctx, `CALL idem.idem_new_installation_secret(p_wait => '300 milliseconds')`)
+	if pgErr := (*pgconn.PgError)(nil); !errors.As(err, &pgErr) || pgErr.Code != "55000" {
+		t.Fatalf("with a transaction of this database open since the new secret: %v, want 55000", err)
 	}
 }

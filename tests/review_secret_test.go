@@ -2,7 +2,14 @@ package tests
 
 import (
 	"context"
+	"encoding/hex"
+	"fmt"
+	"strings"
+	"sync"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
 	"github.com/pgidem/pgidem/internal/release010"
@@ -173,5 +180,95 @@ func TestUpgradeTo006VersusARepeatableReadClaim(t *testing.T) {
 	if dupKey != claimedKey {
 		t.Fatalf("one generation (token %d), two provider keys: the claim under REPEATABLE READ across the upgrade gave %s, "+
 			"the duplicate's in_progress %s", attempt, claimedKey, dupKey)
+	}
+}
+
+// TestSecretNotPrintedInPlans (review finding): the installation's secrets are folded into the
+// plans of the functions that compute provider keys (idem_begin, idem_stuck), and a session may
+// ask PostgreSQL to print every plan it makes (debug_print_plan, sent to the client as LOG
+// messages with client_min_messages = log): the application role and the operators' role read
+// the secret that way, which docs/sql-api.md says nobody but the owner can. Those functions
+// now run with debug_print_plan off and no LOG message to the client.
+func TestSecretNotPrintedInPlans(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	var values [][]byte
+	if err := pgtest.Connect(t, url).QueryRow(ctx, `SELECT idem.installation_secret_values()`).Scan(&values); err != nil || len(values) == 0 {
+		t.Fatalf("the owner reads the secrets: %v %v", values, err)
+	}
+	// A Const's bytes as a printed plan shows them: each a signed decimal, space-separated.
+	var printed []string
+	for _, v := range values {
+		var b strings.Builder
+		for i, c := range v {
+			if i > 0 {
+				b.WriteByte(' ')
+			}
+			fmt.Fprintf(&b, "%d", int8(c))
+		}
+		printed = append(printed, b.String())
+		// EXPLAIN VERBOSE (auto_explain's) shows it in hex.
+		printed = append(printed, hex.EncodeToString(v))
+	}
+	// The plans of the statements that fold the secrets in (the provider key's prefixes' own
+	// query, run by the planner) are also printed by auto_explain where a DBA loads it for
+	// every session, as LOG messages that client_min_messages = log sends to the client.
+	owner := pgtest.Connect(t, url)
+	for _, c := range []struct{ group, sql, explain string }{
+		{"idem_app", `SELECT provider_key FROM idem.idem_begin('leak', 'k1', 'POST /x', sha256('x'), p_lease => interval '1 minute')`, ""},
+		{"idem_operator", `SELECT count(*) FROM idem.idem_stuck()`, ""},
+		{"idem_app", `SELECT provider_key FROM idem.idem_begin('leak', 'k2', 'POST /x', sha256('x'), p_lease => interval '1 minute')`, "auto_explain"},
+	} {
+		login := pgtest.LoginRole(t, url, c.group)
+		cfg, err := pgx.ParseConfig(login)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.explain != "" {
+			for _, sql := range []string{`session_preload_libraries = 'auto_explain'`, `auto_explain.log_min_duration = 0`,
+				`auto_explain.log_nested_statements = on`, `auto_explain.log_verbose = on`} {
+				pgtest.Exec(t, owner, fmt.Sprintf(`ALTER ROLE %s SET %s`, cfg.User, sql))
+			}
+		}
+		var mu sync.Mutex
+		var notices []string
+		cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+			mu.Lock()
+			defer mu.Unlock()
+			// A printed plan is in the detail, broken into lines.
+			notices = append(notices, strings.Join(strings.Fields(n.Severity+": "+n.Message+" "+n.Detail), " "))
+		}
+		conn, err := pgx.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		sets := []string{`SET debug_print_plan = on`, `SET debug_pretty_print = off`}
+		if c.explain != "" {
+			sets = nil
+		}
+		for _, sql := range append(sets, `SET client_min_messages = log`, c.sql) {
+			if _, err := conn.Exec(ctx, sql); err != nil {
+				t.Fatalf("%s: %s: %v", c.group, sql, err)
+			}
+		}
+		mu.Lock()
+		plans := 0
+		for _, n := range notices {
+			if strings.Contains(n, "plan:") || strings.Contains(n, "Query Text:") {
+				plans++
+			}
+			for i, p := range printed {
+				if strings.Contains(n, p) {
+					t.Errorf("%s: a printed plan holds secret %d: %.200s...", c.group, i+1, n)
+				}
+			}
+		}
+		mu.Unlock()
+
+		if plans == 0 {
+			t.Fatalf("%s: no plan was printed at all (%d notices): the test shows nothing", c.group, len(notices))
+		}
 	}
 }

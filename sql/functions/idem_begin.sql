@@ -26,6 +26,7 @@
 CREATE OR REPLACE FUNCTION idem.idem_begin(
 {{ template "include/begin_signature.sql" . }})
 {{ template "include/attributes.sql" . }}
+{{ template "include/secret_attributes.sql" . }}
 AS $$
 DECLARE
     v_problem text;

@@ -9,8 +9,8 @@
 --      one drawn; the lists of secrets are written again (include/publish_secrets.sql) and the
 --      functions that compute provider keys are compiled anew in every session (their plans
 --      hold the lists); a transaction that starts after this sees both;
---   2. it waits until every transaction that was running at 1 has ended (as CREATE INDEX
---      CONCURRENTLY waits for old snapshots), at most p_wait;
+--   2. it waits until every transaction of this database that was running at 1 has ended (as
+--      CREATE INDEX CONCURRENTLY waits for old snapshots), at most p_wait;
 --   3. only then the token sequence moves to the new secret's first token.
 -- A claim that draws a token of the new secret therefore runs in a transaction that started
 -- after 1. When the wait runs out, the call fails and changes nothing that matters: the new
@@ -31,8 +31,11 @@ DECLARE
     v_older text[];
     v_until timestamptz;
 BEGIN
-    IF p_wait IS NULL OR p_wait < interval '0' THEN
-        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL or negative, got %', p_wait
+    IF p_wait IS NULL THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF p_wait < interval '0' THEN
+        RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be negative, got %', p_wait
             USING ERRCODE = '22023';
     END IF;
     -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
@@ -59,8 +62,13 @@ BEGIN
     ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
 
-    v_older := ARRAY(SELECT l.virtualxid FROM pg_catalog.pg_locks AS l
-                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid());
+    -- The transactions of this database only: one in another database of the cluster (a
+    -- pg_dump of it, a long report) claims no key here.
+    v_older := ARRAY(SELECT l.virtualxid
+                       FROM pg_catalog.pg_locks AS l
+                       JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+                      WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_catalog.pg_backend_pid()
+                        AND a.datname = pg_catalog.current_database());
     v_until := pg_catalog.clock_timestamp() + p_wait;
     WHILE EXISTS (SELECT FROM pg_catalog.pg_locks AS l
                    WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY (v_older)) LOOP

@@ -275,8 +275,8 @@ COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
 -- once and runs the work again, in the same generation: with the same provider key, so a
 -- provider that saw the stuck attempt's call does not act twice (idem_yield's rule; the key is
 -- not freed for another request). Fenced by the token the operator read (idem_key): a claim
--- taken over since, completed, released or absent raises 55000 and changes nothing. A NOTICE
--- says who released what. Not granted to the application role: it must not end what another
+-- taken over since, completed, released or absent raises 55000 and changes nothing. A LOG
+-- message (the server's log) and a NOTICE (the session) say who released what. Not granted to the application role: it must not end what another
 -- process holds.
 CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
     p_principal text,
@@ -297,6 +297,8 @@ BEGIN
 {{ template "include/check_key.sql" . }}
         WHEN p_attempt IS NULL
             THEN '22004 p_attempt must not be NULL'
+        WHEN length(p_reason) > 1000
+            THEN format('22023 p_reason must be at most 1000 characters, got %s', length(p_reason))
     END;
 {{ template "include/raise.sql" "idem_release_stuck" }}
     v_now := clock_timestamp();
@@ -319,6 +321,10 @@ BEGIN
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
     END IF;
+    -- Who released what: in the server's log (LOG is written there at every log_min_messages
+    -- but FATAL and PANIC), and to the operator's session.
+    RAISE LOG 'idem: % released the stuck lease claim of key % of principal % (token %): %',
+        session_user, p_key, p_principal, p_attempt, coalesce(p_reason, 'no reason given');
     RAISE NOTICE 'idem: % released the stuck lease claim of key % of principal % (token %): %',
         session_user, p_key, p_principal, p_attempt, coalesce(p_reason, 'no reason given');
 END

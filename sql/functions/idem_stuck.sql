@@ -24,6 +24,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+{{ template "include/secret_attributes.sql" . }}
 AS $$
 DECLARE
     v_problem   text;
@@ -38,8 +39,13 @@ BEGIN
     v_problem := CASE
         WHEN p_older_than IS NULL OR p_limit IS NULL
             THEN '22004 p_older_than and p_limit must not be NULL'
-        WHEN p_older_than < interval '0'
-            THEN format('22023 p_older_than must not be negative, got %s', p_older_than)
+        -- Every part at least zero ('-1 month 31 days' is "positive" as a whole), and at most
+        -- the longest TTL or lease a key can have: older than that, no claim can be.
+        WHEN p_older_than < interval '0' OR date_part('year', p_older_than) < 0 OR date_part('month', p_older_than) < 0
+             OR date_part('day', p_older_than) < 0 OR p_older_than - date_trunc('day', p_older_than) < interval '0'
+            THEN format('22023 p_older_than must not be negative in any part, got %s', p_older_than)
+        WHEN p_older_than > interval '{{ template "max_interval" }}'
+            THEN format('22023 p_older_than must be at most {{ template "max_interval" }}, got %s', p_older_than)
         WHEN p_limit NOT BETWEEN 1 AND 10000
             THEN format('22023 p_limit must be 1 to 10000, got %s', p_limit)
     END;

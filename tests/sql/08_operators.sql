@@ -2,7 +2,7 @@
 -- who may call which.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(29);
+SELECT plan(30);
 
 -- A completed key with fields, a one-time secret, a lease in progress, a lease that ran out
 -- (its process died), an expired key.
@@ -50,6 +50,8 @@ SELECT is((SELECT count(*) FROM idem.idem_key('ops', 'nothing')), 0::bigint, 'no
 SELECT throws_ok(format($$SELECT idem.idem_release_stuck('other', 'stuck', %s, 'process killed')$$, :stuck + 1000000),
     '55000', NULL, 'a token that is not the claim''s releases nothing');
 SELECT throws_ok($$SELECT idem.idem_release_stuck('ops', 'done', 1, 'x')$$, '55000', NULL, 'a completed key cannot be released');
+SELECT throws_ok(format($$SELECT idem.idem_release_stuck('other', 'stuck', %s, repeat('x', 1001))$$, :stuck),
+    '22023', NULL, 'a reason over 1000 characters is refused, before anything changes');
 SELECT throws_like($$SELECT idem.idem_release_stuck('ops', 'done', 1, 'x')$$, '%completed%', 'and says so');
 SELECT lives_ok(format($$SELECT idem.idem_release_stuck('other', 'stuck', %s, 'process killed')$$, :stuck),
     'the stuck lease is released with its token');

@@ -2,7 +2,7 @@
 -- idem_release_stuck takes; and who may call it.
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(13);
+SELECT plan(17);
 
 -- A lease claim of now, one made 20 minutes ago whose lease ran out (its process died), one
 -- made 10 minutes ago still running, a completed key and a transactional claim of another
@@ -29,6 +29,10 @@ SELECT ok(lease_run_out AND lease_expires_at < now() AND age >= interval '20 min
 SELECT ok(NOT lease_run_out, 'a lease that still runs says so') FROM idem.idem_stuck() WHERE key = 'slow';
 SELECT throws_ok($$SELECT * FROM idem.idem_stuck('-1 minute')$$, '22023', NULL, 'a negative age is refused');
 SELECT throws_ok($$SELECT * FROM idem.idem_stuck(NULL)$$, '22004', NULL, 'a NULL age is refused');
+SELECT throws_ok($$SELECT * FROM idem.idem_stuck('-1 month 31 days')$$, '22023', NULL, 'an age with a negative part is refused');
+SELECT throws_ok($$SELECT * FROM idem.idem_stuck('300000 years')$$, '22023', NULL, 'an age beyond 10 years is refused, by idem_stuck itself');
+SELECT lives_ok($$SELECT * FROM idem.idem_stuck('10 years')$$, 'an age of 10 years is taken');
+SELECT throws_ok($$CALL idem.idem_new_installation_secret(NULL)$$, '22004', NULL, 'idem_new_installation_secret: a NULL wait is refused as NULL');
 SELECT throws_ok($$SELECT * FROM idem.idem_stuck('0', 0)$$, '22023', NULL, 'a limit below 1 is refused');
 
 -- The release flow starts from it: the token read from the list releases the claim.
