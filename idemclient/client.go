@@ -5,12 +5,15 @@
 // UUIDv7, unless the caller gives one), and every retry of it carries that key and the same
 // body. It retries, with jittered exponential backoff, when the outcome is unknown or
 // temporary: a network error or timeout, a 5xx (but 501, 505 and 500
-// idempotency_misconfigured), 408, 429, or 409 request_in_progress, honouring Retry-After
+// idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress, honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured) ends the operation:
-// retrying it would get the same answer; so does an error no retry mends (a URL that is not
-// http or https, an untrusted certificate, TLS to a plain server). The context bounds the
-// whole operation: give it a deadline.
+// retrying it would get the same answer; so does an error no retry mends (an untrusted
+// certificate, TLS to a plain server), and a request that net/http would refuse to send (a URL
+// that is not http or https or has no host, a port out of range, a method or header name that
+// is not a token, a control character in a header value or the key, two key headers), which
+// Do refuses before sending anything. The context bounds the whole operation: give it a
+// deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/orders", strings.NewReader(`{"sku":"a1"}`))
@@ -20,6 +23,9 @@
 //		return err // the outcome is unknown (the context ended, or ErrGaveUp): retry later under res.Key
 //	}
 //	fmt.Println(res.Status, res.Replayed) // 201 false; or 201 true when a lost answer was retried
+//
+// To retry later an operation that gave up, call Do again with the same request and res.Key:
+// Do leaves a request's body readable again.
 //
 // It has no dependency on the server side of this module (no pgx, no database driver).
 package idemclient
@@ -53,21 +59,29 @@ type Client struct {
 	// random duration between half of it and all of it. Default 0: 50ms.
 	Backoff time.Duration
 	// MaxBackoff caps the client's own backoff. Default 0: 2s. A server's Retry-After is
-	// honoured as sent (seconds or an HTTP date), up to a minute, even when it is longer.
+	// honoured as sent (seconds or an HTTP date), up to a minute, even when it is longer; one
+	// of more seconds than an int64 holds means the minute.
 	MaxBackoff time.Duration
+	// ReplayedHeader is the response header whose value "true" (in any case) marks a replay
+	// (Result.Replayed). Default "": "Idempotent-Replayed", the default of this module's
+	// middleware (idem.Options.ReplayHeader); set it for a server that names it otherwise.
+	ReplayedHeader string
 }
 
 // DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
-// default backoff (50ms doubling to 2s) about 10 seconds of waiting, longer when the server
-// asks for it with Retry-After.
+// default backoff (50ms doubling to 2s, each wait between half of it and all of it) about 7
+// seconds of waiting, at most 9.15, longer when the server asks for it with Retry-After.
 const DefaultMaxAttempts = client.DefaultMaxAttempts
 
 // Do sends req as one logical operation under key, and retries it until its answer is final,
 // the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
 // Every attempt carries the same key and the same body: req's body is read once (or taken from
-// req.GetBody) and sent again as it was. An empty key means the key req already carries in the
-// key header, or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
-// req's context, bounds the operation. The response body is read whole into Result.Body.
+// req.GetBody) and sent again as it was; a body without GetBody is left readable again (Do sets
+// req.Body and req.GetBody to the bytes it read), so req can be given to a later Do under
+// Result.Key. An empty key means the key req already carries in the key header (one; two are
+// refused), or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
+// req's context, bounds the operation; a ctx that has ended already sends nothing (Attempts 0).
+// The response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	r, err := (*client.Client)(c).Do(ctx, req, key)
 	return Result(r), err
@@ -76,12 +90,12 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 // Result is the answer to an operation.
 type Result struct {
 	// Status, Header and Body are the final answer's (the last attempt's, when the operation
-	// gave up).
+	// gave up; zero when that attempt got no answer: a network error, a timeout).
 	Status int
 	Header http.Header
 	Body   []byte
 	// Replayed is true when the answer was a replay of the first execution's (the server sent
-	// Idempotent-Replayed: true): an earlier attempt had taken effect and its answer was lost.
+	// Client.ReplayedHeader: true): an earlier attempt had taken effect and its answer was lost.
 	Replayed bool
 	// Attempts is how many requests the operation took.
 	Attempts int

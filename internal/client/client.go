@@ -4,11 +4,11 @@
 // one key, generated before the first attempt (or given by the caller) and kept across every
 // retry of it, with the same body. An attempt is retried, with jittered exponential backoff,
 // when its outcome is unknown or temporary: a network error or timeout, a 5xx (but 501 and
-// 505, and 500 idempotency_misconfigured), 408, 429, or 409 request_in_progress (honouring
+// 505, and 500 idempotency_misconfigured), 408, 425, 429, or 409 request_in_progress (honouring
 // Retry-After, in seconds or as a date, up to a minute), at most MaxAttempts times (10 by
 // default). A final answer (any other 4xx, 501, 505, 500 idempotency_misconfigured, or a
 // 2xx) ends the operation: retrying it would get the same answer; so does an error no retry
-// can mend (a URL that is not http or https, a certificate the client does not trust). The
+// can mend (a request net/http refuses to send, a certificate the client does not trust). The
 // context bounds the whole operation, retries included: give it a deadline.
 //
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/charges", strings.NewReader(`{"amount":100}`))
@@ -59,6 +59,10 @@ type Client struct {
 	// MaxBackoff caps the client's own backoff. Default 2s. A server's Retry-After is
 	// honoured as sent (seconds or an HTTP date), up to a minute, even when it is longer.
 	MaxBackoff time.Duration
+	// ReplayedHeader is the response header whose value "true" (in any case) marks a replay
+	// (Result.Replayed). Default "Idempotent-Replayed", the reference server's and the
+	// middleware's default (its Options.ReplayHeader).
+	ReplayedHeader string
 }
 
 // Result is the answer to an operation.
@@ -141,16 +145,16 @@ func NewKey() string {
 // response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	if key == "" {
+		if v := req.Header.Values(c.keyHeader()); len(v) > 1 {
+			return Result{Key: v[0]}, fmt.Errorf("idemclient: the request carries %d %s headers; an operation has one key", len(v), c.keyHeader())
+		}
 		key = req.Header.Get(c.keyHeader())
 	}
 	if key == "" {
 		key = NewKey()
 	}
-	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
-		return Result{Key: key}, fmt.Errorf("idemclient: the URL must be http or https, got %q", req.URL)
-	}
-	if strings.ContainsFunc(key, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
-		return Result{Key: key}, fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
+	if err := c.checkRequest(req, key); err != nil {
+		return Result{Key: key}, err
 	}
 	var payload []byte
 	if req.Body != nil && req.Body != http.NoBody {
@@ -167,6 +171,16 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		if err != nil {
 			return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
 		}
+		if req.GetBody == nil {
+			// The body is read: req can be sent again (a later Do under Result.Key, when this
+			// one gave up) with the same bytes.
+			req.Body = io.NopCloser(bytes.NewReader(payload))
+			req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(payload)), nil }
+			req.ContentLength = int64(len(payload))
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{Key: key}, err // nothing was sent
 	}
 	backoff := c.Backoff
 	if backoff <= 0 {
@@ -191,16 +205,25 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			}
 			res = r
 			res.Attempts, res.Key = attempt, key
-		case ctx.Err() != nil:
-			return res, ctx.Err()
-		case permanent(err):
-			return res, fmt.Errorf("idemclient: %w", err) // no retry can mend it
+		default:
+			// No answer this time: the result holds none (not an earlier attempt's).
+			res = Result{Attempts: attempt, Key: key}
+			if ctx.Err() != nil {
+				return res, ctx.Err()
+			}
+			if permanent(err) {
+				return res, fmt.Errorf("idemclient: %w", err) // no retry can mend it
+			}
 		}
 		if max := c.maxAttempts(); max > 0 && attempt >= max {
-			if err != nil {
-				return res, fmt.Errorf("%w after %d attempts: %w", ErrGaveUp, attempt, err)
+			n := fmt.Sprintf("%d attempts", attempt)
+			if attempt == 1 {
+				n = "1 attempt"
 			}
-			return res, fmt.Errorf("%w after %d attempts: last answer %d", ErrGaveUp, attempt, res.Status)
+			if err != nil {
+				return res, fmt.Errorf("%w after %s: %w", ErrGaveUp, n, err)
+			}
+			return res, fmt.Errorf("%w after %s: last answer %d", ErrGaveUp, n, res.Status)
 		}
 		select {
 		case <-ctx.Done():
@@ -215,6 +238,62 @@ func (c *Client) maxAttempts() int {
 		return DefaultMaxAttempts
 	}
 	return c.MaxAttempts
+}
+
+// checkRequest refuses, before anything is sent, a request that net/http would refuse at every
+// attempt: a URL that is not http or https or has no host or a port out of range, a method
+// or header name that is not a token, a header value with a control character (a tab
+// aside); and a key that no header may carry. The outcome of such an operation is known:
+// nothing was sent.
+func (c *Client) checkRequest(req *http.Request, key string) error {
+	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
+		return fmt.Errorf("idemclient: the URL must be http or https, got %q", req.URL)
+	}
+	if req.URL.Host == "" {
+		return fmt.Errorf("idemclient: the URL %q has no host", req.URL)
+	}
+	if p := req.URL.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("idemclient: the URL's port %q is not 1 to 65535", p)
+		}
+	}
+	if req.Method != "" && !isToken(req.Method) {
+		return fmt.Errorf("idemclient: the method %q is not an HTTP token", req.Method)
+	}
+	for name, values := range req.Header {
+		if !isToken(name) {
+			return fmt.Errorf("idemclient: the header name %q is not an HTTP token", name)
+		}
+		for _, v := range values {
+			if !validHeaderValue(v) {
+				return fmt.Errorf("idemclient: the value of header %s has a control character", name)
+			}
+		}
+	}
+	if !validHeaderValue(key) {
+		return fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
+	}
+	return nil
+}
+
+// isToken tells whether s is an HTTP token (RFC 9110, section 5.6.2): a method or header name.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0 {
+			continue
+		}
+		return false
+	}
+	return true
+}
+
+// validHeaderValue tells whether a header may carry v: no control character but a tab.
+func validHeaderValue(v string) bool {
+	return !strings.ContainsFunc(v, func(r rune) bool { return (r < 0x20 && r != '\t') || r == 0x7f })
 }
 
 func (c *Client) keyHeader() string {
@@ -268,8 +347,12 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	if err != nil {
 		return Result{}, err // the answer was lost on the way: its outcome is unknown
 	}
+	replayed := c.ReplayedHeader
+	if replayed == "" {
+		replayed = "Idempotent-Replayed"
+	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b,
-		Replayed: resp.Header.Get("Idempotent-Replayed") == "true"}, nil
+		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, nil
 }
 
 // Ledger is a client for the reference ledger API (cmd/server): one server, one bearer token,
@@ -318,7 +401,7 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 
 // retryable tells whether an answer leaves the operation's outcome open: 5xx (but 501 Not
 // Implemented, 505 HTTP Version Not Supported and 500 idempotency_misconfigured, which no
-// retry changes: the server's configuration refuses the request), 408, 429, or 409
+// retry changes: the server's configuration refuses the request), 408, 425, 429, or 409
 // request_in_progress. Every other answer is final.
 func retryable(r Result) bool {
 	switch {
@@ -326,7 +409,8 @@ func retryable(r Result) bool {
 		return false
 	case r.Status == http.StatusInternalServerError && r.Code() == "idempotency_misconfigured":
 		return false
-	case r.Status >= 500, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests:
+	case r.Status >= 500, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests,
+		r.Status == http.StatusTooEarly: // RFC 8470: the request may be sent again
 		return true
 	case r.Status == http.StatusConflict:
 		return r.Code() == "request_in_progress"
@@ -349,6 +433,8 @@ func retryAfter(h http.Header, now time.Time) time.Duration {
 			return 0
 		}
 		return time.Duration(min(s, int64(maxRetryAfter/time.Second))) * time.Second
+	} else if errors.Is(err, strconv.ErrRange) && v[0] != '-' {
+		return maxRetryAfter // more seconds than an int64 holds: the longest wait
 	}
 	if t, err := http.ParseTime(v); err == nil && t.After(now) {
 		return min(t.Sub(now), maxRetryAfter)

@@ -355,3 +355,128 @@ func TestTheCallersKeyIsKept(t *testing.T) {
 		t.Fatalf("%+v %v, keys sent %v: want the caller's key on every attempt", res, err, s.keys)
 	}
 }
+
+// TestRequestsNetHTTPRefusesAreNotSent (review finding): a request that net/http refuses to
+// send at every attempt (no host, a port out of range, a method or header that is not valid)
+// was retried MaxAttempts times and reported as ErrGaveUp, "outcome unknown", though nothing
+// was sent. Do refuses it before the first attempt; so with a context that has ended, and with
+// two key headers (which key would the operation have?).
+func TestRequestsNetHTTPRefusesAreNotSent(t *testing.T) {
+	var hits sync.WaitGroup
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		defer hits.Done()
+		t.Errorf("a request reached the server: %s %s", r.Method, r.URL)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c := &Client{Backoff: 100 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}
+	newReq := func(method, url string, h map[string][]string) *http.Request {
+		req, err := http.NewRequest("POST", url, strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Method = method
+		for k, v := range h {
+			req.Header[k] = v
+		}
+		return req
+	}
+	ended, stop := context.WithCancel(ctx)
+	stop()
+	for name, c2 := range map[string]struct {
+		req *http.Request
+		ctx context.Context
+	}{
+		"no host":                {newReq("POST", "http:///x", nil), ctx},
+		"a port out of range":    {newReq("POST", "http://127.0.0.1:99999/x", nil), ctx},
+		"a method not a token":   {newReq("BAD METHOD", srv.URL+"/x", nil), ctx},
+		"a header name":          {newReq("POST", srv.URL+"/x", map[string][]string{"Bad Name": {"v"}}), ctx},
+		"a header value":         {newReq("POST", srv.URL+"/x", map[string][]string{"X-A": {"a\nb"}}), ctx},
+		"two key headers":        {newReq("POST", srv.URL+"/x", map[string][]string{"Idempotency-Key": {"a", "b"}}), ctx},
+		"a context already done": {newReq("POST", srv.URL+"/x", nil), ended},
+	} {
+		start := time.Now()
+		res, err := c.Do(c2.ctx, c2.req, "")
+		if err == nil || errors.Is(err, ErrGaveUp) || res.Attempts != 0 || time.Since(start) > time.Second {
+			t.Errorf("%s: %+v %v after %s, want an error before any attempt", name, res, err, time.Since(start))
+		}
+	}
+	// A tab may be in a header value, the key's too: sent.
+	s := &script{answers: []func(http.ResponseWriter){status(201, `{}`)}}
+	tab := httptest.NewServer(s)
+	defer tab.Close()
+	if res, err := c.Do(ctx, newReq("POST", tab.URL+"/x", nil), "a\tb"); err != nil || res.Status != 201 || s.keys[0] != "a\tb" {
+		t.Fatalf("a key with a tab: %+v %v %q", res, err, s.keys)
+	}
+	hits.Wait()
+}
+
+// TestRetryLaterWithTheSameRequest (review finding): Do read a body without GetBody and left it
+// consumed, so the documented "retry later under res.Key" with the same request sent an empty
+// body under the key, and the server answered 422 (another request under the key) for an
+// operation that had taken effect. Do now leaves the body readable again.
+func TestRetryLaterWithTheSameRequest(t *testing.T) {
+	var mu sync.Mutex
+	var bodies []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		bodies = append(bodies, string(b))
+		n := len(bodies)
+		mu.Unlock()
+		if n <= 2 {
+			w.WriteHeader(503)
+			return
+		}
+		w.WriteHeader(201)
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+	c := &Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond, MaxAttempts: 2}
+	req, _ := http.NewRequest("POST", srv.URL+"/x", io.NopCloser(strings.NewReader(`{"amount":5}`))) // no GetBody
+	res, err := c.Do(ctx, req, "")
+	if !errors.Is(err, ErrGaveUp) || !strings.Contains(err.Error(), "after 2 attempts") {
+		t.Fatalf("first operation: %+v %v, want ErrGaveUp after 2 attempts", res, err)
+	}
+	if res2, err := c.Do(ctx, req, res.Key); err != nil || res2.Status != 201 {
+		t.Fatalf("retry later: %+v %v", res2, err)
+	}
+	for i, b := range bodies {
+		if b != `{"amount":5}` {
+			t.Fatalf("attempt %d sent body %q (all: %q)", i+1, b, bodies)
+		}
+	}
+}
+
+// TestNoStaleAnswerAfterALostOne (review finding): when the last attempt got no answer, the
+// Result held an earlier attempt's 503 beside the network error.
+func TestNoStaleAnswerAfterALostOne(t *testing.T) {
+	s := &script{answers: []func(http.ResponseWriter){status(503, `{}`), hang, hang}}
+	c := newClient(t, s)
+	c.MaxAttempts = 3
+	res, err := c.Post(context.Background(), "/x", nil)
+	if !errors.Is(err, ErrGaveUp) || res.Status != 0 || res.Body != nil || res.Attempts != 3 {
+		t.Fatalf("%+v %v, want ErrGaveUp with no answer after 3 attempts", res, err)
+	}
+}
+
+// TestTooEarlyAndTheReplayHeader: 425 Too Early is retried (RFC 8470); Replayed reads the
+// header's value in any case, and a header of another name when told so.
+func TestTooEarlyAndTheReplayHeader(t *testing.T) {
+	ctx := context.Background()
+	s := &script{answers: []func(http.ResponseWriter){status(425, `{}`), status(201, `{}`, "Idempotent-Replayed", "TRUE")}}
+	if res, err := newClient(t, s).Post(ctx, "/x", nil); err != nil || res.Status != 201 || res.Attempts != 2 || !res.Replayed {
+		t.Fatalf("425 then a replay: %+v %v", res, err)
+	}
+	s = &script{answers: []func(http.ResponseWriter){status(201, `{}`, "X-Replayed", "true")}}
+	c := newClient(t, s)
+	c.ReplayedHeader = "X-Replayed"
+	if res, err := c.Post(ctx, "/x", nil); err != nil || !res.Replayed {
+		t.Fatalf("another replay header: %+v %v", res, err)
+	}
+	if d := retryAfter(http.Header{"Retry-After": {"99999999999999999999"}}, time.Now()); d != maxRetryAfter {
+		t.Fatalf("a Retry-After beyond an int64: %s, want %s", d, maxRetryAfter)
+	}
+}
