@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -176,6 +177,11 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	if len(args) > 0 {
 		m.Command, m.Args = args[0], args[1:]
 	}
+	// -h, -help and --help after a command ask for the help too (`server principal create
+	// --help` must not create a principal named --help).
+	if slices.ContainsFunc(m.Args, func(a string) bool { return a == "-h" || a == "-help" || a == "--help" }) {
+		m.Command, m.Args = "help", nil
+	}
 	switch m.Command {
 	case "help", "-h", "-help", "--help":
 		m.Command = "help"
@@ -196,6 +202,9 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		}
 		if n := m.Args[1]; len(n) < 1 || len(n) > 100 {
 			return errors.New("principal create: NAME must be 1 to 100 characters")
+		}
+		if strings.HasPrefix(m.Args[1], "-") {
+			return fmt.Errorf("principal create: NAME must not start with -, which marks an option (got %q)", m.Args[1])
 		}
 	default:
 		return fmt.Errorf("unknown command %q\n\n%s", m.Command, usage)

@@ -206,3 +206,20 @@ func shortDuration(d time.Duration) string {
 	}
 	return s
 }
+
+// TestHelpAfterACommand (review finding): `server principal create --help` created a
+// principal named --help and printed its token. -h, -help and --help after any command ask
+// for the help; a principal's name may not start with -.
+func TestHelpAfterACommand(t *testing.T) {
+	for _, args := range [][]string{{"principal", "create", "--help"}, {"principal", "create", "-h"}, {"migrate", "-h"},
+		{"keys", "stuck", "--help"}, {"serve", "-help"}} {
+		m := NewMain(io.Discard, io.Discard)
+		if err := m.ParseFlags(args, func(string) string { return "" }); err != nil || m.Command != "help" {
+			t.Errorf("%q: command %q, %v; want the help", args, m.Command, err)
+		}
+	}
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags([]string{"principal", "create", "-x"}, func(string) string { return "" }); err == nil {
+		t.Error("principal create -x: accepted as a name")
+	}
+}

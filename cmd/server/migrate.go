@@ -35,6 +35,16 @@ func (m *Main) migrate(ctx context.Context) error {
 		return err
 	}
 	defer conn.Release()
+	// One migrate at a time, all of it: idem and the ledger take turns on tern's lock, but the
+	// steps between them and River's migrations (CREATE SCHEMA IF NOT EXISTS, River's own
+	// tables) do not, and two processes running them at once failed on each other's catalog
+	// rows. A session lock on this connection, released at the end (or when it closes).
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock(hashtextextended('pgidem server migrate', 0))`); err != nil {
+		return fmt.Errorf("migrate: wait for another migrate: %w", err)
+	}
+	defer func() {
+		_, _ = conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtextextended('pgidem server migrate', 0))`)
+	}()
 	if err := idemmigrate.Migrate(ctx, conn.Conn(), idemmigrate.Options{AppRole: m.Config.AppRole}); err != nil {
 		return err
 	}
