@@ -50,17 +50,21 @@ type Options struct {
 	// API's default, 24 hours (read from the database, idem_defaults()). From a microsecond
 	// to 10 years (MaxDuration, the SQL API's bound); sent with microsecond precision.
 	TTL time.Duration
-	// LockTimeout bounds the wait for a concurrent request with the same key, in this
-	// process (in Go, without a connection) and on the database; past it the answer is 409
-	// request_in_progress. Default 0: the SQL API's default, 2 seconds. From a millisecond to
-	// MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
+	// LockTimeout bounds each wait of the store's statements on the database for a
+	// concurrent holder of the same key's row lock (idem_begin's p_lock_timeout): a duplicate
+	// of a request running in another process waits on the key's row lock this long at a time
+	// and claims again, until DuplicateWait is over (a duplicate of a request in this process
+	// waits in Go, bounded by DuplicateWait alone); 409 request_in_progress comes when
+	// DuplicateWait is over. Default 0: the SQL API's default, 2 seconds. From a millisecond
+	// to MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
 	LockTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
 	// its claim (the waits before it do not count) to its commit. The work does not end when
 	// the client goes away (a disconnect, the client's own attempt timeout, a proxy's): it runs
 	// to its end and commits with its answer, which the client's retry gets (it waits for the
 	// work while it runs, and replays it after); it ends at this server-side deadline, and
-	// when Shutdown gives up waiting for it, and then rolls back. Default 0:
+	// when Shutdown gives up waiting for it, and then rolls back (its context's cause is
+	// context.DeadlineExceeded, or ErrShutdown; its Err is context.Canceled). Default 0:
 	// DefaultWorkTimeout (30 seconds); Route.WorkTimeout overrides it for one route. Not
 	// negative.
 	WorkTimeout time.Duration
@@ -259,8 +263,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
 // back and stores nothing; lease work gives its lease up, and the client's retry runs it again
 // under the same provider key), waits up to five seconds more for them, and returns ctx's
-// error. From the moment ctx ends, keyed work that starts is ended at once, also when Shutdown
-// had returned early (nothing was in flight). Call it beside the HTTP server's Shutdown, with
+// error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
+// (CodeShuttingDown, with Retry-After) before any claim, also when Shutdown had returned early
+// (nothing was in flight). Call it beside the HTTP server's Shutdown, with
 // the same deadline, and wait for both before the process exits:
 //
 //	work := make(chan error, 1)

@@ -70,6 +70,9 @@ const (
 	CodeStoreUnavailable = "store_unavailable"
 	// CodeOutcomeUnknown: 503 with Retry-After, the connection was lost while committing.
 	CodeOutcomeUnknown = "outcome_unknown"
+	// CodeShuttingDown: 503 with Retry-After, a keyed request that came after Shutdown's
+	// deadline: nothing was claimed or changed; the client's retry goes to another process.
+	CodeShuttingDown = "shutting_down"
 )
 
 // Observer receives the events of keyed requests, for metrics (package idemprom adapts it to

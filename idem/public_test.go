@@ -37,7 +37,7 @@ func TestPublicValuesAreTheImplementations(t *testing.T) {
 		{idem.CodeMalformedBody, idemhttp.CodeMalformedBody}, {idem.CodeUnsupportedMedia, idemhttp.CodeUnsupportedMedia},
 		{idem.CodePrincipalUnknown, idemhttp.CodePrincipalUnknown}, {idem.CodeInternalError, idemhttp.CodeInternalError},
 		{idem.CodeMisconfigured, idemhttp.CodeMisconfigured}, {idem.CodeStoreUnavailable, idemhttp.CodeStoreUnavailable},
-		{idem.CodeOutcomeUnknown, idemhttp.CodeOutcomeUnknown},
+		{idem.CodeOutcomeUnknown, idemhttp.CodeOutcomeUnknown}, {idem.CodeShuttingDown, idemhttp.CodeShuttingDown},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {

@@ -205,6 +205,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if m.tracer != nil {
 		q.keyHash = keyHash(principal, key)
 	}
+	if m.work.stop.Err() != nil {
+		// Shutdown's deadline has passed: work that starts now would be ended at once. Nothing
+		// is claimed; the client's retry goes to another process. Not a failure of the store:
+		// counted in no state.
+		w.Header().Set("Retry-After", "1")
+		m.problem(w, r, CodeShuttingDown, "this server is shutting down; nothing was changed; retry with the same key", nil)
+		m.o.Logger.Info("idem: keyed request refused, shutting down", "action", q.action,
+			"request_id", r.Header.Get(m.o.CorrelationHeader))
+		return
+	}
 	ctx, span := q.startSpan(r.Context(), "idem.request")
 	st := q.keyed(ctx, claim)
 	endSpan(span, string(st), nil)

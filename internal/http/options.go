@@ -60,9 +60,13 @@ type Options struct {
 	// TTL is how long a key's answer stays replayable after it was given. 0: the SQL API's
 	// default (24 hours).
 	TTL time.Duration
-	// LockTimeout bounds the wait for a concurrent request with the same key, in this
-	// process (in Go, without a connection) and on the database; past it the answer is 409
-	// request_in_progress. 0: the SQL API's default (2 seconds), read from the database.
+	// LockTimeout bounds each wait of the store's statements on the database for a
+	// concurrent holder of the same key's row lock (idem_begin's p_lock_timeout): a duplicate
+	// of a request running in another process waits on the key's row lock this long at a time
+	// and claims again, until DuplicateWait is over (a duplicate of a request in this process
+	// waits in Go, bounded by DuplicateWait alone); 409 request_in_progress comes when
+	// DuplicateWait is over. Default 0: the SQL API's default, 2 seconds. From a millisecond
+	// to MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
 	LockTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
 	// its claim to its commit. The work does not end when the client goes away (a disconnect,

@@ -27,6 +27,7 @@ const (
 	CodeMisconfigured    = "idempotency_misconfigured"
 	CodeStoreUnavailable = "store_unavailable"
 	CodeOutcomeUnknown   = "outcome_unknown"
+	CodeShuttingDown     = "shutting_down"
 )
 
 // problemSpec is a problem code's status and title.
@@ -53,6 +54,7 @@ var problems = map[string]problemSpec{
 	CodeMisconfigured:    {http.StatusInternalServerError, "Idempotency misconfigured"},
 	CodeStoreUnavailable: {http.StatusServiceUnavailable, "Idempotency store unavailable"},
 	CodeOutcomeUnknown:   {http.StatusServiceUnavailable, "Outcome unknown"},
+	CodeShuttingDown:     {http.StatusServiceUnavailable, "Shutting down"},
 }
 
 // errorProblem maps an error of the unit of work (from the driver, the database or the

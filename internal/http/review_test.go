@@ -211,3 +211,24 @@ func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
 			"table is locked", took.Round(time.Millisecond), qerr)
 	}
 }
+
+// TestKeyedRequestAfterShutdownIsRefused (review finding): a keyed request that came after
+// Shutdown's deadline got 503 store_unavailable, was logged as a failure of the store and
+// counted as store_error, though the store was fine: a deploy looked like a database outage on
+// the dashboards. It now gets 503 shutting_down with Retry-After, before any claim.
+func TestKeyedRequestAfterShutdownIsRefused(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, nil)
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	_ = a.m.Shutdown(ended)
+	r := a.do("POST", "/jobs", "alice", "after-shutdown", `{}`)
+	if r.status != http.StatusServiceUnavailable || problemCode(t, r) != idemhttp.CodeShuttingDown || r.header.Get("Retry-After") != "1" {
+		t.Fatalf("a keyed request after Shutdown's deadline: %d %s %q, want 503 shutting_down with Retry-After: 1",
+			r.status, r.body, r.header.Get("Retry-After"))
+	}
+	conn := pgtest.Connect(t, pgtest.URLOf(t, a.pool))
+	if n := pgtest.Count(t, conn, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'after-shutdown'`); n != 0 {
+		t.Fatalf("%d claims of the key, want none", n)
+	}
+}

@@ -85,7 +85,8 @@ func (t *workTracker) idleChan() <-chan struct{} {
 // waiting at once (409 request_in_progress; the client retries against the next process).
 // When ctx ends first, it ends the work's contexts with cause ErrShutdown (a transactional unit
 // of work rolls back; lease work gives its lease up), waits up to five seconds more for them,
-// and returns ctx's error. From the moment ctx ends, work that starts is ended at once, also
+// and returns ctx's error. From the moment ctx ends, a keyed request that comes is answered
+// 503 shutting_down before any claim (one whose claim was under way is ended at once), also
 // when Shutdown had returned early (nothing was in flight). Call it beside the HTTP server's
 // Shutdown, with the same deadline, and wait for both before the process exits:
 //
