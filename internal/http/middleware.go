@@ -155,6 +155,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	keyed := authenticated && present
 	switch {
+	case keyed && !valid && len(r.Header.Values(m.o.KeyHeader)) > 1:
+		m.problem(w, r, CodeKeyInvalid, fmt.Sprintf("the request carries %d %s headers; send one", len(r.Header.Values(m.o.KeyHeader)), m.o.KeyHeader),
+			func(p *Problem) { p.Header = m.o.KeyHeader })
+		return
 	case keyed && !valid:
 		m.problem(w, r, CodeKeyInvalid, m.o.KeyHeader+" must be 1 to 255 visible ASCII characters, as a bare value or a quoted string",
 			func(p *Problem) { p.Header = m.o.KeyHeader })

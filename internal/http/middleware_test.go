@@ -611,8 +611,8 @@ func TestKeyValidation(t *testing.T) {
 		}
 	}
 	r := a.do("POST", "/transfers", "alice", "", `{"amount":1}`, "Idempotency-Key", "a", "Idempotency-Key", "b")
-	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyInvalid {
-		t.Errorf("two keys: %+v", r)
+	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyInvalid || !strings.Contains(string(r.body), "carries 2 Idempotency-Key headers") {
+		t.Errorf("two keys: %+v, want 400 idempotency_key_invalid that says why", r)
 	}
 	r = a.do("POST", "/transfers", "alice", "", `{"amount":1}`)
 	if r.status != 400 || problemCode(t, r) != idemhttp.CodeKeyMissing {
