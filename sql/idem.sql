@@ -1360,11 +1360,11 @@ IF v_problem IS NOT NULL THEN
         END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
+            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea),
+                   bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
               INTO v_fields, v_ok
-              FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
-            IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
+              FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
+            IF NOT coalesce(v_ok AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1853,11 +1853,11 @@ IF p_ttl IS NOT NULL THEN
     END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
+            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea),
+                   bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
               INTO v_fields, v_ok
-              FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
-            IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
+              FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
+            IF NOT coalesce(v_ok AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';

@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(83);
+SELECT plan(87);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -70,6 +70,19 @@ INSERT INTO bad VALUES
  ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, NULL)$$, '22004');
 
 SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
+-- Values that are not strings, though their text would decode (a number of 16 digits), or
+-- that have no text (null): refused by idem_begin's own message on a fresh key, and by
+-- idem_save_final's.
+SELECT throws_ok($$SELECT idem.idem_begin('p', 'num', 'a', sha256('x'), p_request_fields => '{"a": 1234567890123456}')$$,
+    '22023', 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)',
+    'a number whose text would decode is refused on a fresh key');
+SELECT throws_ok($$SELECT idem.idem_begin('p', 'nul', 'a', sha256('x'), p_request_fields => '{"a": "0123456789abcdef", "b": null}')$$,
+    '22023', 'idem_begin: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)',
+    'a null value is refused on a fresh key');
+SELECT throws_ok($$SELECT idem.idem_save_final('p', 'num', 'a', sha256('x'), '1 hour', 404, '{}', NULL, p_request_fields => '{"a": 1234567890123456}')$$,
+    '22023', 'idem_save_final: p_request_fields must be a JSON object whose values are hex SHA-256 digests (at least 16 hex digits)',
+    'and by idem_save_final');
+SELECT is((SELECT count(*) FROM idem.idempotency_keys WHERE key IN ('num', 'nul')), 0::bigint, 'nothing of them is stored');
 SELECT throws_ok($$SELECT idem.idem_begin('p', 'k', 'a', sha256('x'), p_lock_timeout => '25 days')$$, '22023',
     'idem_begin: p_lock_timeout must be at most 2147483.647 seconds (PostgreSQL''s largest lock_timeout, about 24.8 days), got 25 days',
     'a lock timeout PostgreSQL cannot take is named as the argument');

@@ -4,14 +4,16 @@
    p_request_sha256 decides. NULL when p_request_fields is NULL or empty. One query converts
    and checks (a value with a character that is not a hex digit in its first 16 raises decode's
    own 22023; one shorter than 16, or with whitespace there, which decode skips, decodes to fewer
-   than 8 bytes), and one test reads its verdict: v_ok is NULL for an empty object and for anything but an object (jsonb_each reads
-   nothing then). The argument is the function's name. */ -}}
+   than 8 bytes), and one test reads its verdict with the values' type (a jsonpath: jsonb_each_text reads a
+   number as its text, and a null as NULL): v_ok is NULL for an empty object and for anything
+   but an object (jsonb_each_text reads nothing then). The text of each value, not the
+   jsonb value's #>> '{}': 5,700 instructions fewer on a fresh claim of three fields. The argument is the function's name. */ -}}
         IF p_request_fields IS NOT NULL THEN
-            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea),
-                   bool_and(jsonb_typeof(f.value) = 'string' AND octet_length(decode(left(f.value #>> '{}', 16), 'hex')) = 8)
+            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea),
+                   bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
               INTO v_fields, v_ok
-              FROM jsonb_each(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
-            IF NOT coalesce(v_ok, jsonb_typeof(p_request_fields) = 'object') THEN
+              FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
+            IF NOT coalesce(v_ok AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
 {{ template "include/bad_fields.sql" . }}
             END IF;
         END IF;
