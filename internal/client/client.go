@@ -37,6 +37,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/pgidem/pgidem/internal/httpsyntax"
 )
 
 // Client sends logical operations to any HTTP API that takes an idempotency key, and retries
@@ -257,43 +259,23 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 			return fmt.Errorf("idemclient: the URL's port %q is not 1 to 65535", p)
 		}
 	}
-	if req.Method != "" && !isToken(req.Method) {
+	if req.Method != "" && !httpsyntax.IsToken(req.Method) {
 		return fmt.Errorf("idemclient: the method %q is not an HTTP token", req.Method)
 	}
 	for name, values := range req.Header {
-		if !isToken(name) {
+		if !httpsyntax.IsToken(name) {
 			return fmt.Errorf("idemclient: the header name %q is not an HTTP token", name)
 		}
 		for _, v := range values {
-			if !validHeaderValue(v) {
+			if !httpsyntax.ValidFieldValue(v) {
 				return fmt.Errorf("idemclient: the value of header %s has a control character", name)
 			}
 		}
 	}
-	if !validHeaderValue(key) {
+	if !httpsyntax.ValidFieldValue(key) {
 		return fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
 	}
 	return nil
-}
-
-// isToken tells whether s is an HTTP token (RFC 9110, section 5.6.2): a method or header name.
-func isToken(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0 {
-			continue
-		}
-		return false
-	}
-	return true
-}
-
-// validHeaderValue tells whether a header may carry v: no control character but a tab.
-func validHeaderValue(v string) bool {
-	return !strings.ContainsFunc(v, func(r rune) bool { return (r < 0x20 && r != '\t') || r == 0x7f })
 }
 
 func (c *Client) keyHeader() string {

@@ -26,7 +26,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -35,6 +34,7 @@ import (
 
 	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/httpsyntax"
 )
 
 // Options configure a Middleware. Only DB and Principal are required.
@@ -234,30 +234,16 @@ func (o Options) check() error {
 			o.MaxWaitingClaims, o.DB.Config().MaxConns)
 	}
 	for name, h := range map[string]string{"KeyHeader": o.KeyHeader, "ReplayHeader": o.ReplayHeader, "CorrelationHeader": o.CorrelationHeader} {
-		if h != "" && !isToken(h) {
+		if h != "" && !httpsyntax.IsToken(h) {
 			return fmt.Errorf("idem: Options.%s %q is not a header name", name, h)
 		}
 	}
 	for _, h := range o.StoredHeaders {
-		if !isToken(h) {
+		if !httpsyntax.IsToken(h) {
 			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
 		}
 	}
 	return nil
-}
-
-// isToken tells whether s is an RFC 9110 token (what a header name is).
-func isToken(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
-			return false
-		}
-	}
-	return true
 }
 
 // The defaults and bounds of the waits and deadlines of keyed requests.
