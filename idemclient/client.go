@@ -45,7 +45,8 @@ import (
 type Client struct {
 	// HTTP sends the requests. Default nil: http.DefaultClient.
 	HTTP *http.Client
-	// KeyHeader is the request header that carries the key. Default "Idempotency-Key".
+	// KeyHeader is the request header that carries the key. Default "Idempotency-Key"; a
+	// header name (an RFC 9110 token), or Do refuses every request.
 	KeyHeader string
 	// AttemptTimeout bounds one attempt. Default 0: no bound beyond the operation's context.
 	// A client that gives up on an attempt does not know its outcome, and retries with the
@@ -78,8 +79,8 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // Every attempt carries the same key and the same body: req's body is read once (or taken from
 // req.GetBody) and sent again as it was; a body without GetBody is left readable again (Do sets
 // req.Body and req.GetBody to the bytes it read), so req can be given to a later Do under
-// Result.Key. An empty key means the key req already carries in the key header (one; two are
-// refused), or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
+// Result.Key. An empty key means the key req already carries in the key header (under any
+// spelling of its name; one value, two are refused), or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
 // req's context, bounds the operation; a ctx that has ended already sends nothing (Attempts 0).
 // The response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {

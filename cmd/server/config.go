@@ -8,7 +8,6 @@ import (
 	"net/url"
 	"regexp"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -177,9 +176,12 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	if len(args) > 0 {
 		m.Command, m.Args = args[0], args[1:]
 	}
-	// -h, -help and --help after a command ask for the help too (`server principal create
-	// --help` must not create a principal named --help).
-	if slices.ContainsFunc(m.Args, func(a string) bool { return a == "-h" || a == "-help" || a == "--help" }) {
+	// -h, -help and --help right after a command (or after `principal create`) ask for the
+	// help too: `server principal create --help` must not create a principal named --help.
+	// Elsewhere they are values: `server keys alice -h` looks up the key "-h".
+	isHelp := func(a string) bool { return a == "-h" || a == "-help" || a == "--help" }
+	if (len(m.Args) > 0 && isHelp(m.Args[0])) ||
+		(m.Command == "principal" && len(m.Args) > 1 && m.Args[0] == "create" && isHelp(m.Args[1])) {
 		m.Command, m.Args = "help", nil
 	}
 	switch m.Command {

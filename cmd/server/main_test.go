@@ -212,7 +212,7 @@ func shortDuration(d time.Duration) string {
 // for the help; a principal's name may not start with -.
 func TestHelpAfterACommand(t *testing.T) {
 	for _, args := range [][]string{{"principal", "create", "--help"}, {"principal", "create", "-h"}, {"migrate", "-h"},
-		{"keys", "stuck", "--help"}, {"serve", "-help"}} {
+		{"keys", "--help"}, {"serve", "-help"}} {
 		m := NewMain(io.Discard, io.Discard)
 		if err := m.ParseFlags(args, func(string) string { return "" }); err != nil || m.Command != "help" {
 			t.Errorf("%q: command %q, %v; want the help", args, m.Command, err)
@@ -221,5 +221,12 @@ func TestHelpAfterACommand(t *testing.T) {
 	m := NewMain(io.Discard, io.Discard)
 	if err := m.ParseFlags([]string{"principal", "create", "-x"}, func(string) string { return "" }); err == nil {
 		t.Error("principal create -x: accepted as a name")
+	}
+	// A key may be "-h": where a key is a value, it is one.
+	for _, args := range [][]string{{"keys", "alice", "-h"}, {"keys", "release", "alice", "k", "5", "--help"}} {
+		m := NewMain(io.Discard, io.Discard)
+		if err := m.ParseFlags(args, func(string) string { return "" }); err != nil || m.Command != "keys" {
+			t.Errorf("%q: command %q, %v; want the keys command with the value", args, m.Command, err)
+		}
 	}
 }

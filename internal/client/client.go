@@ -147,10 +147,11 @@ func NewKey() string {
 // response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	if key == "" {
-		if v := req.Header.Values(c.keyHeader()); len(v) > 1 {
+		if v := c.keyValues(req.Header); len(v) > 1 {
 			return Result{Key: v[0]}, fmt.Errorf("idemclient: the request carries %d %s headers; an operation has one key", len(v), c.keyHeader())
+		} else if len(v) == 1 {
+			key = v[0]
 		}
-		key = req.Header.Get(c.keyHeader())
 	}
 	if key == "" {
 		key = NewKey()
@@ -248,6 +249,14 @@ func (c *Client) maxAttempts() int {
 // aside); and a key that no header may carry. The outcome of such an operation is known:
 // nothing was sent.
 func (c *Client) checkRequest(req *http.Request, key string) error {
+	if !httpsyntax.IsToken(c.keyHeader()) {
+		return fmt.Errorf("idemclient: Client.KeyHeader %q is not a header name", c.keyHeader())
+	}
+	for name := range req.Trailer {
+		if !httpsyntax.IsToken(name) {
+			return fmt.Errorf("idemclient: the trailer name %q is not an HTTP token", name)
+		}
+	}
 	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
 		return fmt.Errorf("idemclient: the URL must be http or https, got %q", req.URL)
 	}
@@ -276,6 +285,18 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 		return fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
 	}
 	return nil
+}
+
+// keyValues is every value of the key header in h, under any spelling of its name (a caller
+// may have set the map entry directly, not in Go's canonical form).
+func (c *Client) keyValues(h http.Header) []string {
+	var v []string
+	for name, values := range h {
+		if strings.EqualFold(name, c.keyHeader()) {
+			v = append(v, values...)
+		}
+	}
+	return v
 }
 
 func (c *Client) keyHeader() string {
@@ -314,6 +335,11 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		req.Body = io.NopCloser(bytes.NewReader(payload))
 		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(payload)), nil }
 		req.ContentLength = int64(len(payload))
+	}
+	for name := range req.Header { // one key header on the wire, whatever spellings req had
+		if strings.EqualFold(name, c.keyHeader()) {
+			delete(req.Header, name)
+		}
 	}
 	req.Header.Set(c.keyHeader(), key)
 	hc := c.HTTP

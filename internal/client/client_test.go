@@ -480,3 +480,44 @@ func TestTooEarlyAndTheReplayHeader(t *testing.T) {
 		t.Fatalf("a Retry-After beyond an int64: %s, want %s", d, maxRetryAfter)
 	}
 }
+
+// TestKeyHeaderSpellingsAndName (review findings): a key header set in the map under another
+// spelling is the caller's key (sent once, not beside a new one); a KeyHeader or a trailer that
+// is not a header name is refused before sending.
+func TestKeyHeaderSpellingsAndName(t *testing.T) {
+	var mu sync.Mutex
+	var got [][]string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		got = append(got, r.Header.Values("Idempotency-Key"))
+		mu.Unlock()
+		w.WriteHeader(201)
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+	c := &Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
+	req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
+	req.Header["idempotency-key"] = []string{"mine"}
+	if res, err := c.Do(ctx, req, ""); err != nil || res.Key != "mine" || len(got) != 1 || len(got[0]) != 1 || got[0][0] != "mine" {
+		t.Fatalf("a key set under another spelling: %+v %v, the server got %q", res, err, got)
+	}
+	req, _ = http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
+	req.Header["idempotency-key"] = []string{"a"}
+	req.Header["Idempotency-Key"] = []string{"b"}
+	if res, err := c.Do(ctx, req, ""); err == nil || res.Attempts != 0 {
+		t.Fatalf("two spellings, two keys: %+v %v, want an error before any attempt", res, err)
+	}
+	bad := &Client{KeyHeader: "Idem Key"}
+	req, _ = http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
+	if res, err := bad.Do(ctx, req, ""); err == nil || res.Attempts != 0 {
+		t.Fatalf("a KeyHeader that is no header name: %+v %v, want an error before any attempt", res, err)
+	}
+	req, _ = http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
+	req.Trailer = http.Header{"Bad Name": {"v"}}
+	if res, err := c.Do(ctx, req, ""); err == nil || res.Attempts != 0 {
+		t.Fatalf("a trailer that is no header name: %+v %v, want an error before any attempt", res, err)
+	}
+	if len(got) != 1 {
+		t.Fatalf("%d requests reached the server, want 1", len(got))
+	}
+}

@@ -40,7 +40,8 @@ BEGIN
         WHEN p_older_than IS NULL OR p_limit IS NULL
             THEN '22004 p_older_than and p_limit must not be NULL'
         -- Every part at least zero ('-1 month 31 days' is "positive" as a whole), and at most
-        -- the longest TTL or lease a key can have: older than that, no claim can be.
+        -- 10 years, the longest TTL or lease a call may ask for (a lease claim can be older
+        -- than that, and '10 years' lists it: a larger age is a unit error, not a question).
         WHEN p_older_than < interval '0' OR date_part('year', p_older_than) < 0 OR date_part('month', p_older_than) < 0
              OR date_part('day', p_older_than) < 0 OR p_older_than - date_trunc('day', p_older_than) < interval '0'
             THEN format('22023 p_older_than must not be negative in any part, got %s', p_older_than)
