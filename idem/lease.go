@@ -10,7 +10,7 @@ import (
 // Leases for work outside the database run by hand (a lease route and DoLease do all of this
 // themselves): claim with a Lease (Begin, Tx.Claim), commit, start KeepAlive with the claim's
 // Decision.Sent, do the work on Lease.Context, Stop, then Complete (or Yield when the work
-// failed), before Lease.End.
+// failed) with Lease.AnswerDeadline as the deadline.
 
 // Extend moves the lease of the in-progress lease claim with this attempt to lease from now
 // (never earlier), and the key's expiry with it, and returns the lease's new end as the
@@ -52,8 +52,8 @@ type Lease struct{ l *dbidem.Lease }
 // extension that fails for another reason than a lost claim (the database cannot be reached)
 // is tried again at the next beat; the lease counts as lost when it runs out, by this
 // process's clock, without one having succeeded. Run the work on Lease.Context; call Stop
-// when it is done, then record its answer (Complete, fenced by the same attempt) before
-// Lease.End.
+// when it is done, then record its answer (Complete, fenced by the same attempt) by
+// Lease.AnswerDeadline.
 func KeepAlive(parent context.Context, q Querier, principal, key string, attempt int64, opts LeaseOptions) *Lease {
 	return &Lease{dbidem.KeepAlive(parent, q, principal, key, attempt, dbidem.LeaseOptions(opts))}
 }
@@ -65,6 +65,14 @@ func (l *Lease) Context() context.Context { return l.l.Context() }
 // End is when the lease runs out by this process's clock, as far as it knows: Start plus the
 // lease, moved on by each extension that succeeded. The database's end is never earlier.
 func (l *Lease) End() time.Time { return l.l.End() }
+
+// AnswerDeadline is how long, after Stop, the work's answer may take to be recorded
+// (Complete) or its claim given up (Yield): until End, and at least one lease from now. Until
+// End no other attempt can have taken the key over. Past it one may have, and then Complete,
+// fenced by the attempt, returns ErrClaimLost; while none has, it still succeeds, so a
+// recording delayed past End (a slow database, a lock, a stalled process) is not given up
+// while it can still land.
+func (l *Lease) AnswerDeadline() time.Time { return l.l.AnswerDeadline() }
 
 // Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
 func (l *Lease) Lost() bool { return l.l.Lost() }

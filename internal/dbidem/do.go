@@ -185,10 +185,10 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	wctx := WithSteps(lease.Context(), NewSteps(db, &lc, won, lease, TxOptions{}))
 	result, err = fn(wctx, lc)
 	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
-	// The answer is recorded, or the claim released, while the lease holds by this process's
-	// clock (at least two thirds of a lease after the last extension): past it another attempt
-	// may take the key over, and the recording, fenced by the token, would fail anyway.
-	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.End())
+	// The answer is recorded, or the claim released, until the lease's end by this process's
+	// clock and at least one lease from now (AnswerDeadline): past the end another attempt may
+	// have taken the key over, and then the recording, fenced by the token, fails.
+	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
 	defer cancel()
 	switch {
 	case lost:

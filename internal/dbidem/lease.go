@@ -67,6 +67,7 @@ type Lease struct {
 	lost   atomic.Bool
 	beats  atomic.Int64
 	end    atomic.Pointer[time.Time]
+	lease  time.Duration
 }
 
 // KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
@@ -85,7 +86,7 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 		interval = opts.Lease / 3
 	}
 	ctx, cancel := context.WithCancelCause(parent)
-	l := &Lease{ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{})}
+	l := &Lease{ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{}), lease: opts.Lease}
 	if opts.Timeout > 0 {
 		var stopTimer context.CancelFunc
 		l.ctx, stopTimer = context.WithTimeout(ctx, opts.Timeout)
@@ -182,6 +183,20 @@ func (l *Lease) lose() {
 // Context is the work's context: it carries the parent's values and ends with cause
 // ErrLeaseLost when the lease is lost.
 func (l *Lease) Context() context.Context { return l.ctx }
+
+// AnswerDeadline is how long, after Stop, the work's answer may take to be recorded (Complete)
+// or its claim given up (Yield): until End, and at least one lease from now. Until End no other
+// attempt can have taken the key over. Past it one may have, and then the recording, fenced by
+// the attempt, fails with ErrClaimLost; but while none has, it still succeeds, so a recording
+// delayed past End (a slow database, a lock, a stalled process) is not given up while it can
+// still land: the client gets the answer instead of an unknown outcome.
+func (l *Lease) AnswerDeadline() time.Time {
+	end, floor := l.End(), time.Now().Add(l.lease)
+	if end.After(floor) {
+		return end
+	}
+	return floor
+}
 
 // Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
 func (l *Lease) Lost() bool { return l.lost.Load() }

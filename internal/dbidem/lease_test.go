@@ -68,7 +68,9 @@ func TestDoLease(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	ctx := context.Background()
-	job := dbidem.Job{Principal: "p", Key: "job-1", Action: "payout", Input: map[string]int{"amount": 5}, Lease: time.Second,
+	// A 2 s lease: each extension may take a third of it (a loaded CI machine under the race
+	// detector once took longer than a third of 1 s twice in a row in the middleware's test).
+	job := dbidem.Job{Principal: "p", Key: "job-1", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 2 * time.Second,
 		LockTimeout: 100 * time.Millisecond}
 	var runs atomic.Int32
 	var finished atomic.Bool // the work has returned its result (its completion may follow)
@@ -77,7 +79,7 @@ func TestDoLease(t *testing.T) {
 		runs.Add(1)
 		keys.Store(c.ProviderKey, true)
 		select {
-		case <-time.After(3 * time.Second):
+		case <-time.After(6 * time.Second):
 			finished.Store(true)
 			return 42, nil
 		case <-ctx.Done():
@@ -114,7 +116,7 @@ func TestDoLease(t *testing.T) {
 		}
 	}
 	n, replayed, err := dbidem.DoLease(ctx, pool, job, work)
-	// Duplicates every 400 ms for 3 s: at least 3 of them, however slow the machine (coverage
+	// Duplicates every 400 ms for 6 s: at least 3 of them, however slow the machine (coverage
 	// and the race detector slow each one down).
 	if err != nil || n != 42 || !replayed || runs.Load() != 1 || dups < 3 {
 		t.Fatalf("after the job: %d, replayed %v, %v; %d runs, %d duplicates", n, replayed, err, runs.Load(), dups)
@@ -153,6 +155,58 @@ func TestDoLease(t *testing.T) {
 	})
 	if distinct != 2 {
 		t.Fatalf("%d provider keys of 64 hex digits for two jobs, want each job's own", distinct)
+	}
+}
+
+// TestDoLeaseAnswerRecordedPastTheLeasesEnd (D143): the key's row is locked from the work's
+// start (no extension lands) until 1.3 s after the work returned, past the 2 s lease's end by
+// this process's clock. Nothing took the key over, so DoLease still records the result and
+// returns it. Before, the recording stopped at the lease's end and DoLease returned its error.
+func TestDoLeaseAnswerRecordedPastTheLeasesEnd(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	locker := pgtest.Connect(t, url)
+	job := dbidem.Job{Principal: "p", Key: "late", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 2 * time.Second,
+		LockTimeout: 100 * time.Millisecond}
+	extensions := 0
+	released := make(chan time.Time, 1)
+	began := time.Now()
+	n, replayed, err := dbidem.DoLease(ctx, pool, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+		tx, err := locker.Begin(ctx)
+		if err != nil {
+			return 0, err
+		}
+		if _, err := tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'late' FOR UPDATE`); err != nil {
+			return 0, err
+		}
+		time.Sleep(time.Second)
+		extensions = pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys
+			WHERE key = 'late' AND lease_expires_at > claimed_at + interval '2.5 s'`)
+		go func() {
+			time.Sleep(1300 * time.Millisecond)
+			at := time.Now()
+			if err := tx.Rollback(context.Background()); err != nil {
+				t.Error(err)
+			}
+			released <- at
+		}()
+		return 42, nil
+	})
+	at := <-released
+	if extensions != 0 {
+		t.Fatal("an extension landed while the key's row was locked; the lease's end did not pass")
+	}
+	if at.Sub(began) < 2*time.Second {
+		t.Fatalf("the row was released %v after the claim, before the lease's end", at.Sub(began))
+	}
+	if err != nil || n != 42 || replayed {
+		t.Fatalf("DoLease: %d, replayed %v, %v; want 42, recorded past the lease's end", n, replayed, err)
+	}
+	if n, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return 0, errors.New("the work ran again")
+	}); err != nil || n != 42 || !replayed {
+		t.Fatalf("the retry: %d, replayed %v, %v; want the replay of 42", n, replayed, err)
 	}
 }
 

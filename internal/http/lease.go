@@ -67,11 +67,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
 	// claim completed and report the lease lost). The recording (or the release) is tried
-	// while the lease holds by this process's clock, two thirds of a lease at least after the
-	// last extension: past its end another attempt may take the key over, and the recording,
-	// fenced by the token, could no longer succeed.
+	// until the lease's end by this process's clock and at least one lease from now
+	// (AnswerDeadline): past the end another attempt may have taken the key over, and then
+	// the recording, fenced by the token, fails (the client gets 409); while none has, it
+	// still lands.
 	lost := l.Stop()
-	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.End())
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
 	defer cancel()
 	var err error
 	switch {

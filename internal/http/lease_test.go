@@ -87,6 +87,12 @@ func servePayouts(t *testing.T, pool *pgxpool.Pool, prov *provider) *payouts {
 // servePayoutsWith is servePayouts with its options edited by edit.
 func servePayoutsWith(t *testing.T, pool *pgxpool.Pool, prov *provider, edit func(*idemhttp.Options)) *payouts {
 	t.Helper()
+	return servePayoutsLease(t, pool, prov, time.Second, edit)
+}
+
+// servePayoutsLease is servePayoutsWith with a route lease of its own.
+func servePayoutsLease(t *testing.T, pool *pgxpool.Pool, prov *provider, lease time.Duration, edit func(*idemhttp.Options)) *payouts {
+	t.Helper()
 	p := &payouts{t: t, obs: newObserver(), causes: make(chan error, 10), finished: make(chan error, 10)}
 	o := idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond,
 		Principal: func(r *http.Request) (string, bool) { return "alice", true },
@@ -100,7 +106,7 @@ func servePayoutsWith(t *testing.T, pool *pgxpool.Pool, prov *provider, edit fun
 		t.Fatal(err)
 	}
 	r := mux.NewRouter()
-	r.Handle("/payouts", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	r.Handle("/payouts", m.Route(idemhttp.Route{Lease: lease, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.runs.Add(1)
 		var in struct {
 			WorkMS int `json:"work_ms"`
@@ -135,15 +141,17 @@ func (p *payouts) post(ctx context.Context, key string, workMS int) reply {
 // TestLeaseOutlastsTheWork: work that takes three times its lease, with a duplicate every half
 // second the whole time (each waits 0.4 s for the answer). The heartbeat keeps the lease: every
 // duplicate gets 409 with Retry-After until the work is done, and the recorded answer after; the work and the
-// provider call happen once. (Without the heartbeat, the duplicate after the first second took
-// the key over and paid again.)
+// provider call happen once. (Without the heartbeat, the duplicate after the lease's end took
+// the key over and paid again.) The lease is 2 s: each extension may take a third of it, and
+// under the race detector on a loaded 2-core CI machine 333 ms (a 1 s lease) was once not
+// enough for two in a row.
 func TestLeaseOutlastsTheWork(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 10)
 	prov := newProvider()
-	p := servePayouts(t, pool, prov)
+	p := servePayoutsLease(t, pool, prov, 2*time.Second, func(o *idemhttp.Options) { o.DuplicateWait = 400 * time.Millisecond })
 	first := make(chan reply, 1)
-	go func() { first <- p.post(context.Background(), "long", 3000) }()
+	go func() { first <- p.post(context.Background(), "long", 6000) }()
 	var answer reply
 	dups := 0
 wait:
@@ -157,7 +165,7 @@ wait:
 			continue
 		}
 		dups++
-		r := p.post(context.Background(), "long", 3000)
+		r := p.post(context.Background(), "long", 6000)
 		if r.status == http.StatusCreated && r.header.Get("Idempotent-Replayed") == "true" {
 			// The work ended between this duplicate's send and the first's answer reaching
 			// the test: the duplicate got the recorded answer, which must be the first's.
@@ -174,7 +182,7 @@ wait:
 	if answer.status != http.StatusCreated || dups < 3 {
 		t.Fatalf("the work: %+v after %d duplicates", answer, dups)
 	}
-	again := p.post(context.Background(), "long", 3000)
+	again := p.post(context.Background(), "long", 6000)
 	if again.status != http.StatusCreated || again.body != answer.body || again.header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("after the work: %+v, want the replay of %s", again, answer.body)
 	}
@@ -182,7 +190,7 @@ wait:
 		t.Fatalf("%d provider calls, %d payouts, %d runs; want one of each", calls, payouts, p.runs.Load())
 	}
 	if n, _ := p.obs.leases(); n < 6 {
-		t.Fatalf("%v lease extensions in 3 s of a 1 s lease, want about 9", n)
+		t.Fatalf("%v lease extensions in 6 s of a 2 s lease, want about 9", n)
 	}
 }
 
@@ -192,7 +200,7 @@ func TestLeaseWorkOutlivesTheClient(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 10)
 	prov := newProvider()
-	p := servePayouts(t, pool, prov)
+	p := servePayoutsLease(t, pool, prov, 2*time.Second, func(o *idemhttp.Options) { o.DuplicateWait = 400 * time.Millisecond })
 	// The client leaves once the work runs (a fixed deadline could end it before the claim,
 	// on a loaded machine, and then no work would ever start).
 	ctx, cancel := context.WithCancel(context.Background())
@@ -204,7 +212,7 @@ func TestLeaseWorkOutlivesTheClient(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 		cancel()
 	}()
-	if r := p.post(ctx, "gone", 1500); r.status != -1 {
+	if r := p.post(ctx, "gone", 2500); r.status != -1 {
 		t.Fatalf("the client that went away got %+v", r)
 	}
 	select {
@@ -216,9 +224,67 @@ func TestLeaseWorkOutlivesTheClient(t *testing.T) {
 		t.Fatal("the work never finished")
 	}
 	pgtest.WaitFor(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'gone' AND state = 'c'`)
-	r := p.post(context.Background(), "gone", 1500)
+	r := p.post(context.Background(), "gone", 2500)
 	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("the retry: %+v, want the recorded answer", r)
+	}
+	if calls, _, _ := prov.counts(); calls != 1 || p.runs.Load() != 1 {
+		t.Fatalf("%d provider calls, %d runs; want 1 and 1", calls, p.runs.Load())
+	}
+}
+
+// TestLeaseAnswerRecordedPastTheLeasesEnd: the key's row is locked from the work's start (no
+// extension lands) until 1.3 s after the work ended, past the 2 s lease's end by the server's
+// clock. Nothing took the key over, so the answer, fenced by the attempt, is still recorded and
+// sent: the client gets 201 and its retry the replay. (Before D143 the recording stopped at the
+// lease's end and the client got 503 outcome_unknown.)
+func TestLeaseAnswerRecordedPastTheLeasesEnd(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 10)
+	prov := newProvider()
+	p := servePayoutsLease(t, pool, prov, 2*time.Second, func(o *idemhttp.Options) { o.DuplicateWait = 400 * time.Millisecond })
+	locker := pgtest.Connect(t, url)
+	released := make(chan time.Time, 1)
+	lockErr := make(chan error, 1)
+	go func() {
+		for p.runs.Load() == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		ctx := context.Background()
+		tx, err := locker.Begin(ctx)
+		if err == nil {
+			_, err = tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'late' FOR UPDATE`)
+		}
+		if err != nil {
+			lockErr <- err
+			return
+		}
+		lockErr <- nil
+		<-p.finished
+		time.Sleep(1300 * time.Millisecond)
+		at := time.Now()
+		if err := tx.Rollback(ctx); err != nil {
+			t.Error(err)
+		}
+		released <- at
+	}()
+	began := time.Now()
+	r := p.post(context.Background(), "late", 1000)
+	if err := <-lockErr; err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := p.obs.leases(); n != 0 {
+		t.Fatalf("%v extensions landed while the key's row was locked; the lease's end did not pass", n)
+	}
+	if at := <-released; at.Sub(began) < 2*time.Second {
+		t.Fatalf("the row was released %v after the claim, before the lease's end", at.Sub(began))
+	}
+	if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("the client: %+v, want the answer, recorded past the lease's end", r)
+	}
+	again := p.post(context.Background(), "late", 1000)
+	if again.status != http.StatusCreated || again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the retry: %+v, want the replay of %s", again, r.body)
 	}
 	if calls, _, _ := prov.counts(); calls != 1 || p.runs.Load() != 1 {
 		t.Fatalf("%d provider calls, %d runs; want 1 and 1", calls, p.runs.Load())
