@@ -313,7 +313,9 @@ func TestHungWorkerIsTakenOver(t *testing.T) {
 	client := newClient(t, pool, nil)
 	job := jobRow(t, client, ReceiptArgs{Order: 9})
 	p := newProvider()
-	opts := idemriver.Options{DB: pool, Lease: time.Second}
+	// A 2 s lease: each extension may take a third of it (a loaded CI machine under the race
+	// detector once took longer than a third of 1 s twice in a row).
+	opts := idemriver.Options{DB: pool, Lease: 2 * time.Second}
 
 	hungCtx, die := context.WithCancel(context.Background())
 	called, wake := make(chan struct{}), make(chan struct{})
@@ -327,13 +329,13 @@ func TestHungWorkerIsTakenOver(t *testing.T) {
 		})
 	}()
 	<-called
-	time.Sleep(1500 * time.Millisecond) // past a lease: the heartbeat keeps the key
+	time.Sleep(3 * time.Second) // past a lease: the heartbeat keeps the key
 	second := *job
 	second.Attempt, second.AttemptedBy = 2, []string{"a", "b"}
 	ran := false
 	err := idemriver.Work(context.Background(), &second, opts, func(context.Context, idem.LeaseClaim) error { ran = true; return nil })
 	var snooze *river.JobSnoozeError
-	if !errors.As(err, &snooze) || ran || snooze.Duration != time.Second {
+	if !errors.As(err, &snooze) || ran || snooze.Duration != 2*time.Second {
 		t.Fatalf("a run while the first holds the key: %v (ran %v), want a snooze of a lease", err, ran)
 	}
 

@@ -52,7 +52,7 @@ func TestLooksOfWaitingDuplicatesDoNotStarveLeaseExtensions(t *testing.T) {
 	t.Cleanup(unblock)
 	started := make(chan struct{}, 1)
 	mux := http.NewServeMux()
-	mux.Handle("POST /pay", m.Route(idemhttp.Route{Lease: time.Second})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	mux.Handle("POST /pay", m.Route(idemhttp.Route{Lease: 2 * time.Second})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Hold") != "" {
 			started <- struct{}{}
 			select {
@@ -92,14 +92,16 @@ func TestLooksOfWaitingDuplicatesDoNotStarveLeaseExtensions(t *testing.T) {
 	}
 	waitUntil(t, "the duplicates wait", func() bool { return m.GateStats().Waiting >= waiting })
 
-	// This process's own lease work, 3 s under a lease of 1 s.
+	// This process's own lease work, 4 s under a lease of 2 s (each extension may take a third
+	// of it: under the race detector on a loaded CI machine, a third of 1 s was once not enough
+	// twice in a row, starved or not).
 	done := make(chan reply, 1)
 	go func() {
 		s, h, b := pgtest.Send(t, context.Background(), "POST", srv.URL+"/pay", body, "Idempotency-Key", "local", "X-Hold", "1")
 		done <- reply{s, h, b}
 	}()
 	<-started
-	time.Sleep(3 * time.Second)
+	time.Sleep(4 * time.Second)
 	unblock()
 	r := <-done
 	ext, lost := obs.leases()
