@@ -121,13 +121,18 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		if err != nil {
 			return fmt.Errorf("keys release: TOKEN must be the key's attempt (an integer), got %q", args[3])
 		}
-		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, strings.Join(args[4:], " ")); err != nil {
+		reason := strings.Join(args[4:], " ")
+		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, reason); err != nil {
 			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 				return fmt.Errorf("keys release: %s", pgErr.Message) // the function's own words
 			}
 			return err
 		}
-		fmt.Fprintf(out, "released the lease claim of key %q of principal %q (token %d): a retry runs the work again\n", args[2], args[1], token)
+		why := ""
+		if reason != "" {
+			why = fmt.Sprintf(", reason %q, in the server log", reason)
+		}
+		fmt.Fprintf(out, "released the lease claim of key %q of principal %q (token %d%s): a retry runs the work again\n", args[2], args[1], token, why)
 		return nil
 	}
 	return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys stuck [AGE]`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)

@@ -107,8 +107,9 @@ func TestStuckLeaseIsSeenAndReleased(t *testing.T) {
 		!strings.Contains(err.Error(), "token is "+m[1]) || strings.Contains(err.Error(), "claim lost") {
 		t.Fatalf("a release with another token: %v %s, want a refusal that gives the key's token", err, out)
 	}
-	if out, err := runCommand(t, ops, "keys", "release", principal, "stuck-1", m[1], "process", "killed"); err != nil {
-		t.Fatalf("the release: %v %s", err, out)
+	if out, err := runCommand(t, ops, "keys", "release", principal, "stuck-1", m[1], "process", "killed"); err != nil ||
+		!strings.Contains(out, `reason "process killed"`) {
+		t.Fatalf("the release: %v %s, want it done, with its reason", err, out)
 	}
 	r := s.call("POST", "/v1/payouts", token, "stuck-1", body)
 	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "" {
