@@ -206,7 +206,8 @@ func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
 	}
 	t.Logf("an unkeyed query on the pool while %d lease completions wait on the locked table: %v after %v", waiting, qerr,
 		took.Round(time.Millisecond))
-	if qerr != nil || took > 500*time.Millisecond {
+	// Held, it would wait the whole 5 s and fail; 2 s leaves room for a loaded CI machine.
+	if qerr != nil || took > 2*time.Second {
 		t.Errorf("an unkeyed request waited %v for a pool connection (%v): the lease routes' completions hold the pool while the key "+
 			"table is locked", took.Round(time.Millisecond), qerr)
 	}
