@@ -66,8 +66,8 @@ func (l *Lease) Context() context.Context { return l.l.Context() }
 // lease, moved on by each extension that succeeded. The database's end is never earlier.
 func (l *Lease) End() time.Time { return l.l.End() }
 
-// AnswerDeadline is how long, after Stop, the work's answer may take to be recorded
-// (Complete) or its claim given up (Yield): until End, and at least one lease from now. Until
+// AnswerDeadline is the deadline, read after Stop, for recording the work's answer
+// (Complete) or giving its claim up (Yield): End, or one lease from now if that is later. Until
 // End no other attempt can have taken the key over. Past it one may have, and then Complete,
 // fenced by the attempt, returns ErrClaimLost; while none has, it still succeeds, so a
 // recording delayed past End (a slow database, a lock, a stalled process) is not given up

@@ -184,8 +184,8 @@ func (l *Lease) lose() {
 // ErrLeaseLost when the lease is lost.
 func (l *Lease) Context() context.Context { return l.ctx }
 
-// AnswerDeadline is how long, after Stop, the work's answer may take to be recorded (Complete)
-// or its claim given up (Yield): until End, and at least one lease from now. Until End no other
+// AnswerDeadline is the deadline, read after Stop, for recording the work's answer (Complete)
+// or giving its claim up (Yield): End, or one lease from now if that is later. Until End no other
 // attempt can have taken the key over. Past it one may have, and then the recording, fenced by
 // the attempt, fails with ErrClaimLost; but while none has, it still succeeds, so a recording
 // delayed past End (a slow database, a lock, a stalled process) is not given up while it can
