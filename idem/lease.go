@@ -80,6 +80,8 @@ func (l *Lease) Lost() bool { return l.l.Lost() }
 // Extensions is how many extensions succeeded.
 func (l *Lease) Extensions() int64 { return l.l.Extensions() }
 
-// Stop ends the heartbeat and the context, and waits for the heartbeat to finish. It reports
-// whether the lease was lost. Safe to call more than once.
+// Stop ends the heartbeat and the context, and waits for the heartbeat to finish: an extension
+// in flight runs to its end (at most a third of the lease by default), and none starts after
+// it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
+// the stop. Safe to call more than once.
 func (l *Lease) Stop() (lost bool) { return l.l.Stop() }

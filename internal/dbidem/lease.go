@@ -141,9 +141,19 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 		case <-l.ctx.Done():
 			return
 		case <-expiry.C:
+			if l.stopped() {
+				return // Stop came first, or together: the work ended before the loss was seen
+			}
 			l.lose()
 			return
 		case <-next.C:
+		}
+		if l.stopped() {
+			// Stop was called while the last extension was in flight, and the next one fell
+			// due meanwhile: select picks among ready cases at random, so without this check
+			// half such Stops would start one more extension, wait through it, and then, if
+			// it ran to the lease's end, as likely see the lease lost as stopped.
+			return
 		}
 		began := time.Now()
 		next.Reset(interval)
@@ -175,6 +185,16 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 // lease, moved on by each extension that succeeded. The database's end is never earlier.
 func (l *Lease) End() time.Time { return *l.end.Load() }
 
+// stopped tells whether Stop was called.
+func (l *Lease) stopped() bool {
+	select {
+	case <-l.stop:
+		return true
+	default:
+		return false
+	}
+}
+
 func (l *Lease) lose() {
 	l.lost.Store(true)
 	l.cancel(ErrLeaseLost)
@@ -204,8 +224,10 @@ func (l *Lease) Lost() bool { return l.lost.Load() }
 // Extensions is how many extensions succeeded.
 func (l *Lease) Extensions() int64 { return l.beats.Load() }
 
-// Stop ends the heartbeat and the context, and waits for the heartbeat to finish. It reports
-// whether the lease was lost. Safe to call more than once.
+// Stop ends the heartbeat and the context, and waits for the heartbeat to finish: an extension
+// in flight runs to its end (at most a third of the lease by default), and none starts after
+// it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
+// the stop. Safe to call more than once.
 func (l *Lease) Stop() (lost bool) {
 	l.once.Do(func() { close(l.stop) })
 	<-l.done

@@ -3,6 +3,7 @@ package dbidem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -331,5 +332,69 @@ func TestLeaseLostBeforeATakeoverUnderATableLock(t *testing.T) {
 	}
 	if sinceLost := time.Since(lostAt); sinceLost+5*time.Millisecond < sinceEnd {
 		t.Fatalf("the work learned its lease was lost %v ago, after the database's lease ended (%v ago)", sinceLost, sinceEnd)
+	}
+}
+
+// TestStopDuringAnExtension: Stop is called while an extension waits on the key's row, and
+// the next extension falls due before that one gives up. Stop must end the heartbeat there:
+// not start another extension, and not report the lease lost because that one ran to the
+// lease's end. Before the fix the heartbeat's select picked the due beat over Stop half the
+// time, waited through one more extension to the lease's end, and then picked the expiry over
+// Stop half the time: a lease whose work ended well before its end counted as lost, and
+// DoLease threw the answer away. Sixteen leases at once, so the old behaviour shows in all but
+// about one run in a hundred.
+func TestStopDuringAnExtension(t *testing.T) {
+	t.Parallel()
+	const n = 16
+	pool, _ := pgtest.NewPool(t, n+4)
+	ctx := context.Background()
+	const lease = 2 * time.Second // an extension falls due every 667 ms
+	decisions := make([]dbidem.Decision, n)
+	keys := make([]string, n)
+	for i := range decisions {
+		c := claim(fmt.Sprintf("stop-%d", i), `{"job":1}`)
+		c.Lease = lease
+		d, err := dbidem.Begin(ctx, pool, c)
+		if err != nil || d.Outcome != dbidem.Claimed {
+			t.Fatalf("claim: %+v %v", d, err)
+		}
+		decisions[i], keys[i] = d, c.Key
+	}
+	// Every key's row is locked before the first extension falls due (667 ms after its
+	// claim), so each first extension waits until its deadline, when the next one is due.
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(ctx) }()
+	if _, err := locker.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key LIKE 'stop-%' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	if time.Since(decisions[0].Sent) > lease/3 {
+		t.Fatalf("the rows were locked %v after the first claim, after its first extension fell due", time.Since(decisions[0].Sent))
+	}
+	type stop struct {
+		lost    bool
+		at, end time.Time
+	}
+	stops := make(chan stop, n)
+	for i, d := range decisions {
+		l := dbidem.KeepAlive(ctx, pool, "alice", keys[i], d.Attempt, dbidem.LeaseOptions{Lease: lease, Start: d.Sent})
+		go func() {
+			// Half-way through the first extension's wait.
+			time.Sleep(time.Until(d.Sent.Add(lease / 2)))
+			end := l.End()
+			lost := l.Stop()
+			stops <- stop{lost: lost, at: time.Now(), end: end}
+		}()
+	}
+	for range n {
+		s := <-stops
+		if s.lost {
+			t.Fatal("a lease stopped a second before its end counted as lost")
+		}
+		if !s.at.Before(s.end) {
+			t.Fatalf("Stop returned %v after the lease's end: it waited through one more extension", s.at.Sub(s.end))
+		}
 	}
 }
