@@ -116,7 +116,7 @@ lint: ## gofmt, go vet, staticcheck and plpgsql_check over every function
 	$(GO) run ./internal/tools/sqllint
 
 .PHONY: bench
-bench: ## every benchmark figure with its target (fsync on, about 26 min; BENCH_ONLY=sql,... for parts)
+bench: ## every benchmark figure with its target (fsync on, about 30 min; BENCH_ONLY=sql,... for parts)
 	$(GO) run ./internal/tools/bench
 
 .PHONY: clean
