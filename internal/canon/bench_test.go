@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"runtime"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/gowebpki/jcs"
 )
@@ -410,6 +412,35 @@ func TestAllocationsFlat(t *testing.T) {
 		if b > 2*a+16 {
 			t.Errorf("%s: %.0f allocations at 64 KiB, %.0f at 512 KiB", s.name, a, b)
 		}
+	}
+}
+
+// TestArenaGrowsByDoubling: a body whose values are mostly rewritten (long numbers not in
+// canonical form, numbers_long) fills an arena about as large as itself. Growing it by append
+// (a quarter at a time for a large slice) allocated and copied about five times its final
+// size, and that made the shape slower than encoding/json decoding the same body; doubling
+// allocates at most about twice. Allocated bytes, unlike time, are deterministic.
+func TestArenaGrowsByDoubling(t *testing.T) {
+	var body []byte
+	for _, s := range shapes {
+		if s.name == "numbers_long" {
+			body = s.gen(1 << 20)
+		}
+	}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	tr, err := parse(body)
+	runtime.ReadMemStats(&after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arena := len(tr.arena)
+	nodes := cap(tr.nodes) * int(unsafe.Sizeof(node{}))
+	if arena < len(body)/2 {
+		t.Fatalf("the arena holds %d bytes of a %d-byte body: the shape no longer rewrites most of it", arena, len(body))
+	}
+	if got := int(after.TotalAlloc - before.TotalAlloc); got > nodes+5*arena/2 {
+		t.Fatalf("parsing allocated %d bytes for an arena of %d and nodes of %d: the arena grew by less than doubling", got, arena, nodes)
 	}
 }
 

@@ -79,15 +79,19 @@ func (p *parser) digits() int {
 }
 
 // decimal returns the canonical text of the number literal data[lit:pos]: the literal when
-// it is canonical, else a copy in the arena.
+// it is canonical, else a copy in the arena. The text is laid out in the arena directly and
+// dropped again when it equals the literal.
 func (p *parser) decimal(lit int, neg bool, intPart, fracPart []byte, exp int64) span {
-	p.scratch = appendDecimal(p.scratch[:0], neg, intPart, fracPart, exp)
-	if bytes.Equal(p.scratch, p.data[lit:p.pos]) {
+	// The layout is at most the significant digits and 30 bytes more: a sign, a point, five
+	// zeros after "0.", or the zeros up to 21 digits, or "e", a sign and 20 digits.
+	p.reserve(len(intPart) + len(fracPart) + 32)
+	o := len(p.arena)
+	p.arena = appendDecimal(p.arena, neg, intPart, fracPart, exp)
+	if bytes.Equal(p.arena[o:], p.data[lit:p.pos]) {
+		p.arena = p.arena[:o]
 		return span{int32(lit), int32(p.pos - lit)}
 	}
-	o := len(p.arena)
-	p.arena = append(p.arena, p.scratch...)
-	return span{int32(-o - 1), int32(len(p.scratch))}
+	return span{int32(-o - 1), int32(len(p.arena) - o)}
 }
 
 // appendDecimal appends the exact value ±(intPart.fracPart × 10^exp) in the ECMAScript
@@ -123,9 +127,13 @@ func appendDecimal(b []byte, neg bool, intPart, fracPart []byte, exp int64) []by
 		}
 		return c[i-int64(len(a))]
 	}
-	digits := func(b []byte, from, to int64) []byte {
-		for i := from; i < to; i++ {
-			b = append(b, digit(i))
+	digits := func(b []byte, from, to int64) []byte { // digit(from) to digit(to-1), copied
+		if la := int64(len(a)); from < la {
+			b = append(b, a[from:min(to, la)]...)
+			from = min(to, la)
+		}
+		if from < to {
+			b = append(b, c[from-int64(len(a)):to-int64(len(a))]...)
 		}
 		return b
 	}

@@ -49,8 +49,7 @@ func (t *tree) bytes(s span) []byte {
 
 type parser struct {
 	tree
-	pos     int
-	scratch []byte
+	pos int
 	// scratch of the member sort (order.go) and of the case check (fold.go)
 	keys, keysTmp []keyed
 	fold          []byte
@@ -84,6 +83,19 @@ func maxNodes(data []byte) int {
 		n += bytes.Count(data, []byte{c})
 	}
 	return min(n, 1+len(data)/2)
+}
+
+// reserve makes room for n more bytes in the arena. It doubles the arena when it grows:
+// append grows a large slice by a quarter, and for a body whose values are mostly rewritten
+// (long numbers not in canonical form) that allocated and copied about five times the
+// arena's final size.
+func (p *parser) reserve(n int) {
+	if cap(p.arena)-len(p.arena) >= n {
+		return
+	}
+	a := make([]byte, len(p.arena), max(2*cap(p.arena), len(p.arena)+n, 256))
+	copy(a, p.arena)
+	p.arena = a
 }
 
 func (p *parser) fail(what string) error {
