@@ -131,7 +131,11 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // database go through Step on fn's context: each step commits its writes with its recovery
 // point, fenced by the claim's token, and a takeover (or the retry after a Yield) skips the
 // steps done and gets what they saved, so fn, run again from its start, writes each step once.
-// The first DoLease on a pool checks its schema (CheckSchema).
+// The result is recorded through failures that pass (a lock timeout on the key's row, a broken
+// connection) until the lease's AnswerDeadline; when it still is not, DoLease returns it with
+// an error wrapping context.DeadlineExceeded, and the key stays in progress until its lease
+// runs out. When fn panics, the heartbeat stops and the claim is given up before the panic
+// goes on to the caller. The first DoLease on a pool checks its schema (CheckSchema).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err

@@ -10,7 +10,7 @@ import (
 // Leases for work outside the database run by hand (a lease route and DoLease do all of this
 // themselves): claim with a Lease (Begin, Tx.Claim), commit, start KeepAlive with the claim's
 // Decision.Sent, do the work on Lease.Context, Stop, then Complete (or Yield when the work
-// failed) with Lease.AnswerDeadline as the deadline.
+// failed) through Persist, with Lease.AnswerDeadline as the deadline.
 
 // Extend moves the lease of the in-progress lease claim with this attempt to lease from now
 // (never earlier), and the key's expiry with it, and returns the lease's new end as the
@@ -85,3 +85,16 @@ func (l *Lease) Extensions() int64 { return l.l.Extensions() }
 // it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
 // the stop. Safe to call more than once.
 func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
+
+// Persist runs record (the Complete of a lease's answer, or the Yield that gives its claim up)
+// until it succeeds, fails for a reason no retry changes (ErrClaimLost: another attempt holds
+// the key, or the claim is no longer in progress; ErrInvalidArgument), or ctx ends, pausing
+// 20 ms and then a little longer each time, up to a second. Give ctx the Lease's
+// AnswerDeadline. A recording can fail for a while and then land: each function gives up
+// waiting for the key's row after its own lock timeout (2 s by default), a connection breaks,
+// the database restarts. The recording is fenced by the attempt, so trying again is safe: it
+// lands only while the claim is still this attempt's. When ctx ends first, the last failure
+// is returned joined with ctx's error.
+func Persist(ctx context.Context, record func(ctx context.Context) error) error {
+	return dbidem.Persist(ctx, record)
+}

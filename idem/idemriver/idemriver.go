@@ -164,10 +164,12 @@ func ranBefore(job *rivertype.JobRow) bool {
 //     at work or hung, or one that died and whose lease has not run out yet): the job waits,
 //     without spending an attempt, and then finds the result, or takes the key over once the
 //     lease has run out (with the same provider key);
-//   - an error when this run's lease was lost or ended before its result could be stored
-//     (idem.ErrLeaseLost, or context.DeadlineExceeded at the lease's end: a worker that hung
-//     past its lease, whose key another run may have taken over): nothing of this run is
-//     stored, and River's retry finds the other run's result, or the key;
+//   - an error when this run's lease was lost (idem.ErrLeaseLost: a worker that hung past its
+//     lease, whose key another run may have taken over; nothing of this run is stored, and
+//     River's retry finds the other run's result, or the key), or when its result could not
+//     be stored by the lease's AnswerDeadline (an error wrapping context.DeadlineExceeded: the
+//     database was unreachable that long; the key stays in progress until its lease runs
+//     out, and River's retry then takes it over with the same provider key);
 //   - river.JobCancel of an error wrapping idem.ErrMismatch when the key was used with other
 //     arguments (a Key function that gives two different jobs one key), and of ErrKeyExpired
 //     when the job ran before and is older than the key's TTL: it is not run again.

@@ -139,7 +139,11 @@ type Pool interface {
 //
 // fn's context ends with cause ErrLeaseLost (context.Cause) when the lease is lost: another
 // attempt may have taken the key over, so fn should stop; DoLease then returns ErrLeaseLost
-// and stores nothing. It also ends at job.Timeout (DefaultLeaseTimeout) or when ctx ends. When
+// and stores nothing. The result is recorded through failures that pass (Persist) until the
+// lease's AnswerDeadline; when it still is not, DoLease returns it with an error wrapping
+// context.DeadlineExceeded, and the key stays in progress until its lease runs out, when a
+// later run takes it over with the same claim.ProviderKey. When fn panics, the heartbeat
+// stops and the claim is given up (Yield) before the panic goes on. It also ends at job.Timeout (DefaultLeaseTimeout) or when ctx ends. When
 // fn fails, its error is returned and nothing is stored; the claim's lease ends at once
 // (Yield), so a later DoLease of the same job runs fn again straight away with the same
 // claim.ProviderKey, while another Input under the key gets ErrMismatch until the key expires.
@@ -182,32 +186,62 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	}
 	lc := LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt, ProviderKey: won.ProviderKey,
 		RecoveryPoint: won.RecoveryPoint}
+	// The claim is given up (Yield), until AnswerDeadline and through the failures that pass,
+	// when fn fails or its result cannot be encoded, or when fn panics: then the heartbeat
+	// stops too, and the panic goes on to the caller. Without that, a job runner that recovers
+	// the panic left the heartbeat extending the lease until job.Timeout, and every retry was
+	// told the work was in progress.
+	yield := func() {
+		done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
+		defer cancel()
+		_ = Persist(done, func(ctx context.Context) error {
+			_, err := Yield(ctx, db, job.Principal, job.Key, attempt)
+			return err
+		})
+	}
+	finished := false
+	defer func() {
+		if !finished {
+			if !lease.Stop() {
+				yield()
+			}
+		}
+	}()
 	wctx := WithSteps(lease.Context(), NewSteps(db, &lc, won, lease, TxOptions{}))
 	result, err = fn(wctx, lc)
+	finished = true
 	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
-	// The answer is recorded, or the claim released, until the lease's end by this process's
-	// clock and at least one lease from now (AnswerDeadline): past the end another attempt may
-	// have taken the key over, and then the recording, fenced by the token, fails.
-	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
-	defer cancel()
 	switch {
 	case lost:
 		var zero T
 		return zero, false, ErrLeaseLost
 	case err != nil:
-		_, _ = Yield(done, db, job.Principal, job.Key, attempt)
+		yield()
 		return result, false, err
 	}
 	body, err := json.Marshal(result)
 	if err != nil {
-		_, _ = Yield(done, db, job.Principal, job.Key, attempt)
+		yield()
 		return result, false, fmt.Errorf("idem: encode result: %w", err)
 	}
-	err = Complete(done, db, job.Principal, job.Key, attempt,
-		Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
-	if errors.Is(err, ErrClaimLost) {
+	// The answer is recorded until the lease's end by this process's clock and at least one
+	// lease from now (AnswerDeadline), through the failures that pass (Persist: a lock timeout
+	// on the key's row, a broken connection): past the end another attempt may have taken the
+	// key over, and then the recording, fenced by the token, fails with ErrClaimLost.
+	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
+	defer cancel()
+	err = Persist(done, func(ctx context.Context) error {
+		return Complete(ctx, db, job.Principal, job.Key, attempt,
+			Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
+	})
+	switch {
+	case errors.Is(err, ErrClaimLost):
 		var zero T
 		return zero, false, ErrLeaseLost
+	case err != nil && done.Err() != nil:
+		// Not ErrInProgress, which a failure on a lock would wrap: this call did the work.
+		return result, false, fmt.Errorf("idem: the result was not recorded by the answer's deadline: %w (the last failure: %v)",
+			done.Err(), err)
 	}
 	return result, false, err
 }

@@ -331,8 +331,12 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	// under load (a blip), or a lock on the whole table (a migration's swap, VACUUM FULL,
 	// pg_repack, LOCK TABLE). That says nothing about the key, so the probe runs again a few
 	// times, a little later each time (tableBusyPauses).
+	// Only a lock timeout (55P03) is a probe's: fn's own errors pass through as they are,
+	// ErrInProgress too (Do and DoLease return it for a claim another process holds and has
+	// committed, which no probe waited for), or every duplicate of running lease work was
+	// claimed four times and told the table was locked.
 	for _, pause := range tableBusyPauses {
-		if !errors.Is(err, ErrInProgress) || IsKeyWait(err) {
+		if !isLockTimeout(err) || IsKeyWait(err) {
 			break
 		}
 		if !sleep(ctx, pause) {
@@ -340,13 +344,13 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		err = RunTx(ctx, db, opts, unit(first))
 	}
-	if errors.Is(err, ErrInProgress) && !IsKeyWait(err) {
+	if isLockTimeout(err) && !IsKeyWait(err) {
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
 		g.countRefused(ctx)
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
-	if !errors.Is(err, ErrInProgress) || lockTimeout <= Probe {
+	if !IsKeyWait(err) || lockTimeout <= Probe {
 		return err
 	}
 	rest := c

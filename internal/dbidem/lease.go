@@ -3,6 +3,7 @@ package dbidem
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -233,4 +234,32 @@ func (l *Lease) Stop() (lost bool) {
 	<-l.done
 	l.cancel(context.Canceled)
 	return l.Lost()
+}
+
+// Persist runs record (the Complete of a lease's answer, or the Yield that gives its claim up)
+// until it succeeds, fails for a reason no retry changes (ErrClaimLost: another attempt holds
+// the key, or the claim is no longer in progress; ErrInvalidArgument), or ctx ends, pausing a
+// little longer each time (20 ms, doubling, jittered). Give ctx the Lease's AnswerDeadline. A
+// recording can fail for a while and then land: each function gives up waiting for the key's
+// row after its own lock timeout (2 s by default), a connection can break, a database restart.
+// Since the recording is fenced by the attempt, trying again is safe: it lands only while the
+// claim is still this attempt's. When ctx ends first, the last failure is returned joined
+// with ctx's error.
+func Persist(ctx context.Context, record func(ctx context.Context) error) error {
+	for wait := 20 * time.Millisecond; ; wait = min(2*wait, time.Second) {
+		err := record(ctx)
+		if err == nil || errors.Is(err, ErrClaimLost) || errors.Is(err, ErrInvalidArgument) {
+			return err
+		}
+		if ctx.Err() != nil {
+			return errors.Join(err, ctx.Err())
+		}
+		t := time.NewTimer(wait/2 + rand.N(wait/2))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return errors.Join(err, ctx.Err())
+		case <-t.C:
+		}
+	}
 }

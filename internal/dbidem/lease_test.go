@@ -398,3 +398,123 @@ func TestStopDuringAnExtension(t *testing.T) {
 		}
 	}
 }
+
+// TestDoLeaseRecordsThroughALockTimeout: the key's row is locked from just before the work
+// returns until 2.5 s after, longer than idem_complete's own lock timeout (2 s), and nothing
+// takes the key over. DoLease must record the result (Persist tries again until the lease's
+// AnswerDeadline) and return it without an error. Before, it tried once and returned the
+// result with an error wrapping ErrInProgress ("request in progress", which River's Work
+// reads as another run holding the key), and the key stayed in progress for the whole lease.
+func TestDoLeaseRecordsThroughALockTimeout(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	locker := pgtest.Connect(t, url)
+	job := dbidem.Job{Principal: "p", Key: "locked-answer", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 10 * time.Second}
+	released := make(chan time.Time, 1)
+	var returned time.Time
+	n, replayed, err := dbidem.DoLease(ctx, pool, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+		tx, err := locker.Begin(ctx)
+		if err != nil {
+			return 0, err
+		}
+		if _, err := tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'locked-answer' FOR UPDATE`); err != nil {
+			return 0, err
+		}
+		returned = time.Now()
+		go func() {
+			time.Sleep(2500 * time.Millisecond)
+			at := time.Now()
+			if err := tx.Rollback(context.Background()); err != nil {
+				t.Error(err)
+			}
+			released <- at
+		}()
+		return 42, nil
+	})
+	at := <-released
+	if err != nil || n != 42 || replayed {
+		t.Fatalf("DoLease: %d, replayed %v, %v; want 42 recorded after the row was released", n, replayed, err)
+	}
+	if at.Sub(returned) < 2*time.Second {
+		t.Fatalf("the row was released %v after the work returned, within one lock timeout", at.Sub(returned))
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'locked-answer' AND state = 'c'`); n != 1 {
+		t.Fatal("the result was not recorded")
+	}
+	if n, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return 0, errors.New("the work ran again")
+	}); err != nil || n != 42 || !replayed {
+		t.Fatalf("the retry: %d, replayed %v, %v; want the replay of 42", n, replayed, err)
+	}
+}
+
+// TestDoLeaseDuplicateIsInProgress: a DoLease of the same job while the first one's work runs
+// (its lease claim committed, nothing locked) gets ErrInProgress at once. Before, the Gate took
+// that error for a probe that timed out on a table lock: it claimed three more times and
+// returned ErrStoreBusy ("the key table is locked"), counted as refused.
+func TestDoLeaseDuplicateIsInProgress(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	gate := dbidem.NewGate(dbidem.GateOptions{})
+	job := dbidem.Job{Principal: "p", Key: "dup", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 5 * time.Second, Gate: gate}
+	running, finish, first := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		_, _, err := dbidem.DoLease(ctx, pool, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+			close(running)
+			<-finish
+			return 1, nil
+		})
+		first <- err
+	}()
+	<-running
+	began := time.Now()
+	_, _, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return 0, errors.New("the work ran twice")
+	})
+	took := time.Since(began)
+	close(finish)
+	if e := <-first; e != nil {
+		t.Fatal(e)
+	}
+	if !errors.Is(err, dbidem.ErrInProgress) || errors.Is(err, dbidem.ErrStoreBusy) {
+		t.Fatalf("the duplicate got %v, want ErrInProgress and not ErrStoreBusy", err)
+	}
+	if gate.Refused() != 0 {
+		t.Fatalf("the gate counted %d refused", gate.Refused())
+	}
+	t.Logf("the duplicate was answered in %v", took)
+}
+
+// TestDoLeasePanicGivesTheClaimUp: fn panics and the caller recovers (as a job runner does).
+// The panic must reach the caller, the heartbeat stop and the claim be given up, so that a
+// retry runs the work at once. Before, the heartbeat went on extending the lease until
+// Job.Timeout (5 minutes by default) and every retry was told the work was in progress.
+func TestDoLeasePanicGivesTheClaimUp(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	job := dbidem.Job{Principal: "p", Key: "panics", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 2 * time.Second}
+	var provider string
+	recovered := func() (r any) {
+		defer func() { r = recover() }()
+		_, _, _ = dbidem.DoLease(ctx, pool, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+			provider = c.ProviderKey
+			panic("boom")
+		})
+		return nil
+	}()
+	if recovered != "boom" {
+		t.Fatalf("recovered %v, want the work's panic", recovered)
+	}
+	n, replayed, err := dbidem.DoLease(ctx, pool, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+		if c.ProviderKey != provider {
+			t.Errorf("the retry's provider key %s, want the first run's %s", c.ProviderKey, provider)
+		}
+		return 7, nil
+	})
+	if err != nil || n != 7 || replayed {
+		t.Fatalf("the retry right after the panic: %d, replayed %v, %v; want the work run again", n, replayed, err)
+	}
+}

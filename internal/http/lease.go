@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"math"
-	"math/rand/v2"
 	"strconv"
 	"sync"
 	"time"
@@ -66,9 +65,9 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	endHandlerSpan(handlerSpan, rec, v)
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
-	// claim completed and report the lease lost). The recording (or the release) is tried
-	// until the lease's end by this process's clock and at least one lease from now
-	// (AnswerDeadline): past the end another attempt may have taken the key over, and then
+	// claim completed and report the lease lost). The recording (or the release) is tried,
+	// again after each failure that may pass (dbidem.Persist), until the lease's end by this
+	// process's clock and at least one lease from now (AnswerDeadline): past the end another attempt may have taken the key over, and then
 	// the recording, fenced by the token, fails (the client gets 409); while none has, it
 	// still lands.
 	lost := l.Stop()
@@ -78,7 +77,10 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	switch {
 	case lost:
 	case v == rollBack:
-		_, err = dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
+		err = dbidem.Persist(ctx, func(ctx context.Context) error {
+			_, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
+			return err
+		})
 	default:
 		resp, big := q.stored(rec, st)
 		if big {
@@ -124,20 +126,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	return StateAcquired
 }
 
-// complete stores the lease's answer, trying again while a failure may be passing (the
-// heartbeat keeps the lease meanwhile), until ctx ends.
+// complete stores the lease's answer, trying again while a failure may be passing
+// (dbidem.Persist), until ctx (the lease's AnswerDeadline) ends.
 func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.Claim, attempt int64, resp dbidem.Response) error {
-	for wait := 20 * time.Millisecond; ; wait *= 2 {
-		err := dbidem.Complete(ctx, db, claim.Principal, claim.Key, attempt, resp)
-		if err == nil || errors.Is(err, dbidem.ErrClaimLost) || errors.Is(err, dbidem.ErrInvalidArgument) {
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return errors.Join(err, ctx.Err())
-		case <-time.After(wait/2 + rand.N(wait/2)):
-		}
-	}
+	return dbidem.Persist(ctx, func(ctx context.Context) error {
+		return dbidem.Complete(ctx, db, claim.Principal, claim.Key, attempt, resp)
+	})
 }
 
 // slotted is the database as lease work uses it outside the claim (its extensions, the

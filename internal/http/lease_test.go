@@ -429,3 +429,75 @@ func TestShutdownEndsLeaseWork(t *testing.T) {
 		t.Fatal("another request under the key after the shutdown is not refused: the key left its request")
 	}
 }
+
+// TestLeaseGivenUpThroughALockTimeout: a lease route's handler fails (503), and the key's row
+// is locked from just before it returns until 2.5 s after, longer than idem_yield's own lock
+// timeout (2 s). The claim must still be given up (the yield is tried again until the
+// lease's AnswerDeadline), so that the client's retry runs the work at once. Before, the
+// yield was tried once: it failed on the lock, and the key stayed in progress for the whole
+// 10 s lease, every retry answered 409.
+func TestLeaseGivenUpThroughALockTimeout(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 10)
+	locker := pgtest.Connect(t, url)
+	// A duplicate waits at most 400 ms for the key: the retry must not wait out the lease.
+	m, err := idemhttp.New(idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond, DuplicateWait: 400 * time.Millisecond,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	released := make(chan time.Time, 1)
+	var failed time.Time
+	r := mux.NewRouter()
+	r.Handle("/payouts", m.Route(idemhttp.Route{Lease: 10 * time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			ctx := context.Background()
+			tx, err := locker.Begin(ctx)
+			if err == nil {
+				_, err = tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'yield' FOR UPDATE`)
+			}
+			if err != nil {
+				t.Error(err)
+			}
+			failed = time.Now()
+			go func() {
+				time.Sleep(2500 * time.Millisecond)
+				at := time.Now()
+				if err := tx.Rollback(ctx); err != nil {
+					t.Error(err)
+				}
+				released <- at
+			}()
+			http.Error(w, "the provider is down", http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, `{"payout":1}`)
+	}))).Methods("POST")
+	srv := httptest.NewServer(r)
+	defer srv.Close()
+	post := func() *http.Response {
+		req, _ := http.NewRequest("POST", srv.URL+"/payouts", strings.NewReader(`{"amount":5}`))
+		req.Header.Set("Idempotency-Key", "yield")
+		req.Header.Set("Content-Type", "application/json")
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, res.Body)
+		_ = res.Body.Close()
+		return res
+	}
+	if res := post(); res.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("the first attempt: %d, want the handler's 503", res.StatusCode)
+	}
+	if at := <-released; at.Sub(failed) < 2*time.Second {
+		t.Fatalf("the row was released %v after the handler failed, within one lock timeout", at.Sub(failed))
+	}
+	if res := post(); res.StatusCode != http.StatusCreated || runs.Load() != 2 {
+		t.Fatalf("the retry: %d after %d runs; want the work run again at once (201)", res.StatusCode, runs.Load())
+	}
+}
