@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -295,6 +296,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			// the claim does not.
 			cctx, cancel := context.WithCancel(ctx)
 			sent := make(chan struct{})
+			var unsent error
 			stop := context.AfterFunc(wait, func() {
 				defer close(sent)
 				// The server learns of it by a cancel request, sent first, while the
@@ -302,7 +304,12 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				// socket, and would wait on for the rest of its lock timeout.
 				cr, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 				defer done()
-				_ = tx.Conn().PgConn().CancelRequest(cr)
+				unsent = tx.Conn().PgConn().CancelRequest(cr)
+				if unsent == nil && cr.Err() != nil {
+					// CancelRequest returns nil when the server's confirmation (its closing
+					// the cancel connection) does not come before cr ends.
+					unsent = cr.Err()
+				}
 				cancel()
 			})
 			d, err := tx.Claim(cctx, c)
@@ -313,6 +320,17 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				// where it would otherwise cancel the work's next statement or, once the
 				// connection is back in the pool, another request's.
 				<-sent
+				if unsent != nil {
+					// Not confirmed within a second (a slow path to the server, a pooler
+					// that forwards it late): it may still arrive. The connection runs
+					// nothing more; closing it rolls the claim back, and the pool drops it.
+					cancel()
+					closing, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+					_ = tx.Conn().PgConn().Close(closing)
+					done()
+					return fmt.Errorf("%w: the cancel request to stop the claim's wait was not confirmed (%w); the connection was closed",
+						wait.Err(), unsent)
+				}
 			}
 			cancel()
 			if err != nil {
@@ -339,7 +357,11 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		if !isLockTimeout(err) || IsKeyWait(err) {
 			break
 		}
-		if !sleep(ctx, pause) {
+		if !sleep(wait, pause) {
+			// The caller stopped waiting (its client left): no more probes.
+			return fmt.Errorf("%w: %w", wait.Err(), err)
+		}
+		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		err = RunTx(ctx, db, opts, unit(first))
@@ -389,14 +411,40 @@ func sleep(ctx context.Context, d time.Duration) bool {
 // »idempotency_keys«" on a server with German messages); a timeout on any other lock (the
 // table's, its extension's) has no such line. What decides is what no translation changes: a
 // row's position, (block,offset), and the table's name.
+//
+// A claim that queues behind another waiter for the same row (a third request for a key whose
+// holder re-claimed it after its expiry, its release or the end of its lease) waits on the
+// row's tuple lock, which has no context line of its own: that timeout is recognised by its
+// statement, idem_begin's locking read of the key's row (the innermost context is that
+// statement's text, which no translation changes either). The one other lock that statement
+// can wait for is a LOCK TABLE of the key table IN EXCLUSIVE MODE taken after the claim's
+// first read; such a wait is counted as a key wait too.
 func IsKeyWait(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
 		return false
 	}
 	first, _, _ := strings.Cut(pgErr.Where, "\n")
-	return rowPosition.MatchString(first) && strings.Contains(first, KeyTable)
+	return rowPosition.MatchString(first) && strings.Contains(first, KeyTable) || isLockingRead(pgErr.Where)
 }
 
 // rowPosition matches a row's position in an error's context, (block,offset).
 var rowPosition = regexp.MustCompile(`\(\d+,\d+\)`)
+
+// isLockingRead tells whether an error's context says it came from idem_begin's locking read
+// of a key's row: the context lines before idem_begin's own (its statement's text, and on
+// Citus the worker's line) end with that statement's FOR UPDATE and name the key table.
+func isLockingRead(where string) bool {
+	i := strings.Index(where, "idem_begin(")
+	if i < 0 {
+		return false
+	}
+	inner := where[:i]
+	j := strings.LastIndexByte(inner, '\n')
+	if j < 0 {
+		return false
+	}
+	inner = strings.TrimRightFunc(inner[:j], unicode.IsSpace)
+	inner = strings.TrimRightFunc(inner, func(r rune) bool { return r == '"' || r == '»' || r == '“' || r == '”' || r == '«' })
+	return strings.HasSuffix(inner, "FOR UPDATE") && strings.Contains(inner, KeyTable)
+}

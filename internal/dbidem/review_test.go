@@ -158,4 +158,7 @@ func TestKeyWaitIsRecognisedOnALocalizedServer(t *testing.T) {
 		t.Fatalf("a duplicate of a request in flight in another process: %v (%+v), want the replay once it commits; "+
 			"the 55P03's context: %q", err, got.Outcome, where)
 	}
+	// A third request queued behind another waiter on the row: its timeout's context is the
+	// locking read's statement, in German too.
+	thirdInLine(t, pool, "de-2")
 }
