@@ -358,8 +358,9 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			break
 		}
 		if !sleep(wait, pause) {
-			// The caller stopped waiting (its client left): no more probes.
-			return fmt.Errorf("%w: %w", wait.Err(), err)
+			// The caller stopped waiting (its client left): no more probes. The probe's error
+			// is told, not wrapped: it is an ErrInProgress, and the key was never in progress.
+			return fmt.Errorf("%w (the key table was locked: %v)", wait.Err(), err)
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -416,9 +417,9 @@ func sleep(ctx context.Context, d time.Duration) bool {
 // holder re-claimed it after its expiry, its release or the end of its lease) waits on the
 // row's tuple lock, which has no context line of its own: that timeout is recognised by its
 // statement, idem_begin's locking read of the key's row (the innermost context is that
-// statement's text, which no translation changes either). The one other lock that statement
-// can wait for is a LOCK TABLE of the key table IN EXCLUSIVE MODE taken after the claim's
-// first read; such a wait is counted as a key wait too.
+// statement's text, which no translation changes either; only the quotes around it differ).
+// The one other lock that statement can wait for is a LOCK TABLE of the key table IN
+// EXCLUSIVE MODE taken after the claim's first read; such a wait is counted as a key wait too.
 func IsKeyWait(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
@@ -444,7 +445,8 @@ func isLockingRead(where string) bool {
 	if j < 0 {
 		return false
 	}
-	inner = strings.TrimRightFunc(inner[:j], unicode.IsSpace)
-	inner = strings.TrimRightFunc(inner, func(r rune) bool { return r == '"' || r == '»' || r == '“' || r == '”' || r == '«' })
+	// The statement's closing quote, in any translation: `"`, `»` (German), ` »` (French, a
+	// space inside), `”`, `」`.
+	inner = strings.TrimRightFunc(inner[:j], func(r rune) bool { return unicode.IsSpace(r) || strings.ContainsRune("\"»«“”」", r) })
 	return strings.HasSuffix(inner, "FOR UPDATE") && strings.Contains(inner, KeyTable)
 }

@@ -101,29 +101,8 @@ func TestLeaseThatRanOutBeforeItStartedRunsNoWork(t *testing.T) {
 // A cluster of its own with German messages (the translations ship with Debian's
 // postgresql-15; LANGUAGE selects them); the gap is a real uncommitted claim of the key.
 func TestKeyWaitIsRecognisedOnALocalizedServer(t *testing.T) {
-	t.Setenv("LANGUAGE", "de")
 	ctx := context.Background()
-	c, stop, err := pgcluster.StartTemp(ctx, "idem-review-de-", map[string]string{"fsync": "off"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stop()
-	admin, err := pgx.Connect(ctx, c.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
-	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, `SELECT 1/0`); err == nil || !strings.Contains(err.Error(), "Division durch Null") {
-		t.Fatalf("the server's messages are not German: %v", err)
-	}
-	pool, err := pgxpool.New(ctx, c.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	pool := localizedServer(t, "de", "Division durch Null")
 
 	// Another process's request of the same key, answered but not committed yet.
 	cl := claim("de-1", `{"amount":1}`)
@@ -161,4 +140,41 @@ func TestKeyWaitIsRecognisedOnALocalizedServer(t *testing.T) {
 	// A third request queued behind another waiter on the row: its timeout's context is the
 	// locking read's statement, in German too.
 	thirdInLine(t, pool, "de-2")
+}
+
+// TestThirdInLineOnAFrenchServer: French messages quote a statement as « … », with a space
+// inside the quotes; the third request queued on a key's row is a key wait there too.
+func TestThirdInLineOnAFrenchServer(t *testing.T) {
+	thirdInLine(t, localizedServer(t, "fr", "division par zéro"), "fr-1")
+}
+
+// localizedServer starts a migrated cluster of its own whose messages are in language (the
+// translations ship with Debian's postgresql-15; LANGUAGE selects them), checked by the text
+// of a division by zero, and returns a pool on it.
+func localizedServer(t *testing.T, language, divisionByZero string) *pgxpool.Pool {
+	t.Helper()
+	t.Setenv("LANGUAGE", language)
+	ctx := context.Background()
+	c, stop, err := pgcluster.StartTemp(ctx, "idem-review-"+language+"-", map[string]string{"fsync": "off"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	admin, err := pgx.Connect(ctx, c.ConnString("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	if err := idemsql.Migrate(ctx, admin, idemsql.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `SELECT 1/0`); err == nil || !strings.Contains(err.Error(), divisionByZero) {
+		t.Fatalf("the server's messages are not in %s: %v", language, err)
+	}
+	pool, err := pgxpool.New(ctx, c.ConnString("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }

@@ -3,6 +3,7 @@ package dbidem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -142,5 +143,32 @@ func TestLockedTableIsNoKeyWaitForAnExpiredKey(t *testing.T) {
 	})
 	if !errors.Is(err, dbidem.ErrStoreBusy) || dbidem.IsKeyWait(err) || time.Since(start) > time.Second {
 		t.Fatalf("a claim of an expired key under a locked table: %v after %s, want ErrStoreBusy at once", err, time.Since(start))
+	}
+}
+
+// TestEndedDuringTableBusyPausesIsNotInProgress (review finding): a caller whose context ends
+// while the Gate pauses between probes of a locked key table gets its context's error, never
+// ErrInProgress: no key was in progress, and a job runner snoozes on that.
+func TestEndedDuringTableBusyPausesIsNotInProgress(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(ctx) }()
+	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	g := dbidem.NewGate(dbidem.GateOptions{})
+	for i := range 12 {
+		deadline := time.Duration(10+5*i) * time.Millisecond
+		cctx, cancel := context.WithTimeout(ctx, deadline)
+		err := g.Run(cctx, pool, dbidem.TxOptions{}, claim(fmt.Sprintf("busy-%d", i), `{}`), func(*dbidem.Tx, dbidem.Decision) error {
+			return errors.New("ran under a locked table")
+		})
+		cancel()
+		if err == nil || errors.Is(err, dbidem.ErrInProgress) {
+			t.Errorf("a claim whose context ended after %s while the key table was locked: %v, want its context's error or ErrStoreBusy", deadline, err)
+		}
 	}
 }
