@@ -9,8 +9,8 @@ import (
 
 // Leases for work outside the database run by hand (a lease route and DoLease do all of this
 // themselves): claim with a Lease (Begin, Tx.Claim), commit, start KeepAlive with the claim's
-// Decision.Sent, do the work on Lease.Context, Stop, then Complete (or Yield when the work
-// failed) through Persist, with Lease.AnswerDeadline as the deadline.
+// Decision.Sent, do the work on Lease.Context, Stop, then record the answer with PersistAnswer
+// (or, when the work failed, Yield through Persist), with Lease.AnswerDeadline as the deadline.
 
 // Extend moves the lease of the in-progress lease claim with this attempt to lease from now
 // (never earlier), and the key's expiry with it, and returns the lease's new end as the
@@ -97,4 +97,15 @@ func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 // is returned joined with ctx's error.
 func Persist(ctx context.Context, record func(ctx context.Context) error) error {
 	return dbidem.Persist(ctx, record)
+}
+
+// PersistAnswer records r as the answer of the lease claim c with this attempt (Complete)
+// through Persist, until ctx ends: give it the Lease's AnswerDeadline. It also tells an answer
+// that landed from one that did not when a reply was lost: a Complete whose connection broke
+// after it was sent may have committed, and the next try then finds the claim completed and
+// fails with ErrClaimLost although the answer stored is this one. In that case PersistAnswer
+// asks c again (idem_begin in a read-only transaction, rolled back: nothing is written) and
+// returns nil when the key replays this attempt's answer. c is the claim as it was made.
+func PersistAnswer(ctx context.Context, db Pool, c Claim, attempt int64, r Response) error {
+	return dbidem.PersistAnswer(ctx, db, db, dbidem.Claim(c), attempt, dbidem.Response(r))
 }

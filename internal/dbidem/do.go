@@ -230,10 +230,8 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	// key over, and then the recording, fenced by the token, fails with ErrClaimLost.
 	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
 	defer cancel()
-	err = Persist(done, func(ctx context.Context) error {
-		return Complete(ctx, db, job.Principal, job.Key, attempt,
-			Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
-	})
+	err = PersistAnswer(done, db, db, claim, attempt,
+		Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
 	switch {
 	case errors.Is(err, ErrClaimLost):
 		var zero T

@@ -7,6 +7,9 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Leases: work outside the database (a call to a payment provider, an e-mail) runs under a
@@ -262,4 +265,53 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 		case <-t.C:
 		}
 	}
+}
+
+// PersistAnswer records r as the answer of the lease claim c with this attempt (Complete on q)
+// through Persist, and tells an answer that landed from one that did not when a reply was
+// lost. A Complete whose reply never came (the connection broke after the statement was sent)
+// may have committed: the next try then finds the claim completed and fails with ErrClaimLost,
+// although the answer stored is this one. So when a try ended without the server's answer and
+// a later one says the claim is lost, PersistAnswer asks c again (idem_begin in a read-only
+// transaction on db, rolled back: it writes nothing, and a read-only transaction refuses any
+// claim): a replay with this attempt means the answer is stored, and PersistAnswer returns nil.
+// Any other finding keeps ErrClaimLost.
+func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt int64, r Response) error {
+	unknown := false
+	err := Persist(ctx, func(ctx context.Context) error {
+		err := Complete(ctx, q, c.Principal, c.Key, attempt, r)
+		var pgErr *pgconn.PgError
+		if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
+			unknown = true
+		}
+		return err
+	})
+	if errors.Is(err, ErrClaimLost) && unknown && answered(ctx, db, c, attempt) {
+		return nil
+	}
+	return err
+}
+
+// answeredLockTimeout is the lock timeout of answered's claim.
+const answeredLockTimeout = 100 * time.Millisecond
+
+// answered tells whether the answer of the claim c with this attempt is stored: c asked again in
+// a read-only transaction, rolled back, replays with this attempt.
+func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) bool {
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return false
+	}
+	defer conn.Release()
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return false
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// A replay waits for no row lock; any other path is a no. Where a read-only transaction
+	// might not refuse a claim (a Citus worker that runs the delegated call in a transaction
+	// of its own), the short lock timeout bounds what such a claim, rolled back, could wait for.
+	c.LockTimeout = answeredLockTimeout
+	d, err := Begin(ctx, tx, c)
+	return err == nil && d.Outcome == Replay && d.Attempt == attempt
 }

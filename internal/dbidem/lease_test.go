@@ -4,10 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -516,5 +520,55 @@ func TestDoLeasePanicGivesTheClaimUp(t *testing.T) {
 	})
 	if err != nil || n != 7 || replayed {
 		t.Fatalf("the retry right after the panic: %d, replayed %v, %v; want the work run again", n, replayed, err)
+	}
+}
+
+// lostReply is a pool whose first idem_complete runs (and commits, or fails) and then reports a
+// broken connection, as when the server's answer is lost on its way back.
+type lostReply struct {
+	*pgxpool.Pool
+	lost atomic.Bool
+}
+
+func (p *lostReply) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := p.Pool.Exec(ctx, sql, args...)
+	if sql == dbidem.CompleteSQL && p.lost.CompareAndSwap(false, true) {
+		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
+	}
+	return tag, err
+}
+
+// TestDoLeaseAnswerWhoseReplyWasLost (review finding): the recording of DoLease's result
+// commits and its reply is lost. The next try finds the claim completed (55000): DoLease
+// reported the lease lost (ErrLeaseLost), and a River job ran again only to replay. The answer
+// stored is this attempt's, so DoLease returns its result.
+func TestDoLeaseAnswerWhoseReplyWasLost(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	db := &lostReply{Pool: pool}
+	job := dbidem.Job{Principal: "p", Key: "lost-reply", Action: "payout", Input: map[string]int{"amount": 5}, Lease: 5 * time.Second}
+	n, replayed, err := dbidem.DoLease(ctx, db, job, func(context.Context, dbidem.LeaseClaim) (int, error) { return 42, nil })
+	if !db.lost.Load() {
+		t.Fatal("no reply was lost")
+	}
+	if err != nil || n != 42 || replayed {
+		t.Fatalf("DoLease whose recording's reply was lost: %d, replayed %v, %v; want 42", n, replayed, err)
+	}
+	// Another attempt's answer is not taken for this one's: with the reply of its first try
+	// lost too, a later attempt than the one that completed the key still gets ErrClaimLost.
+	c := dbidem.Claim{Principal: "p", Key: "other", Action: "a", Fingerprint: [32]byte{1}, Lease: 5 * time.Second}
+	d, err := dbidem.Begin(ctx, pool, c)
+	if err != nil || d.Outcome != dbidem.Claimed {
+		t.Fatalf("claim: %+v %v", d, err)
+	}
+	db.lost.Store(false)
+	err = dbidem.PersistAnswer(ctx, db, pool, c, d.Attempt, dbidem.Response{Status: 201})
+	if err != nil {
+		t.Fatalf("PersistAnswer, the reply lost: %v", err)
+	}
+	db.lost.Store(false)
+	if err := dbidem.PersistAnswer(ctx, db, pool, c, d.Attempt+1, dbidem.Response{Status: 201}); !errors.Is(err, dbidem.ErrClaimLost) {
+		t.Fatalf("PersistAnswer of an attempt that never held the key: %v, want ErrClaimLost", err)
 	}
 }

@@ -126,12 +126,11 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	return StateAcquired
 }
 
-// complete stores the lease's answer, trying again while a failure may be passing
-// (dbidem.Persist), until ctx (the lease's AnswerDeadline) ends.
+// complete stores the lease's answer, trying again while a failure may be passing, until ctx
+// (the lease's AnswerDeadline) ends; a try whose reply was lost and that landed counts as
+// stored (dbidem.PersistAnswer).
 func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.Claim, attempt int64, resp dbidem.Response) error {
-	return dbidem.Persist(ctx, func(ctx context.Context) error {
-		return dbidem.Complete(ctx, db, claim.Principal, claim.Key, attempt, resp)
-	})
+	return dbidem.PersistAnswer(ctx, db, q.m.o.DB, claim, attempt, resp)
 }
 
 // slotted is the database as lease work uses it outside the claim (its extensions, the
