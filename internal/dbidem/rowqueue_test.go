@@ -29,6 +29,13 @@ func TestThirdInLineForAKeyRowWaits(t *testing.T) {
 // thirdInLine runs the three processes of TestThirdInLineForAKeyRowWaits on pool's database.
 func thirdInLine(t *testing.T, pool *pgxpool.Pool, key string) {
 	t.Helper()
+	thirdInLineSeen(t, pool, key, "pg_stat_activity")
+}
+
+// thirdInLineSeen is thirdInLine with the sessions' waits read from activity (a view with
+// pg_stat_activity's columns: citus_stat_activity on Citus, whose waits are on the workers).
+func thirdInLineSeen(t *testing.T, pool *pgxpool.Pool, key, activity string) {
+	t.Helper()
 	ctx := context.Background()
 	c := claim(key, `{}`)
 	c.LockTimeout = 3 * time.Second
@@ -67,7 +74,7 @@ func thirdInLine(t *testing.T, pool *pgxpool.Pool, key string) {
 			close(release)
 		}
 	}()
-	const waiters = `SELECT (count(*) >= $1)::int FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+	waiters := `SELECT (count(*) >= $1)::int FROM ` + activity + ` WHERE datname = current_database() AND wait_event_type = 'Lock'
 		AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`
 	// B: a duplicate in another process, waiting on the row.
 	bDone := make(chan error, 1)
