@@ -94,7 +94,8 @@ func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 // waiting for the key's row after its own lock timeout (2 s by default), a connection breaks,
 // the database restarts. The recording is fenced by the attempt, so trying again is safe: it
 // lands only while the claim is still this attempt's. When ctx ends first, the last failure
-// is returned joined with ctx's error.
+// is returned joined with ctx's error. For an answer, PersistAnswer is Persist that also
+// recognises a recording whose reply was lost and that landed.
 func Persist(ctx context.Context, record func(ctx context.Context) error) error {
 	return dbidem.Persist(ctx, record)
 }
