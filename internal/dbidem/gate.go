@@ -419,7 +419,8 @@ func sleep(ctx context.Context, d time.Duration) bool {
 // statement, idem_begin's locking read of the key's row (the innermost context is that
 // statement's text, which no translation changes either; only the quotes around it differ).
 // The one other lock that statement can wait for is a LOCK TABLE of the key table IN
-// EXCLUSIVE MODE taken after the claim's first read; such a wait is counted as a key wait too.
+// EXCLUSIVE MODE taken after the claim's first read; on a connection that has run the
+// statement before, such a wait is counted as a key wait too.
 func IsKeyWait(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {

@@ -179,3 +179,53 @@ func TestEndedDuringTableBusyPausesIsNotInProgress(t *testing.T) {
 		}
 	}
 }
+
+// TestExclusiveTableLockIsAKeyWaitOnlyAtTheLockingRead: the documented exception. Under LOCK
+// TABLE ... IN EXCLUSIVE MODE (reads pass), the claim of an expired key on a connection that has
+// run idem_begin's locking read before gets as far as that read and waits there as for a key
+// (ErrInProgress after its lock timeout, a key wait); on a connection that prepares the read
+// then, the wait names no statement and is answered ErrStoreBusy, as is the claim of a fresh
+// key, which stops at its INSERT.
+func TestExclusiveTableLockIsAKeyWaitOnlyAtTheLockingRead(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 1)
+	admin := pgtest.Connect(t, url)
+	ctx := context.Background()
+	expired := func(key string) dbidem.Claim {
+		c := claim(key, `{}`)
+		if err := dbidem.NewGate(dbidem.GateOptions{}).Run(ctx, pool, dbidem.TxOptions{}, c, func(tx *dbidem.Tx, d dbidem.Decision) error {
+			tx.CompleteOnCommit(dbidem.Response{Status: 201})
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		pgtest.Exec(t, admin, `UPDATE idem.idempotency_keys SET expires_at = now() - interval '1 hour',
+			lease_expires_at = now() - interval '1 hour' WHERE key = $1`, key)
+		return c
+	}
+	run := func(c dbidem.Claim) (time.Duration, error) {
+		c.LockTimeout = 600 * time.Millisecond
+		start := time.Now()
+		err := dbidem.NewGate(dbidem.GateOptions{}).Run(ctx, pool, dbidem.TxOptions{}, c, func(tx *dbidem.Tx, d dbidem.Decision) error {
+			if d.Outcome != dbidem.Claimed {
+				return errors.New(string(d.Outcome))
+			}
+			tx.CompleteOnCommit(dbidem.Response{Status: 201})
+			return nil
+		})
+		return time.Since(start), err
+	}
+	// The pool's one connection runs the locking read once (the re-claim of an expired key).
+	if _, err := run(expired("warm")); err != nil {
+		t.Fatal(err)
+	}
+	c := expired("exclusive")
+	pgtest.Exec(t, admin, `BEGIN; LOCK TABLE idem.idempotency_keys IN EXCLUSIVE MODE`)
+	if took, err := run(c); !errors.Is(err, dbidem.ErrInProgress) || errors.Is(err, dbidem.ErrStoreBusy) || !dbidem.IsKeyWait(err) || took < 500*time.Millisecond {
+		t.Errorf("an expired key under an EXCLUSIVE table lock: %v after %s, want a key wait of the claim's lock timeout", err, took)
+	}
+	if took, err := run(claim("exclusive-fresh", `{}`)); !errors.Is(err, dbidem.ErrStoreBusy) || took > 400*time.Millisecond {
+		t.Errorf("a fresh key under an EXCLUSIVE table lock: %v after %s, want ErrStoreBusy at once", err, took)
+	}
+	pgtest.Exec(t, admin, `ROLLBACK`)
+}
