@@ -328,7 +328,9 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 					closing, done := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 					_ = tx.Conn().PgConn().Close(closing)
 					done()
-					return fmt.Errorf("%w: the cancel request to stop the claim's wait was not confirmed (%w); the connection was closed",
+					// unsent is told, not wrapped: its DeadlineExceeded is the cancel
+					// request's second, not the caller's deadline.
+					return fmt.Errorf("%w: the cancel request to stop the claim's wait was not confirmed (%v); the connection was closed",
 						wait.Err(), unsent)
 				}
 			}
