@@ -125,7 +125,10 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // DoLease runs fn at most once for job.Key for work outside the database: the lease claim
 // commits on its own, fn runs outside any transaction while a heartbeat extends the lease,
 // and its result is stored afterwards, fenced by the claim's token. fn's context ends with
-// cause ErrLeaseLost when the lease is lost (DoLease then returns ErrLeaseLost); when fn
+// cause ErrLeaseLost when the lease is lost; DoLease then returns ErrLeaseLost, unless fn
+// still returns a result and no other attempt has taken the key over (the lease ran out
+// without an extension landing), when the result is recorded, fenced by the token, and
+// returned. When fn
 // fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
 // with the same claim.ProviderKey: hand an outside provider that key. fn's own writes to the
 // database go through Step on fn's context: each step commits its writes with its recovery

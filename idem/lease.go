@@ -74,7 +74,9 @@ func (l *Lease) End() time.Time { return l.l.End() }
 // while it can still land.
 func (l *Lease) AnswerDeadline() time.Time { return l.l.AnswerDeadline() }
 
-// Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
+// Lost tells whether the lease was lost: another attempt may hold the key. The work's answer
+// must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
+// succeeds, which it does only while no other attempt has taken the key over.
 func (l *Lease) Lost() bool { return l.l.Lost() }
 
 // Extensions is how many extensions succeeded.

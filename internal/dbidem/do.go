@@ -138,8 +138,12 @@ type Pool interface {
 // replayed true.
 //
 // fn's context ends with cause ErrLeaseLost (context.Cause) when the lease is lost: another
-// attempt may have taken the key over, so fn should stop; DoLease then returns ErrLeaseLost
-// and stores nothing. The result is recorded through failures that pass (Persist) until the
+// attempt may have taken the key over, so fn should stop. When fn then returns an error,
+// DoLease returns ErrLeaseLost and stores nothing. When fn returns a result all the same, it is
+// recorded, fenced by the claim's token, if no other attempt has taken the key over (the lease
+// ran out without an extension landing: the database could not be reached, or the key's row
+// was locked), and DoLease returns it; once another attempt holds the key, DoLease returns
+// ErrLeaseLost and stores nothing. The result is recorded through failures that pass (Persist) until the
 // lease's AnswerDeadline; when it still is not, DoLease returns it with an error wrapping
 // context.DeadlineExceeded, and the key stays in progress until its lease runs out, when a
 // later run takes it over with the same claim.ProviderKey. When fn panics, the heartbeat
@@ -210,15 +214,20 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	wctx := WithSteps(lease.Context(), NewSteps(db, &lc, won, lease, TxOptions{}))
 	result, err = fn(wctx, lc)
 	finished = true
-	lost := lease.Stop() // before the answer: an extension after it would find the claim completed
-	switch {
-	case lost:
+	// Before the answer: an extension after it would find the claim completed.
+	if lost := lease.Stop(); lost && err != nil {
+		// The work stopped because its lease was lost (or failed on its own meanwhile): its
+		// claim may be another attempt's by now, so it is not given up.
 		var zero T
 		return zero, false, ErrLeaseLost
-	case err != nil:
+	} else if err != nil {
 		yield()
 		return result, false, err
 	}
+	// A result, even when the lease was lost meanwhile (D149): the lease may have run out
+	// without an extension landing (the database unreachable, the key's row locked) while no
+	// other attempt took the key over. The recording is fenced by the token: it lands only
+	// then, and fails with ErrClaimLost (ErrLeaseLost below) once another attempt holds it.
 	body, err := json.Marshal(result)
 	if err != nil {
 		yield()

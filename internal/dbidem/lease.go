@@ -21,7 +21,9 @@ import (
 // ErrLeaseLost is the cause (context.Cause) of a lease's context when the lease was lost: an
 // extension found the claim no longer in progress with its token, or the lease ran out before
 // an extension succeeded (the database could not be reached), so another attempt may have
-// taken the key over. The work should stop; its answer is not recorded.
+// taken the key over. The work should stop. An answer it still gives is recorded (DoLease, the
+// middleware's lease routes) only if the recording, fenced by the token, succeeds: only while
+// no other attempt has taken the key over.
 var ErrLeaseLost = errors.New("idem: lease lost")
 
 const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
@@ -222,7 +224,9 @@ func (l *Lease) AnswerDeadline() time.Time {
 	return floor
 }
 
-// Lost tells whether the lease was lost: the work's answer must not be sent as recorded.
+// Lost tells whether the lease was lost: another attempt may hold the key. The work's answer
+// must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
+// succeeds, which it does only while no other attempt has taken the key over.
 func (l *Lease) Lost() bool { return l.lost.Load() }
 
 // Extensions is how many extensions succeeded.

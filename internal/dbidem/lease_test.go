@@ -572,3 +572,92 @@ func TestDoLeaseAnswerWhoseReplyWasLost(t *testing.T) {
 		t.Fatalf("PersistAnswer of an attempt that never held the key: %v, want ErrClaimLost", err)
 	}
 }
+
+// TestDoLeaseResultAfterItsLeaseRanOut (D149): the key's row is locked from the work's start,
+// so no extension lands and the lease runs out by this process's clock: the work's context
+// ends with ErrLeaseLost. The work returns a result all the same.
+//
+//   - Nobody took the key over: the result is recorded, fenced by the token, and returned;
+//     the retry replays it. Before, DoLease threw it away (ErrLeaseLost) and a retry ran the
+//     work again.
+//   - Another run took the key over (and answered) before the first returned: the first's
+//     recording is refused, DoLease returns ErrLeaseLost, and the key keeps the other run's
+//     answer.
+func TestDoLeaseResultAfterItsLeaseRanOut(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 8)
+	ctx := context.Background()
+	// lockedWork locks the key's row on its own connection, waits for its lease to be lost,
+	// releases the row, runs released (when not nil) and returns result.
+	lockedWork := func(key string, result int, released func()) func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+			locker := pgtest.Connect(t, url)
+			tx, err := locker.Begin(context.Background())
+			if err == nil {
+				_, err = tx.Exec(context.Background(), `SELECT 1 FROM idem.idempotency_keys WHERE key = $1 FOR UPDATE`, key)
+			}
+			if err != nil {
+				return 0, err
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(10 * time.Second):
+				return 0, errors.New("the lease was not lost while its row was locked")
+			}
+			if cause := context.Cause(ctx); !errors.Is(cause, dbidem.ErrLeaseLost) {
+				return 0, fmt.Errorf("the work's context ended with %v, want ErrLeaseLost", cause)
+			}
+			time.Sleep(200 * time.Millisecond)
+			if err := tx.Rollback(context.Background()); err != nil {
+				return 0, err
+			}
+			if released != nil {
+				released()
+			}
+			return result, nil
+		}
+	}
+	job := dbidem.Job{Principal: "p", Key: "ran-out", Action: "payout", Input: map[string]int{"amount": 5}, Lease: time.Second,
+		LockTimeout: 100 * time.Millisecond}
+	n, replayed, err := dbidem.DoLease(ctx, pool, job, lockedWork(job.Key, 42, nil))
+	if err != nil || n != 42 || replayed {
+		t.Fatalf("DoLease whose lease ran out, nobody taking over: %d, replayed %v, %v; want 42, recorded", n, replayed, err)
+	}
+	if n, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return 0, errors.New("the work ran again")
+	}); err != nil || n != 42 || !replayed {
+		t.Fatalf("the retry: %d, replayed %v, %v; want the replay of 42", n, replayed, err)
+	}
+
+	// Taken over: the other run claims the key once the first's row lock is gone and its lease
+	// has run out in the database too, and answers 7.
+	taken := job
+	taken.Key = "taken-over"
+	tookOver := false
+	takeOver := func() {
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			n, replayed, err := dbidem.DoLease(ctx, pool, taken, func(context.Context, dbidem.LeaseClaim) (int, error) { return 7, nil })
+			if errors.Is(err, dbidem.ErrInProgress) {
+				continue
+			}
+			if err != nil || n != 7 || replayed {
+				t.Errorf("the takeover: %d, replayed %v, %v; want 7", n, replayed, err)
+			}
+			tookOver = true
+			return
+		}
+		t.Error("the key was never taken over")
+	}
+	n, _, err = dbidem.DoLease(ctx, pool, taken, lockedWork(taken.Key, 42, takeOver))
+	if !tookOver {
+		t.Fatal("no takeover happened")
+	}
+	if !errors.Is(err, dbidem.ErrLeaseLost) || n != 0 {
+		t.Fatalf("DoLease whose key was taken over: %d, %v; want ErrLeaseLost", n, err)
+	}
+	if n, replayed, err := dbidem.DoLease(ctx, pool, taken, func(context.Context, dbidem.LeaseClaim) (int, error) {
+		return 0, errors.New("the work ran again")
+	}); err != nil || n != 7 || !replayed {
+		t.Fatalf("the retry after the takeover: %d, replayed %v, %v; want the takeover's 7", n, replayed, err)
+	}
+}

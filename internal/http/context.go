@@ -47,8 +47,10 @@ type ClaimInfo struct {
 }
 
 // ErrLeaseLost is the cause (context.Cause) of a lease route's handler context when its lease
-// was lost: another attempt may have taken the key over, so the handler should stop. Its
-// answer is then not recorded, and not sent as if it were.
+// was lost: another attempt may have taken the key over, so the handler should stop. A 2xx
+// answer it still gives is recorded, fenced by the claim's token, and sent, if no other
+// attempt has taken the key over (the lease ran out without an extension landing); otherwise
+// it is neither recorded nor sent, and the client gets 409.
 var ErrLeaseLost = dbidem.ErrLeaseLost
 
 // ClaimOf returns the claim of the request's unit of work, or false for a request that runs

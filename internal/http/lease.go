@@ -23,8 +23,11 @@ import (
 //   - a heartbeat extends the lease every third of it while the handler runs, so duplicates
 //     keep getting 409 with Retry-After however long the work takes;
 //   - when the lease is lost (taken over, or not extended in time), the handler's context ends
-//     with cause ErrLeaseLost, its answer is neither recorded nor sent: the client gets 409
-//     request_in_progress, and its retry gets the answer of the attempt that holds the key;
+//     with cause ErrLeaseLost. A 2xx answer the handler still gives is recorded, fenced by the
+//     token, and sent if no other attempt has taken the key over (the lease ran out without an
+//     extension landing, D149); any other answer, or a 2xx once another attempt holds the key,
+//     is neither recorded nor sent: the client gets 409 request_in_progress, and its retry
+//     gets the answer of the attempt that holds the key;
 //   - the handler's steps (Step) commit with their recovery points; a takeover skips those
 //     its generation recorded, and a step that finds the claim taken over loses the lease;
 //   - a 2xx or a final error is stored; anything else ends the lease at once without an
@@ -70,12 +73,20 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// process's clock and at least one lease from now (AnswerDeadline): past the end another attempt may have taken the key over, and then
 	// the recording, fenced by the token, fails (the client gets 409); while none has, it
 	// still lands.
+	//
+	// A lost lease's 2xx answer is recorded too (D149): the lease may have run out without an
+	// extension landing (the database unreachable, the key's row locked) while no other attempt
+	// took the key over, and then the fenced recording lands and the client gets the answer
+	// instead of a rerun. Once another attempt holds the key it fails with ErrClaimLost. A lost
+	// lease's other answers (an error, often the handler's reaction to its context's end) are
+	// neither recorded nor used to give the claim up, which may be another attempt's.
 	lost := l.Stop()
+	late := lost && v == commit
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
 	defer cancel()
 	var err error
 	switch {
-	case lost:
+	case lost && !late:
 	case v == rollBack:
 		err = dbidem.Persist(ctx, func(ctx context.Context) error {
 			_, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
@@ -88,7 +99,11 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		}
 		err = q.complete(ctx, db, claim, attempt, resp)
 	}
-	lost = lost || errors.Is(err, dbidem.ErrClaimLost)
+	lost = (lost && !late) || errors.Is(err, dbidem.ErrClaimLost)
+	if late && !lost && err == nil {
+		q.m.o.Logger.Warn("idem: a lease ran out before its work ended, but no other attempt had taken the key over: its answer was recorded",
+			"key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+	}
 	switch {
 	case lost:
 		endSpan(done, "lease_lost", dbidem.ErrLeaseLost)

@@ -501,3 +501,114 @@ func TestLeaseGivenUpThroughALockTimeout(t *testing.T) {
 		t.Fatalf("the retry: %d after %d runs; want the work run again at once (201)", res.StatusCode, runs.Load())
 	}
 }
+
+// serveLate serves a lease route (a one-second lease) whose handler, on its first run for a
+// key, locks the key's row on a connection of its own, so that no extension lands, waits for
+// its lease to be lost, releases the row, calls released (when not nil) and then answers 201
+// all the same; every later run answers 201 at once. Each answer names its run.
+func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs *atomic.Int32, released func()) *httptest.Server {
+	t.Helper()
+	m, err := idemhttp.New(idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond, DuplicateWait: 100 * time.Millisecond,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), Metrics: obs, RouteTemplate: muxTemplate})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := mux.NewRouter()
+	r.Handle("/late", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		run := runs.Add(1)
+		if run == 1 {
+			ctx := context.Background()
+			tx, err := pgtest.Connect(t, url).Begin(ctx)
+			if err == nil {
+				_, err = tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = $1 FOR UPDATE`, r.Header.Get("Idempotency-Key"))
+			}
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			select {
+			case <-r.Context().Done():
+			case <-time.After(10 * time.Second):
+			}
+			if cause := context.Cause(r.Context()); !errors.Is(cause, idemhttp.ErrLeaseLost) {
+				t.Errorf("the handler's context ended with %v, want ErrLeaseLost", cause)
+			}
+			time.Sleep(200 * time.Millisecond)
+			if err := tx.Rollback(ctx); err != nil {
+				t.Error(err)
+			}
+			if released != nil {
+				released()
+			}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"run":%d}`, run)
+	}))).Methods("POST")
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestLeaseAnswerAfterItsLeaseRanOut (D149): the handler's lease runs out with no extension
+// landing (its key's row is locked), so its context ends with ErrLeaseLost; it answers 201 all
+// the same.
+//
+//   - Nobody took the key over: the answer is recorded, fenced by the token, and sent; the
+//     retry replays it and the work ran once. Before, the client got 409 and its retry ran
+//     the work again.
+//   - A request at another server took the key over and answered first: the late answer is
+//     refused, its client gets 409, and the retry replays the takeover's answer.
+func TestLeaseAnswerAfterItsLeaseRanOut(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 10)
+	post := func(srv *httptest.Server, key string) reply {
+		status, header, body := pgtest.Send(t, context.Background(), "POST", srv.URL+"/late", `{}`,
+			"Idempotency-Key", key, "Content-Type", "application/json")
+		return reply{status, header, body}
+	}
+	var runs atomic.Int32
+	obs := newObserver()
+	a := serveLate(t, pool, url, obs, &runs, nil)
+	r := post(a, "ran-out")
+	if r.status != http.StatusCreated || r.body != `{"run":1}` || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("the client: %+v, want the late answer, recorded", r)
+	}
+	if again := post(a, "ran-out"); again.status != http.StatusCreated || again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the retry: %+v, want the replay of %s", again, r.body)
+	}
+	if ext, lost := obs.leases(); runs.Load() != 1 || ext != 0 || lost != 0 {
+		t.Fatalf("%d runs, %v extensions, %v leases lost; want 1, 0 and 0", runs.Load(), ext, lost)
+	}
+
+	// Taken over: b's request claims the key once a's row lock is gone and its lease has run
+	// out in the database too, and answers before a's handler does.
+	var runsA, runsB atomic.Int32
+	runsB.Store(1) // b's runs answer at once
+	var b *httptest.Server
+	var second reply
+	obsA := newObserver()
+	a = serveLate(t, pool, url, obsA, &runsA, func() {
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			second = post(b, "taken-over")
+			if second.status != http.StatusConflict || time.Now().After(deadline) {
+				return
+			}
+		}
+	})
+	b = serveLate(t, pool, url, newObserver(), &runsB, nil)
+	first := post(a, "taken-over")
+	if second.status != http.StatusCreated || second.body != `{"run":2}` {
+		t.Fatalf("the takeover: %+v, want b's answer", second)
+	}
+	if first.status != http.StatusConflict || problemCode(t, first) != idemhttp.CodeInProgress {
+		t.Fatalf("the client of the attempt taken over: %+v, want 409 request_in_progress", first)
+	}
+	if again := post(a, "taken-over"); again.status != http.StatusCreated || again.body != second.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the retry: %+v, want the replay of the takeover's %s", again, second.body)
+	}
+	if _, lost := obsA.leases(); lost != 1 {
+		t.Fatalf("a's leases lost: %v, want 1", lost)
+	}
+}
