@@ -128,7 +128,8 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // cause ErrLeaseLost when the lease is lost; DoLease then returns ErrLeaseLost, unless fn
 // still returns a result and no other attempt has taken the key over (the lease ran out
 // without an extension landing), when the result is recorded, fenced by the token, and
-// returned. When fn
+// returned: fn that stops because its context ended returns an error (context.Cause(ctx)),
+// since a nil error makes its result the answer. When fn
 // fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again
 // with the same claim.ProviderKey: hand an outside provider that key. fn's own writes to the
 // database go through Step on fn's context: each step commits its writes with its recovery

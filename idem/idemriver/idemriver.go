@@ -165,9 +165,10 @@ func ranBefore(job *rivertype.JobRow) bool {
 //     without spending an attempt, and then finds the result, or takes the key over once the
 //     lease has run out (with the same provider key);
 //   - an error when this run's lease was lost (idem.ErrLeaseLost: a worker that hung past its
-//     lease, whose key another run has taken over; nothing of this run is stored, and River's
-//     retry finds the other run's result, or the key; when fn returned nil and no other run
-//     had taken the key over, the result is stored all the same and the job completes), or when its result could not
+//     lease, whose key another run may have taken over; fn returned an error, or another run
+//     holds the key: nothing of this run is stored, and River's retry finds the other run's
+//     result, or the key; when fn returned nil and no other run had taken the key over, the
+//     result is stored all the same and the job completes), or when its result could not
 //     be stored by the lease's AnswerDeadline (an error wrapping context.DeadlineExceeded: the
 //     database was unreachable that long; the key stays in progress until its lease runs
 //     out, and River's retry then takes it over with the same provider key);

@@ -143,7 +143,9 @@ type Pool interface {
 // recorded, fenced by the claim's token, if no other attempt has taken the key over (the lease
 // ran out without an extension landing: the database could not be reached, or the key's row
 // was locked), and DoLease returns it; once another attempt holds the key, DoLease returns
-// ErrLeaseLost and stores nothing. The result is recorded through failures that pass (Persist) until the
+// ErrLeaseLost and stores nothing. So fn that stops because its context ended returns an
+// error (context.Cause(ctx)): a nil error makes its result the answer, whatever ended the
+// context (Timeout, ctx, a lost lease). The result is recorded through failures that pass (Persist) until the
 // lease's AnswerDeadline; when it still is not, DoLease returns it with an error wrapping
 // context.DeadlineExceeded, and the key stays in progress until its lease runs out, when a
 // later run takes it over with the same claim.ProviderKey. When fn panics, the heartbeat
@@ -215,12 +217,14 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	result, err = fn(wctx, lc)
 	finished = true
 	// Before the answer: an extension after it would find the claim completed.
-	if lost := lease.Stop(); lost && err != nil {
-		// The work stopped because its lease was lost (or failed on its own meanwhile): its
-		// claim may be another attempt's by now, so it is not given up.
-		var zero T
-		return zero, false, ErrLeaseLost
-	} else if err != nil {
+	lost := lease.Stop()
+	if err != nil {
+		if lost {
+			// The work stopped because its lease was lost (or failed on its own meanwhile):
+			// the lease has run out, so a retry may take the key over; nothing is given up.
+			var zero T
+			return zero, false, ErrLeaseLost
+		}
 		yield()
 		return result, false, err
 	}
@@ -230,7 +234,9 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	// then, and fails with ErrClaimLost (ErrLeaseLost below) once another attempt holds it.
 	body, err := json.Marshal(result)
 	if err != nil {
-		yield()
+		if !lost {
+			yield()
+		}
 		return result, false, fmt.Errorf("idem: encode result: %w", err)
 	}
 	// The answer is recorded until the lease's end by this process's clock and at least one

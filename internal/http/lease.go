@@ -74,14 +74,16 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// the recording, fenced by the token, fails (the client gets 409); while none has, it
 	// still lands.
 	//
-	// A lost lease's 2xx answer is recorded too (D149): the lease may have run out without an
-	// extension landing (the database unreachable, the key's row locked) while no other attempt
-	// took the key over, and then the fenced recording lands and the client gets the answer
-	// instead of a rerun. Once another attempt holds the key it fails with ErrClaimLost. A lost
-	// lease's other answers (an error, often the handler's reaction to its context's end) are
-	// neither recorded nor used to give the claim up, which may be another attempt's.
+	// A 2xx that the handler wrote after its lease was lost is recorded too (D149): the lease
+	// may have run out without an extension landing (the database unreachable, the key's row
+	// locked) while no other attempt took the key over, and then the fenced recording lands and
+	// the client gets the answer instead of a rerun. Once another attempt holds the key it
+	// fails with ErrClaimLost. Written: a handler that returns without writing anything (the
+	// documented reaction to a lost lease; net/http would send an empty 200) answers nothing.
+	// A lost lease's other answers (an error, often the handler's reaction to its context's
+	// end) are neither recorded nor used to give the claim up.
 	lost := l.Stop()
-	late := lost && v == commit
+	late := lost && v == commit && rec != nil && rec.status != 0
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
 	defer cancel()
 	var err error
@@ -99,11 +101,15 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		}
 		err = q.complete(ctx, db, claim, attempt, resp)
 	}
-	lost = (lost && !late) || errors.Is(err, dbidem.ErrClaimLost)
-	if late && !lost && err == nil {
+	// unanswered: the client gets 409, another attempt answers. lost: the lease was lost and
+	// its answer not recorded (a late 2xx that could not be recorded by the deadline is
+	// answered 503 outcome_unknown below, as any answer not recorded, and counts as lost).
+	unanswered := (lost && !late) || errors.Is(err, dbidem.ErrClaimLost)
+	if late && err == nil {
 		q.m.o.Logger.Warn("idem: a lease ran out before its work ended, but no other attempt had taken the key over: its answer was recorded",
 			"key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
 	}
+	lost = unanswered || (late && err != nil)
 	switch {
 	case lost:
 		endSpan(done, "lease_lost", dbidem.ErrLeaseLost)
@@ -124,7 +130,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	switch {
-	case lost:
+	case unanswered:
 		log.Error("idem: lease lost: another attempt may hold the key; this attempt's answer is not recorded and not sent")
 		q.inProgress(claim.Lease)
 	case err != nil && v == rollBack:

@@ -502,11 +502,12 @@ func TestLeaseGivenUpThroughALockTimeout(t *testing.T) {
 	}
 }
 
-// serveLate serves a lease route (a one-second lease) whose handler, on its first run for a
-// key, locks the key's row on a connection of its own, so that no extension lands, waits for
-// its lease to be lost, releases the row, calls released (when not nil) and then answers 201
-// all the same; every later run answers 201 at once. Each answer names its run.
-func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs *atomic.Int32, released func()) *httptest.Server {
+// serveLate serves a lease route (a one-second lease). On its first run for a key the handler
+// locks the key's row on a connection of its own, so that no extension lands, waits for its
+// lease to be lost and then calls afterLoss with a function that releases the row; every later
+// run answers 201 at once. Each 201 names its run.
+func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs *atomic.Int32,
+	afterLoss func(w http.ResponseWriter, release func())) *httptest.Server {
 	t.Helper()
 	m, err := idemhttp.New(idemhttp.Options{DB: pool, LockTimeout: 300 * time.Millisecond, DuplicateWait: 100 * time.Millisecond,
 		Principal: func(r *http.Request) (string, bool) { return "alice", true },
@@ -534,13 +535,12 @@ func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs
 			if cause := context.Cause(r.Context()); !errors.Is(cause, idemhttp.ErrLeaseLost) {
 				t.Errorf("the handler's context ended with %v, want ErrLeaseLost", cause)
 			}
-			time.Sleep(200 * time.Millisecond)
-			if err := tx.Rollback(ctx); err != nil {
-				t.Error(err)
-			}
-			if released != nil {
-				released()
-			}
+			afterLoss(w, func() {
+				if err := tx.Rollback(ctx); err != nil {
+					t.Error(err)
+				}
+			})
+			return
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)
@@ -551,64 +551,135 @@ func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs
 	return srv
 }
 
+// lateAnswer is an afterLoss of serveLate: it releases the row after 200 ms, calls then (when
+// not nil) and answers 201 {"run":1}.
+func lateAnswer(then func()) func(http.ResponseWriter, func()) {
+	return func(w http.ResponseWriter, release func()) {
+		time.Sleep(200 * time.Millisecond)
+		release()
+		if then != nil {
+			then()
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, `{"run":1}`)
+	}
+}
+
 // TestLeaseAnswerAfterItsLeaseRanOut (D149): the handler's lease runs out with no extension
-// landing (its key's row is locked), so its context ends with ErrLeaseLost; it answers 201 all
-// the same.
+// landing (its key's row is locked), so its context ends with ErrLeaseLost.
 //
-//   - Nobody took the key over: the answer is recorded, fenced by the token, and sent; the
-//     retry replays it and the work ran once. Before, the client got 409 and its retry ran
-//     the work again.
+//   - It answers 201 all the same and nobody took the key over: the answer is recorded,
+//     fenced by the token, and sent; the retry replays it and the work ran once. Before, the
+//     client got 409 and its retry ran the work again.
 //   - A request at another server took the key over and answered first: the late answer is
 //     refused, its client gets 409, and the retry replays the takeover's answer.
+//   - It returns without writing anything (docs/http.md's reaction to a lost lease, which
+//     net/http would send as an empty 200): nothing is recorded, the client gets 409, and the
+//     retry runs the work again (found by review: the first build stored the empty 200).
+//   - It answers 201, and the row stays locked past the answer's deadline: the client gets
+//     503 outcome_unknown, and the lease counts as lost (idempotency_leases_lost_total), as
+//     any lost lease whose answer was not recorded (found by review).
 func TestLeaseAnswerAfterItsLeaseRanOut(t *testing.T) {
 	t.Parallel()
-	pool, url := pgtest.NewPool(t, 10)
+	pool, url := pgtest.NewPool(t, 16)
 	post := func(srv *httptest.Server, key string) reply {
 		status, header, body := pgtest.Send(t, context.Background(), "POST", srv.URL+"/late", `{}`,
 			"Idempotency-Key", key, "Content-Type", "application/json")
 		return reply{status, header, body}
 	}
-	var runs atomic.Int32
-	obs := newObserver()
-	a := serveLate(t, pool, url, obs, &runs, nil)
-	r := post(a, "ran-out")
-	if r.status != http.StatusCreated || r.body != `{"run":1}` || r.header.Get("Idempotent-Replayed") != "" {
-		t.Fatalf("the client: %+v, want the late answer, recorded", r)
-	}
-	if again := post(a, "ran-out"); again.status != http.StatusCreated || again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
-		t.Fatalf("the retry: %+v, want the replay of %s", again, r.body)
-	}
-	if ext, lost := obs.leases(); runs.Load() != 1 || ext != 0 || lost != 0 {
-		t.Fatalf("%d runs, %v extensions, %v leases lost; want 1, 0 and 0", runs.Load(), ext, lost)
-	}
-
-	// Taken over: b's request claims the key once a's row lock is gone and its lease has run
-	// out in the database too, and answers before a's handler does.
-	var runsA, runsB atomic.Int32
-	runsB.Store(1) // b's runs answer at once
-	var b *httptest.Server
-	var second reply
-	obsA := newObserver()
-	a = serveLate(t, pool, url, obsA, &runsA, func() {
-		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			second = post(b, "taken-over")
-			if second.status != http.StatusConflict || time.Now().After(deadline) {
-				return
-			}
+	t.Run("recorded", func(t *testing.T) {
+		t.Parallel()
+		var runs atomic.Int32
+		obs := newObserver()
+		a := serveLate(t, pool, url, obs, &runs, lateAnswer(nil))
+		r := post(a, "ran-out")
+		if r.status != http.StatusCreated || r.body != `{"run":1}` || r.header.Get("Idempotent-Replayed") != "" {
+			t.Fatalf("the client: %+v, want the late answer, recorded", r)
+		}
+		if again := post(a, "ran-out"); again.status != http.StatusCreated || again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("the retry: %+v, want the replay of %s", again, r.body)
+		}
+		if ext, lost := obs.leases(); runs.Load() != 1 || ext != 0 || lost != 0 {
+			t.Fatalf("%d runs, %v extensions, %v leases lost; want 1, 0 and 0", runs.Load(), ext, lost)
 		}
 	})
-	b = serveLate(t, pool, url, newObserver(), &runsB, nil)
-	first := post(a, "taken-over")
-	if second.status != http.StatusCreated || second.body != `{"run":2}` {
-		t.Fatalf("the takeover: %+v, want b's answer", second)
-	}
-	if first.status != http.StatusConflict || problemCode(t, first) != idemhttp.CodeInProgress {
-		t.Fatalf("the client of the attempt taken over: %+v, want 409 request_in_progress", first)
-	}
-	if again := post(a, "taken-over"); again.status != http.StatusCreated || again.body != second.body || again.header.Get("Idempotent-Replayed") != "true" {
-		t.Fatalf("the retry: %+v, want the replay of the takeover's %s", again, second.body)
-	}
-	if _, lost := obsA.leases(); lost != 1 {
-		t.Fatalf("a's leases lost: %v, want 1", lost)
-	}
+	t.Run("taken over", func(t *testing.T) {
+		t.Parallel()
+		// b's request claims the key once a's row lock is gone and its lease has run out in
+		// the database too, and answers before a's handler does.
+		var runsA, runsB atomic.Int32
+		runsB.Store(1) // b's runs answer at once
+		var b *httptest.Server
+		var second reply
+		obsA := newObserver()
+		a := serveLate(t, pool, url, obsA, &runsA, lateAnswer(func() {
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				second = post(b, "taken-over")
+				if second.status != http.StatusConflict || time.Now().After(deadline) {
+					return
+				}
+			}
+		}))
+		b = serveLate(t, pool, url, newObserver(), &runsB, nil)
+		first := post(a, "taken-over")
+		if second.status != http.StatusCreated || second.body != `{"run":2}` {
+			t.Fatalf("the takeover: %+v, want b's answer", second)
+		}
+		if first.status != http.StatusConflict || problemCode(t, first) != idemhttp.CodeInProgress {
+			t.Fatalf("the client of the attempt taken over: %+v, want 409 request_in_progress", first)
+		}
+		if again := post(a, "taken-over"); again.status != http.StatusCreated || again.body != second.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("the retry: %+v, want the replay of the takeover's %s", again, second.body)
+		}
+		if _, lost := obsA.leases(); lost != 1 {
+			t.Fatalf("a's leases lost: %v, want 1", lost)
+		}
+	})
+	t.Run("nothing written", func(t *testing.T) {
+		t.Parallel()
+		var runs atomic.Int32
+		obs := newObserver()
+		srv := serveLate(t, pool, url, obs, &runs, func(w http.ResponseWriter, release func()) {
+			time.Sleep(200 * time.Millisecond)
+			release()
+		})
+		if first := post(srv, "silent"); first.status != http.StatusConflict || problemCode(t, first) != idemhttp.CodeInProgress {
+			t.Fatalf("the client of a lost lease whose handler wrote nothing: %+v, want 409 request_in_progress", first)
+		}
+		if _, lost := obs.leases(); lost != 1 {
+			t.Fatalf("leases lost: %v, want 1", lost)
+		}
+		// The lease has run out in the database too within a second; then the retry takes
+		// the key over and runs the work again.
+		var again reply
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			again = post(srv, "silent")
+			if again.status != http.StatusConflict || time.Now().After(deadline) {
+				break
+			}
+		}
+		if again.status != http.StatusCreated || again.body != `{"run":2}` || again.header.Get("Idempotent-Replayed") != "" {
+			t.Fatalf("the retry: %+v after %d runs, want the work run again (201 {\"run\":2})", again, runs.Load())
+		}
+	})
+	t.Run("not recorded by the deadline", func(t *testing.T) {
+		t.Parallel()
+		var runs atomic.Int32
+		obs := newObserver()
+		release := make(chan func(), 1)
+		srv := serveLate(t, pool, url, obs, &runs, func(w http.ResponseWriter, r func()) {
+			release <- r // the row stays locked until the client has its answer
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprint(w, `{"run":1}`)
+		})
+		first := post(srv, "unrecorded")
+		(<-release)()
+		if first.status != http.StatusServiceUnavailable || problemCode(t, first) != idemhttp.CodeOutcomeUnknown {
+			t.Fatalf("the client: %+v, want 503 outcome_unknown", first)
+		}
+		if _, lost := obs.leases(); lost != 1 {
+			t.Fatalf("leases lost: %v, want 1 (the lease was lost and its answer not recorded)", lost)
+		}
+	})
 }
