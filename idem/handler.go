@@ -38,9 +38,10 @@ type ClaimInfo struct {
 
 // ErrLeaseLost is the cause (context.Cause) of a lease route's handler context, and the error
 // of DoLease, when the lease was lost: another attempt may hold the key, so the work should
-// stop. An answer the work still gives is recorded, fenced by the claim's token, only while
-// no other attempt has taken the key over (the lease ran out without an extension landing);
-// otherwise it is neither recorded nor sent.
+// stop. A 2xx the handler still writes, or a result DoLease's fn still returns with a nil
+// error, is recorded, fenced by the claim's token, only while no other attempt has taken the
+// key over (the lease ran out without an extension landing); otherwise it is neither recorded
+// nor sent. A handler that returns without writing, or an error, records nothing.
 var ErrLeaseLost = idemhttp.ErrLeaseLost
 
 // ErrShutdown is the cause (context.Cause) of a keyed request's work context when the

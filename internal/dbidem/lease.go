@@ -21,9 +21,9 @@ import (
 // ErrLeaseLost is the cause (context.Cause) of a lease's context when the lease was lost: an
 // extension found the claim no longer in progress with its token, or the lease ran out before
 // an extension succeeded (the database could not be reached), so another attempt may have
-// taken the key over. The work should stop. An answer it still gives is recorded (DoLease, the
-// middleware's lease routes) only if the recording, fenced by the token, succeeds: only while
-// no other attempt has taken the key over.
+// taken the key over. The work should stop. A result it still returns with a nil error
+// (DoLease), or a 2xx a lease route's handler still writes, is recorded only if the recording,
+// fenced by the token, succeeds: only while no other attempt has taken the key over.
 var ErrLeaseLost = errors.New("idem: lease lost")
 
 const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
