@@ -33,6 +33,13 @@ type CleanerOptions struct {
 	// may; a cleaner that runs as the application role logs once that it leaves the table to
 	// autovacuum).
 	SkipVacuum bool
+	// Wait makes every batch of a pass wait for CleanupLock when another process's batch
+	// holds it, instead of skipping the pass (or stopping it there, leaving the rest to that
+	// process). Default false, what a scheduled cleaner wants: one process cleans at a time.
+	// Set it for a pass that must run to its end, such as a pass by hand to catch up: it
+	// then takes turns with the other processes' batches, and a transaction that holds
+	// CleanupLock holds it up until it ends.
+	Wait bool
 	// Logger receives a line per pass that deleted keys, and every failure. Default nil:
 	// slog.Default().
 	Logger *slog.Logger
@@ -98,7 +105,8 @@ type Cleaner struct{ c *dbidem.Cleaner }
 // run inside a transaction of yours) after checking the options. Start it, or run a Pass by
 // hand.
 func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
-	io := dbidem.CleanerOptions{Interval: o.Interval, BatchSize: o.BatchSize, Duty: o.Duty, SkipVacuum: o.SkipVacuum, Logger: o.Logger}
+	io := dbidem.CleanerOptions{Interval: o.Interval, BatchSize: o.BatchSize, Duty: o.Duty, SkipVacuum: o.SkipVacuum, Wait: o.Wait,
+		Logger: o.Logger}
 	if o.Metrics != nil {
 		io.Observer = cleanupObserver{o.Metrics}
 	}
@@ -145,8 +153,9 @@ func (c *Cleaner) Start(ctx context.Context) error { return c.c.Start(ctx) }
 func (c *Cleaner) Stop() { c.c.Stop() }
 
 // Pass runs one pass now and returns how many keys it deleted and whether it ran (false: it
-// was skipped, another process's batch holds the lock). When ctx ends it stops and returns
-// ctx's error. For a command that cleans by hand, set Duty to 1 (no pauses).
+// was skipped, another process's batch holds the lock; never with CleanerOptions.Wait). When
+// ctx ends it stops and returns ctx's error. For a command that cleans by hand, set Duty to 1
+// (no pauses) and Wait.
 func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) { return c.c.Pass(ctx) }
 
 // Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a

@@ -202,8 +202,8 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		if len(m.Args) != 2 || m.Args[0] != "create" {
 			return fmt.Errorf("principal: want principal create NAME\n\n%s", usage)
 		}
-		if n := m.Args[1]; len(n) < 1 || len(n) > 100 {
-			return errors.New("principal create: NAME must be 1 to 100 characters")
+		if !validName(m.Args[1]) {
+			return errors.New("principal create: NAME must be 1 to 100 characters of valid UTF-8, none of them a control character")
 		}
 		if strings.HasPrefix(m.Args[1], "-") {
 			return fmt.Errorf("principal create: NAME must not start with -, which marks an option (got %q)", m.Args[1])
@@ -212,11 +212,16 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		return fmt.Errorf("unknown command %q\n\n%s", m.Command, usage)
 	}
 	c := defaultConfig()
-	c.DatabaseURL = getenv("DATABASE_URL")
+	// Blank is unset, as for every other variable: the private cluster under IDEM_DATA_DIR.
+	c.DatabaseURL = strings.TrimSpace(getenv("DATABASE_URL"))
 	p := envParser{getenv: getenv}
-	if v := getenv("LISTEN_ADDR"); v != "" {
-		if _, _, err := net.SplitHostPort(v); err != nil {
+	if v := strings.TrimSpace(getenv("LISTEN_ADDR")); v != "" {
+		// The port is checked here with the rest (a number from 0 to 65535, or a service
+		// name the system knows), not first by net.Listen after the database was opened.
+		if _, port, err := net.SplitHostPort(v); err != nil {
 			p.fail("LISTEN_ADDR", v, "want host:port, for example 127.0.0.1:8080")
+		} else if _, err := net.LookupPort("tcp", port); err != nil {
+			p.fail("LISTEN_ADDR", v, "want a port from 0 to 65535, for example 127.0.0.1:8080")
 		}
 		c.ListenAddr = v
 	}
@@ -325,7 +330,7 @@ func (p *envParser) fail(name, value, want string) {
 }
 
 func (p *envParser) str(name string, dst *string) {
-	if v := p.getenv(name); v != "" {
+	if v := strings.TrimSpace(p.getenv(name)); v != "" {
 		*dst = v
 	}
 }

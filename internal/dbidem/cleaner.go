@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -66,6 +67,10 @@ type CleanerOptions struct {
 	Duty float64
 	// SkipVacuum turns the vacuum of the key table after a pass off.
 	SkipVacuum bool
+	// Wait makes every batch of a pass wait for the cleanup lock instead of skipping the
+	// pass (or stopping it there) when another process's batch holds it: a pass that must
+	// run to its end, such as a pass by hand.
+	Wait bool
 	// Logger receives the passes and their failures. Nil: slog.Default().
 	Logger *slog.Logger
 	// Observer receives the passes, for metrics. Nil: none.
@@ -100,6 +105,7 @@ type Cleaner struct {
 	batchSize int
 	duty      float64 // the share of the time its batches may take (1: no pause between them)
 	vacuum    bool
+	wait      bool // each batch waits for the cleanup lock (CleanerOptions.Wait)
 	log       *slog.Logger
 	observer  CleanerObserver
 
@@ -120,7 +126,7 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 		return nil, err
 	}
 	c := &Cleaner{db: db, interval: o.Interval, batchSize: o.BatchSize, duty: o.Duty, vacuum: !o.SkipVacuum,
-		log: o.Logger, observer: o.Observer}
+		wait: o.Wait, log: o.Logger, observer: o.Observer}
 	if c.interval == 0 {
 		c.interval = DefaultCleanupInterval
 	}
@@ -142,6 +148,9 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 // another process holds the lock.
 const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
 
+// batchWaitSQL is batchSQL that waits for the lock (CleanerOptions.Wait).
+const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact_lock($1) OFFSET 0) AS l`
+
 // workersSQL is, under the cleanup lock, one pass of idem_cleanup_workers: locked tells
 // whether this transaction took the lock (the pass runs only then), and the array is
 // {deleted, done (0 or 1)}, or NULL where the database has no workers to ask (plain
@@ -150,11 +159,16 @@ const workersSQL = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY[w.del
 	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w) END
 	  FROM (SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0) AS l`
 
+// workersWaitSQL is workersSQL that waits for the lock (CleanerOptions.Wait): locked is true.
+var workersWaitSQL = strings.Replace(workersSQL, "SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0",
+	"SELECT true AS locked FROM pg_advisory_xact_lock($4) OFFSET 0", 1)
+
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own
 // transaction: a pass whose first batch finds another process's batch running is skipped,
 // and a pass that finds one later stops there (the other process goes on), so one process
-// cleans at a time. The pass holds at most one connection, and only while a statement runs:
+// cleans at a time; with CleanerOptions.Wait each batch waits for the lock instead, and the
+// pass runs to its end. The pass holds at most one connection, and only while a statement runs:
 // with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
 // When ctx ends it stops and returns ctx's error.
 //
@@ -188,7 +202,11 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	for {
 		var n *int
 		began := time.Now()
-		if err := c.db.QueryRow(ctx, batchSQL, CleanupLock, batch).Scan(&n); err != nil {
+		sql := batchSQL
+		if c.wait {
+			sql = batchWaitSQL
+		}
+		if err := c.db.QueryRow(ctx, sql, CleanupLock, batch).Scan(&n); err != nil {
 			c.observer.PassEnded(failure(ctx), total, time.Since(start))
 			return total, true, classify(err)
 		}
@@ -219,7 +237,11 @@ func (c *Cleaner) workersPass(ctx context.Context, batch int) (total int, ran, w
 	for {
 		var locked bool
 		var r []int64
-		if err := c.db.QueryRow(ctx, workersSQL, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
+		sql := workersSQL
+		if c.wait {
+			sql = workersWaitSQL
+		}
+		if err := c.db.QueryRow(ctx, sql, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
 			CleanupLock).Scan(&locked, &r); err != nil {
 			return total, true, workers, err
 		}
