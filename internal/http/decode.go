@@ -51,7 +51,14 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		// Not canonicalized yet (a request without a key): the same text the fingerprint
 		// would hash. A body that is not strictly valid JSON is hashed as its bytes, and
 		// decoded as them (and refused, below).
-		if c, err := canon.Canonicalize(body); err == nil {
+		// Names that differ only in case, or U+0000, are refused whatever the target (a
+		// map would keep both): the rule a keyed request's body meets before its claim.
+		fp, c := canon.ComputeCanonical("", "", body)
+		if fp.Ambiguous != "" {
+			problemFor(r.Context(), w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous)
+			return false
+		}
+		if fp.JSON {
 			body = c
 			if s != nil && s.body != nil {
 				s.canonical = c

@@ -17,7 +17,10 @@ func parseKey(values []string) (key string, present, valid bool) {
 	if len(values) > 1 {
 		return "", true, false
 	}
-	v := strings.TrimSpace(values[0])
+	// Optional whitespace around a field value is space and tab (RFC 9110, OWS), nothing else:
+	// strings.TrimSpace would also take U+00A0, U+0085 and U+3000 off, which a server passes
+	// through as bytes, and name another key than the one sent.
+	v := strings.Trim(values[0], " \t")
 	if strings.HasPrefix(v, `"`) {
 		if len(v) < 2 || !strings.HasSuffix(v, `"`) {
 			return "", true, false
