@@ -3645,6 +3645,48 @@ COMMENT ON PROCEDURE idem.idem_new_installation_secret(interval) IS
     'Gives this database (a copy of another) a secret of its own for the provider keys of generations that start from now on; existing generations keep theirs. Run by the schema''s owner, outside a transaction block. See docs/operations.md.';
 
 
+-- The roles, and their use of the schema, on every install, not only by the migrations that
+-- first made them: an install for another application or operator role (IDEM_APP_ROLE changed
+-- after the first install, or two install paths with different roles) gives it everything the
+-- first one got. The earlier roles keep their grants.
+-- The role idem_app exists: created NOLOGIN when it does not (roles belong to the cluster, so an
+-- existing one is reused), or the error says which step is missing.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_app') THEN
+        BEGIN
+            CREATE ROLE "idem_app" NOLOGIN;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE EXCEPTION 'idem: the role "idem_app" does not exist, and the installing role % may not create it', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Have a superuser run once: CREATE ROLE "idem_app" NOLOGIN; '
+                          || '(or ALTER ROLE ' || quote_ident(current_user) || ' CREATEROLE;), then install again. '
+                          || 'See docs/sql-api.md, "Installing without a superuser".';
+        END;
+    END IF;
+END
+$$;
+
+-- The role idem_operator exists: created NOLOGIN when it does not (roles belong to the cluster, so an
+-- existing one is reused), or the error says which step is missing.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
+        BEGIN
+            CREATE ROLE "idem_operator" NOLOGIN;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE EXCEPTION 'idem: the role "idem_operator" does not exist, and the installing role % may not create it', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Have a superuser run once: CREATE ROLE "idem_operator" NOLOGIN; '
+                          || '(or ALTER ROLE ' || quote_ident(current_user) || ' CREATEROLE;), then install again. '
+                          || 'See docs/sql-api.md, "Installing without a superuser".';
+        END;
+    END IF;
+END
+$$;
+
+GRANT USAGE ON SCHEMA idem TO "idem_app", "idem_operator";
+
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;

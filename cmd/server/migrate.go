@@ -69,11 +69,30 @@ func (m *Main) migrate(ctx context.Context) error {
 	if err := migrateLedger(ctx, conn.Conn(), mig); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
+	// The ledger's grants to the application role again, on every migrate: the migrations
+	// give them once, to the role of the migrate that ran them, and IDEM_APP_ROLE may name
+	// another since (D152). The earlier role keeps its grants.
+	if _, err := conn.Exec(ctx, ledgerGrants(m.Config.AppRole)); err != nil {
+		return fmt.Errorf("ledger migrate: grant to %s: %w", m.Config.AppRole, err)
+	}
 	if err := m.migrateRiver(ctx); err != nil {
 		return err
 	}
 	m.log.Info("migrated")
 	return nil
+}
+
+// ledgerGrants is what the ledger's migrations grant the application role, as one
+// idempotent script (TestMigrateGrantsAnotherAppRole compares a role given these with one
+// given the migrations).
+func ledgerGrants(role string) string {
+	r := pgx.Identifier{role}.Sanitize()
+	return `GRANT USAGE ON SCHEMA ledger, provider TO ` + r + `;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ledger.principals, ledger.api_tokens, ledger.accounts, ledger.deposits, ledger.transfers TO ` + r + `;
+GRANT SELECT, INSERT, UPDATE ON ledger.payouts, ledger.payout_reservations, provider.payouts TO ` + r + `;
+GRANT SELECT ON ledger.schema_version TO ` + r + `;
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA ledger TO ` + r + `;
+GRANT USAGE ON SEQUENCE provider.payout_ref_seq TO ` + r + `;`
 }
 
 // ledgerLockTimeout bounds each lock wait of a ledger migration, ledgerTries its runs.

@@ -6,6 +6,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"strconv"
 	"strings"
@@ -118,6 +119,88 @@ func TestStartCheckCatchesTheseToo(t *testing.T) {
 			t.Errorf("IDEM_DATA_DIR=%q gives the directory %q, want the default %q", tc.value, m.Config.DataDir, d.DataDir)
 		case tc.name == "LISTEN_ADDR" && m.Config.ListenAddr != "127.0.0.1:0":
 			t.Errorf("LISTEN_ADDR=%q gives %q", tc.value, m.Config.ListenAddr)
+		}
+	}
+}
+
+// TestMigrateGrantsAnotherAppRole (D152): IDEM_APP_ROLE is the role `migrate` grants the SQL
+// API and the ledger to. On a database migrated before under idem_app, a migrate with another
+// role gave it only the functions' EXECUTE (the install runs every time; the migrations that
+// grant the schemas and the ledger's tables ran once), so a server logging in as a member of
+// it could not start. Now it gets what idem_app has, privilege for privilege; a role that does
+// not exist yet is created, as on a first install.
+func TestMigrateGrantsAnotherAppRole(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmptyDB(t)
+	admin := pgtest.Connect(t, db)
+	migrate := func(role string) {
+		t.Helper()
+		m := NewMain(io.Discard, io.Discard)
+		env := map[string]string{}
+		if role != "" {
+			env["IDEM_APP_ROLE"] = role
+		}
+		if err := m.ParseFlags([]string{"migrate"}, serverEnv(db, env)); err != nil {
+			t.Fatal(err)
+		}
+		err := m.Run(context.Background())
+		_ = m.Close()
+		if err != nil {
+			t.Fatalf("migrate with IDEM_APP_ROLE=%q: %v", role, err)
+		}
+	}
+	migrate("")
+	for _, role := range []string{"review_app_b", "review_app_c"} {
+		t.Cleanup(func() {
+			c := pgtest.Connect(t, db)
+			_, _ = c.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE IF EXISTS `+role)
+		})
+	}
+	pgtest.Exec(t, admin, `DROP ROLE IF EXISTS review_app_c; DROP ROLE IF EXISTS review_app_b; CREATE ROLE review_app_b NOLOGIN`)
+	for _, role := range []string{"review_app_b", "review_app_c"} { // c does not exist before its migrate
+		migrate(role)
+		rows, err := admin.Query(context.Background(), `
+			SELECT what, mine, theirs FROM (
+			  SELECT c.oid::regclass::text || ' ' || p.priv AS what,
+			         CASE WHEN c.relkind = 'S' THEN has_sequence_privilege($1, c.oid, 'USAGE') ELSE has_table_privilege($1, c.oid, p.priv) END AS mine,
+			         CASE WHEN c.relkind = 'S' THEN has_sequence_privilege('idem_app', c.oid, 'USAGE') ELSE has_table_privilege('idem_app', c.oid, p.priv) END AS theirs
+			    FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+			   CROSS JOIN unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) AS p(priv)
+			   WHERE n.nspname IN ('idem', 'ledger', 'provider', 'river') AND c.relkind IN ('r', 'p', 'v', 'S')
+			  UNION ALL
+			  SELECT 'schema ' || n.nspname, has_schema_privilege($1, n.oid, 'USAGE'), has_schema_privilege('idem_app', n.oid, 'USAGE')
+			    FROM pg_namespace AS n WHERE n.nspname IN ('idem', 'ledger', 'provider', 'river')
+			  UNION ALL
+			  SELECT p.oid::regprocedure::text, has_function_privilege($1, p.oid, 'EXECUTE'), has_function_privilege('idem_app', p.oid, 'EXECUTE')
+			    FROM pg_proc AS p WHERE p.pronamespace = 'idem'::regnamespace) AS x
+			 WHERE mine IS DISTINCT FROM theirs`, role)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var diff []string
+		for rows.Next() {
+			var what string
+			var mine, theirs bool
+			if err := rows.Scan(&what, &mine, &theirs); err != nil {
+				t.Fatal(err)
+			}
+			diff = append(diff, fmt.Sprintf("%s: %v (idem_app %v)", what, mine, theirs))
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if len(diff) > 0 {
+			t.Fatalf("after migrate with IDEM_APP_ROLE=%s its privileges differ from idem_app's:\n%s", role, strings.Join(diff, "\n"))
+		}
+		var out bytes.Buffer
+		m := NewMain(&out, io.Discard)
+		if err := m.ParseFlags([]string{"principal", "create", "x"}, serverEnv(pgtest.LoginRole(t, db, role), nil)); err != nil {
+			t.Fatal(err)
+		}
+		err = m.Run(context.Background())
+		_ = m.Close()
+		if err != nil || !strings.HasPrefix(out.String(), "principal ") {
+			t.Fatalf("principal create as a member of %s: %v %q", role, err, out.String())
 		}
 	}
 }

@@ -119,6 +119,14 @@ COMMENT ON FUNCTION idem.provider_key_prefixes() IS
 {{ template "idem_stuck.sql" . }}
 {{ template "idem_new_installation_secret.sql" . }}
 
+-- The roles, and their use of the schema, on every install, not only by the migrations that
+-- first made them: an install for another application or operator role (IDEM_APP_ROLE changed
+-- after the first install, or two install paths with different roles) gives it everything the
+-- first one got. The earlier roles keep their grants.
+{{ template "include/ensure_role.sql" .app_role }}
+{{ template "include/ensure_role.sql" .operator_role }}
+GRANT USAGE ON SCHEMA idem TO "{{.app_role}}", "{{.operator_role}}";
+
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
