@@ -32,7 +32,6 @@ func TestCleanupCommandWaitsForTheLock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = holder.Rollback(ctx) }()
 	// docs/operations.md's statement that pauses every cleaner, with its decimal literal.
 	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock(29665259344325742)`); err != nil {
 		t.Fatal(err)
@@ -41,10 +40,13 @@ func TestCleanupCommandWaitsForTheLock(t *testing.T) {
 		t.Fatalf("idem.CleanupLock is %d, docs/operations.md says 29665259344325742", idem.CleanupLock)
 	}
 	const hold = 400 * time.Millisecond
+	released := make(chan struct{})
 	go func() {
+		defer close(released)
 		time.Sleep(hold)
 		_ = holder.Rollback(ctx)
 	}()
+	defer func() { <-released }()
 	var out bytes.Buffer
 	c := NewMain(&out, io.Discard)
 	if err := c.ParseFlags([]string{"cleanup"}, serverEnv(s.db, nil)); err != nil {

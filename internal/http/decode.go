@@ -51,10 +51,11 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		// Not canonicalized yet (a request without a key): the same text the fingerprint
 		// would hash. A body that is not strictly valid JSON is hashed as its bytes, and
 		// decoded as them (and refused, below).
-		// Names that differ only in case, or U+0000, are refused whatever the target (a
-		// map would keep both): the rule a keyed request's body meets before its claim.
+		// Names that differ only in case are refused whatever the target (a map would keep
+		// both), as a keyed request's body is before its claim. (U+0000 is the handler's to
+		// judge here: without a key nothing is stored.)
 		fp, c := canon.ComputeCanonical("", "", body)
-		if fp.Ambiguous != "" {
+		if fp.Ambiguous == canon.AmbiguousCase {
 			problemFor(r.Context(), w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous)
 			return false
 		}
