@@ -84,7 +84,8 @@ func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
 }
 
 // DecodeJSON reads the request's JSON body into v strictly (exact-case member names; unknown
-// and duplicate members, invalid UTF-8 and trailing data refused), decoding the canonical text
+// and duplicate members, names that differ only in case, invalid UTF-8 and trailing data
+// refused), decoding the canonical text
 // that was fingerprinted, so that two requests with one fingerprint mean the same thing. On
 // failure it writes 400 malformed_body or 415 unsupported_media_type (final answers, stored
 // for a keyed request) and returns false.

@@ -20,8 +20,9 @@ import (
 //     bodies that share a fingerprint decode alike: 1e2, 100.0 and 100 are all the number
 //     100, and "\u0041" is "A";
 //   - member names match struct fields by exact case (the field's json tag, or its name);
-//     an unknown member, a duplicate member, invalid UTF-8 and data after the value are 400
-//     malformed_body, as is any body that does not decode into v.
+//     an unknown member, a duplicate member, two names that differ only in case (whatever v
+//     is, a map included), invalid UTF-8 and data after the value are 400 malformed_body, as
+//     is any body that does not decode into v.
 //
 // On a declared route it decodes the very bytes the middleware read and fingerprinted. On
 // failure it writes the problem and returns false; both statuses are final (stored for a
