@@ -144,14 +144,27 @@ func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, [
 // Canonicalize returns the canonical form of a strictly valid JSON text (see the package
 // comment), or an error that says why the text is not one.
 func Canonicalize(data []byte) ([]byte, error) {
+	c, _, err := CanonicalizeAmbiguous(data)
+	return c, err
+}
+
+// CanonicalizeAmbiguous is Canonicalize, and also says why the text must still be refused,
+// as Fingerprint.Ambiguous does (AmbiguousNUL, AmbiguousCase), or "".
+func CanonicalizeAmbiguous(data []byte) (canonical []byte, ambiguous string, err error) {
 	t, err := parse(data)
 	if err != nil {
-		return nil, err
+		return nil, "", err
+	}
+	switch {
+	case t.nul:
+		ambiguous = AmbiguousNUL
+	case t.caseDup:
+		ambiguous = AmbiguousCase
 	}
 	var out bytes.Buffer
 	out.Grow(len(data))
 	write(&out, t, 0)
-	return out.Bytes(), nil
+	return out.Bytes(), ambiguous, nil
 }
 
 // ErrNotCanonical wraps every reason a text is not canonicalized.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -155,13 +154,15 @@ const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact
 // whether this transaction took the lock (the pass runs only then), and the array is
 // {deleted, done (0 or 1)}, or NULL where the database has no workers to ask (plain
 // PostgreSQL, a Citus worker) or the lock was not taken.
-const workersSQL = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY[w.deleted, w.done::integer]
+var workersSQL = fmt.Sprintf(workersSQLFormat, "SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0")
+
+// workersSQLFormat is workersSQL with its lock left to fill in.
+const workersSQLFormat = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY[w.deleted, w.done::integer]
 	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w) END
-	  FROM (SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0) AS l`
+	  FROM (%s) AS l`
 
 // workersWaitSQL is workersSQL that waits for the lock (CleanerOptions.Wait): locked is true.
-var workersWaitSQL = strings.Replace(workersSQL, "SELECT pg_try_advisory_xact_lock($4) AS locked OFFSET 0",
-	"SELECT true AS locked FROM pg_advisory_xact_lock($4) OFFSET 0", 1)
+var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT true AS locked FROM pg_advisory_xact_lock($4) OFFSET 0")
 
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own

@@ -160,24 +160,24 @@ func (t *Tx) commit(ctx context.Context) error {
 		return uncompletedCommitError(commitError(t.tx.Commit(ctx)), t.attempt != 0 && t.claim.Lease == 0)
 	}
 	b := &pgx.Batch{}
-	if t.final && t.tx.Conn().PgConn().TxStatus() == 'E' {
-		// A statement of the work failed (a unique violation answered 409, say) and the
-		// transaction is aborted until the rollback to the claim's savepoint. In pgx's
-		// default mode the batch below prepares its statements first, before any of them
-		// runs: a statement this connection has not prepared yet would be prepared inside the
-		// aborted transaction and refused (25P02). So the rollback goes first, on its own.
-		if _, err := t.tx.Exec(ctx, rollbackToClaimSQL); err != nil {
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && !fatal(pgErr) {
-				t.rollback(ctx)
-				return classify(err)
-			}
-			return commitError(err)
-		}
-	} else if t.final {
-		b.Queue(rollbackToClaimSQL)
-	}
 	if t.final {
+		if t.tx.Conn().PgConn().TxStatus() == 'E' {
+			// A statement of the work failed (a unique violation answered 409, say): the
+			// transaction is aborted until the rollback to the claim's savepoint. In pgx's
+			// default mode a batch prepares its new statements before it runs any, and a
+			// preparation inside the aborted transaction is refused (25P02). So the rollback
+			// goes first, on its own round trip, on this path only.
+			if _, err := t.tx.Exec(ctx, rollbackToClaimSQL); err != nil {
+				var pgErr *pgconn.PgError
+				if errors.As(err, &pgErr) && !fatal(pgErr) {
+					t.rollback(ctx)
+					return classify(err)
+				}
+				return commitError(err)
+			}
+		} else {
+			b.Queue(rollbackToClaimSQL)
+		}
 		b.Queue(saveFinalSQL, t.end...)
 	} else {
 		b.Queue(CompleteSQL, t.end...)

@@ -55,12 +55,12 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		// Names that differ only in case are refused whatever the target (a map would keep
 		// both), as a keyed request's body is before its claim. (U+0000 is the handler's to
 		// judge here: without a key nothing is stored.)
-		fp, c := canon.ComputeCanonical("", "", body)
-		if fp.Ambiguous == canon.AmbiguousCase {
-			problemFor(r.Context(), w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous)
+		c, ambiguous, err := canon.CanonicalizeAmbiguous(body)
+		if ambiguous == canon.AmbiguousCase {
+			problemFor(r.Context(), w, r, CodeMalformedBody, "the body is ambiguous: "+ambiguous)
 			return false
 		}
-		if fp.JSON {
+		if err == nil {
 			body = c
 			if s != nil && s.body != nil {
 				s.canonical = c
