@@ -12,7 +12,8 @@ type Fingerprint struct {
 	JSON bool
 	// Fields maps every top-level member name of a JSON object body to the hex SHA-256 of its
 	// canonical value (Claim.Fields): they let a mismatch name the changed fields. Nil when
-	// the body is not a JSON object or has more than 64 members.
+	// the body is not a JSON object, has more than 64 members, or its member names take more
+	// than 4,096 bytes together (the names are stored with the key).
 	Fields map[string]string
 	// Ambiguous is why a strictly valid JSON body must still be refused, or "": a string or
 	// member name holds U+0000, or two member names of one object differ only in case.

@@ -43,6 +43,13 @@ const MaxDepth = 128
 // of members would make every key row huge.
 const MaxFields = 64
 
+// MaxFieldNameBytes is the most bytes (UTF-8, after unescaping) that the top-level member
+// names of an object may take together for Compute to report per-field hashes. The names are
+// stored with the key, and they are the one part of a request that is: without this bound
+// a client could make a key's row as large as the request body with one long name. A larger
+// total gets no hashes, as for more than MaxFields members.
+const MaxFieldNameBytes = 4096
+
 // maxExponentDigits bounds the significant digits of a number's exponent (1e999999999999999
 // is canonicalized, a longer exponent is not), so positions fit in an int64.
 const maxExponentDigits = 15
@@ -56,8 +63,8 @@ type Fingerprint struct {
 	JSON bool
 	// Fields maps every top-level member name of a JSON object body to the hex SHA-256 of
 	// its canonical value: what idem_begin's p_request_fields takes to name the changed
-	// fields of a mismatch. Nil when the body is not a JSON object or has more than
-	// MaxFields members.
+	// fields of a mismatch. Nil when the body is not a JSON object, has more than
+	// MaxFields members, or its member names take more than MaxFieldNameBytes together.
 	Fields map[string]string
 	// Ambiguous is why a strictly valid JSON body must still be refused, or "": a string or
 	// member name holds U+0000 (PostgreSQL's jsonb and text cannot store it), or two member
@@ -119,11 +126,12 @@ func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, [
 			} else {
 				write(h, t, 0)
 			}
-			n := 0
-			for c := t.nodes[0].first(); t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields; c = t.nodes[c].next {
+			n, names := 0, 0
+			for c := t.nodes[0].first(); t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields && names <= MaxFieldNameBytes; c = t.nodes[c].next {
 				n++
+				names += len(t.bytes(t.nodes[c].text))
 			}
-			if t.nodes[0].kind == '{' && n <= MaxFields {
+			if t.nodes[0].kind == '{' && n <= MaxFields && names <= MaxFieldNameBytes {
 				fp.Fields = make(map[string]string, n)
 				fh := sha256.New()
 				var sum [sha256.Size]byte

@@ -197,6 +197,15 @@ func TestFields(t *testing.T) {
 	if fp := Compute("POST", "/t", []byte(big.String())); !fp.JSON || fp.Fields != nil {
 		t.Errorf("an object of %d members: JSON %v, %d fields; want JSON and no fields", MaxFields+1, fp.JSON, len(fp.Fields))
 	}
+	// The member names together: at MaxFieldNameBytes the hashes are reported, one byte more
+	// and they are not (an escaped name counts its unescaped bytes).
+	long := strings.Repeat("n", MaxFieldNameBytes-2)
+	if fp := Compute("POST", "/t", []byte(`{"\u0061":1,"`+long+`b":2}`)); len(fp.Fields) != 2 {
+		t.Errorf("names of %d bytes together: %d fields; want 2", MaxFieldNameBytes, len(fp.Fields))
+	}
+	if fp := Compute("POST", "/t", []byte(`{"a":1,"`+long+`bc":2}`)); !fp.JSON || fp.Fields != nil {
+		t.Errorf("names of %d bytes together: JSON %v, %d fields; want JSON and no fields", MaxFieldNameBytes+1, fp.JSON, len(fp.Fields))
+	}
 	for _, body := range []string{`[1]`, `1`, `"s"`, `not json`, ``} {
 		if fp := Compute("POST", "/t", []byte(body)); fp.Fields != nil {
 			t.Errorf("%q has fields %v", body, fp.Fields)

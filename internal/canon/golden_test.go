@@ -28,9 +28,11 @@ func shapeDigest(s shape) string {
 
 // goldenShapes are the shape digests as the first canonicalizer (before the linear-time member
 // sort and case check) computed them: a change of the sort or of the case check must leave
-// every fingerprint of these adversarial bodies as it was.
+// every fingerprint of these adversarial bodies as it was. One digest changed on purpose since:
+// wide_long_prefix at 64 KiB has member names of more than MaxFieldNameBytes together, so it
+// reports no field hashes (D153); its Sum and JSON are as they were.
 var goldenShapes = map[string]string{
-	"wide_long_prefix":   "0ad79385c062aa27048bd097dd1728fe3d8e67ae2248d46905a60010b580a513",
+	"wide_long_prefix":   "5566c398a86d1316a845df8490d810bc2900b05b6c28510e22e2e407440a08c0",
 	"deep_arrays":        "f7326e5cb7f3d45ce9e662a8da3c7106db350705eb21c149cc23cfb2bafa6dfd",
 	"objects_256":        "76472ae925a149c429ee3100898ec6ff137d8d5094feebc6fbf1c7409d211212",
 	"numbers_long":       "8d48b5915a683db2bac9ddfa9b27fc3371d1b1af1a86493505424633179c4e0e",

@@ -377,6 +377,37 @@ func TestMismatch(t *testing.T) {
 	}
 }
 
+// TestMismatchWithLongMemberNames: member names of more than 4,096 bytes together are not
+// stored with the key (D153): the row holds no field hashes, and a mismatch cannot name the
+// changed fields.
+func TestMismatchWithLongMemberNames(t *testing.T) {
+	t.Parallel()
+	a := newApp(t, func(o *idemhttp.Options) { o.MaxBodyBytes = 16 << 10 })
+	long := strings.Repeat("n", 4096-len("amount")+1) // with "amount": 4,097 bytes of names
+	if r := a.do("POST", "/transfers", "alice", "k-long", `{"amount":1,"`+long+`":1}`); r.status != 201 {
+		t.Fatalf("long member name: %+v", r)
+	}
+	var stored *int
+	if err := a.pool.QueryRow(context.Background(), `SELECT octet_length(request_fields) FROM idem.idempotency_keys WHERE key = 'k-long'`).Scan(&stored); err != nil || stored != nil {
+		t.Fatalf("request_fields of the long names: %v bytes (%v), want NULL", stored, err)
+	}
+	r := a.do("POST", "/transfers", "alice", "k-long", `{"amount":2,"`+long+`":1}`)
+	if r.status != 422 || problemCode(t, r) != idemhttp.CodeKeyReuse || strings.Contains(r.body, "changed_fields") {
+		t.Fatalf("long member name, other body: %+v, want 422 without changed_fields", r)
+	}
+	// One byte fewer: the names are stored, and the mismatch names the field.
+	if r := a.do("POST", "/transfers", "alice", "k-short", `{"amount":1,"`+long[1:]+`":1}`); r.status != 201 {
+		t.Fatalf("member names of 4,096 bytes: %+v", r)
+	}
+	r = a.do("POST", "/transfers", "alice", "k-short", `{"amount":2,"`+long[1:]+`":1}`)
+	if r.status != 422 || !strings.Contains(r.body, `"changed_fields":["amount"]`) {
+		t.Fatalf("member names of 4,096 bytes, other body: %+v, want changed_fields [amount]", r)
+	}
+	if a.effects() != 2 {
+		t.Fatalf("%d effects, want 2", a.effects())
+	}
+}
+
 func TestConcurrentRepeatWaitsThen409(t *testing.T) {
 	t.Parallel()
 	a := newApp(t, func(o *idemhttp.Options) { o.LockTimeout, o.DuplicateWait = 300*time.Millisecond, 300*time.Millisecond })
