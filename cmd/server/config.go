@@ -166,7 +166,7 @@ environment (docs/operations.md):
   RECEIPT_RESCUE_AFTER            how long a receipt job may run before River's rescuer retries it (1h)
   PAYOUT_STEP_PAUSE               a pause after each step of POST /v1/stepped-payouts, for fault tests (0)
   TRANSFERS_REQUIRE_KEY           whether POST /v1/transfers needs a key; false only for benchmarks (true)
-  LOG_LEVEL                       debug, info, warn or error (info)`
+  LOG_LEVEL                       debug, info, warn or error, any case (info)`
 
 var roleName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 
@@ -290,8 +290,11 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		p.duration("PAYOUT_STEP_PAUSE", &c.PayoutStepPause, time.Millisecond)
 	}
 	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
-	if v := getenv("LOG_LEVEL"); v != "" {
-		if err := c.LogLevel.UnmarshalText([]byte(v)); err != nil {
+	if v := strings.TrimSpace(getenv("LOG_LEVEL")); v != "" {
+		switch strings.ToLower(v) {
+		case "debug", "info", "warn", "error":
+			_ = c.LogLevel.UnmarshalText([]byte(v))
+		default: // slog would also take "info+2" and "warning"; the docs name these four
 			p.fail("LOG_LEVEL", v, "want debug, info, warn or error")
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"strconv"
 	"strings"
 	"testing"
@@ -85,12 +86,15 @@ func TestPrincipalNameCountsCharacters(t *testing.T) {
 // variable, before the database is opened. A LISTEN_ADDR whose port cannot exist was found
 // only by net.Listen, after the private cluster was created and migrated; a blank
 // DATABASE_URL was taken as set (pgx's defaults, not the private cluster) and a blank
-// IDEM_DATA_DIR named a directory of spaces.
+// IDEM_DATA_DIR named a directory of spaces. LOG_LEVEL takes the four documented names, in any
+// case and with spaces around them, and nothing else.
 func TestStartCheckCatchesTheseToo(t *testing.T) {
 	for _, tc := range []struct{ name, value, want string }{
 		{"LISTEN_ADDR", "127.0.0.1:99999", "LISTEN_ADDR"},
 		{"LISTEN_ADDR", "127.0.0.1:http-alt-nope", "LISTEN_ADDR"},
 		{"LISTEN_ADDR", "127.0.0.1:-1", "LISTEN_ADDR"},
+		{"LOG_LEVEL", "info+2", "LOG_LEVEL"}, // slog's offsets: not one of the documented four
+		{"LOG_LEVEL", "warning", "LOG_LEVEL"},
 	} {
 		m := NewMain(io.Discard, io.Discard)
 		err := m.ParseFlags(nil, func(k string) string {
@@ -103,7 +107,7 @@ func TestStartCheckCatchesTheseToo(t *testing.T) {
 			t.Errorf("%s=%q: %v, want an error naming %s", tc.name, tc.value, err, tc.want)
 		}
 	}
-	for _, tc := range []struct{ name, value string }{{"DATABASE_URL", "   "}, {"IDEM_DATA_DIR", " \t "}, {"LISTEN_ADDR", " 127.0.0.1:0 "}} {
+	for _, tc := range []struct{ name, value string }{{"DATABASE_URL", "   "}, {"IDEM_DATA_DIR", " \t "}, {"LISTEN_ADDR", " 127.0.0.1:0 "}, {"LOG_LEVEL", " Warn "}} {
 		m := NewMain(io.Discard, io.Discard)
 		if err := m.ParseFlags(nil, func(k string) string {
 			if k == tc.name {
@@ -121,6 +125,8 @@ func TestStartCheckCatchesTheseToo(t *testing.T) {
 			t.Errorf("IDEM_DATA_DIR=%q gives the directory %q, want the default %q", tc.value, m.Config.DataDir, d.DataDir)
 		case tc.name == "LISTEN_ADDR" && m.Config.ListenAddr != "127.0.0.1:0":
 			t.Errorf("LISTEN_ADDR=%q gives %q", tc.value, m.Config.ListenAddr)
+		case tc.name == "LOG_LEVEL" && m.Config.LogLevel != slog.LevelWarn:
+			t.Errorf("LOG_LEVEL=%q gives %v", tc.value, m.Config.LogLevel)
 		}
 	}
 }
