@@ -9,11 +9,13 @@
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured) ends the operation:
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
-// certificate, TLS to a plain server), and a request that net/http would refuse to send (a URL
-// that is not http or https or has no host, a port out of range, a method or header name that
-// is not a token, a control character in a header value or the key, two key headers), which
-// Do refuses before sending anything. The context bounds the whole operation: give it a
-// deadline.
+// certificate, TLS to a plain server, a redirect that the HTTP client's CheckRedirect refuses,
+// ten of them in a row by default: the server answered), and a request that net/http would
+// refuse to send (a URL that is not http or https or has no host, a port out of range, a method
+// or header or trailer name that is not a token, a control character in a header or trailer
+// value or the key, a RequestURI: a server's request handed on as it came; two key headers),
+// which Do refuses before sending anything. A nil Header is sent as an empty one. The context
+// bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/orders", strings.NewReader(`{"sku":"a1"}`))
@@ -76,13 +78,16 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 
 // Do sends req as one logical operation under key, and retries it until its answer is final,
 // the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
-// Every attempt carries the same key and the same body: req's body is read once (or taken from
-// req.GetBody) and sent again as it was; a body without GetBody is left readable again (Do sets
-// req.Body and req.GetBody to the bytes it read), so req can be given to a later Do under
-// Result.Key. An empty key means the key req already carries in the key header (under any
-// spelling of its name; one value, two are refused), or else a new one (NewKey) for this operation; Result.Key tells which. ctx, not
-// req's context, bounds the operation; a ctx that has ended already sends nothing (Attempts 0).
-// The response body is read whole into Result.Body.
+// Every attempt carries the same key and the same body: req's body is read once (from
+// req.GetBody when it is set, which wins over req.Body, as on net/http's retries; req.Body is
+// then closed unread) and sent again as it was; a body without GetBody is left readable again
+// (Do sets req.Body and req.GetBody to the bytes it read), so req can be given to a later Do
+// under Result.Key. An empty key means the key req already carries in the key header (under
+// any spelling of its name; one value, two are refused), or else a new one (NewKey) for this
+// operation; a key given here replaces every key header req carries. Result.Key tells which.
+// ctx, not req's context, bounds the operation, the body's reading included; a ctx that has
+// ended already sends nothing (Attempts 0). A request refused before sending has its body
+// closed, as net/http does. The response body is read whole into Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	r, err := (*client.Client)(c).Do(ctx, req, key)
 	return Result(r), err

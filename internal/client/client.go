@@ -8,8 +8,9 @@
 // Retry-After, in seconds or as a date, up to a minute), at most MaxAttempts times (10 by
 // default). A final answer (any other 4xx, 501, 505, 500 idempotency_misconfigured, or a
 // 2xx) ends the operation: retrying it would get the same answer; so does an error no retry
-// can mend (a request net/http refuses to send, a certificate the client does not trust). The
-// context bounds the whole operation, retries included: give it a deadline.
+// can mend (a request net/http refuses to send, a certificate the client does not trust, a
+// redirect CheckRedirect refuses). The context bounds the whole operation, the reading of
+// the request's body and the retries included: give it a deadline.
 //
 //	req, _ := http.NewRequest("POST", "https://api.example.com/v1/charges", strings.NewReader(`{"amount":100}`))
 //	req.Header.Set("Content-Type", "application/json")
@@ -99,8 +100,8 @@ func (r Result) Code() string {
 var ErrGaveUp = errors.New("idemclient: gave up")
 
 // DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
-// default backoff (50ms doubling to 2s) about 10 seconds of waiting, longer when the server
-// asks for it with Retry-After.
+// default backoff (50ms doubling to 2s, each wait between half of it and all of it) about 7
+// seconds of waiting, at most 9.15, longer when the server asks for it with Retry-After.
 const DefaultMaxAttempts = 10
 
 // The state of NewKey: the millisecond of the last key and its counter, so that keys made by
@@ -157,22 +158,26 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		key = NewKey()
 	}
 	if err := c.checkRequest(req, key); err != nil {
+		closeBody(req)
 		return Result{Key: key}, err
+	}
+	if err := ctx.Err(); err != nil {
+		closeBody(req)
+		return Result{Key: key}, err // nothing was sent, nothing was read
 	}
 	var payload []byte
 	if req.Body != nil && req.Body != http.NoBody {
 		body := req.Body
 		if req.GetBody != nil {
+			req.Body.Close() // what is sent comes from GetBody; net/http closes the body too
 			var err error
 			if body, err = req.GetBody(); err != nil {
 				return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
 			}
 		}
 		var err error
-		payload, err = io.ReadAll(body)
-		body.Close()
-		if err != nil {
-			return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
+		if payload, err = readBody(ctx, body); err != nil {
+			return Result{Key: key}, err
 		}
 		if req.GetBody == nil {
 			// The body is read: req can be sent again (a later Do under Result.Key, when this
@@ -197,7 +202,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	for attempt := 1; ; attempt++ {
 		res.Attempts = attempt
 		r, err := c.once(ctx, req, key, payload)
-		wait := jitter(min(backoff<<min(attempt-1, 20), maxBackoff))
+		wait := jitter(doubled(backoff, attempt-1, maxBackoff))
 		switch {
 		case err == nil && !retryable(r):
 			r.Attempts, r.Key = attempt, key
@@ -236,6 +241,51 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	}
 }
 
+// doubled is backoff doubled n times, at most maxBackoff (no overflow, whatever the two are).
+func doubled(backoff time.Duration, n int, maxBackoff time.Duration) time.Duration {
+	d := backoff
+	for ; n > 0 && d < maxBackoff; n-- {
+		if d > maxBackoff/2 {
+			return maxBackoff
+		}
+		d *= 2
+	}
+	return min(d, maxBackoff)
+}
+
+// closeBody closes req's body, as net/http does with a request it will not send.
+func closeBody(req *http.Request) {
+	if req.Body != nil {
+		req.Body.Close()
+	}
+}
+
+// readBody reads body whole and closes it. The read stops when ctx ends: the body is closed
+// (which ends a read blocked on a pipe or on a server request's body) and ctx's error is
+// returned; the read's goroutine ends when the read does.
+func readBody(ctx context.Context, body io.ReadCloser) ([]byte, error) {
+	type read struct {
+		b   []byte
+		err error
+	}
+	done := make(chan read, 1)
+	go func() {
+		b, err := io.ReadAll(body)
+		done <- read{b, err}
+	}()
+	select {
+	case r := <-done:
+		body.Close()
+		if r.err != nil {
+			return nil, fmt.Errorf("idemclient: read body: %w", r.err)
+		}
+		return r.b, nil
+	case <-ctx.Done():
+		body.Close()
+		return nil, ctx.Err() // nothing was sent
+	}
+}
+
 func (c *Client) maxAttempts() int {
 	if c.MaxAttempts == 0 {
 		return DefaultMaxAttempts
@@ -245,16 +295,25 @@ func (c *Client) maxAttempts() int {
 
 // checkRequest refuses, before anything is sent, a request that net/http would refuse at every
 // attempt: a URL that is not http or https or has no host or a port out of range, a method
-// or header name that is not a token, a header value with a control character (a tab
-// aside); and a key that no header may carry. The outcome of such an operation is known:
-// nothing was sent.
+// or header or trailer name that is not a token, a header or trailer value with a control
+// character (a tab aside), a RequestURI (a server's request, handed on as it came); and a key
+// that no header may carry. The outcome of such an operation is known: nothing was sent. A
+// nil Header is taken as an empty one.
 func (c *Client) checkRequest(req *http.Request, key string) error {
 	if !httpsyntax.IsToken(c.keyHeader()) {
 		return fmt.Errorf("idemclient: Client.KeyHeader %q is not a header name", c.keyHeader())
 	}
-	for name := range req.Trailer {
+	if req.RequestURI != "" {
+		return errors.New("idemclient: the request's RequestURI is set (a server's request): clear it, as net/http sends no request that has one")
+	}
+	for name, values := range req.Trailer {
 		if !httpsyntax.IsToken(name) {
 			return fmt.Errorf("idemclient: the trailer name %q is not an HTTP token", name)
+		}
+		for _, v := range values {
+			if !httpsyntax.ValidFieldValue(v) {
+				return fmt.Errorf("idemclient: the value of trailer %s has a control character", name)
+			}
 		}
 	}
 	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
@@ -306,12 +365,21 @@ func (c *Client) keyHeader() string {
 	return c.KeyHeader
 }
 
+// redirectRefused is an error of the HTTP client's CheckRedirect (too many redirects, or a
+// redirect its policy refuses): the server answered, with a redirect not followed.
+type redirectRefused struct{ err error }
+
+func (e *redirectRefused) Error() string { return e.err.Error() }
+func (e *redirectRefused) Unwrap() error { return e.err }
+
 // permanent tells whether a transport error is one that every retry would meet again: a
-// certificate the client does not trust, or TLS spoken to a server that does not speak it
-// (which net/http reports as ErrSchemeMismatch). Network errors, timeouts and lost answers
-// are not: their outcome is unknown.
+// certificate the client does not trust, TLS spoken to a server that does not speak it
+// (which net/http reports as ErrSchemeMismatch), or a redirect that CheckRedirect refused (the
+// server answered it). Network errors, timeouts and lost answers are not: their outcome is
+// unknown.
 func permanent(err error) bool {
-	if errors.Is(err, http.ErrSchemeMismatch) {
+	var redirect *redirectRefused
+	if errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &redirect) {
 		return true
 	}
 	var verify *tls.CertificateVerificationError
@@ -330,6 +398,9 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		defer cancel()
 	}
 	req := orig.Clone(ctx)
+	if req.Header == nil {
+		req.Header = make(http.Header, 1)
+	}
 	req.Body, req.GetBody, req.ContentLength = http.NoBody, nil, 0
 	if payload != nil {
 		req.Body = io.NopCloser(bytes.NewReader(payload))
@@ -348,6 +419,9 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
+		if resp != nil { // net/http: only when CheckRedirect refused a redirect
+			return Result{}, &redirectRefused{err}
+		}
 		return Result{}, err
 	}
 	defer resp.Body.Close()
