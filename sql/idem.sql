@@ -1530,9 +1530,14 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)) THEN
+        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at <= v_now
+                                 OR (v_row.lease_expires_at IS NULL AND v_row.state <> 'p'))) THEN
             -- An expired key is absent, a released one free: claim it again, with a new
-            -- token, so that a holder of an older claim stays fenced off.
+            -- token, so that a holder of an older claim stays fenced off. A transactional
+            -- claim in progress (state 'p' without a lease) never expires: it can only be this
+            -- transaction's own (the commit guard keeps any other from being committed), and
+            -- it holds the key until its transaction ends, whatever its age; claiming it again
+            -- here, as a lease, would let the transaction commit without its answer.
             IF v_lock THEN
                 v_token := nextval('idem.token_seq');
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
@@ -1878,7 +1883,9 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
     -- uncommitted holder of the key (bounded by lock_timeout), then finds the committed row.
     -- Then the UPDATE stores the answer only where it may: this transaction's own claim of the
     -- same request (an uncompleted transactional claim that it sees can only be its own: the
-    -- commit guard keeps any other from being committed), or a released or expired row. Not
+    -- commit guard keeps any other from being committed), or a released or expired row (never
+    -- this transaction's own claim of another request, however old: it holds the key until
+    -- its transaction ends). Not
     -- INSERT ... ON CONFLICT DO UPDATE ... WHERE: that locks the row it finds even when its
     -- WHERE refuses it, and another holder's lease then could not be extended or answered
     -- until this transaction ended. An UPDATE locks only a row that passes its WHERE (but for
@@ -1914,7 +1921,8 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
                generation = CASE WHEN k.uncompleted THEN k.generation END
          WHERE k.principal_id = p_principal AND k.key = p_key
            AND (k.state = 'r'
-                OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
+                OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+                    AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
         IF FOUND THEN
             RETURN true;
@@ -2408,7 +2416,9 @@ COMMENT ON FUNCTION idem.key_relations() IS
 
 -- cleanup_relations: delete at most p_batch_size expired rows from these relations, each
 -- relation oldest expires_at first, skipping rows that other transactions hold, and return how
--- many. A relation that gives fewer rows than asked is drained; the next one is asked for the
+-- many. A transactional claim in progress is never expired: only its own transaction sees it
+-- (uncompleted), and a cleanup called in that transaction must not delete it, or the
+-- transaction would commit its work without its key. A relation that gives fewer rows than asked is drained; the next one is asked for the
 -- rest. Internal (not granted): it accepts only tables in schema idem.
 --
 -- A batch reads the oldest expired rows from the expires_at index and deletes those, by ctid,
@@ -2463,6 +2473,7 @@ IF v_problem IS NOT NULL THEN
              WHERE k.ctid = ANY (ARRAY(
                     SELECT c.ctid FROM %1$s AS c
                      WHERE c.expires_at <= $1 AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= $1)
+                       AND c.uncompleted IS NULL
                      ORDER BY c.expires_at
                      LIMIT $2
                        FOR UPDATE SKIP LOCKED))
@@ -3377,7 +3388,7 @@ COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
 -- once and runs the work again, in the same generation: with the same provider key, so a
 -- provider that saw the stuck attempt's call does not act twice (idem_yield's rule; the key is
 -- not freed for another request). Fenced by the token the operator read (idem_key): a claim
--- taken over since, completed, released or absent raises 55000 and changes nothing. A LOG
+-- taken over since, completed, released, expired or absent raises 55000 and changes nothing. A LOG
 -- message (the server's log) and a NOTICE (the session) say who released what. Not granted to the application role: it must not end what another
 -- process holds.
 CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
@@ -3397,6 +3408,7 @@ DECLARE
     v_problem text;
     v_state   "char";
     v_attempt bigint;
+    v_expired boolean;
     v_now     timestamptz;
     v_token   bigint;
 BEGIN
@@ -3428,12 +3440,15 @@ IF v_problem IS NOT NULL THEN
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
-        SELECT k.state, k.attempt INTO v_state, v_attempt
+        SELECT k.state, k.attempt, k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+          INTO v_state, v_attempt, v_expired
           FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
+                 WHEN v_expired THEN 'the key expired: it is absent, and the next request claims it anew'
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
                  WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)

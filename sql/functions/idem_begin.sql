@@ -164,9 +164,14 @@ BEGIN
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)) THEN
+        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at <= v_now
+                                 OR (v_row.lease_expires_at IS NULL AND v_row.state <> 'p'))) THEN
             -- An expired key is absent, a released one free: claim it again, with a new
-            -- token, so that a holder of an older claim stays fenced off.
+            -- token, so that a holder of an older claim stays fenced off. A transactional
+            -- claim in progress (state 'p' without a lease) never expires: it can only be this
+            -- transaction's own (the commit guard keeps any other from being committed), and
+            -- it holds the key until its transaction ends, whatever its age; claiming it again
+            -- here, as a lease, would let the transaction commit without its answer.
             IF v_lock THEN
                 v_token := nextval('idem.token_seq');
 {{ template "include/fields_blob_lazy.sql" . }}

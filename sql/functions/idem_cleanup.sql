@@ -44,7 +44,9 @@ COMMENT ON FUNCTION idem.key_relations() IS
 
 -- cleanup_relations: delete at most p_batch_size expired rows from these relations, each
 -- relation oldest expires_at first, skipping rows that other transactions hold, and return how
--- many. A relation that gives fewer rows than asked is drained; the next one is asked for the
+-- many. A transactional claim in progress is never expired: only its own transaction sees it
+-- (uncompleted), and a cleanup called in that transaction must not delete it, or the
+-- transaction would commit its work without its key. A relation that gives fewer rows than asked is drained; the next one is asked for the
 -- rest. Internal (not granted): it accepts only tables in schema idem.
 --
 -- A batch reads the oldest expired rows from the expires_at index and deletes those, by ctid,
@@ -91,6 +93,7 @@ BEGIN
              WHERE k.ctid = ANY (ARRAY(
                     SELECT c.ctid FROM %1$s AS c
                      WHERE c.expires_at <= $1 AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= $1)
+                       AND c.uncompleted IS NULL
                      ORDER BY c.expires_at
                      LIMIT $2
                        FOR UPDATE SKIP LOCKED))

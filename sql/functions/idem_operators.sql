@@ -275,7 +275,7 @@ COMMENT ON FUNCTION idem.idem_key_body(text, text) IS
 -- once and runs the work again, in the same generation: with the same provider key, so a
 -- provider that saw the stuck attempt's call does not act twice (idem_yield's rule; the key is
 -- not freed for another request). Fenced by the token the operator read (idem_key): a claim
--- taken over since, completed, released or absent raises 55000 and changes nothing. A LOG
+-- taken over since, completed, released, expired or absent raises 55000 and changes nothing. A LOG
 -- message (the server's log) and a NOTICE (the session) say who released what. Not granted to the application role: it must not end what another
 -- process holds.
 CREATE OR REPLACE FUNCTION idem.idem_release_stuck(
@@ -290,6 +290,7 @@ DECLARE
     v_problem text;
     v_state   "char";
     v_attempt bigint;
+    v_expired boolean;
     v_now     timestamptz;
     v_token   bigint;
 BEGIN
@@ -309,12 +310,15 @@ BEGIN
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
      WHERE k.principal_id = p_principal AND k.key = p_key
-       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL;
+       AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
+       AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
-        SELECT k.state, k.attempt INTO v_state, v_attempt
+        SELECT k.state, k.attempt, k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+          INTO v_state, v_attempt, v_expired
           FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
+                 WHEN v_expired THEN 'the key expired: it is absent, and the next request claims it anew'
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
                  WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)

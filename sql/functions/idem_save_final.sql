@@ -54,7 +54,9 @@ BEGIN
     -- uncommitted holder of the key (bounded by lock_timeout), then finds the committed row.
     -- Then the UPDATE stores the answer only where it may: this transaction's own claim of the
     -- same request (an uncompleted transactional claim that it sees can only be its own: the
-    -- commit guard keeps any other from being committed), or a released or expired row. Not
+    -- commit guard keeps any other from being committed), or a released or expired row (never
+    -- this transaction's own claim of another request, however old: it holds the key until
+    -- its transaction ends). Not
     -- INSERT ... ON CONFLICT DO UPDATE ... WHERE: that locks the row it finds even when its
     -- WHERE refuses it, and another holder's lease then could not be extended or answered
     -- until this transaction ended. An UPDATE locks only a row that passes its WHERE (but for
@@ -90,7 +92,8 @@ BEGIN
                generation = CASE WHEN k.uncompleted THEN k.generation END
          WHERE k.principal_id = p_principal AND k.key = p_key
            AND (k.state = 'r'
-                OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now))
+                OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+                    AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
         IF FOUND THEN
             RETURN true;
