@@ -39,10 +39,32 @@ func appAndAdmin(t *testing.T) (app *pgx.Conn, admin *pgx.Conn, url string) {
 	return app, admin, url
 }
 
-// TestCleanupInAClaimsOwnTransactionKeepsTheClaim: docs/sql-api.md says "A
-// transactional claim (p_lease NULL) cannot be committed without its completion: the database
-// refuses the COMMIT", and docs/sql-api.md ("How long a key lives") that "while the work runs
-// the key is held whatever its age (a transactional claim until its transaction ends ...)".
+// claimPastItsTTL begins a transaction on app, claims alice's key k1 in it with a TTL of 10 ms
+// (transactional), and lets the TTL pass: the work takes longer than the TTL, as in
+// docs/sql-api.md's example (a TTL of one second and work of 1.2 seconds). It returns the
+// transaction, rolled back at the test's end, and the claim's token.
+func claimPastItsTTL(t *testing.T, app *pgx.Conn) (pgx.Tx, int64) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := app.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	var outcome string
+	var token int64
+	if err := tx.QueryRow(ctx, `SELECT outcome, attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
+		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_ttl => '10 milliseconds')`).Scan(&outcome, &token); err != nil || outcome != "claimed" {
+		t.Fatalf("claim: %q %v", outcome, err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	return tx, token
+}
+
+// TestCleanupInAClaimsOwnTransactionKeepsTheClaim: a transactional claim cannot be committed
+// without its completion (the database refuses the COMMIT), and docs/sql-api.md ("How long a
+// key lives"): "while the work runs the key is held whatever its age (a transactional claim
+// until its transaction ends ...)".
 // idem_cleanup called in the claim's own transaction, once the claim's TTL had run out,
 // deleted the claim's own uncompleted row (SKIP LOCKED skips only rows that *others* hold):
 // the commit guard then had no row to check, the COMMIT succeeded with the effect and no key,
@@ -51,22 +73,10 @@ func TestCleanupInAClaimsOwnTransactionKeepsTheClaim(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	app, _, _ := appAndAdmin(t)
-	tx, err := app.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	var outcome string
-	if err := tx.QueryRow(ctx, `SELECT outcome FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
-		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_ttl => '10 milliseconds')`).Scan(&outcome); err != nil || outcome != "claimed" {
-		t.Fatalf("claim: %q %v", outcome, err)
-	}
-	// ... the work takes a little longer than the TTL (docs: "p_ttl of one second and work of
-	// 1.2 seconds") ...
-	time.Sleep(50 * time.Millisecond)
+	tx, _ := claimPastItsTTL(t, app)
 	var deleted int
-	if err := tx.QueryRow(ctx, `SELECT idem.idem_cleanup()`).Scan(&deleted); err != nil {
-		t.Fatal(err)
+	if err := tx.QueryRow(ctx, `SELECT idem.idem_cleanup()`).Scan(&deleted); err != nil || deleted != 0 {
+		t.Errorf("idem_cleanup in the claim's own transaction: %d deleted, %v; want 0", deleted, err)
 	}
 	commitErr := tx.Commit(ctx)
 	if sqlCode(commitErr) != "23503" {
@@ -98,18 +108,8 @@ func TestSecondBeginInAClaimsOwnTransactionAfterItsTTL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	app, _, _ := appAndAdmin(t)
-	tx, err := app.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	tx, first := claimPastItsTTL(t, app)
 	var outcome string
-	var first int64
-	if err := tx.QueryRow(ctx, `SELECT outcome, attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
-		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_ttl => '10 milliseconds')`).Scan(&outcome, &first); err != nil || outcome != "claimed" {
-		t.Fatalf("claim: %q %v", outcome, err)
-	}
-	time.Sleep(50 * time.Millisecond)
 	var second int64
 	if err := tx.QueryRow(ctx, `SELECT outcome, attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
 		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_lease => '1 hour')`).Scan(&outcome, &second); err != nil {
@@ -484,17 +484,7 @@ func TestSaveFinalOfAnotherRequestInAClaimsOwnTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	app, _, _ := appAndAdmin(t)
-	tx, err := app.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	var outcome string
-	if err := tx.QueryRow(ctx, `SELECT outcome FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
-		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_ttl => '10 milliseconds')`).Scan(&outcome); err != nil || outcome != "claimed" {
-		t.Fatalf("claim: %q %v", outcome, err)
-	}
-	time.Sleep(50 * time.Millisecond)
+	tx, _ := claimPastItsTTL(t, app)
 	var stored bool
 	if err := tx.QueryRow(ctx, `SELECT idem.idem_save_final('alice', 'k1', 'POST /v1/transfers', sha256('other'), NULL, 409, '{}', 'no')`).Scan(&stored); err != nil || stored {
 		t.Errorf("idem_save_final of another request in the claim's own transaction: %v %v, want false", stored, err)
