@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -133,7 +134,10 @@ type Options struct {
 type Route struct {
 	// Action names what the route does, for example "POST /v1/transfers": a different
 	// action under the same key is a mismatch (422). Default "": the method and the route
-	// template (Options.RouteTemplate). At most 1000 characters.
+	// template (Options.RouteTemplate), a method outside RFC 9110's nine (GET, HEAD, POST,
+	// PUT, PATCH, DELETE, CONNECT, OPTIONS, TRACE) named OTHER, bytes that are not UTF-8
+	// replaced by U+FFFD, cut to 1000 characters. At most 1000 characters. The action is a
+	// metric label (idemprom): with the URL path as the template, every path is one.
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing, when
 	// Options.Principal names a principal for it: a request without one (anonymous, or
@@ -201,7 +205,11 @@ func (o Options) internal() idemhttp.Options {
 		ProblemBase: o.ProblemBase, MaxAttempts: o.MaxAttempts, Logger: o.Logger, TracerProvider: o.TracerProvider,
 		WorkTimeout: o.WorkTimeout, DuplicateWait: o.DuplicateWait}
 	if o.Metrics != nil {
-		io.Metrics = observer{o.Metrics}
+		log := o.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		io.Metrics = observer{o: o.Metrics, log: log, once: new(sync.Once)}
 	}
 	return io
 }

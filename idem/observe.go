@@ -3,6 +3,10 @@ package idem
 // Problems, and what an Observer sees of keyed requests.
 
 import (
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"sync"
 	"time"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
@@ -78,7 +82,8 @@ const (
 // Observer receives the events of keyed requests, for metrics (package idemprom adapts it to
 // Prometheus). Implementations must be safe for concurrent use and must not block: the
 // middleware calls them on the request's path, though never while it holds a transaction,
-// a row lock or a connection.
+// a row lock or a connection. A panic of theirs is recovered (the first logged at error
+// level), and the event is lost.
 type Observer interface {
 	// Count counts one state of a keyed request of this action (a request may count
 	// StateAcquired and then StateOversize).
@@ -88,20 +93,52 @@ type Observer interface {
 	// LeaseExtended counts one extension of a lease route's lease (the heartbeat).
 	LeaseExtended(action string)
 	// LeaseEnded is called once the work of a lease route has ended and its answer is
-	// recorded (or not): lost tells whether the lease was lost, worked is how long the
-	// handler and the recording took. A failure to record or release the answer is logged at
-	// error level, not counted as a state.
+	// recorded (or not), or when the lease ran out before the work could start (lost, and the
+	// request counted busy too): lost tells whether the lease was lost, worked is how long the
+	// handler and the recording took. An answer that could not be recorded (503
+	// outcome_unknown) is counted store_error, on top of acquired; a lease that could not be
+	// given up after a failed handler is logged at error level only (the client got the
+	// handler's answer).
 	LeaseEnded(action string, lost bool, worked time.Duration)
 }
 
-// observer adapts an Observer to the implementation's.
-type observer struct{ o Observer }
+// observer adapts an Observer to the implementation's. A panic of the Observer is recovered
+// (the first one logged at error level, with its stack): an Observer is called from the
+// request's path and from a lease's heartbeat, where a panic would cut a client's answer or
+// end the process.
+type observer struct {
+	o    Observer
+	log  *slog.Logger
+	once *sync.Once
+}
 
-func (a observer) Count(action string, s idemhttp.State)  { a.o.Count(action, State(s)) }
-func (a observer) Done(s idemhttp.State, d time.Duration) { a.o.Done(State(s), d) }
-func (a observer) LeaseExtended(action string)            { a.o.LeaseExtended(action) }
+func (a observer) Count(action string, s idemhttp.State) {
+	defer a.recovered("Count")
+	a.o.Count(action, State(s))
+}
+
+func (a observer) Done(s idemhttp.State, d time.Duration) {
+	defer a.recovered("Done")
+	a.o.Done(State(s), d)
+}
+
+func (a observer) LeaseExtended(action string) {
+	defer a.recovered("LeaseExtended")
+	a.o.LeaseExtended(action)
+}
+
 func (a observer) LeaseEnded(action string, lost bool, worked time.Duration) {
+	defer a.recovered("LeaseEnded")
 	a.o.LeaseEnded(action, lost, worked)
+}
+
+func (a observer) recovered(method string) {
+	if v := recover(); v != nil {
+		a.once.Do(func() {
+			a.log.Error("idem: the Observer panicked; its panics are recovered, and only this first one is logged",
+				"method", method, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		})
+	}
 }
 
 // State is what happened to a keyed request, as Observer counts it. The set of values is

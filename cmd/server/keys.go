@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -23,6 +24,11 @@ const healthEvery = 15 * time.Second
 // keysCommand is `server keys`: the summary of the keys, per principal, the lease claims in
 // progress (stuck ones among them), one key's story, or the release of a stuck lease claim,
 // for operators without psql at hand.
+//
+// What clients chose (a principal, a field name of a request's body, a resource id) is printed
+// as it is when it is plain (printable, no space or comma that could be read as a separator), and
+// quoted as a Go string otherwise: a name with a newline or a terminal's escape sequence cannot
+// add lines to the output or drive the operator's terminal.
 func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []string) error {
 	switch {
 	case len(args) == 0 || (len(args) == 1 && args[0] == "by-principal"):
@@ -37,8 +43,8 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		fmt.Fprintf(out, "%-24s %10s %12s %10s %9s %8s %15s  %s\n", "principal", "keys", "in_progress", "completed", "released",
 			"expired", "leases_run_out", "oldest_in_progress")
 		for _, s := range rows {
-			p := s.Principal
-			if p == "" {
+			p := printable(s.Principal)
+			if s.Principal == "" {
 				p = "(all)"
 			}
 			oldest := "-"
@@ -62,18 +68,26 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 				return fmt.Errorf("keys stuck: AGE must be a duration such as 5m, got %q", args[1])
 			}
 		}
-		claims, err := idem.ReadStuck(ctx, pool, age, 1000)
+		claims, err := idem.ReadStuck(ctx, pool, age, maxStuckListed+1)
 		if err != nil {
 			return err
+		}
+		cut := len(claims) > maxStuckListed
+		if cut {
+			claims = claims[:maxStuckListed]
 		}
 		fmt.Fprintf(out, "%-24s %-36s %12s  %-20s %-20s %-9s %s\n", "principal", "key", "token", "claimed_at", "lease_expires_at",
 			"run_out", "provider_key")
 		for _, c := range claims {
-			fmt.Fprintf(out, "%-24s %-36s %12d  %-20s %-20s %-9v %s\n", c.Principal, c.Key, c.Attempt,
+			fmt.Fprintf(out, "%-24s %-36s %12d  %-20s %-20s %-9v %s\n", printable(c.Principal), c.Key, c.Attempt,
 				c.ClaimedAt.UTC().Format(time.RFC3339), c.LeaseExpiresAt.UTC().Format(time.RFC3339), c.LeaseRunOut, c.ProviderKey)
 		}
-		fmt.Fprintf(out, "%d lease claims in progress claimed at least %s ago; release one whose work is dead with "+
-			"`server keys release PRINCIPAL KEY TOKEN REASON`\n", len(claims), age)
+		n := strconv.Itoa(len(claims))
+		if cut {
+			n = fmt.Sprintf("more than %d (the oldest %[1]d listed; a longer AGE lists fewer)", maxStuckListed)
+		}
+		fmt.Fprintf(out, "%s lease claims in progress claimed at least %s ago; release one whose work is dead with "+
+			"`server keys release PRINCIPAL KEY TOKEN REASON`\n", n, age)
 		return nil
 	case len(args) == 2:
 		k, ok, err := idem.ReadKey(ctx, pool, args[0], args[1])
@@ -98,7 +112,11 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		line("lease_expires_at", when(k.LeaseExpiresAt))
 		line("attempt", k.Attempt)
 		line("action_hash", k.ActionHash)
-		line("field_names", strings.Join(k.FieldNames, ", "))
+		names := make([]string, len(k.FieldNames))
+		for i, n := range k.FieldNames {
+			names[i] = printable(n) // the client's member names: quoted when not plain
+		}
+		line("field_names", strings.Join(names, ", "))
 		orNone := func(v any, ok bool) any {
 			if !ok {
 				return "-"
@@ -112,7 +130,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		line("response_status", orNone(k.Status, answered))
 		line("response_headers", orNone(string(headers), answered && k.Header != nil))
-		line("resource_id", orNone(k.ResourceID, k.ResourceID != ""))
+		line("resource_id", orNone(printable(k.ResourceID), k.ResourceID != ""))
 		line("withheld", orNone(k.Withheld, k.Withheld != ""))
 		line("body_bytes", orNone(k.BodyBytes, answered && k.Withheld == ""))
 		return nil
@@ -136,4 +154,18 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		return nil
 	}
 	return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys stuck [AGE]`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
+}
+
+// maxStuckListed is the most claims `keys stuck` lists; past it the count says so.
+const maxStuckListed = 1000
+
+// printable is v as it is when every character is a printable one other than a space, a comma
+// or a quote, else v quoted (strconv.Quote).
+func printable(v string) string {
+	for _, r := range v {
+		if !unicode.IsPrint(r) || r == ' ' || r == ',' || r == '"' || r == '\\' {
+			return strconv.Quote(v)
+		}
+	}
+	return v
 }

@@ -15,6 +15,7 @@ package idemprom
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -28,12 +29,45 @@ import (
 // {state}), and follows lease routes: idempotency_lease_extensions_total{action},
 // idempotency_leases_lost_total{action} and idempotency_lease_work_seconds{action}. It never
 // blocks.
+//
+// The action label takes at most MaxActions values: the routes' actions are a bounded set,
+// but a route whose action comes from the URL path (a router whose template the middleware
+// is not given) makes one per path; past MaxActions distinct actions, the others are counted
+// under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
 type Observer struct {
 	requests   *prometheus.CounterVec
 	duration   *prometheus.HistogramVec
 	extensions *prometheus.CounterVec
 	lost       *prometheus.CounterVec
 	work       *prometheus.HistogramVec
+
+	mu      sync.RWMutex
+	actions map[string]string // the label of each action seen, at most MaxActions
+}
+
+// MaxActions is the most distinct values of the action label an Observer exports; past it,
+// new actions are counted under "other".
+const MaxActions = 500
+
+// label is the action label of action.
+func (o *Observer) label(action string) string {
+	o.mu.RLock()
+	l, ok := o.actions[action]
+	o.mu.RUnlock()
+	if ok {
+		return l
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if l, ok := o.actions[action]; ok {
+		return l
+	}
+	if len(o.actions) >= MaxActions {
+		return "other"
+	}
+	l = strings.ToValidUTF8(action, "\uFFFD")
+	o.actions[action] = l
+	return l
 }
 
 var _ idem.Observer = (*Observer)(nil)
@@ -64,6 +98,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 			Help:    "How long the work of lease routes ran, its answer recorded.",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
 		}, []string{"action"}),
+		actions: map[string]string{},
 	}
 	reg.MustRegister(o.requests, o.duration, o.extensions, o.lost, o.work)
 	return o
@@ -71,7 +106,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 
 // Count implements idem.Observer.
 func (o *Observer) Count(action string, state idem.State) {
-	o.requests.WithLabelValues(action, string(state)).Inc()
+	o.requests.WithLabelValues(o.label(action), string(state)).Inc()
 }
 
 // Done implements idem.Observer.
@@ -80,10 +115,13 @@ func (o *Observer) Done(state idem.State, elapsed time.Duration) {
 }
 
 // LeaseExtended implements idem.Observer.
-func (o *Observer) LeaseExtended(action string) { o.extensions.WithLabelValues(action).Inc() }
+func (o *Observer) LeaseExtended(action string) {
+	o.extensions.WithLabelValues(o.label(action)).Inc()
+}
 
 // LeaseEnded implements idem.Observer.
 func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
+	action = o.label(action)
 	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
 	if lost {
 		c.Inc()

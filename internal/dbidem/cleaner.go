@@ -322,8 +322,29 @@ func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) e
 	if float64(deleted) <= threshold {
 		return nil
 	}
+	// VACUUM (SKIP_LOCKED) succeeds with only a WARNING when another session holds a lock
+	// that conflicts (another VACUUM, an ANALYZE, CREATE INDEX CONCURRENTLY): the table's
+	// count of manual vacuums tells whether one ran, so that a skipped one is neither counted
+	// nor forgotten (the next pass tries again). On a Citus coordinator the shards are
+	// vacuumed on their workers, and the coordinator's count says nothing about them.
+	const vacuums = `SELECT pg_stat_get_vacuum_count('idem.idempotency_keys'::regclass)`
+	var before, after int64
+	if !workers {
+		if err := c.db.QueryRow(ctx, vacuums).Scan(&before); err != nil {
+			return err
+		}
+	}
 	if _, err := c.db.Exec(ctx, `VACUUM (SKIP_LOCKED) idem.idempotency_keys`); err != nil {
 		return err
+	}
+	if !workers {
+		if err := c.db.QueryRow(ctx, vacuums).Scan(&after); err != nil {
+			return err
+		}
+		if after == before {
+			c.log.Info("cleanup's vacuum of the key table was skipped: another session held a conflicting lock; the next pass tries again")
+			return nil
+		}
 	}
 	c.unvacuumed.Store(0)
 	c.observer.Vacuumed()

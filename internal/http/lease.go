@@ -55,6 +55,8 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		l.Stop()
 		q.m.o.Logger.Warn("idem: a lease ran out before its work started; the work did not run", "key_hash",
 			keyHash(claim.Principal, claim.Key), "attempt", attempt)
+		q.m.o.Metrics.LeaseEnded(q.action, true, time.Since(start))
+		q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client got 409
 		q.inProgress(claim.Lease)
 		return StateBusy
 	}
@@ -141,6 +143,10 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1)))
 		q.m.problem(q.w, q.r, CodeOutcomeUnknown, "the work was done but its answer could not be recorded: retry with the same key "+
 			"after Retry-After to get an answer (work that an outside provider deduplicates is not repeated)", nil)
+		// On top of acquired, as a transactional route's commit whose outcome is unknown: the
+		// database failed and the client got a 5xx.
+		q.m.o.Metrics.Count(q.action, StateStoreError)
+		return StateStoreError
 	default:
 		q.answer(rec)
 	}

@@ -57,8 +57,10 @@ type Observer interface {
 	// LeaseExtended counts one extension of a lease route's lease (the heartbeat).
 	LeaseExtended(action string)
 	// LeaseEnded is called once the work of a lease route has ended and its answer is
-	// recorded (or not): lost tells whether the lease was lost, worked is how long the
-	// handler and the recording took.
+	// recorded (or not), or when the lease ran out before the work could start (lost; the
+	// request is counted busy too): lost tells whether the lease was lost, worked is how long
+	// the handler and the recording took. An answer that could not be recorded (503
+	// outcome_unknown) is counted store_error on top of acquired.
 	LeaseEnded(action string, lost bool, worked time.Duration)
 }
 

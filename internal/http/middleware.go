@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/trace"
 
@@ -129,6 +130,26 @@ func DefaultRouteTemplate(r *http.Request) string {
 	return r.URL.Path
 }
 
+// defaultAction is the action of a route that names none: the method and the route template.
+// Where the route leaves them to the client (a route that takes any method, a template that
+// is the URL path), the action is still one the SQL API stores and a metric label of bounded
+// variety: a method outside RFC 9110's nine is "OTHER", bytes that are not UTF-8 are U+FFFD,
+// and the whole is cut to MaxActionLength characters. The request's fingerprint still covers
+// its exact method and path, so two such requests under one key remain a mismatch.
+func defaultAction(method, template string) string {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete,
+		http.MethodConnect, http.MethodOptions, http.MethodTrace:
+	default:
+		method = "OTHER"
+	}
+	a := method + " " + strings.ToValidUTF8(template, "\uFFFD")
+	if utf8.RuneCountInString(a) > MaxActionLength {
+		a = string([]rune(a)[:MaxActionLength])
+	}
+	return a
+}
+
 // request is one request to a declared route on its way through the middleware.
 type request struct {
 	m         *Middleware
@@ -149,7 +170,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	start := time.Now()
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
 	if q.action == "" {
-		q.action = r.Method + " " + m.template(r)
+		q.action = defaultAction(r.Method, m.template(r))
 	}
 	principal, authenticated := m.o.Principal(r)
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))

@@ -132,7 +132,10 @@ type Options struct {
 type Route struct {
 	// Action names what the route does, for example "POST /v1/transfers". A different
 	// action under the same key is a mismatch. Default: the method and the route template
-	// (gorilla/mux's, ServeMux's pattern, or Options.RouteTemplate's; else the URL path).
+	// (gorilla/mux's, ServeMux's pattern, or Options.RouteTemplate's; else the URL path), a
+	// method outside RFC 9110's nine named OTHER, bytes that are not UTF-8 replaced, cut to
+	// MaxActionLength characters. The action is a metric label: with the URL path as the
+	// template, every path is one, so give a router's template (Options.RouteTemplate).
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing, when
 	// Options.Principal names a principal for it: a request without one (anonymous, or

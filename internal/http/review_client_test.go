@@ -172,4 +172,3 @@ func TestReviewClientLostResponseOnLeaseRoute(t *testing.T) {
 		t.Fatalf("one-time secret: %d %s %v attempts %d", res.Status, res.Body, err, res.Attempts)
 	}
 }
-
