@@ -40,7 +40,10 @@ import (
 // outside the work of a lease returns ErrNoSteps; on a lease route, a request without a key
 // runs each step in a transaction without a recovery point (the client asked for no retry
 // safety). Names identify steps within one request: give each step its own; the same name
-// again returns the saved value.
+// again returns the saved value. A name is 1 to 255 characters of UTF-8 without U+0000: any
+// other is ErrInvalidArgument before fn runs. A value whose JSON holds U+0000 in a string
+// (which PostgreSQL's jsonb cannot store) is ErrInvalidArgument after fn ran, and its
+// transaction rolls back: save such a value encoded (base64, hex).
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)
 }

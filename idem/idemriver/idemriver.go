@@ -23,10 +23,13 @@ package idemriver
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -134,8 +137,32 @@ func (o Options) withDefaults() Options {
 	return o
 }
 
-// KeyOf is the key Work gives a job by default: its kind and its id, "receipt/42".
-func KeyOf(job *rivertype.JobRow) string { return job.Kind + "/" + strconv.FormatInt(job.ID, 10) }
+// KeyOf is the key Work gives a job by default: its kind and its id, "receipt/42". An idempotency
+// key is 1 to 255 visible ASCII characters, and River takes kinds that are not (a middle dot,
+// "mail·receipt"): a byte of the kind outside '!' to '~', or a '%', is written %XX
+// ("mail%C2%B7receipt/42"), and a kind that would still make the key longer than 255 bytes is
+// cut and ends with a hash of the whole ("~" and 16 hex digits). A kind of visible ASCII that
+// fits keeps its key as it was.
+func KeyOf(job *rivertype.JobRow) string {
+	id := strconv.FormatInt(job.ID, 10)
+	kind := job.Kind
+	if strings.IndexFunc(kind, func(r rune) bool { return r < '!' || r > '~' || r == '%' }) >= 0 {
+		var b strings.Builder
+		for i := 0; i < len(kind); i++ {
+			if c := kind[i]; c < '!' || c > '~' || c == '%' {
+				fmt.Fprintf(&b, "%%%02X", c)
+			} else {
+				b.WriteByte(c)
+			}
+		}
+		kind = b.String()
+	}
+	if len(kind)+1+len(id) > 255 {
+		sum := sha256.Sum256([]byte(job.Kind))
+		kind = kind[:255-1-len(id)-17] + "~" + hex.EncodeToString(sum[:8])
+	}
+	return kind + "/" + id
+}
 
 // ranBefore tells whether the job has been fetched before this run (an attempt that failed,
 // was rescued, or snoozed): only then may its key exist already.
@@ -173,8 +200,15 @@ func ranBefore(job *rivertype.JobRow) bool {
 //     database was unreachable that long; the key stays in progress until its lease runs
 //     out, and River's retry then takes it over with the same provider key);
 //   - river.JobCancel of an error wrapping idem.ErrMismatch when the key was used with other
-//     arguments (a Key function that gives two different jobs one key), and of ErrKeyExpired
-//     when the job ran before and is older than the key's TTL: it is not run again.
+//     arguments (a Key function that gives two different jobs one key), of
+//     idem.ErrInvalidArgument when the SQL API refuses the key, the principal or the action
+//     (a Key or PrincipalOf function that gives "" or a key that is not visible ASCII), and
+//     of ErrKeyExpired when the job ran before and is older than the key's TTL: it is not run
+//     again.
+//
+// fn's own error goes to River as it is, whatever it wraps: an idem.ErrInProgress or
+// idem.ErrMismatch of an idem.Do inside fn is fn's failure, retried by River's policy, not a
+// snooze or a cancel of this job.
 //
 // fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
 // (cause idem.ErrLeaseLost); fn should stop then. fn's own writes to the database go in a
@@ -203,20 +237,30 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	if len(job.EncodedArgs) > 0 {
 		input = json.RawMessage(job.EncodedArgs)
 	}
+	// fnFailed: fn returned an error, which goes to River's retry policy as it is, whatever it
+	// wraps (an inner idem.Do's ErrInProgress or ErrMismatch is fn's failure, not this job's
+	// key's). DoLease returns once fn has returned.
+	var fnFailed bool
 	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
-			return struct{}{}, fn(ctx, claim)
+			err := fn(ctx, claim)
+			fnFailed = err != nil
+			return struct{}{}, err
 		})
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, idem.ErrInProgress):
-		return river.JobSnooze(o.Snooze)
-	case errors.Is(err, idem.ErrMismatch):
-		return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err))
 	case errors.Is(err, idem.ErrLeaseLost):
 		return fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err)
+	case fnFailed:
+		return err
+	case errors.Is(err, idem.ErrInProgress):
+		return river.JobSnooze(o.Snooze)
+	case errors.Is(err, idem.ErrMismatch), errors.Is(err, idem.ErrInvalidArgument):
+		// Another job's arguments under this key, or a key, principal or action the SQL API
+		// refuses (Options.Key, PrincipalOf): no retry would run it.
+		return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err))
 	}
 	return err
 }

@@ -1,11 +1,14 @@
 package dbidem
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -94,8 +97,10 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if s == nil {
 		return zero, ErrNoSteps
 	}
-	if name == "" {
-		return zero, fmt.Errorf("%w: a step needs a name", ErrInvalidArgument)
+	// The SQL API's rules for a name (idem_step), tested before fn runs: fn may act outside
+	// the database, and a name refused after it would make every retry act again.
+	if n := utf8.RuneCountInString(name); n == 0 || n > 255 || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0 {
+		return zero, fmt.Errorf("%w: a step's name must be 1 to 255 characters of UTF-8 without U+0000, got %q", ErrInvalidArgument, name)
 	}
 	s.mu.Lock()
 	saved, done := s.done[name]
@@ -132,6 +137,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		if raw, err = json.Marshal(result); err != nil {
 			return fmt.Errorf("idem: step %s: encode its saved value: %w", name, err)
 		}
+		if holdsNUL(raw) {
+			return fmt.Errorf("%w: step %s: its saved value holds U+0000, which PostgreSQL's jsonb cannot store", ErrInvalidArgument, name)
+		}
 		if s.claim == nil {
 			return nil
 		}
@@ -152,4 +160,24 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	s.done[name] = raw
 	s.mu.Unlock()
 	return result, nil
+}
+
+// holdsNUL tells whether the JSON text b holds the escape \u0000 (a string with U+0000, which
+// jsonb refuses), not counting a literal backslash before "u0000" (escaped as \\).
+func holdsNUL(b []byte) bool {
+	for i := bytes.Index(b, []byte(`\u0000`)); i >= 0; {
+		n := 0 // the backslashes that end at i, i's own included
+		for j := i; j >= 0 && b[j] == '\\'; j-- {
+			n++
+		}
+		if n%2 == 1 {
+			return true
+		}
+		next := bytes.Index(b[i+1:], []byte(`\u0000`))
+		if next < 0 {
+			return false
+		}
+		i += 1 + next
+	}
+	return false
 }
