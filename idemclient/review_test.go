@@ -29,7 +29,7 @@ func counting(t *testing.T) (*httptest.Server, *atomic.Int32) {
 }
 
 // doWithin runs c.Do and fails the test if it does not return within d (it may hang or panic).
-func doWithin(t *testing.T, d time.Duration, c *idemclient.Client, ctx context.Context, req *http.Request, key string) (res idemclient.Result, err error, panicked any) {
+func doWithin(t *testing.T, d time.Duration, c *idemclient.Client, ctx context.Context, req *http.Request, key string) (res idemclient.Result, panicked any, err error) {
 	t.Helper()
 	type out struct {
 		res idemclient.Result
@@ -47,7 +47,7 @@ func doWithin(t *testing.T, d time.Duration, c *idemclient.Client, ctx context.C
 	}()
 	select {
 	case o := <-ch:
-		return o.res, o.err, o.p
+		return o.res, o.p, o.err
 	case <-time.After(d):
 		t.Fatalf("Do did not return within %s", d)
 		return
@@ -61,7 +61,7 @@ func TestReviewNilHeaderIsRefusedNotPanic(t *testing.T) {
 	u, _ := url.Parse(srv.URL + "/x")
 	req := &http.Request{Method: "POST", URL: u, Body: io.NopCloser(strings.NewReader(`{}`))} // Header nil
 	c := &idemclient.Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
-	res, err, p := doWithin(t, 5*time.Second, c, context.Background(), req, "")
+	res, p, err := doWithin(t, 5*time.Second, c, context.Background(), req, "")
 	if p != nil {
 		t.Fatalf("Do panicked on a request with a nil Header: %v", p)
 	}
@@ -80,7 +80,7 @@ func TestReviewRequestURIIsRefusedBeforeSending(t *testing.T) {
 	req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
 	req.RequestURI = "/x"
 	c := &idemclient.Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
-	res, err, _ := doWithin(t, 10*time.Second, c, context.Background(), req, "")
+	res, _, err := doWithin(t, 10*time.Second, c, context.Background(), req, "")
 	if err == nil || errors.Is(err, idemclient.ErrGaveUp) || res.Attempts != 0 {
 		t.Fatalf("a request net/http refuses (RequestURI set): Attempts %d, err %v; want an error before any attempt, not ErrGaveUp (hits %d)", res.Attempts, err, hits.Load())
 	}
@@ -94,7 +94,7 @@ func TestReviewTrailerValueIsRefusedBeforeSending(t *testing.T) {
 	req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
 	req.Trailer = http.Header{"X-Sum": {"a\nb"}}
 	c := &idemclient.Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
-	res, err, _ := doWithin(t, 10*time.Second, c, context.Background(), req, "")
+	res, _, err := doWithin(t, 10*time.Second, c, context.Background(), req, "")
 	if err == nil || errors.Is(err, idemclient.ErrGaveUp) || res.Attempts != 0 {
 		t.Fatalf("a trailer value with a newline: Attempts %d, err %v; want an error before any attempt", res.Attempts, err)
 	}
@@ -142,7 +142,7 @@ func TestReviewRedirectLoopIsNotOutcomeUnknown(t *testing.T) {
 	defer srv.Close()
 	req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{}`))
 	c := &idemclient.Client{Backoff: time.Millisecond, MaxBackoff: time.Millisecond}
-	res, err, _ := doWithin(t, 20*time.Second, c, context.Background(), req, "")
+	res, _, err := doWithin(t, 20*time.Second, c, context.Background(), req, "")
 	t.Logf("attempts %d, requests %d, err %v", res.Attempts, hits.Load(), err)
 	if res.Attempts > 1 || errors.Is(err, idemclient.ErrGaveUp) {
 		t.Fatalf("a redirect loop was retried: %d attempts, %d requests, err %v; want one attempt and a final error", res.Attempts, hits.Load(), err)
