@@ -202,9 +202,10 @@ func ranBefore(job *rivertype.JobRow) bool {
 //   - river.JobCancel of an error wrapping idem.ErrMismatch when the key was used with other
 //     arguments (a Key function that gives two different jobs one key), of
 //     idem.ErrInvalidArgument when the SQL API refuses the key, the principal or the action
-//     (a Key or PrincipalOf function that gives "" or a key that is not visible ASCII), and
-//     of ErrKeyExpired when the job ran before and is older than the key's TTL: it is not run
-//     again.
+//     (a Key or PrincipalOf function that gives "" or a key that is not visible ASCII), of
+//     idem.ErrUnknownPrincipal when a foreign key of the application's on the key table does
+//     not know the job's principal (deleted since the job was enqueued), and of ErrKeyExpired
+//     when the job ran before and is older than the key's TTL: it is not run again.
 //
 // fn's own error goes to River as it is, whatever it wraps: an idem.ErrInProgress or
 // idem.ErrMismatch of an idem.Do inside fn is fn's failure, retried by River's policy, not a
@@ -257,9 +258,11 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		return err
 	case errors.Is(err, idem.ErrInProgress):
 		return river.JobSnooze(o.Snooze)
-	case errors.Is(err, idem.ErrMismatch), errors.Is(err, idem.ErrInvalidArgument):
-		// Another job's arguments under this key, or a key, principal or action the SQL API
-		// refuses (Options.Key, PrincipalOf): no retry would run it.
+	case errors.Is(err, idem.ErrMismatch), errors.Is(err, idem.ErrInvalidArgument), errors.Is(err, idem.ErrUnknownPrincipal):
+		// Another job's arguments under this key, a key, principal or action the SQL API
+		// refuses (Options.Key, PrincipalOf), or a principal the application's foreign key on
+		// the key table does not know (deleted since the job was enqueued): no retry would
+		// run it.
 		return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err))
 	}
 	return err

@@ -398,3 +398,23 @@ func TestKeyOfIsAKeyForEveryKind(t *testing.T) {
 		t.Errorf("long kinds: %q (%d) and %q (%d)", long1, len(long1), long2, len(long2))
 	}
 }
+
+// TestJobOfAnUnknownPrincipalIsCancelled: a key table with the application's foreign key to its
+// principals refuses the claim of a job whose principal was deleted after the job was
+// enqueued; every retry would be refused alike, so Work cancels the job without running fn
+// (it was retried by River's policy until River gave up).
+func TestJobOfAnUnknownPrincipalIsCancelled(t *testing.T) {
+	pool := newPool(t)
+	pgExec(t, pool, `CREATE TABLE customers (id text PRIMARY KEY)`)
+	pgExec(t, pool, `ALTER TABLE idem.idempotency_keys ADD FOREIGN KEY (principal_id) REFERENCES customers (id)`)
+	client := newClient(t, pool, nil)
+	job := jobRow(t, client, ReceiptArgs{Order: 11})
+	var runs atomic.Int32
+	err := idemriver.Work(context.Background(), job, idemriver.Options{DB: pool, Lease: time.Second,
+		PrincipalOf: func(*rivertype.JobRow) string { return "gone" }},
+		func(context.Context, idem.LeaseClaim) error { runs.Add(1); return nil })
+	var cancel *rivertype.JobCancelError
+	if !errors.As(err, &cancel) || !errors.Is(err, idem.ErrUnknownPrincipal) || runs.Load() != 0 {
+		t.Fatalf("a job of a principal the key table's foreign key does not know: %T %v (fn ran %d times); want river.JobCancel of ErrUnknownPrincipal", err, err, runs.Load())
+	}
+}
