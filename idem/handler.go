@@ -103,6 +103,9 @@ func SetResourceID(ctx context.Context, id string) { idemhttp.SetResourceID(ctx,
 
 // WriteProblem writes an application's own RFC 9457 problem in the middleware's shape:
 // application/problem+json, nosniff, the status, and a type that is base followed by code.
+// Pass the middleware's base (Middleware.Options().ProblemBase) so that the type is a URI; ""
+// gives the bare code. correlationID is the request's correlation id
+// (r.Header.Get(Middleware.Options().CorrelationHeader)); "" leaves the member out.
 func WriteProblem(w http.ResponseWriter, status int, base, code, title, detail, correlationID string) {
 	idemhttp.WriteProblem(w, status, base, code, title, detail, correlationID)
 }

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/pgidem/internal/canon"
+	"github.com/pgidem/pgidem/internal/dbidem"
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 )
 
@@ -45,7 +46,10 @@ type Options struct {
 	// header name.
 	ReplayHeader string
 	// CorrelationHeader names the request's correlation id, which problems carry and a replay
-	// keeps from the current request. Default "X-Request-Id"; a header name.
+	// keeps from the current request. Default "X-Request-Id"; a header name. The middleware
+	// reads it and makes none: put a request-id middleware in front of it (the reference
+	// server's gives every request one). Without the header, problems leave correlation_id
+	// out and log lines carry request_id "".
 	CorrelationHeader string
 	// TTL is how long a key's answer stays replayable after it was given. Default 0: the SQL
 	// API's default, 24 hours (read from the database, idem_defaults()). From a microsecond
@@ -194,6 +198,12 @@ func New(ctx context.Context, o Options) (*Middleware, error) {
 	o.MaxWaitingBytes, o.MaxBodyBytes, o.MaxStoredBodyBytes = io.MaxWaitingBytes, io.MaxBodyBytes, io.MaxStoredBodyBytes
 	o.StoredHeaders, o.FinalStatus, o.ProblemBase, o.Logger = io.StoredHeaders, io.FinalStatus, io.ProblemBase, io.Logger
 	o.WorkTimeout, o.DuplicateWait = io.WorkTimeout, io.DuplicateWait
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = dbidem.DefaultMaxAttempts
+	}
+	if o.RouteTemplate == nil {
+		o.RouteTemplate = DefaultRouteTemplate
+	}
 	return &Middleware{m: im, o: o, declared: map[string]Route{}}, nil
 }
 
@@ -225,7 +235,7 @@ func (rt Route) internal() idemhttp.Route {
 
 // Options returns the options in effect, defaults filled in (a zero TTL or LockTimeout stays
 // zero: the SQL API's default applies; a zero MaxWaitingClaims stays zero: a quarter of the
-// pool).
+// pool; a nil Metrics or TracerProvider stays nil: none).
 func (m *Middleware) Options() Options { return m.o }
 
 // Route returns a middleware for one route with this declaration, for net/http's ServeMux,

@@ -473,3 +473,22 @@ func TestStuckClaimsForOperators(t *testing.T) {
 		t.Fatalf("a second release with the old token: %v, want ErrClaimLost", err)
 	}
 }
+
+// TestOptionsReportsTheDefaults: Middleware.Options reports every default it fills in, the
+// attempts of a unit of work and the route template included (they read 0 and nil, though 3
+// and DefaultRouteTemplate applied).
+func TestOptionsReportsTheDefaults(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 2)
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := m.Options()
+	r := httptest.NewRequest("POST", "/v1/things/7", nil)
+	if o.MaxAttempts != 3 || o.RouteTemplate == nil || o.RouteTemplate(r) != "/v1/things/7" ||
+		o.KeyHeader != "Idempotency-Key" || o.CorrelationHeader != "X-Request-Id" || o.ProblemBase == "" {
+		t.Fatalf("options in effect: MaxAttempts %d, RouteTemplate set %v, KeyHeader %q, CorrelationHeader %q, ProblemBase %q",
+			o.MaxAttempts, o.RouteTemplate != nil, o.KeyHeader, o.CorrelationHeader, o.ProblemBase)
+	}
+}

@@ -4,7 +4,7 @@
 // Every logical operation gets one key, made before the first attempt (NewKey, a time-ordered
 // UUIDv7, unless the caller gives one), and every retry of it carries that key and the same
 // body. It retries, with jittered exponential backoff, when the outcome is unknown or
-// temporary: a network error or timeout, a 5xx (but 501, 505 and 500
+// temporary: a network error or timeout, a 5xx (except 501, 505 and 500
 // idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress, honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured) ends the operation:

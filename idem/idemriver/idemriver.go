@@ -84,6 +84,7 @@ var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than 
 // is its default.
 type Options struct {
 	// DB is the pool of the database with schema idem installed (usually River's own).
+	// Required: Work returns an error without it.
 	DB idem.Pool
 	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
 	// Give each River database's jobs (each sequence of job ids) a principal of its own.

@@ -65,8 +65,9 @@ func NewPool(t testing.TB) *pgxpool.Pool {
 
 // AppURL returns the connection string of the database url names as a new login role that is
 // only a member of the application role idem_app (what a service in production logs in as),
-// dropped when the test ends. Grant it (or idem_app) the privileges on the service's own
-// tables as the service's migrate step does.
+// dropped when the test ends. Grant it the privileges on the service's own tables as the
+// service's migrate step grants its login role (not idem_app: that role holds the SQL API
+// only, docs/http.md "Two roles").
 func AppURL(t testing.TB, url string) string {
 	t.Helper()
 	return pgtest.LoginRole(t, url, "idem_app")
