@@ -6,7 +6,7 @@
 --
 -- In this order, so that no claim ever gives a token of the new secret the key of an older one:
 --   1. the new secret (four new sequences) and its row commit, from a token 2^32 above the last
---      one drawn; the lists of secrets are written again (include/publish_secrets.sql) and the
+--      one drawn and above the newest secret's first; the lists of secrets are written again (include/publish_secrets.sql) and the
 --      functions that compute provider keys are compiled anew in every session (their plans
 --      hold the lists); a transaction that starts after this sees both;
 --   2. it waits until every transaction of this database that was running at 1 has ended (as
@@ -38,11 +38,17 @@ BEGIN
         RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be negative, got %', p_wait
             USING ERRCODE = '22023';
     END IF;
-    -- One run at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with the claims'
-    -- reads): two runs could otherwise move the sequence backwards.
+    -- One first transaction at a time (SHARE ROW EXCLUSIVE conflicts with itself, not with
+    -- the claims' reads): two runs could otherwise move the sequence backwards. The lock ends
+    -- at the COMMIT below, so another run may start while this one waits: its secret starts
+    -- 2^32 above this one's too, not only above the sequence, which this run has not moved
+    -- yet. Otherwise its first tokens would be a few draws above this secret's, and a
+    -- transaction that began between the two runs' commits (it planned this secret, not that
+    -- one, and takes no lock that would make it plan again) would hand its claims the key of
+    -- this secret once this run moved the sequence.
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
-    v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s) + 4294967296,
-                       coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0) + 1);
+    v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s),
+                       coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0)) + 4294967296;
     v_n := (SELECT pg_catalog.count(*) FROM idem.installation_secrets) + 1;
     v_bytes := pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text
         || pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8'));
