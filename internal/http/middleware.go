@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -78,7 +79,37 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 // call once requests are being served.
 func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
 	rt.check()
-	m.declared[strings.ToUpper(method)+" "+pathTemplate] = rt
+	m.declared[declaredKey(method, pathTemplate)] = rt
+}
+
+// declaredKey is the key of a declared route: the method in upper case (net/http passes a
+// request's method as sent, "post" too) and the template with each variable's pattern left out
+// ("/accounts/{id:[0-9]+}" is "/accounts/{id}"), so that a declaration matches the route
+// whichever of the two spellings the router's template and the declaration use.
+func declaredKey(method, template string) string {
+	if strings.Contains(template, ":") {
+		var b strings.Builder
+		depth, skip := 0, false
+		for i := 0; i < len(template); i++ {
+			switch c := template[i]; {
+			case c == '{':
+				depth++
+			case c == '}' && depth > 0:
+				depth--
+				if depth == 0 {
+					skip = false
+				}
+			case c == ':' && depth == 1:
+				skip = true
+				continue
+			}
+			if !skip {
+				b.WriteByte(template[i])
+			}
+		}
+		template = b.String()
+	}
+	return strings.ToUpper(method) + " " + template
 }
 
 // Declared returns the routes declared with Declare, by "METHOD template".
@@ -96,7 +127,7 @@ func (m *Middleware) Declared() map[string]Route {
 // with net/http's ServeMux, which matches as it dispatches, wrap each route with Route.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if rt, ok := m.declared[r.Method+" "+m.template(r)]; ok {
+		if rt, ok := m.declared[declaredKey(r.Method, m.template(r))]; ok {
 			m.serve(w, r, rt, next)
 			return
 		}
@@ -150,6 +181,9 @@ func defaultAction(method, template string) string {
 	return a
 }
 
+// servingKey marks the context of a request that a middleware serves.
+type servingKey struct{}
+
 // request is one request to a declared route on its way through the middleware.
 type request struct {
 	m         *Middleware
@@ -167,6 +201,14 @@ type request struct {
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {
+	if r.Context().Value(servingKey{}) != nil {
+		// The middleware runs already for this request (Handler on a router and on its
+		// subrouter, or Handler and Route on one route): the outer one claimed the key, and an
+		// inner claim would only wait for it and store its 409 as the answer.
+		next.ServeHTTP(w, r)
+		return
+	}
+	r = r.WithContext(context.WithValue(r.Context(), servingKey{}, true))
 	start := time.Now()
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
 	if q.action == "" {
