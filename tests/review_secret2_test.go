@@ -180,7 +180,7 @@ func TestProviderKeyFollowsGenerationsAsTheRoles(t *testing.T) {
 	}
 	same("takeover after yield", pk, p1)
 	pgtest.Exec(t, op, `SELECT idem.idem_release_stuck('alice', 'k', $1, 'review')`, a)
-	o, a, pk = secretClaimAs(t, app, "alice", "k", "1")
+	o, _, pk = secretClaimAs(t, app, "alice", "k", "1")
 	if o != "claimed" {
 		t.Fatalf("after release_stuck: %s", o)
 	}

@@ -352,7 +352,10 @@ func TestStopDuringAnExtension(t *testing.T) {
 	const n = 16
 	pool, _ := pgtest.NewPool(t, n+4)
 	ctx := context.Background()
-	const lease = 2 * time.Second // an extension falls due every 667 ms
+	// An extension falls due every 1.33 s: time enough to claim sixteen keys and lock their
+	// rows first, also on a machine busy with the rest of the suite (2 s left 667 ms, and a
+	// busy run took 765).
+	const lease = 4 * time.Second
 	decisions := make([]dbidem.Decision, n)
 	keys := make([]string, n)
 	for i := range decisions {
@@ -364,8 +367,9 @@ func TestStopDuringAnExtension(t *testing.T) {
 		}
 		decisions[i], keys[i] = d, c.Key
 	}
-	// Every key's row is locked before the first extension falls due (667 ms after its
-	// claim), so each first extension waits until its deadline, when the next one is due.
+	// Every key's row is locked before the first extension falls due (a third of the lease
+	// after its claim), so each first extension waits until its deadline, when the next one is
+	// due.
 	locker, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
