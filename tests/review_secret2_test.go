@@ -164,6 +164,9 @@ func TestProviderKeyFollowsGenerationsAsTheRoles(t *testing.T) {
 		}
 	}
 	o, a, p1 := secretClaimAs(t, app, "alice", "k", "1")
+	if o != "claimed" {
+		t.Fatalf("first claim: %s", o)
+	}
 	fresh("first claim", p1)
 	if o, _, pk := secretClaimAs(t, app, "alice", "k", "1"); o != "in_progress" {
 		t.Fatalf("duplicate: %s", o)
