@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgidem/pgidem/idem"
@@ -69,6 +70,20 @@ func value(t *testing.T, reg *prometheus.Registry, name, label, want string) flo
 	return v
 }
 
+// observed is a middleware for principal alice on a fresh database, its metrics in reg through
+// an idemprom.Observer, its log discarded.
+func observed(t *testing.T) (*pgxpool.Pool, *prometheus.Registry, *idem.Middleware) {
+	t.Helper()
+	pool, _ := pgtest.NewPool(t, 4)
+	reg := prometheus.NewRegistry()
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
+		Metrics: idemprom.NewObserver(reg), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool, reg, m
+}
+
 // TestReviewOpsActionLabelIsBoundedByRoutes: docs/operations.md says
 // idempotency_requests_total{action,state} counts "keyed requests by route and state", and
 // Route.Action defaults to "the method and the route template". On net/http's ServeMux a
@@ -79,13 +94,7 @@ func value(t *testing.T, reg *prometheus.Registry, name, label, want string) flo
 func TestReviewOpsActionLabelIsBoundedByRoutes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, _ := pgtest.NewPool(t, 4)
-	reg := prometheus.NewRegistry()
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
-		Metrics: idemprom.NewObserver(reg)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, reg, m := observed(t)
 	mux := http.NewServeMux()
 	mux.Handle("/things", m.Route(idem.Route{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(201)
@@ -114,13 +123,7 @@ func TestReviewOpsActionLabelIsBoundedByRoutes(t *testing.T) {
 func TestReviewOpsLeaseOutcomeUnknownIsCounted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, _ := pgtest.NewPool(t, 4)
-	reg := prometheus.NewRegistry()
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
-		Metrics: idemprom.NewObserver(reg), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool, reg, m := observed(t)
 	var once sync.Once
 	srv := httptest.NewServer(m.Route(idem.Route{Action: "POST /pay", Lease: time.Second})(http.HandlerFunc(
 		func(w http.ResponseWriter, r *http.Request) {
@@ -155,13 +158,7 @@ func TestReviewOpsLeaseOutcomeUnknownIsCounted(t *testing.T) {
 func TestReviewOpsActionWithInvalidUTF8DoesNotPanic(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, _ := pgtest.NewPool(t, 4)
-	reg := prometheus.NewRegistry()
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
-		Metrics: idemprom.NewObserver(reg), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool, _, m := observed(t)
 	srv := httptest.NewUnstartedServer(m.Route(idem.Route{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(201)
 	})))
