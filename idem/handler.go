@@ -48,7 +48,9 @@ var ErrLeaseLost = idemhttp.ErrLeaseLost
 // middleware's Shutdown gave up waiting for it: the handler should stop. On a transactional
 // route the unit of work rolls back and nothing is stored; on a lease route, unless the handler
 // answers with a 2xx or a final error, its lease ends at once without an answer, and the
-// client's retry runs the work again under the same ClaimInfo.ProviderKey.
+// client's retry runs the work again under the same ClaimInfo.ProviderKey. A lease route's
+// handler that returns without writing anything is answered 503 shutting_down (it is not sent
+// as an empty 200, nor stored).
 var ErrShutdown = idemhttp.ErrShutdown
 
 // The defaults and bounds of Options.WorkTimeout and Options.DuplicateWait.

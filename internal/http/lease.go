@@ -68,6 +68,14 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	hctx, handlerSpan := q.startSpan(sctx, "idem.handler")
 	rec, st, v := q.run(hctx, nil, true)
 	endHandlerSpan(handlerSpan, rec, v)
+	// Shutdown ended the work and the handler stopped without answering: net/http would send an
+	// empty 200, and it would be stored as the answer of work that did not run. The lease is
+	// given up instead, as for a failure, and the client told to retry (another process runs
+	// the work again, under the same provider key).
+	shutdown := v == commit && rec != nil && rec.status == 0 && errors.Is(context.Cause(hctx), ErrShutdown)
+	if shutdown {
+		v = rollBack
+	}
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
 	// claim completed and report the lease lost). The recording (or the release) is tried,
@@ -138,6 +146,9 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	case err != nil && v == rollBack:
 		log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.answer(rec)
+	case shutdown:
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered; the work was given up: retry with the same key", nil)
 	case err != nil:
 		log.Error("idem: lease answer not recorded; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1)))

@@ -217,6 +217,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	principal, authenticated := m.o.Principal(r)
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	keyed := authenticated && present
+	if keyed {
+		// Shutdown waits for a keyed request from here on: its body, its fingerprint and its
+		// claim, not only from the claim (one it had received and not yet counted could claim
+		// and run after Shutdown returned nil).
+		defer m.work.enter()()
+	}
 	switch {
 	case keyed && !valid && len(r.Header.Values(m.o.KeyHeader)) > 1:
 		m.problem(w, r, CodeKeyInvalid, fmt.Sprintf("the request carries %d %s headers; send one", len(r.Header.Values(m.o.KeyHeader)), m.o.KeyHeader),

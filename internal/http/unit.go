@@ -166,7 +166,6 @@ func topLevelID(body []byte) string {
 // Options.DuplicateWait. It returns the request's main state. ctx is the request's, with the
 // idem.request span when tracing.
 func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
-	defer q.m.work.enter()() // Shutdown waits for it from its claim on
 	until := time.Now().Add(q.m.o.DuplicateWait)
 	// The Gate's figures count this request once, however often it claims again.
 	tally := &dbidem.Tally{}
