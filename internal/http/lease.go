@@ -143,12 +143,17 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	case unanswered:
 		log.Error("idem: lease lost: another attempt may hold the key; this attempt's answer is not recorded and not sent")
 		q.inProgress(claim.Lease)
+	case shutdown:
+		// The handler wrote nothing to send: the client is told to retry, also when the lease
+		// could not be given up (the retry then takes it over once it runs out).
+		if err != nil {
+			log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
+		}
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered; the work was given up: retry with the same key", nil)
 	case err != nil && v == rollBack:
 		log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.answer(rec)
-	case shutdown:
-		q.w.Header().Set("Retry-After", "1")
-		q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered; the work was given up: retry with the same key", nil)
 	case err != nil:
 		log.Error("idem: lease answer not recorded; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1)))
