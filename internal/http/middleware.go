@@ -1,7 +1,6 @@
 package idemhttp
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -181,9 +180,6 @@ func defaultAction(method, template string) string {
 	return a
 }
 
-// servingKey marks the context of a request that a middleware serves.
-type servingKey struct{}
-
 // request is one request to a declared route on its way through the middleware.
 type request struct {
 	m         *Middleware
@@ -201,14 +197,13 @@ type request struct {
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {
-	if r.Context().Value(servingKey{}) != nil {
-		// The middleware runs already for this request (Handler on a router and on its
-		// subrouter, or Handler and Route on one route): the outer one claimed the key, and an
-		// inner claim would only wait for it and store its 409 as the answer.
+	if r.Context().Value(stateKey{}) != nil {
+		// The request comes from a middleware's handler context already (Handler on a router
+		// and on its subrouter, or Handler and Route on one route): the outer one claimed the
+		// key, and an inner claim would only wait for it and store its 409 as the answer.
 		next.ServeHTTP(w, r)
 		return
 	}
-	r = r.WithContext(context.WithValue(r.Context(), servingKey{}, true))
 	start := time.Now()
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
 	if q.action == "" {
