@@ -515,12 +515,15 @@ func serveLate(t *testing.T, pool *pgxpool.Pool, url string, obs *observer, runs
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The connection that locks the key's row is opened here, not in the handler: opening one
+	// on a loaded machine can take longer than the lease's first extension.
+	locker := pgtest.Connect(t, url)
 	r := mux.NewRouter()
 	r.Handle("/late", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		run := runs.Add(1)
 		if run == 1 {
 			ctx := context.Background()
-			tx, err := pgtest.Connect(t, url).Begin(ctx)
+			tx, err := locker.Begin(ctx)
 			if err == nil {
 				_, err = tx.Exec(ctx, `SELECT 1 FROM idem.idempotency_keys WHERE key = $1 FOR UPDATE`, r.Header.Get("Idempotency-Key"))
 			}
@@ -600,8 +603,10 @@ func TestLeaseAnswerAfterItsLeaseRanOut(t *testing.T) {
 		if again := post(a, "ran-out"); again.status != http.StatusCreated || again.body != r.body || again.header.Get("Idempotent-Replayed") != "true" {
 			t.Fatalf("the retry: %+v, want the replay of %s", again, r.body)
 		}
-		if ext, lost := obs.leases(); runs.Load() != 1 || ext != 0 || lost != 0 {
-			t.Fatalf("%d runs, %v extensions, %v leases lost; want 1, 0 and 0", runs.Load(), ext, lost)
+		// Extensions may land before the handler's lock does (a loaded machine); none matters
+		// here, only that the recorded answer does not count as a lost lease.
+		if _, lost := obs.leases(); runs.Load() != 1 || lost != 0 {
+			t.Fatalf("%d runs, %v leases lost; want 1 and 0", runs.Load(), lost)
 		}
 	})
 	t.Run("taken over", func(t *testing.T) {
