@@ -276,8 +276,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that
 // outlives the client (so an HTTP server's own Shutdown, which does not wait for a handler whose
 // client went away, does not end it): from the key's check (a request still reading its body
-// counts) to those committing or recording their answers. Duplicates waiting for another request's answer stop waiting at
-// once (409 request_in_progress; the client retries, against another process). When ctx ends
+// counts) to those committing or recording their answers. Duplicates waiting for another
+// request's answer stop waiting at once (409 request_in_progress; the client retries, against
+// another process); requests with fresh keys are still served until ctx ends. When ctx ends
 // first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
 // back and stores nothing; lease work gives its lease up, and the client's retry runs it again
 // under the same provider key), waits up to five seconds more for them, and returns ctx's

@@ -277,7 +277,8 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 // the same key, in Go and on the key's row lock (a caller whose client went away stops
 // waiting; the error then wraps wait's), and work runs the unit of work itself, the claim, fn
 // and the commit (work that must outlive the client runs on a context that the client's
-// leaving does not end).
+// leaving does not end). A claim's first try, which waits at most Probe on any lock, is not a
+// wait on another holder: it runs to its end under work whatever becomes of wait (D161).
 func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
 	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
@@ -289,10 +290,20 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		return err
 	}
 	defer leave()
-	unit := func(c Claim) func(tx *Tx) error {
+	unit := func(c Claim, waits bool) func(tx *Tx) error {
 		return func(tx *Tx) error {
-			// The claim statement may wait on the key's row lock: that wait, like the one in
-			// Go, ends with wait (a caller whose client went away, a shutdown); the work after
+			if !waits {
+				// A probe: its claim statement waits at most Probe on any lock, so it runs
+				// to its end whatever becomes of wait. Ending it would turn a fresh claim
+				// under way into a false "in progress" (a shutdown's drain ends every wait).
+				d, err := tx.Claim(ctx, c)
+				if err != nil {
+					return err
+				}
+				return fn(tx, d)
+			}
+			// The claim statement waits on the key's row lock: that wait, like the one in Go,
+			// ends with wait (a caller whose client went away, a shutdown); the work after
 			// the claim does not.
 			cctx, cancel := context.WithCancel(ctx)
 			sent := make(chan struct{})
@@ -346,7 +357,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	}
 	first := c
 	first.LockTimeout = min(Probe, lockTimeout)
-	err = RunTx(ctx, db, opts, unit(first))
+	err = RunTx(ctx, db, opts, unit(first, false))
 	// A probe can also time out on a lock that is not the key's: the table's extension lock
 	// under load (a blip), or a lock on the whole table (a migration's swap, VACUUM FULL,
 	// pg_repack, LOCK TABLE). That says nothing about the key, so the probe runs again a few
@@ -360,14 +371,15 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			break
 		}
 		if !sleep(wait, pause) {
-			// The caller stopped waiting (its client left): no more probes. The probe's error
-			// is told, not wrapped: it is an ErrInProgress, and the key was never in progress.
-			return fmt.Errorf("%w (the key table was locked: %v)", wait.Err(), err)
+			// The caller stopped waiting (its client left, a shutdown): no more probes. The
+			// probe's error is told, not wrapped: it is an ErrInProgress, and the key was never
+			// in progress; the table was locked.
+			return fmt.Errorf("%w: %w (%v)", ErrStoreBusy, wait.Err(), err)
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		err = RunTx(ctx, db, opts, unit(first))
+		err = RunTx(ctx, db, opts, unit(first, false))
 	}
 	if isLockTimeout(err) && !IsKeyWait(err) {
 		// The table is locked: waiting for it would hold a connection for the whole lock
@@ -378,6 +390,10 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	if !IsKeyWait(err) || lockTimeout <= Probe {
 		return err
 	}
+	if wait.Err() != nil {
+		// The caller stopped waiting during the probe: it does not wait on the key's row.
+		return fmt.Errorf("%w: %w", wait.Err(), err)
+	}
 	rest := c
 	rest.LockTimeout = lockTimeout - Probe
 	select {
@@ -387,7 +403,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		return errNoSlot
 	}
 	defer func() { <-g.slots }()
-	return RunTx(ctx, db, opts, unit(rest))
+	return RunTx(ctx, db, opts, unit(rest, true))
 }
 
 // tableBusyPauses are the pauses before the probes that follow one that timed out on a lock

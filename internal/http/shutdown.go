@@ -82,7 +82,8 @@ func (t *workTracker) idleChan() <-chan struct{} {
 // outlives the client (so an HTTP server's own Shutdown, which stops waiting for a handler
 // whose client is gone, does not end it): from those still claiming their key to those
 // committing or recording their answers. Duplicates waiting for another request's answer stop
-// waiting at once (409 request_in_progress; the client retries against the next process).
+// waiting at once (409 request_in_progress; the client retries against the next process);
+// requests with fresh keys are still served until ctx ends.
 // When ctx ends first, it ends the work's contexts with cause ErrShutdown (a transactional unit
 // of work rolls back; lease work gives its lease up), waits up to five seconds more for them,
 // and returns ctx's error. From the moment ctx ends, a keyed request that comes is answered

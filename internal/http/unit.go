@@ -289,9 +289,11 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "client_gone", err)
 		q.m.o.Metrics.Count(q.action, StateBusy)
 		return StateBusy, nil
-	case err != nil && !acquired && q.m.work.draining.Err() != nil && q.m.work.stop.Err() == nil && errors.Is(err, context.Canceled):
-		// Shutdown started while this request waited: it stops waiting (the client retries,
-		// against another process).
+	case err != nil && !acquired && q.m.work.draining.Err() != nil && q.m.work.stop.Err() == nil && errors.Is(err, context.Canceled) &&
+		!errors.Is(err, dbidem.ErrStoreBusy):
+		// Shutdown started while this request waited for another with its key: it stops
+		// waiting (the client retries, against another process). A request whose probes found
+		// the key table locked is answered as such below.
 		endSpan(done, "in_progress", err)
 		q.m.o.Metrics.Count(q.action, StateBusy)
 		q.inProgress(time.Second)
