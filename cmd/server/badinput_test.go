@@ -61,6 +61,11 @@ func TestBadInput(t *testing.T) {
 		{name: "a fractional amount", path: deposits, body: `{"amount":1.5}`, status: 422, code: "validation_failed", stored: true},
 		{name: "a deposit past the largest balance", path: deposits, body: `{"amount":9223372036854775000}`, status: 422, code: "balance_limit", stored: true},
 		{name: "a transfer past the largest balance", path: transfers, body: tr("9223372036854775807"), status: 422, code: "insufficient_funds", stored: true},
+		{name: "a deposit of 2^63", path: deposits, body: `{"amount":9223372036854775808}`, status: 422, code: "balance_limit", stored: true},
+		{name: "a transfer of 1e30", path: transfers, body: tr("1e30"), status: 422, code: "insufficient_funds", stored: true},
+		{name: "an exponent of 20 digits", path: deposits, body: `{"amount":1e99999999999999999999}`, status: 400, code: "malformed_body"},
+		{name: "an exponent of 20 digits, without a key", path: deposits, body: `{"amount":1e99999999999999999999}`, keyless: true, status: 400, code: "malformed_body"},
+		{name: "nesting 129 levels deep, without a key", path: deposits, body: `{"amount":1,"x":` + strings.Repeat("[", 128) + strings.Repeat("]", 128) + `}`, keyless: true, status: 400, code: "malformed_body"},
 		{name: "a non-JSON content type", path: deposits, body: `{"amount":1}`, contentType: "text/plain", status: 415, code: "unsupported_media_type", stored: true},
 		{name: "a form content type (curl -d without -H)", path: deposits, body: `{"amount":1}`, contentType: "application/x-www-form-urlencoded", status: 415, code: "unsupported_media_type", stored: true},
 		{name: "a malformed key", path: deposits, body: `{"amount":1}`, status: 400, code: "idempotency_key_invalid"},
@@ -139,7 +144,7 @@ func TestProtocolEdges(t *testing.T) {
 	if r.status != 405 || r.header.Get("Allow") != "POST" || !strings.Contains(r.body, `"code":"method_not_allowed"`) {
 		t.Fatalf("DELETE /v1/accounts: %+v", r)
 	}
-	if r := s.call("PUT", "/v1/transfers/1", token, "", ""); r.status != 405 || r.header.Get("Allow") != "GET" {
+	if r := s.call("PUT", "/v1/transfers/1", token, "", ""); r.status != 405 || r.header.Get("Allow") != "GET, HEAD" {
 		t.Fatalf("PUT /v1/transfers/1: %+v", r)
 	}
 	if r := s.call("POST", "/healthz", "", "", ""); r.status != 405 || r.header.Get("Allow") != "GET, HEAD" {

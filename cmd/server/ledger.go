@@ -6,6 +6,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -19,14 +20,49 @@ import (
 	"github.com/pgidem/pgidem/idem/idemriver"
 )
 
-// amount reads a positive integer amount in minor units from a JSON number: ok false (a
-// 422) for a fraction, an exponent, zero, a negative or one past the largest balance.
-func amount(v jsontext.Value) (int64, bool) {
+// amountKind is what amount found in a JSON number.
+type amountKind int
+
+const (
+	amountOK       amountKind = iota
+	amountInvalid             // not a positive integer: a fraction, zero, a negative
+	amountTooLarge            // a positive integer past the largest balance, 2^63 - 1
+)
+
+// amount reads a positive integer amount in minor units from a JSON number in its canonical
+// form, which is what DecodeJSON decodes (1e2 and 100.0 are 100; an integer of 1e21 or more is
+// written with an exponent, 1e+21). An integer past the largest balance is told apart from a
+// number that is no amount at all: a deposit of it is balance_limit, a transfer of it
+// insufficient_funds.
+func amount(v jsontext.Value) (int64, amountKind) {
 	if v.Kind() != '0' {
-		return 0, false
+		return 0, amountInvalid
 	}
-	n, err := strconv.ParseInt(string(v), 10, 64)
-	return n, err == nil && n > 0
+	s := string(v)
+	n, err := strconv.ParseInt(s, 10, 64)
+	switch {
+	case err == nil && n > 0:
+		return n, amountOK
+	case err == nil:
+		return 0, amountInvalid
+	case errors.Is(err, strconv.ErrRange) && s[0] != '-':
+		return 0, amountTooLarge
+	}
+	// 1e+21 and above: an integer when the exponent covers the digits after the point.
+	mantissa, exp, ok := strings.Cut(s, "e+")
+	if !ok || strings.HasPrefix(mantissa, "-") {
+		return 0, amountInvalid
+	}
+	_, fraction, _ := strings.Cut(mantissa, ".")
+	if e, err := strconv.Atoi(exp); err != nil || len(fraction) > e {
+		return 0, amountInvalid
+	}
+	return 0, amountTooLarge
+}
+
+// invalidAmount answers an amount that is not a positive integer of minor units.
+func invalidAmount(w http.ResponseWriter, r *http.Request) {
+	invalid(w, r, fmt.Sprintf("amount must be a positive integer in minor units, at most %d", int64(math.MaxInt64)))
 }
 
 // isNumber tells a JSON number from the other kinds (a string amount is a malformed body).
@@ -49,13 +85,37 @@ type account struct {
 	Name      string    `json:"name"`
 	Currency  string    `json:"currency"`
 	Balance   int64     `json:"balance"`
-	Version   int       `json:"version"`
+	Version   int64     `json:"version"`
 	CreatedAt time.Time `json:"created_at"`
 }
 
 // etag is derived from the account's version, so a replayed ETag and a fresh GET of the
 // same version agree.
 func (a account) etag() string { return fmt.Sprintf(`"%d"`, a.Version) }
+
+// matches tells whether an If-None-Match header value matches etag (RFC 9110, 13.1.2): "*",
+// or a list of entity tags of which one is etag under the weak comparison (W/ ignored).
+func matches(ifNoneMatch, etag string) bool {
+	for _, tag := range strings.Split(ifNoneMatch, ",") {
+		tag = strings.TrimSpace(tag)
+		if tag == "*" || strings.TrimPrefix(tag, "W/") == etag {
+			return true
+		}
+	}
+	return false
+}
+
+// accountVersion is the account's version as a query reads it (D162). It is a bigint revision
+// from ledger migration 007 on; the integer column version, which ran out after 2^31 - 1
+// changes, goes on beside it, wrapped into 1 to 2^31 - 2 (f(r) = (r - 1) % (2^31 - 2) + 1), so
+// that the previous release's "version + 1" never overflows while it serves an upgrade. What
+// the previous release adds to version alone is still counted: the version is the revision
+// plus what version has gained over f(revision), or version where no change of this release
+// has reached the account yet. nextRevision is what a change of this release sets.
+const (
+	accountVersion = `coalesce(revision + version - ((revision - 1) % 2147483646 + 1), version)`
+	nextRevision   = `revision = ` + accountVersion + ` + 1, version = ` + accountVersion + ` % 2147483646 + 1`
+)
 
 func (a account) send(w http.ResponseWriter, status int) {
 	w.Header().Set("ETag", a.etag())
@@ -112,7 +172,7 @@ func (s *ledger) createAccount(w http.ResponseWriter, r *http.Request) {
 	principal, _ := principalOf(r.Context())
 	var a account
 	err := idem.TxFrom(r.Context()).QueryRow(r.Context(), `INSERT INTO ledger.accounts (principal_id, name, currency)
-		VALUES ($1, $2, $3) RETURNING id, name, currency, balance, version, created_at`, principal, *in.Name, *in.Currency).
+		VALUES ($1, $2, $3) RETURNING id, name, currency, balance, `+accountVersion+`, created_at`, principal, *in.Name, *in.Currency).
 		Scan(&a.ID, &a.Name, &a.Currency, &a.Balance, &a.Version, &a.CreatedAt)
 	if err != nil {
 		s.serverError(w, r, err)
@@ -137,7 +197,7 @@ func (s *ledger) getAccount(w http.ResponseWriter, r *http.Request) {
 	var a account
 	err := pgx.ErrNoRows
 	if ok {
-		err = s.pool.QueryRow(r.Context(), `SELECT id, name, currency, balance, version, created_at
+		err = s.pool.QueryRow(r.Context(), `SELECT id, name, currency, balance, `+accountVersion+`, created_at
 			FROM ledger.accounts WHERE id = $1 AND principal_id = $2`, id, principal).
 			Scan(&a.ID, &a.Name, &a.Currency, &a.Balance, &a.Version, &a.CreatedAt)
 	}
@@ -149,7 +209,7 @@ func (s *ledger) getAccount(w http.ResponseWriter, r *http.Request) {
 		s.serverError(w, r, err)
 		return
 	}
-	if r.Header.Get("If-None-Match") == a.etag() {
+	if inm := r.Header.Get("If-None-Match"); inm != "" && matches(inm, a.etag()) {
 		w.Header().Set("ETag", a.etag())
 		w.WriteHeader(http.StatusNotModified)
 		return
@@ -177,9 +237,13 @@ func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 		missing(w, r, "amount (a number)")
 		return
 	}
-	amt, ok := amount(*in.Amount)
-	if !ok {
-		invalid(w, r, "amount must be a positive integer in minor units")
+	amt, kind := amount(*in.Amount)
+	switch kind {
+	case amountInvalid:
+		invalidAmount(w, r)
+		return
+	case amountTooLarge:
+		balanceLimit(w, r)
 		return
 	}
 	id, ok := pathID(r, "id")
@@ -188,7 +252,7 @@ func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 	var out deposit
 	err := pgx.ErrNoRows
 	if ok {
-		err = tx.QueryRow(ctx, `UPDATE ledger.accounts SET balance = balance + $1, version = version + 1
+		err = tx.QueryRow(ctx, `UPDATE ledger.accounts SET balance = balance + $1, `+nextRevision+`
 			WHERE id = $2 AND principal_id = $3 RETURNING balance`, amt, id, principal).Scan(&out.Balance)
 	}
 	switch {
@@ -267,11 +331,11 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 		missing(w, r, "from, to and amount (numbers)")
 		return
 	}
-	amt, ok := amount(*in.Amount)
+	amt, kind := amount(*in.Amount)
 	from, to := *in.From, *in.To
 	switch {
-	case !ok:
-		invalid(w, r, "amount must be a positive integer in minor units")
+	case kind == amountInvalid:
+		invalidAmount(w, r)
 		return
 	case from <= 0 || to <= 0:
 		invalid(w, r, "from and to must be account ids")
@@ -318,7 +382,7 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	case src.currency != dst.currency:
 		problem(w, r, http.StatusUnprocessableEntity, "currency_mismatch", "both accounts must hold the same currency")
 		return
-	case src.balance < amt:
+	case src.balance < amt || kind == amountTooLarge:
 		problem(w, r, http.StatusUnprocessableEntity, "insufficient_funds", "the source account's balance is lower than the amount")
 		return
 	case dst.balance > math.MaxInt64-amt:
@@ -326,8 +390,8 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(`UPDATE ledger.accounts SET balance = balance - $1, version = version + 1 WHERE id = $2`, amt, from)
-	batch.Queue(`UPDATE ledger.accounts SET balance = balance + $1, version = version + 1 WHERE id = $2`, amt, to)
+	batch.Queue(`UPDATE ledger.accounts SET balance = balance - $1, `+nextRevision+` WHERE id = $2`, amt, from)
+	batch.Queue(`UPDATE ledger.accounts SET balance = balance + $1, `+nextRevision+` WHERE id = $2`, amt, to)
 	var out transfer
 	batch.Queue(`INSERT INTO ledger.transfers (principal_id, from_id, to_id, amount, idempotency_key) VALUES ($1, $2, $3, $4, $5)
 		RETURNING id, from_id, to_id, amount, created_at`, principal, from, to, amt, nullKey(r)).

@@ -40,9 +40,9 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		missing(w, r, "account and amount (numbers)")
 		return
 	}
-	amt, ok := amount(*in.Amount)
-	if !ok {
-		invalid(w, r, "amount must be a positive integer in minor units")
+	amt, kind := amount(*in.Amount)
+	if kind != amountOK {
+		invalidAmount(w, r)
 		return
 	}
 	principal, _ := principalOf(ctx)
@@ -57,7 +57,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	claim, _ := idem.ClaimOf(ctx)
-	ref, err := s.provider.pay(ctx, claim.ProviderKey, amt)
+	ref, err := s.provider.pay(ctx, principal, claim.ProviderKey, amt)
 	if err != nil {
 		// The lease was lost or the work ran out of time: the middleware answers for the
 		// attempt that holds the key.
@@ -105,7 +105,8 @@ func (s *ledger) getPayout(w http.ResponseWriter, r *http.Request) {
 // outside that a payout was paid once, whatever its retries did.
 func (s *ledger) providerCalls(w http.ResponseWriter, r *http.Request) {
 	key := mux.Vars(r)["key"]
-	calls, repeats, ref, err := s.provider.stats(r.Context(), key)
+	principal, _ := principalOf(r.Context())
+	calls, repeats, ref, err := s.provider.stats(r.Context(), principal, key)
 	if err != nil {
 		s.serverError(w, r, err)
 		return

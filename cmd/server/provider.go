@@ -37,18 +37,19 @@ func newProvider(pool *pgxpool.Pool, delay time.Duration) *provider {
 	return &provider{pool: pool, delay: delay}
 }
 
-// pay pays amount under the provider's idempotency key and returns the payout's reference.
-func (p *provider) pay(ctx context.Context, key string, amount int64) (string, error) {
+// pay pays amount under the provider's idempotency key, for principal, and returns the
+// payout's reference.
+func (p *provider) pay(ctx context.Context, principal, key string, amount int64) (string, error) {
 	var (
 		ref    string
 		stored int64
 		wait   float64 // seconds until the payout's answer is ready, by the database's clock
 	)
-	err := p.pool.QueryRow(ctx, `INSERT INTO provider.payouts (idempotency_key, ref, amount, ready_at)
-		VALUES ($1, 'po_' || nextval('provider.payout_ref_seq'), $2, clock_timestamp() + $3::interval)
+	err := p.pool.QueryRow(ctx, `INSERT INTO provider.payouts (idempotency_key, ref, amount, ready_at, principal_id)
+		VALUES ($1, 'po_' || nextval('provider.payout_ref_seq'), $2, clock_timestamp() + $3::interval, $4)
 		ON CONFLICT (idempotency_key) DO UPDATE SET calls = provider.payouts.calls + 1
 		RETURNING ref, amount, greatest(extract(epoch FROM ready_at - clock_timestamp()), 0)::float8`,
-		key, amount, fmt.Sprintf("%d microseconds", p.delay.Microseconds())).Scan(&ref, &stored, &wait)
+		key, amount, fmt.Sprintf("%d microseconds", p.delay.Microseconds()), principal).Scan(&ref, &stored, &wait)
 	if err != nil {
 		return "", fmt.Errorf("provider: %w", err)
 	}
@@ -67,10 +68,16 @@ func (p *provider) pay(ctx context.Context, key string, amount int64) (string, e
 
 // stats is what the provider knows of a key: how many of its calls it acted on (made the
 // payout: 0 or 1), how many later calls it answered from that payout's record instead
-// (repeats: a retry or a takeover that called again under the same key), and the payout.
-func (p *provider) stats(ctx context.Context, key string) (calls, repeats int, ref string, err error) {
+// (repeats: a retry or a takeover that called again under the same key), and the payout. It
+// tells principal of its own calls only: another's key is a key it never saw. A call recorded
+// before ledger migration 008 (no principal) is principal's when the ledger recorded a payout
+// of principal under its reference.
+func (p *provider) stats(ctx context.Context, principal, key string) (calls, repeats int, ref string, err error) {
 	var received int
-	err = p.pool.QueryRow(ctx, `SELECT calls, ref FROM provider.payouts WHERE idempotency_key = $1`, key).Scan(&received, &ref)
+	err = p.pool.QueryRow(ctx, `SELECT calls, ref FROM provider.payouts AS p WHERE idempotency_key = $1
+		AND (principal_id = $2 OR principal_id IS NULL
+			AND EXISTS (SELECT FROM ledger.payouts AS l WHERE l.principal_id = $2 AND l.provider_ref = p.ref))`,
+		key, principal).Scan(&received, &ref)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, 0, "", nil
 	}

@@ -58,22 +58,29 @@ func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error
 		return nil, nil, err
 	}
 	idemprom.RegisterGate(m.registry, idem)
-	r := mux.NewRouter()
+	// SkipClean: a path that is not clean (//v1/accounts, /v1/./accounts, an escaped slash
+	// in an id) is no route, answered 404 not_found. gorilla/mux would answer it with a bare
+	// 301 to the cleaned path, another route than the client wrote (D162).
+	r := mux.NewRouter().SkipClean(true)
 	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet, http.MethodHead) // HEAD: load balancers probe with it
 	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"version": Version})
-	}).Methods(http.MethodGet)
-	r.Handle("/metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})).Methods(http.MethodGet)
+	}).Methods(http.MethodGet, http.MethodHead)
+	r.Handle("/metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})).Methods(http.MethodGet, http.MethodHead)
 	r.HandleFunc("/openapi.json", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write(openAPI)
-	}).Methods(http.MethodGet)
+	}).Methods(http.MethodGet, http.MethodHead)
 
 	v1 := r.PathPrefix("/v1").Subrouter()
 	v1.Use(s.authenticate)
 	v1.Use(idem.Handler)
 	for _, rt := range ledgerRoutes(s, m.Config.TransfersRequireKey) {
-		v1.HandleFunc(strings.TrimPrefix(rt.path, "/v1"), rt.handler).Methods(rt.method)
+		methods := []string{rt.method}
+		if rt.method == http.MethodGet {
+			methods = append(methods, http.MethodHead) // RFC 9110 9.1: HEAD wherever GET
+		}
+		v1.HandleFunc(strings.TrimPrefix(rt.path, "/v1"), rt.handler).Methods(methods...)
 		if rt.idem != nil {
 			idem.Declare(rt.method, rt.path, *rt.idem)
 		}

@@ -44,9 +44,9 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 		missing(w, r, "account and amount (numbers)")
 		return
 	}
-	amt, ok := amount(*in.Amount)
-	if !ok {
-		invalid(w, r, "amount must be a positive integer in minor units")
+	amt, kind := amount(*in.Amount)
+	if kind != amountOK {
+		invalidAmount(w, r)
 		return
 	}
 	principal, _ := principalOf(ctx)
@@ -54,7 +54,7 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 	account := *in.Account
 
 	reservation, err := idem.Step(ctx, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-		tag, err := tx.Exec(ctx, `UPDATE ledger.accounts SET balance = balance - $1, version = version + 1
+		tag, err := tx.Exec(ctx, `UPDATE ledger.accounts SET balance = balance - $1, `+nextRevision+`
 			WHERE id = $2 AND principal_id = $3 AND balance >= $1`, amt, account, principal)
 		if err != nil {
 			return 0, err
@@ -92,7 +92,7 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 	// does not call again. The call writes nothing to the ledger; a kill during it repeats it
 	// under the same provider key, which the provider deduplicates.
 	ref, err := idem.Step(ctx, "pay", func(ctx context.Context, _ pgx.Tx) (string, error) {
-		return s.provider.pay(ctx, claim.ProviderKey, amt)
+		return s.provider.pay(ctx, principal, claim.ProviderKey, amt)
 	})
 	if err != nil {
 		s.serverError(w, r, err)

@@ -265,7 +265,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		// Sent as JSON (or without a Content-Type, which DecodeJSON takes as JSON) but not
 		// strictly valid JSON (duplicate members, data after the value, invalid UTF-8...): no
 		// handler may act on it, so nothing is claimed or stored.
-		m.problem(w, r, CodeMalformedBody, "the body is not strictly valid JSON (one value, no duplicate member names, valid UTF-8)", nil)
+		m.problem(w, r, CodeMalformedBody, notStrictJSON, nil)
 		return
 	}
 	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.action, Fingerprint: fp.Sum, Fields: fp.Fields,
