@@ -87,10 +87,10 @@ func TestClassifyCitusErrors(t *testing.T) {
 
 	// The one-phase form is the guard only for a transaction that holds an uncompleted
 	// transactional claim; otherwise it is a commit failure of its own.
-	if err := uncompletedCommitError(commitError(citusGuardOnePhase), true); !errors.Is(err, ErrClaimNotCompleted) {
+	if err := uncompletedCommitError(commitError(citusGuardOnePhase, true), true); !errors.Is(err, ErrClaimNotCompleted) {
 		t.Errorf("Citus guard, one-phase, claim uncompleted: %v", err)
 	}
-	if err := uncompletedCommitError(commitError(citusGuardOnePhase), false); errors.Is(err, ErrClaimNotCompleted) || errors.Is(err, ErrCommitUnknown) {
+	if err := uncompletedCommitError(commitError(citusGuardOnePhase, true), false); errors.Is(err, ErrClaimNotCompleted) || errors.Is(err, ErrCommitUnknown) {
 		t.Errorf("a Citus commit failure without a claim: %v, want the error itself", err)
 	}
 }

@@ -285,7 +285,7 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 	err := Persist(ctx, func(ctx context.Context) error {
 		err := Complete(ctx, q, c.Principal, c.Key, attempt, r)
 		var pgErr *pgconn.PgError
-		if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
+		if err != nil && !errors.As(err, &pgErr) && (!pgconn.SafeToRetry(err) || lostReply(err)) {
 			unknown = true
 		}
 		return err

@@ -156,8 +156,11 @@ func (t *Tx) rollback(ctx context.Context) {
 
 // commit sends COMMIT, with the pending completion or final answer in the same round trip.
 func (t *Tx) commit(ctx context.Context) error {
+	// Whether the connection was whole before COMMIT went out: a "conn closed" afterwards is a
+	// connection lost during the exchange (commitError).
+	open := !t.tx.Conn().IsClosed()
 	if t.end == nil {
-		return uncompletedCommitError(commitError(t.tx.Commit(ctx)), t.attempt != 0 && t.claim.Lease == 0)
+		return uncompletedCommitError(commitError(t.tx.Commit(ctx), open), t.attempt != 0 && t.claim.Lease == 0)
 	}
 	b := &pgx.Batch{}
 	if t.final {
@@ -173,7 +176,7 @@ func (t *Tx) commit(ctx context.Context) error {
 					t.rollback(ctx)
 					return classify(err)
 				}
-				return commitError(err)
+				return commitError(err, false) // no COMMIT was sent: the transaction is gone
 			}
 		} else {
 			b.Queue(rollbackToClaimSQL)
@@ -191,7 +194,7 @@ func (t *Tx) commit(ctx context.Context) error {
 			t.rollback(ctx)
 			return classify(err)
 		}
-		return commitError(err)
+		return commitError(err, open)
 	}
 	if tag.String() == "ROLLBACK" {
 		return pgx.ErrTxCommitRollback
@@ -213,17 +216,30 @@ func uncompletedCommitError(err error, uncompleted bool) error {
 
 // commitError tells a refused commit (an ERROR from PostgreSQL: nothing committed, or a
 // failure before anything was sent) from a connection lost after COMMIT was sent, or ended
-// by a FATAL error, whose outcome the client cannot know (ErrCommitUnknown).
-func commitError(err error) error {
+// by a FATAL error, whose outcome the client cannot know (ErrCommitUnknown). open tells that
+// the connection was whole when COMMIT was sent.
+//
+// pgx's SafeToRetry ("nothing was sent") is not trusted for "conn closed" on a connection that
+// was open: pgx v5 drops the read error of a reply lost after the statements went out (a
+// network cut, a proxy's restart) and reports the closed connection instead, as
+// pgconn.ErrConnClosed with SafeToRetry true, although the COMMIT may have run (D163).
+func commitError(err error, open bool) error {
 	if err == nil {
 		return nil
 	}
 	var pgErr *pgconn.PgError
-	if (errors.As(err, &pgErr) && !fatal(pgErr)) || pgconn.SafeToRetry(err) {
+	if errors.As(err, &pgErr) && !fatal(pgErr) {
+		return classify(err)
+	}
+	if pgconn.SafeToRetry(err) && !(open && lostReply(err)) {
 		return classify(err)
 	}
 	return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
 }
+
+// lostReply tells whether err may be a reply lost after a statement was sent: pgx reports the
+// connection it closed on a failed read as pgconn.ErrConnClosed, marked safe to retry (commitError).
+func lostReply(err error) bool { return errors.Is(err, pgconn.ErrConnClosed) }
 
 // fatal tells whether a PostgreSQL error ended the session (FATAL, PANIC).
 func fatal(e *pgconn.PgError) bool {

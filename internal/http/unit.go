@@ -215,6 +215,26 @@ func (q *request) workContext(ctx context.Context) (wctx context.Context, claime
 	}
 }
 
+// giveUpUnknownClaim gives up a lease claim whose COMMIT may or may not have landed (the
+// connection was lost while it committed; the client is told outcome_unknown): had it landed,
+// the key would stay in progress under a lease that no work holds, and the client's retry
+// would wait the whole lease out before it could take the key over. idem_yield, fenced by the
+// claim's token, gives it up at once (the retry runs the work, in the same generation, under
+// the same provider key) or finds nothing, when the COMMIT did not land. It is tried again
+// until it gets an answer, for as long as the lease at most, five seconds at most (D163).
+func (q *request) giveUpUnknownClaim(ctx context.Context, claim dbidem.Claim, attempt int64) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(q.rt.Lease, 5*time.Second))
+	defer cancel()
+	err := dbidem.Persist(ctx, func(ctx context.Context) error {
+		_, err := dbidem.Yield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt)
+		return err
+	})
+	if err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
+		q.m.o.Logger.Warn("idem: a lease claim whose commit was not confirmed could not be given up; the key waits for its lease to run out",
+			"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	}
+}
+
 // keyedOnce claims once and answers, or returns what it knows of the holder of the key when
 // the key is in progress and waiting may get its answer (nothing was answered then).
 func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.Time) (State, *busy) {
@@ -303,6 +323,9 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
 	case err != nil:
 		endSpan(done, "error", err)
+		if acquired && q.rt.Lease > 0 && errors.Is(err, dbidem.ErrCommitUnknown) {
+			q.giveUpUnknownClaim(ctx, claim, d.Attempt)
+		}
 		st := q.storeError(err)
 		q.m.o.Metrics.Count(q.action, st)
 		return st, nil
