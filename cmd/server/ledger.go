@@ -45,8 +45,8 @@ func amount(v jsontext.Value) (int64, amountKind) {
 		return n, amountOK
 	case err == nil:
 		return 0, amountInvalid
-	case errors.Is(err, strconv.ErrRange) && s[0] != '-':
-		return 0, amountTooLarge
+	case errors.Is(err, strconv.ErrRange) && strings.Trim(s, "0123456789") == "":
+		return 0, amountTooLarge // digits only: an integer (a fraction has its point, below 1e21)
 	}
 	// 1e+21 and above: an integer when the exponent covers the digits after the point.
 	mantissa, exp, ok := strings.Cut(s, "e+")
@@ -107,14 +107,15 @@ func matches(ifNoneMatch, etag string) bool {
 
 // accountVersion is the account's version as a query reads it (D162). It is a bigint revision
 // from ledger migration 007 on; the integer column version, which ran out after 2^31 - 1
-// changes, goes on beside it, wrapped into 1 to 2^31 - 2 (f(r) = (r - 1) % (2^31 - 2) + 1), so
-// that the previous release's "version + 1" never overflows while it serves an upgrade. What
-// the previous release adds to version alone is still counted: the version is the revision
-// plus what version has gained over f(revision), or version where no change of this release
-// has reached the account yet. nextRevision is what a change of this release sets.
+// changes, goes on beside it, wrapped into 1 to 2^30 (f(r) = (r - 1) % 2^30 + 1), so that the
+// previous release's "version + 1" has room for 2^30 more changes of the account and never
+// overflows while it serves an upgrade. What the previous release adds to version alone is
+// still counted: the version is the revision plus what version has gained over f(revision),
+// or version where no change of this release has reached the account yet. nextRevision is what
+// a change of this release sets.
 const (
-	accountVersion = `coalesce(revision + version - ((revision - 1) % 2147483646 + 1), version)`
-	nextRevision   = `revision = ` + accountVersion + ` + 1, version = ` + accountVersion + ` % 2147483646 + 1`
+	accountVersion = `coalesce(revision + version - ((revision - 1) % 1073741824 + 1), version)`
+	nextRevision   = `revision = ` + accountVersion + ` + 1, version = ` + accountVersion + ` % 1073741824 + 1`
 )
 
 func (a account) send(w http.ResponseWriter, status int) {
@@ -209,7 +210,8 @@ func (s *ledger) getAccount(w http.ResponseWriter, r *http.Request) {
 		s.serverError(w, r, err)
 		return
 	}
-	if inm := r.Header.Get("If-None-Match"); inm != "" && matches(inm, a.etag()) {
+	// Several field lines of one field are one comma-separated list (RFC 9110, 5.3).
+	if inm := strings.Join(r.Header.Values("If-None-Match"), ","); inm != "" && matches(inm, a.etag()) {
 		w.Header().Set("ETag", a.etag())
 		w.WriteHeader(http.StatusNotModified)
 		return

@@ -100,9 +100,8 @@ func TestUnconfirmedCancelClosesTheConnection(t *testing.T) {
 				return errors.New("the work ran for a client that had left")
 			})
 	}()
-	pgtest.WaitFor(t, direct, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-		AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`)
-	leave() // the client goes away
+	pgtest.WaitFor(t, direct, pgtest.KeyWaiters) // past the probe: the wait that a cancel request ends
+	leave()                                      // the client goes away
 	time.Sleep(200 * time.Millisecond)
 	_ = holder.Rollback(ctx) // the first request fails: the waiting claim gets the key
 	if err := <-done; !errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {

@@ -168,10 +168,8 @@ func TestFaultsGateCancelThroughPgBouncerStaysOnItsConnection(t *testing.T) {
 						return nil
 					})
 			}()
-			pgtest.WaitFor(t, direct, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-				AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()
-				AND clock_timestamp() - query_start > interval '100 ms'`) // past the probe: the wait with a slot
-			leave() // the client goes away: the Gate sends its cancel request
+			pgtest.WaitFor(t, direct, pgtest.KeyWaiters) // past the probe: the wait with a slot
+			leave()                                      // the client goes away: the Gate sends its cancel request
 			left := time.Now()
 			time.Sleep(30 * time.Millisecond)
 			_ = holder.Rollback(ctx) // the first request fails: the waiting claim gets the key

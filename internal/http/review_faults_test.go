@@ -219,8 +219,8 @@ func TestFaultsLeaseClaimCommitLostStallsTheRetryForALease(t *testing.T) {
 	armed.Store(true)
 	r := a.do("POST", "/jobs", "alice", "lost-claim", `{}`)
 	select {
-	case <-cut:
-	default:
+	case <-cut: // the proxy reports the cut after it closed the client's side: wait for it
+	case <-time.After(5 * time.Second):
 		t.Fatalf("the proxy cut no COMMIT; the request got %d %s", r.status, r.body)
 	}
 	t.Logf("the request whose claim's COMMIT reply was lost: %d %s (Retry-After %q)", r.status, r.body, r.header.Get("Retry-After"))
@@ -276,8 +276,8 @@ func TestFaultsCommitReplyLostIsOutcomeUnknown(t *testing.T) {
 	armed.Store(true)
 	r := a.do("POST", "/transfers", "alice", "lost-reply", `{"amount":5}`) // no "commit" in the key: the proxy looks for it
 	select {
-	case <-cut:
-	default:
+	case <-cut: // the proxy reports the cut after it closed the client's side: wait for it
+	case <-time.After(5 * time.Second):
 		t.Fatalf("the proxy cut no COMMIT; the request got %d %s", r.status, r.body)
 	}
 	time.Sleep(400 * time.Millisecond) // the server's side of the cut connection is gone

@@ -24,8 +24,8 @@ func holdKeyElsewhere(t *testing.T, a *app, principal, key string) func() {
 	}
 }
 
-const lockWaiters = `SELECT count(*) FROM pg_stat_activity
-	WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%' AND pid <> pg_backend_pid()`
+// lockWaiters counts the claims that wait on another holder's row lock, past the Gate's probe.
+const lockWaiters = pgtest.KeyWaiters
 
 // TestRowLockWaitEndsWithTheClient (review finding): "the waits before the work still end with
 // the client" (Gate.RunDetached: the wait context for the wait, the work context for the work).

@@ -323,7 +323,8 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
 	case err != nil:
 		endSpan(done, "error", err)
-		if acquired && q.rt.Lease > 0 && errors.Is(err, dbidem.ErrCommitUnknown) {
+		if acquired && d.Outcome == dbidem.Claimed && q.rt.Lease > 0 && errors.Is(err, dbidem.ErrCommitUnknown) {
+			// d is the last run's decision: only its own claim's token is given up.
 			q.giveUpUnknownClaim(ctx, claim, d.Attempt)
 		}
 		st := q.storeError(err)

@@ -55,6 +55,15 @@ func WaitUntilBlocked(t testing.TB, q Querier, pid uint32) {
 	WaitFor(t, q, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid)
 }
 
+// KeyWaiters counts the other sessions of the test's database whose idem_begin has waited on
+// a lock for more than 100 ms: a claim's second try, which waits on another holder of the key
+// (the Gate's first try, its probe, gives up after 5 ms). Wait for it with WaitFor before a
+// step that must find the claim in that wait (the wait, not the statement, counts:
+// pg_locks.waitstart).
+const KeyWaiters = `SELECT count(*) FROM pg_stat_activity AS a JOIN pg_locks AS l ON l.pid = a.pid AND NOT l.granted
+	WHERE a.datname = current_database() AND a.query LIKE '%idem_begin%' AND a.pid <> pg_backend_pid()
+	AND clock_timestamp() - l.waitstart > interval '100 ms'`
+
 // WaitFor polls a query that returns an integer until it is above zero, and fails the test
 // after 10 seconds.
 func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
