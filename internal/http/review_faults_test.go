@@ -183,6 +183,43 @@ func commitCutProxy(t *testing.T, target string, armed *atomic.Bool, cut chan<- 
 	return l.Addr().String()
 }
 
+// commitCutApp is an app whose pool reaches the database through commitCutProxy, in exec mode
+// (the PgBouncer setting; in pgx's default mode a batch prepares its statements first, and the
+// cut would fall on that round trip, before any COMMIT ran). Arm it to cut at the next COMMIT.
+// duplicateWait 0 keeps the app's.
+func commitCutApp(t *testing.T, duplicateWait time.Duration) (a *app, armed *atomic.Bool, cut chan struct{}) {
+	t.Helper()
+	armed, cut = new(atomic.Bool), make(chan struct{}, 1)
+	a = newApp(t, func(o *idemhttp.Options) {
+		cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, o.DB), commitCutProxy(t, pgtest.TCPAddr(t), armed, cut)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		o.DB = pool
+		if duplicateWait > 0 {
+			o.DuplicateWait = duplicateWait
+		}
+	})
+	return a, armed, cut
+}
+
+// waitCut waits for commitCutProxy to report its cut (after it closed the client's side, so
+// possibly after r came back), and fails the test when none came.
+func waitCut(t *testing.T, cut <-chan struct{}, r reply) {
+	t.Helper()
+	select {
+	case <-cut:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("the proxy cut no COMMIT; the request got %d %s", r.status, r.body)
+	}
+}
+
 // TestFaultsLeaseClaimCommitLostStallsTheRetryForALease (D163): on a lease route the claim
 // commits on its own before the handler runs. When the connection is lost after that COMMIT
 // was sent (a network cut, a pooler or proxy restart, a failover's cut), the middleware runs
@@ -196,33 +233,13 @@ func commitCutProxy(t *testing.T, target string, armed *atomic.Bool, cut chan<- 
 // "the retry replays the answer if it did, and runs if it did not".
 func TestFaultsLeaseClaimCommitLostStallsTheRetryForALease(t *testing.T) {
 	t.Parallel()
-	var armed atomic.Bool
-	cut := make(chan struct{}, 1)
-	a := newApp(t, func(o *idemhttp.Options) {
-		url := pgtest.URLOf(t, o.DB)
-		cfg, err := pgxpool.ParseConfig(pgtest.Via(t, url, commitCutProxy(t, pgtest.TCPAddr(t), &armed, cut)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
-		o.DB = pool
-		o.DuplicateWait = 500 * time.Millisecond
-	})
+	a, armed, cut := commitCutApp(t, 500*time.Millisecond)
 	if r := a.do("POST", "/jobs", "alice", "warm-up", `{}`); r.status != 202 { // the middleware's first reads
 		t.Fatalf("warm-up: %d %s", r.status, r.body)
 	}
 	armed.Store(true)
 	r := a.do("POST", "/jobs", "alice", "lost-claim", `{}`)
-	select {
-	case <-cut: // the proxy reports the cut after it closed the client's side: wait for it
-	case <-time.After(5 * time.Second):
-		t.Fatalf("the proxy cut no COMMIT; the request got %d %s", r.status, r.body)
-	}
+	waitCut(t, cut, r)
 	t.Logf("the request whose claim's COMMIT reply was lost: %d %s (Retry-After %q)", r.status, r.body, r.header.Get("Retry-After"))
 	time.Sleep(400 * time.Millisecond) // the server's side of the cut connection is gone
 	if r.status != 503 || problemCode(t, r) != "outcome_unknown" {
@@ -253,33 +270,13 @@ func TestFaultsLeaseClaimCommitLostStallsTheRetryForALease(t *testing.T) {
 // forwards the COMMIT, drops the replies and closes the client's side.
 func TestFaultsCommitReplyLostIsOutcomeUnknown(t *testing.T) {
 	t.Parallel()
-	var armed atomic.Bool
-	cut := make(chan struct{}, 1)
-	a := newApp(t, func(o *idemhttp.Options) {
-		cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, o.DB), commitCutProxy(t, pgtest.TCPAddr(t), &armed, cut)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		// exec mode (the PgBouncer setting; in pgx's default mode the batch prepares its
-		// statements first, and the cut would fall on that round trip, before any COMMIT ran)
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
-		o.DB = pool
-	})
+	a, armed, cut := commitCutApp(t, 0)
 	if r := a.do("POST", "/transfers", "alice", "warm-up", `{"amount":1}`); r.status != 201 {
 		t.Fatalf("warm-up: %d %s", r.status, r.body)
 	}
 	armed.Store(true)
 	r := a.do("POST", "/transfers", "alice", "lost-reply", `{"amount":5}`) // no "commit" in the key: the proxy looks for it
-	select {
-	case <-cut: // the proxy reports the cut after it closed the client's side: wait for it
-	case <-time.After(5 * time.Second):
-		t.Fatalf("the proxy cut no COMMIT; the request got %d %s", r.status, r.body)
-	}
+	waitCut(t, cut, r)
 	time.Sleep(400 * time.Millisecond) // the server's side of the cut connection is gone
 	stored := a.count(`SELECT count(*) FROM idem.idempotency_keys WHERE key = 'lost-reply' AND state = 'c'`)
 	effects := a.count(`SELECT count(*) FROM effects WHERE amount = 5`)
