@@ -183,10 +183,26 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		timeout = DefaultLeaseTimeout
 	}
 	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout, Start: won.Sent})
+	// giveUpRanOut gives up a claim whose lease ran out by this process's clock alone (no
+	// extension heard of, none that found the key taken over): the claim may still stand in
+	// the database, and every later run would wait it out. Fenced by the token, the yield
+	// finds nothing when another attempt holds the key (D164).
+	giveUpRanOut := func() {
+		if lease.TakenOver() {
+			return
+		}
+		done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
+		defer cancel()
+		_ = Persist(done, func(ctx context.Context) error {
+			_, err := Yield(ctx, db, job.Principal, job.Key, attempt)
+			return err
+		})
+	}
 	if lease.Lost() {
 		// The lease ran out while the claim waited, and another attempt may hold the key now:
 		// the work does not start.
 		lease.Stop()
+		giveUpRanOut()
 		var zero T
 		return zero, false, ErrLeaseLost
 	}
@@ -210,6 +226,8 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		if !finished {
 			if !lease.Stop() {
 				yield()
+			} else {
+				giveUpRanOut()
 			}
 		}
 	}()
@@ -221,7 +239,9 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	if err != nil {
 		if lost {
 			// The work stopped because its lease was lost (or failed on its own meanwhile):
-			// the lease has run out, so a retry may take the key over; nothing is given up.
+			// the lease has run out, so a retry may take the key over; the claim is given up
+			// only when no extension found it taken over.
+			giveUpRanOut()
 			var zero T
 			return zero, false, ErrLeaseLost
 		}
@@ -236,6 +256,8 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	if err != nil {
 		if !lost {
 			yield()
+		} else {
+			giveUpRanOut()
 		}
 		return result, false, fmt.Errorf("idem: encode result: %w", err)
 	}

@@ -71,9 +71,12 @@ type Lease struct {
 	done   chan struct{}
 	once   sync.Once
 	lost   atomic.Bool
-	beats  atomic.Int64
-	end    atomic.Pointer[time.Time]
-	lease  time.Duration
+	// takenOver: the loss was found in the database (ErrClaimLost), not by this process's
+	// clock alone.
+	takenOver atomic.Bool
+	beats     atomic.Int64
+	end       atomic.Pointer[time.Time]
+	lease     time.Duration
 }
 
 // KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
@@ -122,7 +125,7 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 			// Taken over, or the lease ran out without an extension: the work must not start.
 			end := start.Add(opts.Lease)
 			l.end.Store(&end)
-			l.lose()
+			l.lose(errors.Is(err, ErrClaimLost))
 			close(l.done)
 			return l
 		}
@@ -150,7 +153,7 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 			if l.stopped() {
 				return // Stop came first, or together: the work ended before the loss was seen
 			}
-			l.lose()
+			l.lose(false)
 			return
 		case <-next.C:
 		}
@@ -181,7 +184,7 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 				onExtend()
 			}
 		case errors.Is(err, ErrClaimLost):
-			l.lose()
+			l.lose(true)
 			return
 		}
 	}
@@ -201,7 +204,10 @@ func (l *Lease) stopped() bool {
 	}
 }
 
-func (l *Lease) lose() {
+func (l *Lease) lose(takenOver bool) {
+	if takenOver {
+		l.takenOver.Store(true)
+	}
 	l.lost.Store(true)
 	l.cancel(ErrLeaseLost)
 }
@@ -228,6 +234,12 @@ func (l *Lease) AnswerDeadline() time.Time {
 // must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
 // succeeds, which it does only while no other attempt has taken the key over.
 func (l *Lease) Lost() bool { return l.lost.Load() }
+
+// TakenOver tells whether the lease was lost because the database said the claim is no longer
+// this attempt's (an extension or a step found another attempt holding the key, or the claim
+// given up): not when it ran out by this process's clock alone, with no extension heard of
+// (their replies lost, the database unreachable), when the claim may still stand (D164).
+func (l *Lease) TakenOver() bool { return l.takenOver.Load() }
 
 // Extensions is how many extensions succeeded.
 func (l *Lease) Extensions() int64 { return l.beats.Load() }

@@ -150,7 +150,7 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		// Taken over (or yielded, completed): this step's writes rolled back, and the work
 		// stops; the lease's holder (a lease route, DoLease) does not record its answer.
 		if s.lease != nil {
-			s.lease.lose()
+			s.lease.lose(true)
 		}
 		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
 	case err != nil:

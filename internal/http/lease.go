@@ -97,8 +97,24 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
 	defer cancel()
 	var err error
+	yielded := false // a lease that ran out by this process's clock alone, given up
 	switch {
 	case lost && !late:
+		if !l.TakenOver() {
+			// No extension was heard of (their replies lost, the database unreachable), none
+			// found the key taken over: the claim may still stand, and every retry would wait
+			// it out. Fenced by the token, the yield finds nothing when another attempt holds
+			// the key (D164).
+			yerr := dbidem.Persist(ctx, func(ctx context.Context) error {
+				ok, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
+				yielded = ok
+				return err
+			})
+			if yerr != nil && !errors.Is(yerr, dbidem.ErrClaimLost) {
+				q.m.o.Logger.Warn("idem: a lease that ran out by this process's clock could not be given up; the key waits for its lease to run out",
+					"error", yerr, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+			}
+		}
 	case v == rollBack:
 		err = dbidem.Persist(ctx, func(ctx context.Context) error {
 			_, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
@@ -114,12 +130,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// unanswered: the client gets 409, another attempt answers. lost: the lease was lost and
 	// its answer not recorded (a late 2xx that could not be recorded by the deadline is
 	// answered 503 outcome_unknown below, as any answer not recorded, and counts as lost).
-	unanswered := (lost && !late) || errors.Is(err, dbidem.ErrClaimLost)
+	unanswered := (lost && !late && !yielded) || errors.Is(err, dbidem.ErrClaimLost)
 	if late && err == nil {
 		q.m.o.Logger.Warn("idem: a lease ran out before its work ended, but no other attempt had taken the key over: its answer was recorded",
 			"key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
 	}
-	lost = unanswered || (late && err != nil)
+	lost = unanswered || yielded || (late && err != nil)
 	switch {
 	case lost:
 		endSpan(done, "lease_lost", dbidem.ErrLeaseLost)
@@ -129,17 +145,26 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		endSpan(done, [...]string{commit: "completed", final: "final"}[v], err)
 	}
 	q.m.o.Metrics.LeaseEnded(q.action, lost, time.Since(start))
-	if !lost {
+	if !lost || yielded {
 		// The duplicates of this process waiting on the key claim again now: a replay, or a
 		// takeover of the lease this attempt gave up.
 		q.m.watches.signal(watchKey{claim.Principal, claim.Key})
-		if v != rollBack && err == nil {
+		if !lost && v != rollBack && err == nil {
 			q.m.typical.add(q.action, time.Since(start))
 		}
 	}
 	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	switch {
+	case yielded:
+		// Given up: the client's retry runs the work again at once, under the same provider
+		// key. A handler's error is sent as it is; nothing else was answered.
+		log.Warn("idem: lease ran out by this process's clock (no extension heard of); its claim was given up, and a retry runs the work again")
+		if v == rollBack && rec != nil && rec.status != 0 {
+			q.answer(rec)
+		} else {
+			q.inProgress(time.Second)
+		}
 	case unanswered:
 		log.Error("idem: lease lost: another attempt may hold the key; this attempt's answer is not recorded and not sent")
 		q.inProgress(claim.Lease)
