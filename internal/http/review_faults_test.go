@@ -4,9 +4,7 @@ package idemhttp_test
 // backend terminated mid-handler); its findings are fixed in D163.
 
 import (
-	"bytes"
 	"context"
-	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -105,93 +103,16 @@ func TestFaultsIdleInTransactionTimeoutConverges(t *testing.T) {
 	}
 }
 
-// commitCutProxy forwards connections to target; once armed, from the first chunk from a
-// client that carries a COMMIT on, the server's replies are dropped, what the client still
-// sends for 100 ms is forwarded, and then the client's connection is closed: the COMMIT runs
-// (the server's side stays open 300 ms more), and the client cannot know its outcome. It
-// reports each cut on cut.
-func commitCutProxy(t *testing.T, target string, armed *atomic.Bool, cut chan<- struct{}) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func(c net.Conn) {
-				s, err := net.Dial("tcp", target)
-				if err != nil {
-					c.Close()
-					return
-				}
-				var drop atomic.Bool // replies dropped once the COMMIT went by
-				go func() {
-					buf := make([]byte, 64<<10)
-					for {
-						n, err := s.Read(buf)
-						if n > 0 && !drop.Load() {
-							if _, werr := c.Write(buf[:n]); werr != nil {
-								return
-							}
-						}
-						if err != nil {
-							c.Close()
-							return
-						}
-					}
-				}()
-				buf := make([]byte, 64<<10)
-				var hitAt time.Time
-				for {
-					if !hitAt.IsZero() {
-						_ = c.SetReadDeadline(hitAt.Add(100 * time.Millisecond))
-					}
-					n, err := c.Read(buf)
-					if n > 0 {
-						chunk := buf[:n]
-						if hitAt.IsZero() && armed.Load() && (bytes.Contains(chunk, []byte("commit\x00")) || bytes.Contains(chunk, []byte("COMMIT\x00"))) {
-							armed.Store(false)
-							drop.Store(true)
-							hitAt = time.Now()
-						}
-						if _, werr := s.Write(chunk); werr != nil {
-							break
-						}
-					}
-					if err != nil {
-						break
-					}
-				}
-				if !hitAt.IsZero() {
-					c.Close() // the client loses the reply
-					select {
-					case cut <- struct{}{}:
-					default:
-					}
-					time.Sleep(300 * time.Millisecond) // the server runs what it got
-				}
-				s.Close()
-				c.Close()
-			}(c)
-		}
-	}()
-	return l.Addr().String()
-}
-
-// commitCutApp is an app whose pool reaches the database through commitCutProxy, in exec mode
-// (the PgBouncer setting; in pgx's default mode a batch prepares its statements first, and the
-// cut would fall on that round trip, before any COMMIT ran). Arm it to cut at the next COMMIT.
+// commitCutApp is an app whose pool reaches the database through cutProxy, cutting at a
+// COMMIT (pgx's Tx.Commit sends "commit", a batch "COMMIT"), in exec mode (the PgBouncer
+// setting; in pgx's default mode a batch prepares its statements first, and the cut would fall
+// on that round trip, before any COMMIT ran). Store 1 in cuts to cut at the next COMMIT.
 // duplicateWait 0 keeps the app's.
-func commitCutApp(t *testing.T, duplicateWait time.Duration) (a *app, armed *atomic.Bool, cut chan struct{}) {
+func commitCutApp(t *testing.T, duplicateWait time.Duration) (a *app, cuts *atomic.Int32, cut chan struct{}) {
 	t.Helper()
-	armed, cut = new(atomic.Bool), make(chan struct{}, 1)
+	cuts, cut = new(atomic.Int32), make(chan struct{}, 1)
 	a = newApp(t, func(o *idemhttp.Options) {
-		cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, o.DB), commitCutProxy(t, pgtest.TCPAddr(t), armed, cut)))
+		cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, o.DB), cutProxy(t, pgtest.TCPAddr(t), cuts, cut, "commit\x00", "COMMIT\x00")))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -206,10 +127,10 @@ func commitCutApp(t *testing.T, duplicateWait time.Duration) (a *app, armed *ato
 			o.DuplicateWait = duplicateWait
 		}
 	})
-	return a, armed, cut
+	return a, cuts, cut
 }
 
-// waitCut waits for commitCutProxy to report its cut (after it closed the client's side, so
+// waitCut waits for cutProxy to report its cut (after it closed the client's side, so
 // possibly after r came back), and fails the test when none came.
 func waitCut(t *testing.T, cut <-chan struct{}, r reply) {
 	t.Helper()
@@ -233,11 +154,11 @@ func waitCut(t *testing.T, cut <-chan struct{}, r reply) {
 // "the retry replays the answer if it did, and runs if it did not".
 func TestFaultsLeaseClaimCommitLostStallsTheRetryForALease(t *testing.T) {
 	t.Parallel()
-	a, armed, cut := commitCutApp(t, 500*time.Millisecond)
+	a, cuts, cut := commitCutApp(t, 500*time.Millisecond)
 	if r := a.do("POST", "/jobs", "alice", "warm-up", `{}`); r.status != 202 { // the middleware's first reads
 		t.Fatalf("warm-up: %d %s", r.status, r.body)
 	}
-	armed.Store(true)
+	cuts.Store(1)
 	r := a.do("POST", "/jobs", "alice", "lost-claim", `{}`)
 	waitCut(t, cut, r)
 	t.Logf("the request whose claim's COMMIT reply was lost: %d %s (Retry-After %q)", r.status, r.body, r.header.Get("Retry-After"))
@@ -270,11 +191,11 @@ func TestFaultsLeaseClaimCommitLostStallsTheRetryForALease(t *testing.T) {
 // forwards the COMMIT, drops the replies and closes the client's side.
 func TestFaultsCommitReplyLostIsOutcomeUnknown(t *testing.T) {
 	t.Parallel()
-	a, armed, cut := commitCutApp(t, 0)
+	a, cuts, cut := commitCutApp(t, 0)
 	if r := a.do("POST", "/transfers", "alice", "warm-up", `{"amount":1}`); r.status != 201 {
 		t.Fatalf("warm-up: %d %s", r.status, r.body)
 	}
-	armed.Store(true)
+	cuts.Store(1)
 	r := a.do("POST", "/transfers", "alice", "lost-reply", `{"amount":5}`) // no "commit" in the key: the proxy looks for it
 	waitCut(t, cut, r)
 	time.Sleep(400 * time.Millisecond) // the server's side of the cut connection is gone

@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -30,10 +31,10 @@ import (
 )
 
 // cutProxy forwards connections to target. While cuts > 0, the first chunk from a client
-// that carries trigger takes one cut: that chunk is forwarded (the statement runs) and the
+// that carries one of triggers takes one cut: that chunk is forwarded (the statement runs) and the
 // server's replies are dropped from then on; 100 ms later the client's side is closed (the
 // client loses the reply), the server's side 300 ms after that. Each cut is reported on cut.
-func cutProxy(t *testing.T, target string, trigger string, cuts *atomic.Int32, cut chan<- struct{}) string {
+func cutProxy(t *testing.T, target string, cuts *atomic.Int32, cut chan<- struct{}, triggers ...string) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -77,7 +78,7 @@ func cutProxy(t *testing.T, target string, trigger string, cuts *atomic.Int32, c
 					n, err := c.Read(buf)
 					if n > 0 {
 						chunk := buf[:n]
-						if hitAt.IsZero() && bytes.Contains(chunk, []byte(trigger)) {
+						if hitAt.IsZero() && slices.ContainsFunc(triggers, func(tr string) bool { return bytes.Contains(chunk, []byte(tr)) }) {
 							for {
 								left := cuts.Load()
 								if left <= 0 {
@@ -136,7 +137,7 @@ func newCutApp(t *testing.T, lease time.Duration, trigger string, edit func(*ide
 	direct, _ := pgtest.NewPool(t, 20)
 	z := &cutApp{t: t, direct: direct, cuts: new(atomic.Int32), cut: make(chan struct{}, 10),
 		started: make(chan struct{}, 10), release: make(chan struct{}), causes: make(chan error, 10)}
-	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, direct), cutProxy(t, pgtest.TCPAddr(t), trigger, z.cuts, z.cut)))
+	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, direct), cutProxy(t, pgtest.TCPAddr(t), z.cuts, z.cut, trigger)))
 	if err != nil {
 		t.Fatal(err)
 	}
