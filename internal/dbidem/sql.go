@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -293,9 +294,62 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 // Complete stores r as the response of the claim with this attempt. It returns
 // ErrClaimLost when that claim is no longer in progress (fencing). Inside RunTx prefer
 // Tx.CompleteOnCommit, which saves a round trip.
+//
+// On a pool, or on a connection outside a transaction, the statement commits on its own, and
+// no context of the caller's ever cancels it (sendCommitting, D165).
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
-	_, err := q.Exec(ctx, CompleteSQL, completeArgs(principal, key, attempt, r)...)
+	_, err := sendCommitting(ctx, q, func(ctx context.Context) (pgconn.CommandTag, error) {
+		return q.Exec(ctx, CompleteSQL, completeArgs(principal, key, attempt, r)...)
+	})
 	return classify(err)
+}
+
+// sendCommitting sends, through send, a statement on q that stores an answer. When it commits
+// on its own (q is a pool, or a connection outside a transaction) and ctx can end, it is sent
+// from a goroutine on a context that never ends, as RunTx sends a COMMIT (D108): a cancel
+// request that reaches a commit waiting for a synchronous standby leaves it committed on the
+// primary alone and visible there, so a retry replays the answer and a failover loses it.
+// When ctx ends first, sendCommitting returns ErrCommitUnknown wrapping ctx's cause at once;
+// the statement goes on, its transaction unseen by every other session, until PostgreSQL
+// answers it (D165).
+func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context.Context) (T, error)) (T, error) {
+	if ctx.Done() == nil || !commitsOnItsOwn(q) {
+		return send(ctx)
+	}
+	var zero T
+	if ctx.Err() != nil {
+		return zero, context.Cause(ctx) // nothing was sent
+	}
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := send(context.WithoutCancel(ctx))
+		done <- result{v, err}
+	}()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-ctx.Done():
+		return zero, fmt.Errorf("%w: the context ended while the answer was being stored; the statement goes on, unseen, until PostgreSQL answers it: %w",
+			ErrCommitUnknown, context.Cause(ctx))
+	}
+}
+
+// commitsOnItsOwn tells whether a statement sent on q is a transaction of its own: q is not a
+// transaction, and not a connection inside one.
+func commitsOnItsOwn(q Querier) bool {
+	switch c := q.(type) {
+	case pgx.Tx, *Tx:
+		return false
+	case *pgx.Conn:
+		return c.PgConn().TxStatus() == 'I'
+	case interface{ Conn() *pgx.Conn }: // *pgxpool.Conn
+		return c.Conn().PgConn().TxStatus() == 'I'
+	}
+	return true
 }
 
 // Release abandons the lease claim with this attempt without a response, so that a retry may
@@ -325,8 +379,11 @@ func Yield(ctx context.Context, q Querier, principal, key string, attempt int64)
 // nobody holds it inserts the answer. It returns false when a live row for the key already
 // exists (nothing is overwritten). Inside RunTx prefer Tx.FinalOnCommit.
 func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
-	var ok bool
-	err := q.QueryRow(ctx, saveFinalSQL, saveFinalArgs(c, r)...).Scan(&ok)
+	ok, err := sendCommitting(ctx, q, func(ctx context.Context) (bool, error) {
+		var ok bool
+		err := q.QueryRow(ctx, saveFinalSQL, saveFinalArgs(c, r)...).Scan(&ok)
+		return ok, err
+	})
 	return ok, classify(err)
 }
 
