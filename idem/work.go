@@ -254,7 +254,11 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 }
 
 // Complete stores r as the response of the claim with this attempt (idem_complete). It
-// returns ErrClaimLost when that claim is no longer in progress (fencing).
+// returns ErrClaimLost when that claim is no longer in progress (fencing). On a pool, or on a
+// connection outside a transaction, the statement commits on its own and is never canceled by
+// ctx (a canceled commit that waits for a synchronous standby would stay on the primary alone):
+// when ctx ends first, Complete returns ErrCommitUnknown at once and the statement goes on until
+// PostgreSQL answers it.
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
 	return dbidem.Complete(ctx, q, principal, key, attempt, dbidem.Response(r))
 }
@@ -279,7 +283,8 @@ func Yield(ctx context.Context, q Querier, principal, key string, attempt int64)
 // SaveFinal stores r as the final answer to c in q's transaction (idem_save_final): in the
 // transaction that claimed c (after rolling its work back to a savepoint) it finalizes that
 // claim; for a key nobody holds it inserts the answer. It returns false when a live row for
-// the key already exists. Inside RunTx prefer Tx.FinalOnCommit.
+// the key already exists. Inside RunTx prefer Tx.FinalOnCommit. Outside a transaction it is
+// never canceled by ctx, as Complete.
 func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
 	return dbidem.SaveFinal(ctx, q, dbidem.Claim(c), dbidem.Response(r))
 }
