@@ -224,6 +224,40 @@ func setSyncNames(t *testing.T, conn *pgx.Conn, names, wantState string) {
 	}
 }
 
+// TestFailoverReviewReplicationViewWhenTooFewSyncStandbys (D165): idem_replication's warning
+// says "that commits wait for a synchronous standby that is not connected" (docs/sql-api.md).
+// With synchronous_standby_names = 'FIRST 2 (*)' or 'ANY 2 (*)' and one standby streaming, every
+// commit waits for a second one, but the view said synchronous, 1 standby, and no warning: the
+// one standby shows as sync or quorum, and the function only checked that at least one is. It
+// compares with the number the setting asks for now.
+func TestFailoverReviewReplicationViewWhenTooFewSyncStandbys(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	p := startStandbyPair(t, "")
+	admin, err := pgx.Connect(ctx, p.primary.ConnString("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	for _, c := range []struct{ names, state string }{{"FIRST 2 (*)", "sync"}, {"ANY 2 (*)", "quorum"}, {"2 (*)", "sync"}} {
+		setSyncNames(t, admin, c.names, c.state)
+		h, err := idem.ReadHealth(ctx, admin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h.Replication != "synchronous" || h.Standbys != 1 || !strings.Contains(h.ReplicationWarning, "asks for 2 synchronous standbys") {
+			t.Errorf("synchronous_standby_names = %q with one standby: %s, %d standbys, warning %q; want synchronous with a warning "+
+				"that commits wait for a second standby", c.names, h.Replication, h.Standbys, h.ReplicationWarning)
+		}
+	}
+	for _, c := range []struct{ names, state string }{{"FIRST 1 (*)", "sync"}, {"ANY 1 (*)", "quorum"}, {"*", "sync"}} {
+		setSyncNames(t, admin, c.names, c.state)
+		if h, err := idem.ReadHealth(ctx, admin); err != nil || h.Replication != "synchronous" || h.ReplicationWarning != "" {
+			t.Errorf("synchronous_standby_names = %q with its one standby: %+v %v, want synchronous without a warning", c.names, h, err)
+		}
+	}
+}
+
 // TestFailoverReviewReplicationViewChecked (checked, correct): A standby connected under another name than
 // synchronous_standby_names ('ghost'), a stalled synchronous standby's effect on the view, a
 // role whose synchronous_commit is local, and the promoted standby's own view.

@@ -3226,6 +3226,7 @@ DECLARE
     v_waits   boolean;
     v_visible boolean;
     v_sync    integer;
+    v_need    integer;
 BEGIN
     -- The WAL senders of standbys: not those of logical replication slots, nor a base backup's
     -- (state 'backup', when the owner sees it).
@@ -3243,9 +3244,15 @@ BEGIN
     v_waits := v_names <> '' AND v_commit IN ('on', 'remote_write', 'remote_apply');
     IF v_waits THEN
         replication := 'synchronous';
+        -- How many synchronous standbys each commit waits for: FIRST n (...) or ANY n (...),
+        -- else (a plain list of names) one.
+        v_need := coalesce((pg_catalog.regexp_match(v_names, '^\s*(?:(?:first|any)\s+)?(\d+)\s*\(', 'i'))[1]::integer, 1);
         IF standbys = 0 OR (v_visible AND v_sync = 0) THEN
             replication_warning := 'synchronous_standby_names is set but no synchronous standby is connected: '
                 || 'every commit waits until one is (or the setting is cleared)';
+        ELSIF v_visible AND v_sync < v_need THEN
+            replication_warning := format('synchronous_standby_names (%L) asks for %s synchronous standbys but %s '
+                || 'is connected: every commit waits until enough are (or the setting is changed)', v_names, v_need, v_sync);
         END IF;
     ELSIF standbys > 0 THEN
         replication := 'asynchronous';
