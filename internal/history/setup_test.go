@@ -48,6 +48,28 @@ const cleanupEvery = 100 * time.Millisecond
 // early is deleted after its answer.
 const edgeTTL = 1500 * time.Millisecond
 
+// probeEdgesAgain runs ExpiryEdge again, quietly (after the faults), up to three times, for
+// each kind of route whose edge probe never returned in time: a probe counts only when it
+// returns within 450 ms, and the quiet ones run together at the start, when the other
+// packages' tests start too; on a loaded machine (CI) all of a kind came back late, twice.
+// requireEdges still asks for one of each.
+func probeEdgesAgain(ctx context.Context, runner *Runner) {
+	for range 3 {
+		events := runner.Events()
+		var again []Scenario
+		if events["expiry probed before the edge tx"] == 0 {
+			again = append(again, ExpiryEdge(Transactional, edgeWork, edgeTTL, 0))
+		}
+		if events["expiry probed before the edge lease"] == 0 {
+			again = append(again, ExpiryEdge(Leased, edgeWork, edgeTTL, 0))
+		}
+		if len(again) == 0 {
+			return
+		}
+		runner.Quiet(ctx, again...)
+	}
+}
+
 // requireEdges fails a run that probed the contract's bounds too little: unknown outcomes,
 // takeovers, lost leases, COMMITs killed, probes before a key's expiry that returned in time,
 // and cleanup passes; takeovers and lost leases only when leases (the SQL harness's scenarios
