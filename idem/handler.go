@@ -89,9 +89,8 @@ func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
 // and duplicate members, names that differ only in case, invalid UTF-8, trailing data, nesting
 // deeper than 128 levels and exponents of more than 15 digits refused, with a key or without),
 // decoding the canonical text that was fingerprinted, so that two requests with one
-// fingerprint mean the same thing. On
-// failure it writes 400 malformed_body or 415 unsupported_media_type (final answers, stored
-// for a keyed request) and returns false.
+// fingerprint mean the same thing. On failure it writes 400 malformed_body or 415
+// unsupported_media_type (final answers, stored for a keyed request) and returns false.
 func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 	return idemhttp.DecodeJSON(w, r, v)
 }

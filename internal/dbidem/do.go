@@ -183,20 +183,24 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		timeout = DefaultLeaseTimeout
 	}
 	lease := KeepAlive(ctx, db, job.Principal, job.Key, attempt, LeaseOptions{Lease: job.Lease, Timeout: timeout, Start: won.Sent})
+	// The claim is given up (Yield), until AnswerDeadline and through the failures that pass,
+	// when fn fails or its result cannot be encoded, or when fn panics: then the heartbeat
+	// stops too, and the panic goes on to the caller. Without that, a job runner that recovers
+	// the panic left the heartbeat extending the lease until job.Timeout, and every retry was
+	// told the work was in progress.
+	yield := func() {
+		done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
+		defer cancel()
+		_, _ = PersistYield(done, db, job.Principal, job.Key, attempt)
+	}
 	// giveUpRanOut gives up a claim whose lease ran out by this process's clock alone (no
 	// extension heard of, none that found the key taken over): the claim may still stand in
 	// the database, and every later run would wait it out. Fenced by the token, the yield
 	// finds nothing when another attempt holds the key (D164).
 	giveUpRanOut := func() {
-		if lease.TakenOver() {
-			return
+		if !lease.TakenOver() {
+			yield()
 		}
-		done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
-		defer cancel()
-		_ = Persist(done, func(ctx context.Context) error {
-			_, err := Yield(ctx, db, job.Principal, job.Key, attempt)
-			return err
-		})
 	}
 	if lease.Lost() {
 		// The lease ran out while the claim waited, and another attempt may hold the key now:
@@ -208,19 +212,6 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	}
 	lc := LeaseClaim{Principal: job.Principal, Key: job.Key, Attempt: attempt, ProviderKey: won.ProviderKey,
 		RecoveryPoint: won.RecoveryPoint}
-	// The claim is given up (Yield), until AnswerDeadline and through the failures that pass,
-	// when fn fails or its result cannot be encoded, or when fn panics: then the heartbeat
-	// stops too, and the panic goes on to the caller. Without that, a job runner that recovers
-	// the panic left the heartbeat extending the lease until job.Timeout, and every retry was
-	// told the work was in progress.
-	yield := func() {
-		done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
-		defer cancel()
-		_ = Persist(done, func(ctx context.Context) error {
-			_, err := Yield(ctx, db, job.Principal, job.Key, attempt)
-			return err
-		})
-	}
 	finished := false
 	defer func() {
 		if !finished {

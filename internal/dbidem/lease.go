@@ -283,6 +283,19 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 	}
 }
 
+// PersistYield gives up the lease claim with this attempt (Yield) through Persist: tried
+// again until it gets an answer, or ctx ends. It reports whether the claim was given up
+// (false: it was no longer in progress, or the last try failed).
+func PersistYield(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
+	var yielded bool
+	err := Persist(ctx, func(ctx context.Context) error {
+		var err error
+		yielded, err = Yield(ctx, q, principal, key, attempt)
+		return err
+	})
+	return yielded && err == nil, err
+}
+
 // PersistAnswer records r as the answer of the lease claim c with this attempt (Complete on q)
 // through Persist, and tells an answer that landed from one that did not when a reply was
 // lost. A Complete whose reply never came (the connection broke after the statement was sent)

@@ -105,21 +105,15 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			// found the key taken over: the claim may still stand, and every retry would wait
 			// it out. Fenced by the token, the yield finds nothing when another attempt holds
 			// the key (D164).
-			yerr := dbidem.Persist(ctx, func(ctx context.Context) error {
-				ok, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
-				yielded = ok
-				return err
-			})
+			var yerr error
+			yielded, yerr = dbidem.PersistYield(ctx, db, claim.Principal, claim.Key, attempt)
 			if yerr != nil && !errors.Is(yerr, dbidem.ErrClaimLost) {
 				q.m.o.Logger.Warn("idem: a lease that ran out by this process's clock could not be given up; the key waits for its lease to run out",
 					"error", yerr, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
 			}
 		}
 	case v == rollBack:
-		err = dbidem.Persist(ctx, func(ctx context.Context) error {
-			_, err := dbidem.Yield(ctx, db, claim.Principal, claim.Key, attempt)
-			return err
-		})
+		_, err = dbidem.PersistYield(ctx, db, claim.Principal, claim.Key, attempt)
 	default:
 		resp, big := q.stored(rec, st)
 		if big {

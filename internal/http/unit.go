@@ -225,11 +225,7 @@ func (q *request) workContext(ctx context.Context) (wctx context.Context, claime
 func (q *request) giveUpUnknownClaim(ctx context.Context, claim dbidem.Claim, attempt int64) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(q.rt.Lease, 5*time.Second))
 	defer cancel()
-	err := dbidem.Persist(ctx, func(ctx context.Context) error {
-		_, err := dbidem.Yield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt)
-		return err
-	})
-	if err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
+	if _, err := dbidem.PersistYield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt); err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
 		q.m.o.Logger.Warn("idem: a lease claim whose commit was not confirmed could not be given up; the key waits for its lease to run out",
 			"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	}
