@@ -163,8 +163,9 @@ var (
 	ErrUnknownPrincipal = dbidem.ErrUnknownPrincipal
 	// ErrClaimNotCompleted: COMMIT refused a transactional claim without its completion.
 	ErrClaimNotCompleted = dbidem.ErrClaimNotCompleted
-	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
-	// configuration error, not a reason to retry.
+	// ErrInvalidArgument: the functions refused an argument (22004, 22023), or PostgreSQL a
+	// text argument it cannot hold (22021: bytes that are not UTF-8, U+0000; 22P05): a caller
+	// or configuration error, not a reason to retry.
 	ErrInvalidArgument = dbidem.ErrInvalidArgument
 	// ErrCommitUnknown: the connection failed after COMMIT was sent, or the context ended
 	// while COMMIT ran: the transaction may or may not have committed; a retry with the same

@@ -168,6 +168,10 @@ type Route struct {
 	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body,
 	// ComputeFingerprint) for a route whose meaning is narrower than its body. Default nil.
+	// The body is still judged on its own, whatever the function hashed: one sent as JSON
+	// that is not strictly valid JSON, or ambiguous (Fingerprint.Ambiguous), is refused with
+	// 400 malformed_body before any claim, as with the default fingerprint; an Ambiguous set
+	// by the function is refused too.
 	Fingerprint func(r *http.Request, body []byte) Fingerprint
 }
 

@@ -170,8 +170,9 @@ type Claim struct {
 type Response struct {
 	// Status is the HTTP status, 100 to 599.
 	Status int
-	// Header holds the stored headers (an allowlist chosen by the caller). A header with
-	// several values is stored as one, joined with ", " (RFC 9110, section 5.3).
+	// Header holds the stored headers (an allowlist chosen by the caller), each line as it
+	// was: a header with several values comes back with the same values, and bytes that are
+	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers").
 	Header http.Header
 	// Body is the body byte for byte; nil when withheld.
 	Body []byte

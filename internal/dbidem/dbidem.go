@@ -96,8 +96,9 @@ type Claim struct {
 type Response struct {
 	// Status is the HTTP status, 100 to 599.
 	Status int
-	// Header holds the stored headers (an allowlist chosen by the caller). A header with
-	// several values is stored as one, joined with ", " (RFC 9110, section 5.3).
+	// Header holds the stored headers (an allowlist chosen by the caller), each line as it
+	// was: a header with several values comes back with the same values, and bytes that are
+	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers").
 	Header http.Header
 	// Body is the body byte for byte; nil when withheld.
 	Body []byte
@@ -163,8 +164,9 @@ var (
 	// ErrClaimNotCompleted: COMMIT refused a transactional claim without its completion
 	// (23503 on GuardConstraint). Everything in the transaction was rolled back.
 	ErrClaimNotCompleted = errors.New("idem: claim committed without its completion")
-	// ErrInvalidArgument: the functions refused an argument (22004, 22023): a caller or
-	// configuration error, not a reason to retry.
+	// ErrInvalidArgument: the functions refused an argument (22004, 22023), or PostgreSQL a
+	// text argument it cannot hold (22021: bytes that are not UTF-8, U+0000; 22P05): a caller
+	// or configuration error, not a reason to retry.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 	// ErrCommitUnknown: the connection failed after COMMIT was sent and before its answer
 	// came back: the transaction may or may not have committed. A retry with the same key
@@ -195,7 +197,9 @@ func classify(err error) error {
 		return fmt.Errorf("%w: %w", ErrInProgress, err)
 	case "55000":
 		return fmt.Errorf("%w: %w", ErrClaimLost, err)
-	case "22004", "22023":
+	case "22004", "22023", "22021", "22P05":
+		// 22021 and 22P05: a text argument PostgreSQL cannot hold (bytes that are not UTF-8,
+		// U+0000), refused before the function runs; as final as the functions' own refusals.
 		return fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 	case "23503":
 		switch {

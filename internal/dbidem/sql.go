@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -98,18 +99,42 @@ func nullable(s string) *string {
 	return &s
 }
 
-// encodeHeader stores one string per header name; several values are joined with ", ".
+// encodeHeader stores one string per header name, so that a replay writes the same bytes as
+// the first answer (D166): a header sent on several lines is stored as its lines joined by a
+// line feed, which no line can hold (net/http writes a carriage return or line feed inside a
+// value as a space, so each line is stored as it goes out); a line that JSON text cannot
+// hold byte for byte (bytes that are not UTF-8, U+0000) is stored as U+0001 followed by one
+// character per byte, U+0100 plus the byte, as is a line that begins with U+0001 (which no
+// valid header value does). A line of UTF-8 text, the usual case, is stored as it is.
 func encodeHeader(h http.Header) string {
 	m := make(map[string]string, len(h))
 	for k, v := range h {
-		m[k] = strings.Join(v, ", ")
+		lines := make([]string, len(v))
+		for i, line := range v {
+			line = headerNewlineToSpace.Replace(line)
+			if !utf8.ValidString(line) || strings.IndexByte(line, 0) >= 0 || strings.HasPrefix(line, "\x01") {
+				var b strings.Builder
+				b.WriteByte(1)
+				for j := 0; j < len(line); j++ {
+					b.WriteRune(0x100 + rune(line[j]))
+				}
+				line = b.String()
+			}
+			lines[i] = line
+		}
+		m[k] = strings.Join(lines, "\n")
 	}
 	b, _ := json.Marshal(m)
 	return string(b)
 }
 
+// headerNewlineToSpace is what net/http does to a line feed or carriage return in a header
+// value as it writes it.
+var headerNewlineToSpace = strings.NewReplacer("\n", " ", "\r", " ")
+
 // decodeHeader reads a stored answer's headers: an object of strings (the functions accept
-// nothing else), or NULL, read as none.
+// nothing else), or NULL, read as none; each string as encodeHeader wrote it (a string written
+// by another client, with no line feed and no leading U+0001, is one line as it is).
 func decodeHeader(b []byte) (http.Header, error) {
 	if b == nil {
 		return http.Header{}, nil
@@ -120,9 +145,29 @@ func decodeHeader(b []byte) (http.Header, error) {
 	}
 	h := make(http.Header, len(m))
 	for k, v := range m {
-		h[k] = []string{v}
+		lines := strings.Split(v, "\n")
+		for i, line := range lines {
+			lines[i] = decodeHeaderLine(line)
+		}
+		h[k] = lines
 	}
 	return h, nil
+}
+
+// decodeHeaderLine undoes encodeHeader's form of a line that JSON text cannot hold; a line in
+// no such form is returned as it is.
+func decodeHeaderLine(line string) string {
+	if !strings.HasPrefix(line, "\x01") {
+		return line
+	}
+	out := make([]byte, 0, len(line)/2)
+	for _, r := range line[1:] {
+		if r < 0x100 || r > 0x1ff {
+			return line
+		}
+		out = append(out, byte(r-0x100))
+	}
+	return string(out)
 }
 
 // beginSQL is the statement of c's claim: a lease claim reads its recovery points too.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"net/http"
 	"strconv"
 	"sync"
 	"time"
@@ -66,7 +67,23 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		RecoveryPoint: d.RecoveryPoint}
 	sctx := dbidem.WithSteps(l.Context(), dbidem.NewSteps(q.m.o.DB, &lc, d, l, q.txOptions()))
 	hctx, handlerSpan := q.startSpan(sctx, "idem.handler")
-	rec, st, v := q.run(hctx, nil, true)
+	// A handler that panics with http.ErrAbortHandler (run passes only that panic on) asks for
+	// the connection to be dropped without an answer: the claim is given up as for any other
+	// failure, then the panic goes on to net/http. Before, the claim stood until its lease ran
+	// out and every retry got 409 meanwhile.
+	aborted := false
+	rec, st, v := func() (rec *recorder, st *state, v verdict) {
+		defer func() {
+			if p := recover(); p != nil {
+				if p != http.ErrAbortHandler {
+					panic(p)
+				}
+				aborted = true
+				rec, st, v = nil, nil, rollBack
+			}
+		}()
+		return q.run(hctx, nil, true)
+	}()
 	endHandlerSpan(handlerSpan, rec, v)
 	// Shutdown ended the work and the handler stopped without answering: net/http would send an
 	// empty 200, and it would be stored as the answer of work that did not run. The lease is
@@ -149,6 +166,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	}
 	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	if aborted {
+		if err != nil {
+			log.Error("idem: the handler aborted; its lease was not ended, and the key stays in progress until the lease runs out", "error", err)
+		}
+		panic(http.ErrAbortHandler)
+	}
 	switch {
 	case yielded:
 		// Given up: the client's retry runs the work again at once, under the same provider

@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strings"
 	"time"
@@ -163,7 +164,8 @@ func DefaultRouteTemplate(r *http.Request) string {
 // defaultAction is the action of a route that names none: the method and the route template.
 // Where the route leaves them to the client (a route that takes any method, a template that
 // is the URL path), the action is still one the SQL API stores and a metric label of bounded
-// variety: a method outside RFC 9110's nine is "OTHER", bytes that are not UTF-8 are U+FFFD,
+// variety: a method outside RFC 9110's nine is "OTHER", bytes that are not UTF-8 and U+0000
+// (which PostgreSQL's text holds neither of) are U+FFFD,
 // and the whole is cut to MaxActionLength characters. The request's fingerprint still covers
 // its exact method and path, so two such requests under one key remain a mismatch.
 func defaultAction(method, template string) string {
@@ -173,7 +175,7 @@ func defaultAction(method, template string) string {
 	default:
 		method = "OTHER"
 	}
-	a := method + " " + strings.ToValidUTF8(template, "\uFFFD")
+	a := method + " " + strings.ReplaceAll(strings.ToValidUTF8(template, "\uFFFD"), "\x00", "\uFFFD")
 	if utf8.RuneCountInString(a) > MaxActionLength {
 		a = string([]rune(a)[:MaxActionLength])
 	}
@@ -235,7 +237,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		m.tooLarge(w, r)
 		return
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, m.o.MaxBodyBytes+1))
+	// One byte more than the bound tells a body over it; math.MaxInt64 has no byte more (its
+	// + 1 would wrap to a negative limit, which reads nothing).
+	body, err := io.ReadAll(io.LimitReader(r.Body, min(m.o.MaxBodyBytes, math.MaxInt64-1)+1))
 	if err != nil {
 		m.problem(w, r, CodeBodyUnreadable, "the request body could not be read", nil)
 		return
@@ -250,18 +254,33 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		return
 	}
 	var fp canon.Fingerprint
+	var bodyJSON bool
+	var ambiguous string
 	if rt.Fingerprint != nil {
 		fp = rt.Fingerprint(r, body)
+		// What the route hashed (often a part of the body, or not JSON at all) says nothing
+		// of whether the body is strictly valid JSON: the body is judged on its own, as the
+		// default fingerprint judges it.
+		ambiguous = fp.Ambiguous
+		if len(body) > 0 {
+			if c, a, err := canon.CanonicalizeAmbiguous(body); err == nil {
+				bodyJSON, q.canonical = true, c
+				if ambiguous == "" {
+					ambiguous = a
+				}
+			}
+		}
 	} else {
 		// The canonical text from the same parse: DecodeJSON decodes it (what was hashed).
 		fp, q.canonical = canon.ComputeCanonical(r.Method, r.URL.EscapedPath(), body)
+		bodyJSON, ambiguous = fp.JSON, fp.Ambiguous
 	}
 	switch {
-	case fp.Ambiguous != "":
+	case ambiguous != "":
 		// Refused before any claim: a handler could not be sure to act on what was hashed.
-		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+fp.Ambiguous, nil)
+		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+ambiguous, nil)
 		return
-	case !fp.JSON && len(body) > 0 && (jsonContent(r) || r.Header.Get("Content-Type") == ""):
+	case !bodyJSON && len(body) > 0 && (jsonContent(r) || r.Header.Get("Content-Type") == ""):
 		// Sent as JSON (or without a Content-Type, which DecodeJSON takes as JSON) but not
 		// strictly valid JSON (duplicate members, data after the value, invalid UTF-8...): no
 		// handler may act on it, so nothing is claimed or stored.

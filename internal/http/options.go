@@ -25,7 +25,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -133,8 +135,9 @@ type Route struct {
 	// Action names what the route does, for example "POST /v1/transfers". A different
 	// action under the same key is a mismatch. Default: the method and the route template
 	// (gorilla/mux's, ServeMux's pattern, or Options.RouteTemplate's; else the URL path), a
-	// method outside RFC 9110's nine named OTHER, bytes that are not UTF-8 replaced, cut to
-	// MaxActionLength characters. The action is a metric label: with the URL path as the
+	// method outside RFC 9110's nine named OTHER, bytes that are not UTF-8 and U+0000
+	// replaced by U+FFFD, cut to MaxActionLength characters. A declared Action must be valid
+	// UTF-8 without U+0000 (PostgreSQL's text holds neither). The action is a metric label: with the URL path as the
 	// template, every path is one, so give a router's template (Options.RouteTemplate).
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing, when
@@ -156,7 +159,8 @@ type Route struct {
 	// (Options.WorkTimeout). 0: Options.WorkTimeout.
 	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body) for a
-	// route whose meaning is narrower than its body.
+	// route whose meaning is narrower than its body. The body is still judged on its own
+	// (strictly valid JSON, not ambiguous), as with the default fingerprint.
 	Fingerprint func(r *http.Request, body []byte) canon.Fingerprint
 }
 
@@ -174,7 +178,14 @@ func (o *Options) defaults() {
 		o.MaxBodyBytes = 1 << 20
 	}
 	if o.MaxWaitingBytes == 0 {
-		o.MaxWaitingBytes = max(16*o.MaxBodyBytes, 16<<20)
+		// Saturated: 16 times a MaxBodyBytes near math.MaxInt64 would wrap to a negative bound.
+		o.MaxWaitingBytes = 16 << 20
+		if o.MaxBodyBytes > o.MaxWaitingBytes/16 {
+			o.MaxWaitingBytes = math.MaxInt64
+			if o.MaxBodyBytes <= math.MaxInt64/16 {
+				o.MaxWaitingBytes = 16 * o.MaxBodyBytes
+			}
+		}
 	}
 	if o.MaxStoredBodyBytes == 0 {
 		o.MaxStoredBodyBytes = 256 << 10
@@ -275,5 +286,9 @@ func (rt Route) check() {
 	}
 	if utf8.RuneCountInString(rt.Action) > MaxActionLength {
 		panic(fmt.Sprintf("idem: Route.Action must be at most %d characters, got %d", MaxActionLength, utf8.RuneCountInString(rt.Action)))
+	}
+	if !utf8.ValidString(rt.Action) || strings.IndexByte(rt.Action, 0) >= 0 {
+		// PostgreSQL's text holds neither: every claim would be refused (22021).
+		panic(fmt.Sprintf("idem: Route.Action must be valid UTF-8 without U+0000, got %q", rt.Action))
 	}
 }

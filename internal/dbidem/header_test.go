@@ -1,0 +1,46 @@
+package dbidem
+
+import (
+	"net/http"
+	"reflect"
+	"testing"
+)
+
+// TestStoredHeadersKeepEveryLineAndByte: what encodeHeader stores, decodeHeader reads back as
+// the lines that went out (D166): several lines stay several, bytes that are not UTF-8 and
+// U+0000 stay bytes, a carriage return or line feed inside a value is the space net/http
+// writes, and a string that another client stored (a list joined with ", ") is one line.
+func TestStoredHeadersKeepEveryLineAndByte(t *testing.T) {
+	t.Parallel()
+	in := http.Header{
+		"Set-Cookie":   {"a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT", "b=2"},
+		"Etag":         {"\"v\xe9\xff1\""},
+		"X-Nul":        {"a\x00b"},
+		"X-Soh":        {"\x01starts with U+0001"},
+		"X-Crlf":       {"a\r\nb"},
+		"Content-Type": {"application/json"},
+		"X-Empty":      {"", "x"},
+		"X-Utf8":       {"café ☕"},
+	}
+	want := in.Clone()
+	want["X-Crlf"] = []string{"a  b"}
+	got, err := decodeHeader([]byte(encodeHeader(in)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("stored and read back:\n got %q\nwant %q", got, want)
+	}
+	// The example of docs/sql-api.md, "Stored headers".
+	if s := encodeHeader(http.Header{"Etag": {"\"v\xe9\""}}); s != `{"Etag":"\u0001ĢŶǩĢ"}` {
+		t.Fatalf("the documented form of an ETag with byte 0xE9: %s", s)
+	}
+	// UTF-8 text is stored as it is; a string from another client is one line, as it is.
+	if s := encodeHeader(http.Header{"X-Utf8": {"café"}}); s != `{"X-Utf8":"café"}` {
+		t.Fatalf("UTF-8 text: %s", s)
+	}
+	h, err := decodeHeader([]byte(`{"Vary":"Accept, Origin","X-Odd":"\u0001not bytes ☕"}`))
+	if err != nil || !reflect.DeepEqual(h, http.Header{"Vary": {"Accept, Origin"}, "X-Odd": {"\x01not bytes ☕"}}) {
+		t.Fatalf("strings another client stored: %q %v", h, err)
+	}
+}
