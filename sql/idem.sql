@@ -3229,14 +3229,17 @@ DECLARE
     v_need    integer;
 BEGIN
     -- The WAL senders of standbys: not those of logical replication slots, nor a base backup's
-    -- (state 'backup', when the owner sees it).
+    -- (state 'backup', when the owner sees it), nor the WAL stream of pg_basebackup -X stream
+    -- (state 'streaming' like a standby's; told by its application_name, which every role
+    -- sees): no failover goes to a backup under way.
     SELECT count(*) FILTER (WHERE r.state IS DISTINCT FROM 'backup')::integer,
            bool_and(r.state IS NOT NULL),
            count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum'))::integer
       INTO standbys, v_visible, v_sync
       FROM pg_catalog.pg_stat_replication AS r
      WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_catalog.pg_replication_slots AS s
-                          WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL);
+                          WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL)
+       AND r.application_name IS DISTINCT FROM 'pg_basebackup';
     IF pg_catalog.pg_is_in_recovery() THEN
         replication := 'standby';
         RETURN;
