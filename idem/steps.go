@@ -34,6 +34,12 @@ import (
 // again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
 // in a new transaction, as Do does.
 //
+// The step's COMMIT waits for its reply at most a lease (at least 5 seconds):
+// past that (the connection lost or black-holed while it committed, a synchronous standby
+// that stalls) Step returns ErrCommitUnknown, and the step may or may not be recorded. Calling
+// Step again with the same name first reads whether it was (the generation's recovery points):
+// the saved value if so, without running fn; fn again if not.
+//
 // When the claim was taken over (another attempt holds the key now) the step's writes roll
 // back, the lease counts as lost (its answer is not recorded: a lease route answers 409, DoLease
 // returns ErrLeaseLost), and Step returns an error that is ErrLeaseLost and ErrClaimLost. Step

@@ -175,6 +175,15 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		return nil // the lease claim commits on its own
 	})
 	attempt := won.Attempt
+	if err != nil && attempt != 0 && errors.Is(err, ErrCommitUnknown) {
+		// The claim's COMMIT may have landed (its reply lost, or ctx ended while it ran): the
+		// key would then stay in progress under a lease no work holds, and every later run
+		// would wait it out. Given up, fenced by the token, as the lease route does (D163,
+		// D168); nothing when the COMMIT did not land.
+		yctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(job.Lease, 5*time.Second))
+		_, _ = PersistYield(yctx, db, job.Principal, job.Key, attempt)
+		cancel()
+	}
 	if err != nil || attempt == 0 {
 		return result, replayed, err
 	}

@@ -20,6 +20,28 @@ import (
 // takes one of the Gate's wait slots and claims again with the rest of its lock timeout.
 const Probe = 5 * time.Millisecond
 
+// ClaimReplyMargin bounds how long a claim's statement may take beyond the lock timeout it
+// waits on (its round trip, the server's execution), and a lease claim's COMMIT: past it the
+// connection is taken for lost (black-holed: nothing comes back, nothing closes) and closed,
+// and the claim fails (a lease claim's COMMIT: ErrCommitUnknown). Without it a request whose
+// connection stopped answering waited until the kernel gave the connection up, holding the
+// key's place in this process all along (D168).
+const ClaimReplyMargin = 5 * time.Second
+
+// leaseClaimIdle is the idle_in_transaction_session_timeout of a lease claim's own short
+// transaction (D168): a client that lost its connection between the claim and its COMMIT
+// (the claim's reply or the COMMIT black-holed) leaves the server a transaction holding the
+// key's row; the server ends it, and the row, after this long idle, not when its TCP stack
+// finally notices. A lease claim's client sends COMMIT as soon as the claim's reply is in.
+const leaseClaimIdle = ClaimReplyMargin
+
+// errNoReply is why a claim statement or a lease claim's COMMIT was given up: past
+// ClaimReplyMargin beyond its lock timeout, nothing had come back.
+var errNoReply = errors.New("idem: no reply from the database in time; the connection was taken for lost and closed")
+
+var leaseClaimIdleSQL = fmt.Sprintf("SELECT pg_catalog.set_config('idle_in_transaction_session_timeout', '%d', true)",
+	leaseClaimIdle.Milliseconds())
+
 // The defaults of GateOptions.
 const (
 	// DefaultMaxWaitingClaims is how many claims may wait on a key's row lock at once.
@@ -279,7 +301,7 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 // and the commit (work that must outlive the client runs on a context that the client's
 // leaving does not end). A claim's first try, which waits at most Probe on any lock, is not a
 // wait on another holder: it runs to its end under work whatever becomes of wait (D161).
-func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) error {
+func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) (err error) {
 	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
 	if err != nil {
@@ -290,22 +312,50 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		return err
 	}
 	defer leave()
+	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
+	claimed := func() {}
+	if c.Lease != 0 {
+		// A lease claim's unit is the claim and its COMMIT (fn returns at once; the work runs
+		// after): all of it is bounded, its probes, its wait on the key's row, and its COMMIT,
+		// which past the bound is ErrCommitUnknown (D168).
+		lctx, cancel := context.WithCancelCause(work)
+		bound := time.AfterFunc(lockTimeout+Probe*time.Duration(len(tableBusyPauses)+1)+time.Second+ClaimReplyMargin,
+			func() { cancel(errNoReply) })
+		defer func() { bound.Stop(); cancel(nil) }()
+		ctx = lctx
+		claimed = func() { bound.Reset(ClaimReplyMargin) }
+		defer func() {
+			if err != nil && context.Cause(ctx) == errNoReply && !errors.Is(err, errNoReply) {
+				err = fmt.Errorf("%w (%w)", err, errNoReply)
+			}
+		}()
+	}
+	// claimCtx bounds one claim statement: the lock timeout it may wait, and the margin.
+	claimCtx := func(parent context.Context, c Claim) (context.Context, context.CancelFunc) {
+		return context.WithTimeoutCause(parent, c.LockTimeout+ClaimReplyMargin, errNoReply)
+	}
 	unit := func(c Claim, waits bool) func(tx *Tx) error {
 		return func(tx *Tx) error {
 			if !waits {
 				// A probe: its claim statement waits at most Probe on any lock, so it runs
 				// to its end whatever becomes of wait. Ending it would turn a fresh claim
 				// under way into a false "in progress" (a shutdown's drain ends every wait).
-				d, err := tx.Claim(ctx, c)
+				pctx, done := claimCtx(ctx, c)
+				d, err := tx.Claim(pctx, c)
+				if err != nil && context.Cause(pctx) == errNoReply {
+					err = fmt.Errorf("%w (%w)", err, errNoReply)
+				}
+				done()
 				if err != nil {
 					return err
 				}
+				claimed()
 				return fn(tx, d)
 			}
 			// The claim statement waits on the key's row lock: that wait, like the one in Go,
 			// ends with wait (a caller whose client went away, a shutdown); the work after
 			// the claim does not.
-			cctx, cancel := context.WithCancel(ctx)
+			cctx, cancel := claimCtx(ctx, c)
 			sent := make(chan struct{})
 			var unsent error
 			stop := context.AfterFunc(wait, func() {
@@ -345,6 +395,9 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 						wait.Err(), unsent)
 				}
 			}
+			if err != nil && context.Cause(cctx) == errNoReply {
+				err = fmt.Errorf("%w (%w)", err, errNoReply)
+			}
 			cancel()
 			if err != nil {
 				if wait.Err() != nil && ctx.Err() == nil {
@@ -361,6 +414,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				}
 				return err
 			}
+			claimed()
 			return fn(tx, d)
 		}
 	}

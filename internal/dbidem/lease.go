@@ -3,6 +3,7 @@ package dbidem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -263,10 +264,27 @@ func (l *Lease) Stop() (lost bool) {
 // row after its own lock timeout (2 s by default), a connection can break, a database restart.
 // Since the recording is fenced by the attempt, trying again is safe: it lands only while the
 // claim is still this attempt's. When ctx ends first, the last failure is returned joined
-// with ctx's error.
+// with ctx's error. When ctx has a deadline, each try gets a third of the time left when
+// Persist started, at least a second: a try whose connection stopped answering (black-holed:
+// nothing comes back, nothing closes) is given up and the next one goes on another
+// connection, where it used to take all of ctx (D168). A statement that commits on its own
+// is abandoned, not canceled (Complete: ErrCommitUnknown), and PersistAnswer tells when it
+// landed.
 func Persist(ctx context.Context, record func(ctx context.Context) error) error {
+	var perTry time.Duration
+	if deadline, ok := ctx.Deadline(); ok {
+		perTry = max(time.Until(deadline)/3, time.Second)
+	}
 	for wait := 20 * time.Millisecond; ; wait = min(2*wait, time.Second) {
-		err := record(ctx)
+		tctx, cancel := ctx, context.CancelFunc(func() {})
+		if perTry > 0 {
+			tctx, cancel = context.WithTimeoutCause(ctx, perTry, errNoReply)
+		}
+		err := record(tctx)
+		if err != nil && ctx.Err() == nil && context.Cause(tctx) == errNoReply && !errors.Is(err, errNoReply) {
+			err = fmt.Errorf("%w (%w)", err, errNoReply)
+		}
+		cancel()
 		if err == nil || errors.Is(err, ErrClaimLost) || errors.Is(err, ErrInvalidArgument) {
 			return err
 		}

@@ -45,6 +45,12 @@ type Acquirer interface {
 // keep state from a failed run (re-read a request body from its start, reset a response
 // buffer). A fn that sends no statement costs no round trip.
 func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) error) error {
+	return runTx(ctx, db, opts, 0, fn)
+}
+
+// runTx is RunTx; commitBound, when set, bounds the wait for COMMIT's reply (a step's): past
+// it the COMMIT is abandoned, not canceled, and runTx returns ErrCommitUnknown (D168).
+func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Duration, fn func(tx *Tx) error) error {
 	attempts := opts.MaxAttempts
 	if attempts <= 0 {
 		attempts = DefaultMaxAttempts
@@ -64,7 +70,7 @@ func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) err
 			}
 		}
 		var again bool
-		again, err = runOnce(ctx, db, opts.TxOptions, fn)
+		again, err = runOnce(ctx, db, opts.TxOptions, commitBound, fn)
 		if !again {
 			return err
 		}
@@ -74,7 +80,7 @@ func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) err
 
 // runOnce runs fn in one transaction; again tells whether the unit of work may run again (a
 // statement of the work or the commit failed in a way a new transaction may not).
-func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx *Tx) error) (again bool, err error) {
+func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound time.Duration, fn func(tx *Tx) error) (again bool, err error) {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
 		return false, err
@@ -112,6 +118,14 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, fn func(tx 
 		// Nothing asks for the work any more: it is not committed.
 		t.rollback(ctx)
 		return false, context.Cause(ctx)
+	}
+	if commitBound > 0 {
+		// A COMMIT whose connection stopped answering is given up after the bound; the
+		// goroutine below abandons it without a cancel request (D168).
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, commitBound, errNoReply)
+		defer cancel()
+		t.noStandbyWait = false
 	}
 	if ctx.Done() == nil || t.noStandbyWait {
 		// Nothing can cancel it, or it cannot wait for a standby: a cancel request then

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -67,6 +68,8 @@ type Steps struct {
 	mu      sync.Mutex
 	done    map[string]json.RawMessage
 	running map[string]bool
+	// unsure: the steps whose last try ended without COMMIT's reply (ErrCommitUnknown).
+	unsure map[string]bool
 }
 
 // NewSteps returns the Steps of the lease claim c (nil: a request without a key), whose
@@ -76,7 +79,7 @@ func NewSteps(db Acquirer, c *LeaseClaim, d Decision, l *Lease, opts TxOptions) 
 	for k, v := range d.Steps {
 		done[k] = v
 	}
-	return &Steps{db: db, claim: c, lease: l, opts: opts, done: done, running: map[string]bool{}}
+	return &Steps{db: db, claim: c, lease: l, opts: opts, done: done, running: map[string]bool{}, unsure: map[string]bool{}}
 }
 
 type stepsKey struct{}
@@ -127,9 +130,38 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if s.lease != nil && s.lease.Lost() {
 		return zero, ErrLeaseLost
 	}
+	s.mu.Lock()
+	unsure := s.unsure[name]
+	s.mu.Unlock()
+	if unsure && s.claim != nil {
+		// This step's last try ended without COMMIT's reply (ErrCommitUnknown): it may have
+		// landed. The generation's recovery points tell, before fn runs again (D168).
+		saved, err := s.recorded(ctx, name)
+		if err != nil {
+			return zero, err
+		}
+		if saved != nil {
+			s.mu.Lock()
+			s.done[name] = saved
+			delete(s.unsure, name)
+			s.mu.Unlock()
+			var v T
+			if err := json.Unmarshal(saved, &v); err != nil {
+				return zero, fmt.Errorf("idem: step %s: decode its saved value: %w", name, err)
+			}
+			return v, nil
+		}
+	}
 	var result T
 	var raw json.RawMessage
-	err := RunTx(ctx, s.db, s.opts, func(tx *Tx) error {
+	var commitBound time.Duration
+	if s.lease != nil {
+		// The step's COMMIT waits at most a lease (and ClaimReplyMargin) for its reply: a
+		// connection that stopped answering held the work, the lease extended all along,
+		// until its Timeout (D168).
+		commitBound = max(s.lease.lease, ClaimReplyMargin)
+	}
+	err := runTx(ctx, s.db, s.opts, commitBound, func(tx *Tx) error {
 		var err error
 		if result, err = fn(ctx, tx); err != nil {
 			return err
@@ -153,13 +185,41 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			s.lease.lose(true)
 		}
 		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+	case errors.Is(err, ErrCommitUnknown) && s.claim != nil:
+		s.mu.Lock()
+		s.unsure[name] = true
+		s.mu.Unlock()
+		return zero, err
 	case err != nil:
 		return zero, err
 	}
 	s.mu.Lock()
 	s.done[name] = raw
+	delete(s.unsure, name)
 	s.mu.Unlock()
 	return result, nil
+}
+
+// recorded reads the value the step name saved in this claim's generation, nil when it is not
+// recorded (idem_recovery). A claim no longer this attempt's loses the lease.
+func (s *Steps) recorded(ctx context.Context, name string) (json.RawMessage, error) {
+	var saved []byte
+	conn, err := s.db.Acquire(ctx)
+	if err == nil {
+		err = conn.QueryRow(ctx, `SELECT r.recovery_saved -> $4 FROM idem.idem_recovery($1, $2, $3) AS r`,
+			s.claim.Principal, s.claim.Key, s.claim.Attempt, name).Scan(&saved)
+		conn.Release()
+	}
+	if err = classify(err); errors.Is(err, ErrClaimLost) {
+		if s.lease != nil {
+			s.lease.lose(true)
+		}
+		return nil, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("idem: step %s: read whether it was recorded: %w", name, err)
+	}
+	return saved, nil
 }
 
 // holdsNUL tells whether the JSON text b holds the escape \u0000 (a string with U+0000, which

@@ -95,6 +95,12 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	if t.tx == nil {
 		b.BeginTx(t.opts)
 	}
+	if c.Lease != 0 {
+		// A lease claim's transaction is short (the claim, then COMMIT): the server ends it
+		// if it stays idle, so that a connection lost between the two does not hold the
+		// key's row until the server's TCP stack notices (D168).
+		b.Queue(leaseClaimIdleSQL)
+	}
 	var row decisionRow
 	row.d.Sent = time.Now()
 	var standbyWait bool

@@ -58,7 +58,20 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			keyHash(claim.Principal, claim.Key), "attempt", attempt)
 		q.m.o.Metrics.LeaseEnded(q.action, true, time.Since(start))
 		q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client got 409
-		q.inProgress(claim.Lease)
+		retry := claim.Lease
+		if !l.TakenOver() {
+			// Lost by this process's clock alone (the extension's reply lost, the database
+			// unreachable): the claim may stand, extended by an extension that landed, and
+			// every retry would wait it out. Given up, fenced by the token, as DoLease does
+			// (D168); nothing when another attempt holds the key.
+			yctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
+			if yielded, _ := dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt); yielded {
+				retry = time.Second
+				q.m.watches.signal(watchKey{claim.Principal, claim.Key})
+			}
+			cancel()
+		}
+		q.inProgress(retry)
 		return StateBusy
 	}
 	// The handler's steps (Step) commit with their recovery points, fenced by the token; the
