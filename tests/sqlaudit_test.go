@@ -361,10 +361,13 @@ func TestAuditTakeoverLeaseCountsFromItsDecision(t *testing.T) {
 		t.Fatal(err)
 	}
 	auditLeaseClaim(t, otx, "p", "job", "j", "1 hour") // the takeover, not committed
+	rolledBack := make(chan struct{})
 	go func() {
+		defer close(rolledBack)
 		time.Sleep(1500 * time.Millisecond)
 		_ = otx.Rollback(context.Background())
 	}()
+	defer func() { <-rolledBack }() // before the connection's cleanup closes it
 	var sent time.Time
 	if err := app.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&sent); err != nil {
 		t.Fatal(err)

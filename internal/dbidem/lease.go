@@ -265,15 +265,16 @@ func (l *Lease) Stop() (lost bool) {
 // Since the recording is fenced by the attempt, trying again is safe: it lands only while the
 // claim is still this attempt's. When ctx ends first, the last failure is returned joined
 // with ctx's error. When ctx has a deadline, each try gets a third of the time left when
-// Persist started, at least a second: a try whose connection stopped answering (black-holed:
-// nothing comes back, nothing closes) is given up and the next one goes on another
-// connection, where it used to take all of ctx (D168). A statement that commits on its own
-// is abandoned, not canceled (Complete: ErrCommitUnknown), and PersistAnswer tells when it
-// landed.
+// Persist started, and at least persistTryFloor (the functions' own lock timeout, 2 s, which
+// bounds every wait of theirs, and ClaimReplyMargin): a try whose connection stopped
+// answering (black-holed: nothing comes back, nothing closes) is given up and the next one
+// goes on another connection, where it used to take all of ctx (D168). A statement that
+// commits on its own is abandoned, not canceled (Complete: ErrCommitUnknown), and
+// PersistAnswer tells when it landed.
 func Persist(ctx context.Context, record func(ctx context.Context) error) error {
 	var perTry time.Duration
 	if deadline, ok := ctx.Deadline(); ok {
-		perTry = max(time.Until(deadline)/3, time.Second)
+		perTry = max(time.Until(deadline)/3, persistTryFloor)
 	}
 	for wait := 20 * time.Millisecond; ; wait = min(2*wait, time.Second) {
 		tctx, cancel := ctx, context.CancelFunc(func() {})
@@ -300,6 +301,11 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 		}
 	}
 }
+
+// persistTryFloor is the least time Persist gives a try: the functions' default lock timeout
+// (their SET clause; idem_complete and idem_yield take no other) and ClaimReplyMargin. A try
+// that waits on the key's row lock is never cut while the wait may still end in its favour.
+const persistTryFloor = 2*time.Second + ClaimReplyMargin
 
 // PersistYield gives up the lease claim with this attempt (Yield) through Persist: tried
 // again until it gets an answer, or ctx ends. It reports whether the claim was given up
@@ -335,6 +341,16 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 	})
 	if errors.Is(err, ErrClaimLost) && unknown && answered(ctx, db, c, attempt) {
 		return nil
+	}
+	if err != nil && unknown && ctx.Err() != nil {
+		// The deadline came while a try's outcome was unknown (abandoned, or its reply lost):
+		// it may have landed since. A read, which stores nothing, is allowed a moment past
+		// the deadline; an answer found is this one (D168).
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		if answered(actx, db, c, attempt) {
+			return nil
+		}
 	}
 	return err
 }
