@@ -301,6 +301,9 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 // and the commit (work that must outlive the client runs on a context that the client's
 // leaving does not end). A claim's first try, which waits at most Probe on any lock, is not a
 // wait on another holder: it runs to its end under work whatever becomes of wait (D161).
+// For a lease claim (c.Lease set) fn must return at once (the lease's work runs after the
+// claim commits): the unit, the claim and its COMMIT, is bounded (ClaimReplyMargin), and the
+// server ends its transaction once idle that long (D168).
 func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) (err error) {
 	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
@@ -336,6 +339,10 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	}
 	unit := func(c Claim, waits bool) func(tx *Tx) error {
 		return func(tx *Tx) error {
+			// A lease claim's unit is the claim and its COMMIT: fn returns at once (the
+			// callers of RunDetached run a lease's work after it), so the server may end
+			// the transaction once idle (Tx.leaseUnit).
+			tx.leaseUnit = c.Lease != 0
 			if !waits {
 				// A probe: its claim statement waits at most Probe on any lock, so it runs
 				// to its end whatever becomes of wait. Ending it would turn a fresh claim

@@ -51,6 +51,11 @@ type Tx struct {
 	// for a synchronous standby (standbyWaitColumn), so RunTx may send it on its caller's
 	// context.
 	noStandbyWait bool
+	// leaseUnit: the transaction is a lease claim's own, the claim and its COMMIT with nothing
+	// between (the Gate's units for a lease route and DoLease), so the server may end it once
+	// idle (leaseClaimIdleSQL). A lease claim in a caller's transaction (Tx.Claim in RunTx,
+	// with the caller's statements around it) is not: its idle time is the caller's.
+	leaseUnit bool
 }
 
 var _ pgx.Tx = (*Tx)(nil)
@@ -95,10 +100,10 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	if t.tx == nil {
 		b.BeginTx(t.opts)
 	}
-	if c.Lease != 0 {
-		// A lease claim's transaction is short (the claim, then COMMIT): the server ends it
-		// if it stays idle, so that a connection lost between the two does not hold the
-		// key's row until the server's TCP stack notices (D168).
+	if c.Lease != 0 && t.leaseUnit && t.tx == nil {
+		// A lease claim's own transaction (the claim, then COMMIT): the server ends it if it
+		// stays idle, so that a connection lost between the two does not hold the key's row
+		// until the server's TCP stack notices (D168).
 		b.Queue(leaseClaimIdleSQL)
 	}
 	var row decisionRow
