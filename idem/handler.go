@@ -100,7 +100,8 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 func MarkOneTimeSecret(ctx context.Context) { idemhttp.MarkOneTimeSecret(ctx) }
 
 // SetResourceID names what the request created; a repeat of a response whose body is not
-// stored names it. Default: the body's top-level "id", else the Location header.
+// stored names it. Default: the body's top-level "id", else the Location header. Stored as
+// text: U+0000 and bytes that are not UTF-8 become U+FFFD.
 func SetResourceID(ctx context.Context, id string) { idemhttp.SetResourceID(ctx, id) }
 
 // WriteProblem writes an application's own RFC 9457 problem in the middleware's shape:

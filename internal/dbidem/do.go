@@ -181,7 +181,7 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 		// would wait it out. Given up, fenced by the token, as the lease route does (D163,
 		// D168); nothing when the COMMIT did not land.
 		yctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(job.Lease, 5*time.Second))
-		_, _ = PersistYield(yctx, db, job.Principal, job.Key, attempt)
+		_, _ = GiveUpUnknown(yctx, db, claim, attempt)
 		cancel()
 	}
 	if err != nil || attempt == 0 {

@@ -17,6 +17,7 @@ func TestStoredHeadersKeepEveryLineAndByte(t *testing.T) {
 		"Etag":         {"\"v\xe9\xff1\""},
 		"X-Nul":        {"a\x00b"},
 		"X-Soh":        {"\x01starts with U+0001"},
+		"X-Stx":        {"\x02starts with U+0002"},
 		"X-Crlf":       {"a\r\nb"},
 		"Content-Type": {"application/json"},
 		"X-Empty":      {"", "x"},
@@ -34,6 +35,19 @@ func TestStoredHeadersKeepEveryLineAndByte(t *testing.T) {
 	// The example of docs/sql-api.md, "Stored headers".
 	if s := encodeHeader(http.Header{"Etag": {"\"v\xe9\""}}); s != `{"Etag":"\u0001ĢŶǩĢ"}` {
 		t.Fatalf("the documented form of an ETag with byte 0xE9: %s", s)
+	}
+	// The multi-line example of the same section.
+	if s := encodeHeader(http.Header{"Set-Cookie": {"a=1", "b=2"}}); s != `{"Set-Cookie":"\u0002a=1\nb=2"}` {
+		t.Fatalf("the documented form of two Set-Cookie lines: %s", s)
+	}
+	// A row of the previous release, which stored a value's line feed as it was (net/http sent
+	// it as a space): still one line.
+	if h, err := decodeHeader([]byte(`{"Location":"/a\n/b"}`)); err != nil || !reflect.DeepEqual(h, http.Header{"Location": {"/a\n/b"}}) {
+		t.Fatalf("a row of the previous release with a line feed: %q %v", h, err)
+	}
+	// A header with no line is not stored (nothing was sent).
+	if s := encodeHeader(http.Header{"X-None": {}}); s != `{}` {
+		t.Fatalf("a header with no line: %s", s)
 	}
 	// UTF-8 text is stored as it is; a string from another client is one line, as it is.
 	if s := encodeHeader(http.Header{"X-Utf8": {"café"}}); s != `{"X-Utf8":"café"}` {

@@ -320,6 +320,41 @@ func PersistYield(ctx context.Context, q Querier, principal, key string, attempt
 	return yielded && err == nil, err
 }
 
+// GiveUpUnknown gives up the lease claim c with this attempt whose COMMIT's outcome is unknown
+// (its reply lost, or abandoned on its way when its context ended), so that a claim that did
+// land does not keep the key in progress under a lease no work holds. A yield alone would
+// miss a fresh claim whose COMMIT is still on its way: its row is an uncommitted INSERT, which
+// the yield's UPDATE does not see, and the COMMIT would land after it (D168). So it first
+// asks for the key in a transaction that it rolls back: that claim waits for an uncommitted
+// holder of the key (its lock timeout at most, tried again through Persist), then answers from
+// the row as committed. Only a claim in progress with this attempt is given up (idem_yield,
+// fenced by the token). It reports whether the claim was given up; run it until ctx ends.
+func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, error) {
+	stands := false
+	err := Persist(ctx, func(ctx context.Context) error {
+		conn, err := db.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		d, err := Begin(ctx, tx, c)
+		if err != nil {
+			return err
+		}
+		stands = d.Outcome == InProgress && d.Attempt == attempt
+		return nil
+	})
+	if err != nil || !stands {
+		return false, err
+	}
+	return PersistYield(ctx, db, c.Principal, c.Key, attempt)
+}
+
 // PersistAnswer records r as the answer of the lease claim c with this attempt (Complete on q)
 // through Persist, and tells an answer that landed from one that did not when a reply was
 // lost. A Complete whose reply never came (the connection broke after the statement was sent)

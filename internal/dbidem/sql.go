@@ -100,19 +100,25 @@ func nullable(s string) *string {
 }
 
 // encodeHeader stores one string per header name, so that a replay writes the same bytes as
-// the first answer (D166): a header sent on several lines is stored as its lines joined by a
-// line feed, which no line can hold (net/http writes a carriage return or line feed inside a
-// value as a space, so each line is stored as it goes out); a line that JSON text cannot
-// hold byte for byte (bytes that are not UTF-8, U+0000) is stored as U+0001 followed by one
-// character per byte, U+0100 plus the byte, as is a line that begins with U+0001 (which no
-// valid header value does). A line of UTF-8 text, the usual case, is stored as it is.
+// the first answer (D166): a header sent on several lines is stored as U+0002 followed by its
+// lines joined by a line feed, which no line can hold (net/http writes a carriage return or
+// line feed inside a value as a space, so each line is stored as it goes out); a line that
+// JSON text cannot hold byte for byte (bytes that are not UTF-8, U+0000) is stored as U+0001
+// followed by one character per byte, U+0100 plus the byte, as is a line that begins with
+// U+0001 or U+0002 (which no valid header value does). A single line of UTF-8 text, the usual
+// case, is stored as it is, as the previous release stored it; a string without the leading
+// U+0002, whatever it holds, is one line (a row of the previous release, which stored a line
+// feed of a value as it was: net/http sent it as a space, and sends it so again).
 func encodeHeader(h http.Header) string {
 	m := make(map[string]string, len(h))
 	for k, v := range h {
+		if len(v) == 0 {
+			continue // no line: nothing was sent, nothing to replay
+		}
 		lines := make([]string, len(v))
 		for i, line := range v {
 			line = headerNewlineToSpace.Replace(line)
-			if !utf8.ValidString(line) || strings.IndexByte(line, 0) >= 0 || strings.HasPrefix(line, "\x01") {
+			if !utf8.ValidString(line) || strings.IndexByte(line, 0) >= 0 || strings.HasPrefix(line, "\x01") || strings.HasPrefix(line, "\x02") {
 				var b strings.Builder
 				b.WriteByte(1)
 				for j := 0; j < len(line); j++ {
@@ -122,7 +128,11 @@ func encodeHeader(h http.Header) string {
 			}
 			lines[i] = line
 		}
-		m[k] = strings.Join(lines, "\n")
+		if len(lines) == 1 {
+			m[k] = lines[0]
+		} else {
+			m[k] = "\x02" + strings.Join(lines, "\n")
+		}
 	}
 	b, _ := json.Marshal(m)
 	return string(b)
@@ -134,7 +144,8 @@ var headerNewlineToSpace = strings.NewReplacer("\n", " ", "\r", " ")
 
 // decodeHeader reads a stored answer's headers: an object of strings (the functions accept
 // nothing else), or NULL, read as none; each string as encodeHeader wrote it (a string written
-// by another client, with no line feed and no leading U+0001, is one line as it is).
+// by another client or the previous release, with no leading U+0001 or U+0002, is one line as
+// it is).
 func decodeHeader(b []byte) (http.Header, error) {
 	if b == nil {
 		return http.Header{}, nil
@@ -145,7 +156,10 @@ func decodeHeader(b []byte) (http.Header, error) {
 	}
 	h := make(http.Header, len(m))
 	for k, v := range m {
-		lines := strings.Split(v, "\n")
+		lines := []string{v}
+		if rest, ok := strings.CutPrefix(v, "\x02"); ok {
+			lines = strings.Split(rest, "\n")
+		}
 		for i, line := range lines {
 			lines[i] = decodeHeaderLine(line)
 		}

@@ -201,22 +201,33 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 }
 
 // recorded reads the value the step name saved in this claim's generation, nil when it is not
-// recorded (idem_recovery). A claim no longer this attempt's loses the lease.
+// recorded (idem_recovery). Its earlier try's transaction may still hold the key's row, its
+// COMMIT on its way (abandoned when its context ended, its reply lost): a plain read would not
+// see it and fn would run again. So the read comes after an extension of the lease in the same
+// transaction, which takes the row's lock and so waits for that transaction's end (its lock
+// timeout at most: the outcome is then still unknown, and fn is not run). A claim no longer
+// this attempt's loses the lease.
 func (s *Steps) recorded(ctx context.Context, name string) (json.RawMessage, error) {
 	var saved []byte
-	conn, err := s.db.Acquire(ctx)
-	if err == nil {
-		err = conn.QueryRow(ctx, `SELECT r.recovery_saved -> $4 FROM idem.idem_recovery($1, $2, $3) AS r`,
-			s.claim.Principal, s.claim.Key, s.claim.Attempt, name).Scan(&saved)
-		conn.Release()
-	}
-	if err = classify(err); errors.Is(err, ErrClaimLost) {
+	err := RunTx(ctx, s.db, TxOptions{MaxAttempts: 1}, func(tx *Tx) error {
+		if s.lease != nil {
+			if _, err := Extend(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, s.lease.lease); err != nil {
+				return err
+			}
+		}
+		return classify(tx.QueryRow(ctx, `SELECT r.recovery_saved -> $4 FROM idem.idem_recovery($1, $2, $3) AS r`,
+			s.claim.Principal, s.claim.Key, s.claim.Attempt, name).Scan(&saved))
+	})
+	switch {
+	case errors.Is(err, ErrClaimLost):
 		if s.lease != nil {
 			s.lease.lose(true)
 		}
 		return nil, fmt.Errorf("%w: %w", ErrLeaseLost, err)
-	}
-	if err != nil {
+	case errors.Is(err, ErrInProgress) || isLockTimeout(err):
+		return nil, fmt.Errorf("%w: step %s: its earlier COMMIT still holds the key's row; the step is not run again until its outcome is known: %w",
+			ErrCommitUnknown, name, err)
+	case err != nil:
 		return nil, fmt.Errorf("idem: step %s: read whether it was recorded: %w", name, err)
 	}
 	return saved, nil

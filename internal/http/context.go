@@ -95,7 +95,8 @@ func MarkOneTimeSecret(ctx context.Context) {
 
 // SetResourceID records the id of what the request created; a repeat of a response whose
 // body is not stored (a one-time secret, a body too large) names it. Default: the body's
-// top-level "id" member (a string or a number), else the response's Location header.
+// top-level "id" member (a string or a number), else the response's Location header. It is
+// stored as text: U+0000 and bytes that are not UTF-8 become U+FFFD.
 func SetResourceID(ctx context.Context, id string) {
 	if s := stateOf(ctx); s != nil {
 		s.resourceID = id

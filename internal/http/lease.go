@@ -64,7 +64,8 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			// unreachable): the claim may stand, extended by an extension that landed, and
 			// every retry would wait it out. Given up, fenced by the token, as DoLease does
 			// (D168); nothing when another attempt holds the key.
-			yctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
+			// Bounded as giveUpUnknownClaim is: the client waits for its 409 meanwhile.
+			yctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(claim.Lease, 5*time.Second))
 			if yielded, _ := dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt); yielded {
 				retry = time.Second
 				q.m.watches.signal(watchKey{claim.Principal, claim.Key})

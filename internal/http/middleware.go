@@ -175,7 +175,7 @@ func defaultAction(method, template string) string {
 	default:
 		method = "OTHER"
 	}
-	a := method + " " + strings.ReplaceAll(strings.ToValidUTF8(template, "\uFFFD"), "\x00", "\uFFFD")
+	a := method + " " + storableText(template)
 	if utf8.RuneCountInString(a) > MaxActionLength {
 		a = string([]rune(a)[:MaxActionLength])
 	}

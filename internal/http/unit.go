@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/go-json-experiment/json"
@@ -121,7 +122,17 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 		// from the body's top-level "id" (the Location header is the fallback at replay).
 		resp.ResourceID = topLevelID(rec.body.Bytes())
 	}
+	// Stored as text: what PostgreSQL's text cannot hold (U+0000, bytes that are not UTF-8,
+	// which a body's "id" or SetResourceID may carry) would make every recording of the
+	// answer fail (22021), and the key never get its answer (D168).
+	resp.ResourceID = storableText(resp.ResourceID)
 	return resp, big
+}
+
+// storableText is s with what PostgreSQL's text cannot hold, bytes that are not UTF-8 and
+// U+0000, replaced by U+FFFD.
+func storableText(s string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
 // topLevelID is the top-level "id" member of a JSON object body, a string or a number as
@@ -220,12 +231,13 @@ func (q *request) workContext(ctx context.Context) (wctx context.Context, claime
 // the key would stay in progress under a lease that no work holds, and the client's retry
 // would wait the whole lease out before it could take the key over. idem_yield, fenced by the
 // claim's token, gives it up at once (the retry runs the work, in the same generation, under
-// the same provider key) or finds nothing, when the COMMIT did not land. It is tried again
-// until it gets an answer, for as long as the lease at most, five seconds at most (D163).
+// the same provider key) or finds nothing, when the COMMIT did not land; a COMMIT still on its
+// way is waited for first (dbidem.GiveUpUnknown, D168). It is tried again until it gets an
+// answer, for as long as the lease at most, five seconds at most (D163).
 func (q *request) giveUpUnknownClaim(ctx context.Context, claim dbidem.Claim, attempt int64) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(q.rt.Lease, 5*time.Second))
 	defer cancel()
-	if _, err := dbidem.PersistYield(ctx, q.m.o.DB, claim.Principal, claim.Key, attempt); err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
+	if _, err := dbidem.GiveUpUnknown(ctx, q.m.o.DB, claim, attempt); err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
 		q.m.o.Logger.Warn("idem: a lease claim whose commit was not confirmed could not be given up; the key waits for its lease to run out",
 			"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	}
