@@ -234,69 +234,26 @@ func (p *gapProxy) serve(c net.Conn, target string) {
 // gapApp is a lease route POST /work and a stepped lease route POST /steps, whose middleware
 // reaches the database through a gapProxy (exec mode: each statement's text goes by).
 type gapApp struct {
+	leaseWork
 	t       *testing.T
 	direct  *pgxpool.Pool
 	proxied *pgxpool.Pool
 	proxy   *gapProxy
 	srv     *httptest.Server
-	runs    atomic.Int32
-	started chan struct{}
-	release chan struct{}
 	relOnce sync.Once
-	causes  chan error
 	steps   atomic.Int32 // step functions run
-	keys    chan string  // provider keys seen
 }
 
 func newGapApp(t *testing.T, lease time.Duration, edit func(*idemhttp.Options)) *gapApp {
 	t.Helper()
 	direct, _ := pgtest.NewPool(t, 20)
-	z := &gapApp{t: t, direct: direct, started: make(chan struct{}, 10), release: make(chan struct{}),
-		causes: make(chan error, 10), keys: make(chan string, 20)}
+	z := &gapApp{t: t, direct: direct}
+	z.init()
 	z.proxy = newGapProxy(t, pgtest.TCPAddr(t))
-	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, direct), z.proxy.addr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	cfg.MaxConns = 20
-	z.proxied, err = pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	o := idemhttp.Options{DB: z.proxied, LockTimeout: 5 * time.Second, DuplicateWait: 300 * time.Millisecond,
-		Principal: func(r *http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate}
-	if edit != nil {
-		edit(&o)
-	}
-	m, err := idemhttp.New(o)
-	if err != nil {
-		t.Fatal(err)
-	}
+	z.proxied = faultPool(t, direct, z.proxy.addr)
+	m := faultMiddleware(t, z.proxied, edit)
 	r := mux.NewRouter()
-	r.Handle("/work", m.Route(idemhttp.Route{Lease: lease, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n := z.runs.Add(1)
-		if c, ok := idemhttp.ClaimOf(r.Context()); ok {
-			z.keys <- c.ProviderKey
-		}
-		if r.Header.Get("X-Block") != "" {
-			z.started <- struct{}{}
-			select {
-			case <-z.release:
-			case <-r.Context().Done():
-				z.causes <- context.Cause(r.Context())
-				http.Error(w, "stopped", http.StatusServiceUnavailable)
-				return
-			}
-		}
-		status := http.StatusAccepted
-		if s := r.Header.Get("X-Status"); s != "" {
-			status, _ = strconv.Atoi(s)
-		}
-		w.WriteHeader(status)
-		fmt.Fprintf(w, `{"run":%d}`, n)
-	}))).Methods("POST")
+	r.Handle("/work", m.Route(idemhttp.Route{Lease: lease, Required: true})(z.handler())).Methods("POST")
 	pgtest.Exec(t, direct, `CREATE TABLE gap_rows (id serial PRIMARY KEY, key text, step text)`)
 	z.srv = httptest.NewServer(r)
 	t.Cleanup(func() {

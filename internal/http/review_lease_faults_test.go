@@ -120,53 +120,38 @@ func cutProxy(t *testing.T, target string, cuts *atomic.Int32, cut chan<- struct
 // runs; with X-Block it signals started and waits for release or its context's end (it then
 // reports the cause on causes and answers 503, as a.job does); X-Status sets its status.
 type cutApp struct {
+	leaseWork
 	t       *testing.T
 	direct  *pgxpool.Pool // the test's own look at the database
 	proxied *pgxpool.Pool // the middleware's
 	srv     *httptest.Server
 	cuts    *atomic.Int32
 	cut     chan struct{}
+}
+
+// leaseWork is the lease route's work of the fault tests (this file's and lease_gaps_test.go's):
+// it counts its runs, waits for release when the request asks (X-Block), reports its context's
+// cause when that ends first, and answers X-Status (202 by default) with the run's number.
+type leaseWork struct {
 	runs    atomic.Int32
 	started chan struct{}
 	release chan struct{}
 	causes  chan error
 }
 
-func newCutApp(t *testing.T, lease time.Duration, trigger string, edit func(*idemhttp.Options)) *cutApp {
-	t.Helper()
-	direct, _ := pgtest.NewPool(t, 20)
-	z := &cutApp{t: t, direct: direct, cuts: new(atomic.Int32), cut: make(chan struct{}, 10),
-		started: make(chan struct{}, 10), release: make(chan struct{}), causes: make(chan error, 10)}
-	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, direct), cutProxy(t, pgtest.TCPAddr(t), z.cuts, z.cut, trigger)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	cfg.MaxConns = 20
-	z.proxied, err = pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(z.proxied.Close)
-	o := idemhttp.Options{DB: z.proxied, LockTimeout: 5 * time.Second, DuplicateWait: 300 * time.Millisecond,
-		Principal: func(r *http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate}
-	if edit != nil {
-		edit(&o)
-	}
-	m, err := idemhttp.New(o)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := mux.NewRouter()
-	r.Handle("/work", m.Route(idemhttp.Route{Lease: lease, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n := z.runs.Add(1)
+func (lw *leaseWork) init() {
+	lw.started, lw.release, lw.causes = make(chan struct{}, 10), make(chan struct{}), make(chan error, 10)
+}
+
+func (lw *leaseWork) handler() http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		n := lw.runs.Add(1)
 		if r.Header.Get("X-Block") != "" {
-			z.started <- struct{}{}
+			lw.started <- struct{}{}
 			select {
-			case <-z.release:
+			case <-lw.release:
 			case <-r.Context().Done():
-				z.causes <- context.Cause(r.Context())
+				lw.causes <- context.Cause(r.Context())
 				http.Error(w, "stopped", http.StatusServiceUnavailable)
 				return
 			}
@@ -177,7 +162,52 @@ func newCutApp(t *testing.T, lease time.Duration, trigger string, edit func(*ide
 		}
 		w.WriteHeader(status)
 		fmt.Fprintf(w, `{"run":%d}`, n)
-	}))).Methods("POST")
+	}
+}
+
+// faultPool is a pool of the database of direct through the proxy at addr, as the fault
+// tests' middleware uses it, closed with the test.
+func faultPool(t *testing.T, direct *pgxpool.Pool, addr string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, pgtest.URLOf(t, direct), addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	cfg.MaxConns = 20
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// faultMiddleware is the fault tests' middleware on db, its options changed by edit.
+func faultMiddleware(t *testing.T, db *pgxpool.Pool, edit func(*idemhttp.Options)) *idemhttp.Middleware {
+	t.Helper()
+	o := idemhttp.Options{DB: db, LockTimeout: 5 * time.Second, DuplicateWait: 300 * time.Millisecond,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate}
+	if edit != nil {
+		edit(&o)
+	}
+	m, err := idemhttp.New(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func newCutApp(t *testing.T, lease time.Duration, trigger string, edit func(*idemhttp.Options)) *cutApp {
+	t.Helper()
+	direct, _ := pgtest.NewPool(t, 20)
+	z := &cutApp{t: t, direct: direct, cuts: new(atomic.Int32), cut: make(chan struct{}, 10)}
+	z.init()
+	z.proxied = faultPool(t, direct, cutProxy(t, pgtest.TCPAddr(t), z.cuts, z.cut, trigger))
+	t.Cleanup(z.proxied.Close)
+	m := faultMiddleware(t, z.proxied, edit)
+	r := mux.NewRouter()
+	r.Handle("/work", m.Route(idemhttp.Route{Lease: lease, Required: true})(z.handler())).Methods("POST")
 	pgtest.Exec(t, direct, `CREATE TABLE step_rows (id serial PRIMARY KEY, key text)`)
 	r.Handle("/steps", m.Route(idemhttp.Route{Lease: lease, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		z.runs.Add(1)
