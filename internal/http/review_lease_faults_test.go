@@ -336,7 +336,10 @@ func TestLeaseFaultsExtensionReplyLostOnceKeepsTheLease(t *testing.T) {
 // succeeds: the handler, held past a whole lease, keeps its context; answer, replay, one run.
 func TestLeaseFaultsExtensionTerminatedKeepsTheLease(t *testing.T) {
 	t.Parallel()
-	z := newCutApp(t, 1500*time.Millisecond, "no-such-trigger", nil)
+	// A lease of 3 s: the next extension, a third of it later, has a second to land before the
+	// lease's end under CI's load (with 1.5 s, half a second once was not enough there).
+	const lease = 3 * time.Second
+	z := newCutApp(t, lease, "no-such-trigger", nil)
 	first := make(chan reply, 1)
 	go func() { first <- z.post("ext-term", "X-Block", "1") }()
 	<-z.started
@@ -349,7 +352,7 @@ func TestLeaseFaultsExtensionTerminatedKeepsTheLease(t *testing.T) {
 		t.Fatalf("%d extensions terminated, want 1", n)
 	}
 	unlock()
-	time.Sleep(2 * time.Second)
+	time.Sleep(lease + 500*time.Millisecond)
 	z.unblock()
 	r := <-first
 	select {
