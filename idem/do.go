@@ -139,7 +139,11 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // connection) until the lease's AnswerDeadline; when it still is not, DoLease returns it with
 // an error wrapping context.DeadlineExceeded, and the key stays in progress until its lease
 // runs out. When fn panics, the heartbeat stops and the claim is given up before the panic
-// goes on to the caller. The first DoLease on a pool checks its schema (CheckSchema).
+// goes on to the caller. When the claim's own COMMIT has no answer (its reply lost, ctx ended
+// while it ran, or none within 5 seconds: a connection that stopped answering), DoLease
+// returns ErrCommitUnknown without running fn, after giving the claim up, fenced by its token,
+// in case it landed: the next DoLease of the job runs fn at once. The first DoLease on a pool
+// checks its schema (CheckSchema).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err

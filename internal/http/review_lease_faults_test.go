@@ -139,6 +139,26 @@ type leaseWork struct {
 	causes  chan error
 }
 
+// kept fails t if the work's context ended (after what: the fault the test made).
+func (lw *leaseWork) kept(t *testing.T, what string) {
+	t.Helper()
+	select {
+	case c := <-lw.causes:
+		t.Fatalf("the handler's context ended (%v) %s", c, what)
+	default:
+	}
+}
+
+// answeredOnce fails t unless the first answer r was 202, the retry's r2 its replay, and the
+// work ran once.
+func (lw *leaseWork) answeredOnce(t *testing.T, r, r2 reply) {
+	t.Helper()
+	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || lw.runs.Load() != 1 {
+		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
+			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), lw.runs.Load())
+	}
+}
+
 func (lw *leaseWork) init() {
 	lw.started, lw.release, lw.causes = make(chan struct{}, 10), make(chan struct{}), make(chan error, 10)
 }
@@ -318,16 +338,9 @@ func TestLeaseFaultsExtensionReplyLostOnceKeepsTheLease(t *testing.T) {
 	time.Sleep(2 * time.Second) // past the lease the first extension would have given
 	z.unblock()
 	r := <-first
-	select {
-	case c := <-z.causes:
-		t.Fatalf("the handler's context ended (%v) after one lost extension reply; the lease stood", c)
-	default:
-	}
+	z.kept(t, "after one lost extension reply; the lease stood")
 	r2 := z.post("ext-lost-once")
-	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || z.runs.Load() != 1 {
-		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
-			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), z.runs.Load())
-	}
+	z.answeredOnce(t, r, r2)
 }
 
 // TestLeaseFaultsExtensionTerminatedKeepsTheLease (checked, correct): the backend running an extension
@@ -355,16 +368,9 @@ func TestLeaseFaultsExtensionTerminatedKeepsTheLease(t *testing.T) {
 	time.Sleep(lease + 500*time.Millisecond)
 	z.unblock()
 	r := <-first
-	select {
-	case c := <-z.causes:
-		t.Fatalf("the handler's context ended (%v) after one terminated extension; the lease stood", c)
-	default:
-	}
+	z.kept(t, "after one terminated extension; the lease stood")
 	r2 := z.post("ext-term")
-	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || z.runs.Load() != 1 {
-		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
-			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), z.runs.Load())
-	}
+	z.answeredOnce(t, r, r2)
 }
 
 // TestLeaseFaultsExtensionRepliesLostTwiceStallsTheRetry (D164): the replies of two
@@ -462,10 +468,7 @@ func TestLeaseFaultsCompleteReplyLostIsAnswered(t *testing.T) {
 	time.Sleep(400 * time.Millisecond)
 	t.Logf("the request whose idem_complete reply was lost: %d %s", r.status, r.body)
 	r2 := z.post("complete-lost")
-	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || z.runs.Load() != 1 {
-		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
-			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), z.runs.Load())
-	}
+	z.answeredOnce(t, r, r2)
 }
 
 // TestLeaseFaultsYieldReplyLostConverges (checked, correct): the handler answers 500 and the reply of
@@ -510,17 +513,10 @@ func TestLeaseFaultsStatementTimeoutDuringLeaseAnswerAndExtension(t *testing.T) 
 	time.Sleep(1200 * time.Millisecond) // several statement timeouts
 	unlock()
 	r := <-first
-	select {
-	case c := <-z.causes:
-		t.Fatalf("the handler's context ended (%v)", c)
-	default:
-	}
+	z.kept(t, "")
 	r2 := z.post("st-lease")
 	t.Logf("first %d %s, retry %d %s", r.status, r.body, r2.status, r2.body)
-	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || z.runs.Load() != 1 {
-		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
-			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), z.runs.Load())
-	}
+	z.answeredOnce(t, r, r2)
 }
 
 // TestLeaseFaultsStatementTimeoutDuringYield (checked, correct): as above, across the idem_yield of a
@@ -637,15 +633,8 @@ func TestLeaseFaultsLockTimeoutDuringLeaseAnswerAndExtension(t *testing.T) {
 	time.Sleep(1200 * time.Millisecond)
 	unlock()
 	r := <-first
-	select {
-	case c := <-z.causes:
-		t.Fatalf("the handler's context ended (%v)", c)
-	default:
-	}
+	z.kept(t, "")
 	r2 := z.post("lt-lease")
 	t.Logf("first %d %s, retry %d %s", r.status, r.body, r2.status, r2.body)
-	if r.status != 202 || r2.status != 202 || r2.body != r.body || r2.header.Get("Idempotent-Replayed") != "true" || z.runs.Load() != 1 {
-		t.Fatalf("first %d %s, retry %d %s (replayed %q), %d runs; want 202, its replay, one run",
-			r.status, r.body, r2.status, r2.body, r2.header.Get("Idempotent-Replayed"), z.runs.Load())
-	}
+	z.answeredOnce(t, r, r2)
 }
