@@ -195,12 +195,14 @@ type attemptLog struct {
 type attemptEntry struct {
 	sent, at time.Time
 	status   int
+	path     string
+	err      error
 }
 
 func (l *attemptLog) RoundTrip(r *http.Request) (*http.Response, error) {
 	sent := time.Now()
 	res, err := l.next.RoundTrip(r)
-	e := attemptEntry{sent: sent, at: time.Now()}
+	e := attemptEntry{sent: sent, at: time.Now(), path: r.URL.Path, err: err}
 	if err == nil {
 		e.status = res.StatusCode
 	}
@@ -472,6 +474,11 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 		outside := e.at.Before(pauseAt) || e.at.After(back.Add(3*time.Second))
 		if (e.status == 0 || e.status >= 500) && outside {
 			run.fiveXXOutside++
+			// Which attempt, and when, against the pause and the return of service: a
+			// failure here once in CI could not be told from the count alone.
+			t.Logf("failed outside the window: %s %d (%v), sent %s and answered %s after the pause; service back %s after it",
+				e.path, e.status, e.err, e.sent.Sub(pauseAt).Round(time.Millisecond), e.at.Sub(pauseAt).Round(time.Millisecond),
+				back.Sub(pauseAt).Round(time.Millisecond))
 		}
 		if !outside && (e.status == 0 || e.status >= 300) {
 			window[e.status]++
