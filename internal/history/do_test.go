@@ -313,7 +313,7 @@ func TestDoHistory(t *testing.T) {
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), Changed(Transactional, 0),
 		Changed(Leased, 0), failedLeaseReuse(0), steppedLease(0))
 	probeEdgesAgain(ctx, runner)
-	mismatchAgain(ctx, h, runner, 3)
+	outcomeAgain(ctx, h, runner, "mismatch", 3, Changed(Transactional, 0))
 	stopCleanup()
 	time.Sleep(2*time.Second + 500*time.Millisecond) // a lease's completion outlives its client by a lease at most
 	pool.Close()

@@ -451,7 +451,8 @@ func TestSQLHistory(t *testing.T) {
 		ExpiryEdge(Transactional, edgeWork, edgeTTL, 0), ExpiryEdge(Leased, edgeWork, edgeTTL, 0), staleHolder(0), staleHolder(0),
 		contention(0), contention(0), releaseReuse(0), Changed(Transactional, 0))
 	probeEdgesAgain(ctx, runner)
-	mismatchAgain(ctx, h, runner, 3)
+	outcomeAgain(ctx, h, runner, "mismatch", 3, Changed(Transactional, 0))
+	outcomeAgain(ctx, h, runner, "lost", 1, staleHolder(0))
 	stopCleanup()
 	// Settle: the leases left held run out, the connections the faults broke are gone.
 	time.Sleep(runner.Keys()[0].Lease + 500*time.Millisecond)
