@@ -70,6 +70,59 @@ func TestStepAgainWhileCommitInFlightRunsFnOnce(t *testing.T) {
 	}
 }
 
+// TestStepAgainWhileCommitHeldPastLockTimeout: as above, but the step's COMMIT stays on its
+// way longer than idem_extend's lock timeout (2 s, the SQL API's default). Step called again
+// cannot learn the outcome in time (its re-read waits on the key's row, which the step's
+// transaction holds): it returns
+// ErrCommitUnknown again and does not run fn (D168). Called once more after the COMMIT has
+// landed, it returns the saved value: fn ran once, one row.
+func TestStepAgainWhileCommitHeldPastLockTimeout(t *testing.T) {
+	const lease = 20 * time.Second
+	z := newGapApp(t, lease, nil)
+	hold := z.proxy.rule("commit\x00", gapHoldRequest)
+	job := gapJob("step-held", lease)
+	stepFn := z.gapStepFn("step-held", "a")
+	var first, second, third error
+	var secondTook time.Duration
+	var got int
+	_, _, err := dbidem.DoLease(context.Background(), z.proxied, job, func(ctx context.Context, c dbidem.LeaseClaim) (int, error) {
+		hold.arm(1)
+		sctx, cancel := context.WithTimeout(ctx, time.Second)
+		_, first = dbidem.Step(sctx, "a", stepFn)
+		cancel()
+		start := time.Now()
+		_, second = dbidem.Step(ctx, "a", stepFn)
+		secondTook = time.Since(start)
+		hold.free()
+		// The COMMIT lands now; the next call reads it.
+		for range 50 {
+			got, third = dbidem.Step(ctx, "a", stepFn)
+			if !errors.Is(third, dbidem.ErrCommitUnknown) {
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return got, third
+	})
+	hold.free()
+	rows := z.count(`SELECT count(*) FROM gap_rows WHERE key = 'step-held'`)
+	t.Logf("first Step: %v; again while held: %v after %s; after the COMMIT landed: %d, %v; DoLease: %v; fn runs %d, rows %d",
+		first, second, secondTook.Round(time.Millisecond), got, third, err, z.steps.Load(), rows)
+	if !errors.Is(first, dbidem.ErrCommitUnknown) {
+		t.Fatalf("the first Step did not end with ErrCommitUnknown (%v): the scenario did not happen", first)
+	}
+	if !errors.Is(second, dbidem.ErrCommitUnknown) {
+		t.Errorf("Step again while the COMMIT is held past the lock timeout: %v, want ErrCommitUnknown", second)
+	}
+	if secondTook > 5*time.Second {
+		t.Errorf("Step again took %s, want it bounded by about idem_extend's lock timeout (2 s)", secondTook)
+	}
+	if third != nil || err != nil || z.steps.Load() != 1 || rows != 1 {
+		t.Errorf("after the COMMIT landed: Step %v, DoLease %v, fn runs %d, rows %d; want the saved value, fn run once, one row",
+			third, err, z.steps.Load(), rows)
+	}
+}
+
 // TestDoLeaseClaimCommitInFlightIsGivenUp: DoLease's context ends while its fresh lease
 // claim's COMMIT is on its way (not yet at the server). DoLease returns ErrCommitUnknown and,
 // since D168, gives the claim up with idem_yield: but the claim's row is an uncommitted INSERT,
@@ -109,7 +162,7 @@ func TestDoLeaseClaimCommitInFlightIsGivenUp(t *testing.T) {
 	t.Logf("first DoLease: %v; key in progress with a live lease after it: %d; next DoLease: %v after %s; runs %d",
 		err, inProgress, err2, time.Since(start).Round(time.Millisecond), runs)
 	if !errors.Is(err, dbidem.ErrCommitUnknown) {
-		t.Skipf("the first DoLease did not end with ErrCommitUnknown (%v)", err)
+		t.Fatalf("the first DoLease did not end with ErrCommitUnknown (%v): the scenario did not happen", err)
 	}
 	if err2 != nil {
 		t.Fatalf("the next DoLease after a claim whose COMMIT was in flight when DoLease gave it up: %v; want fn run at once "+
