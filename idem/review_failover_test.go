@@ -138,11 +138,7 @@ func TestFailoverReviewLeaseAnswerCanceledWaitingForSyncStandbyIsLostOnFailover(
 	t.Parallel()
 	ctx := context.Background()
 	p := startStandbyPair(t, "*")
-	admin, err := pgx.Connect(ctx, p.primary.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	admin := pgtest.Connect(t, p.primary.ConnString("postgres"))
 	pool, err := pgxpool.New(ctx, p.primary.ConnString("postgres"))
 	if err != nil {
 		t.Fatal(err)
@@ -234,11 +230,7 @@ func TestFailoverReviewReplicationViewWhenTooFewSyncStandbys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	p := startStandbyPair(t, "")
-	admin, err := pgx.Connect(ctx, p.primary.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	admin := pgtest.Connect(t, p.primary.ConnString("postgres"))
 	for _, c := range []struct{ names, state string }{{"FIRST 2 (*)", "sync"}, {"ANY 2 (*)", "quorum"}, {"2 (*)", "sync"}} {
 		setSyncNames(t, admin, c.names, c.state)
 		h, err := idem.ReadHealth(ctx, admin)
@@ -265,11 +257,7 @@ func TestFailoverReviewReplicationViewChecked(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	p := startStandbyPair(t, "")
-	admin, err := pgx.Connect(ctx, p.primary.ConnString("postgres"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	admin := pgtest.Connect(t, p.primary.ConnString("postgres"))
 
 	setSyncNames(t, admin, "ghost", "async")
 	if h, err := idem.ReadHealth(ctx, admin); err != nil || h.Replication != "synchronous" ||
