@@ -13,8 +13,9 @@
 // ten of them in a row by default: the server answered), and a request that net/http would
 // refuse to send (a URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
-// value or the key, a RequestURI: a server's request handed on as it came; two key headers),
-// which Do refuses before sending anything. A nil Header is sent as an empty one. The context
+// value, the URL or the key, a space or a control character in the host, a RequestURI: a
+// server's request handed on as it came; two key headers), which Do refuses before sending
+// anything. A nil Header is sent as an empty one. The context
 // bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
@@ -27,7 +28,10 @@
 //	fmt.Println(res.Status, res.Replayed) // 201 false; or 201 true when a lost answer was retried
 //
 // To retry later an operation that gave up, call Do again with the same request and res.Key:
-// Do leaves a request's body readable again.
+// Do leaves a request's body readable again once it has read it whole. One that ended while
+// reading a body without GetBody (the context ended, or the body's Read failed) sent nothing
+// (Attempts 0) and leaves a body that refuses every read: build the request again, with its
+// whole body, rather than send what is left of it under the key.
 //
 // It has no dependency on the server side of this module (no pgx, no database driver).
 package idemclient
@@ -56,7 +60,9 @@ type Client struct {
 	AttemptTimeout time.Duration
 	// MaxAttempts bounds the attempts of one operation; past them Do returns ErrGaveUp with
 	// the last answer. Default 0: DefaultMaxAttempts (10). A negative value: no bound, until
-	// the context ends.
+	// the context ends. net/http itself writes a request that carries an Idempotency-Key once
+	// more when a kept-alive connection closes before any answer; that counts as an attempt,
+	// so one try of Do can take two of them (and the last try can go one past the bound).
 	MaxAttempts int
 	// Backoff is the first retry's wait; each retry doubles it, up to MaxBackoff, and waits a
 	// random duration between half of it and all of it. Default 0: 50ms.
@@ -82,7 +88,8 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // req.GetBody when it is set, which wins over req.Body, as on net/http's retries; req.Body is
 // then closed unread) and sent again as it was; a body without GetBody is left readable again
 // (Do sets req.Body and req.GetBody to the bytes it read), so req can be given to a later Do
-// under Result.Key. An empty key means the key req already carries in the key header (under
+// under Result.Key. When Do ends before it has read such a body whole, nothing was sent and the
+// body is left refusing every read (part of it is gone): build the request again. An empty key means the key req already carries in the key header (under
 // any spelling of its name; one value, two are refused), or else a new one (NewKey) for this
 // operation; a key given here replaces every key header req carries. Result.Key tells which.
 // ctx, not req's context, bounds the operation, the body's reading included; a ctx that has
@@ -96,14 +103,17 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 // Result is the answer to an operation.
 type Result struct {
 	// Status, Header and Body are the final answer's (the last attempt's, when the operation
-	// gave up; zero when that attempt got no answer: a network error, a timeout).
+	// gave up; zero when that attempt got no answer: a network error, a timeout). A redirect
+	// that the HTTP client's CheckRedirect refused leaves its Status and Header (its Location),
+	// and no Body (net/http closes it).
 	Status int
 	Header http.Header
 	Body   []byte
 	// Replayed is true when the answer was a replay of the first execution's (the server sent
 	// Client.ReplayedHeader: true): an earlier attempt had taken effect and its answer was lost.
 	Replayed bool
-	// Attempts is how many requests the operation took.
+	// Attempts is how many requests the operation took: net/http's own second write of a
+	// request counts (Client.MaxAttempts); the redirects it follows do not.
 	Attempts int
 	// Key is the idempotency key the operation used: retry a failed operation later under it.
 	Key string
@@ -113,7 +123,8 @@ type Result struct {
 func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 
 // Code is the problem code of an error answer (its body's "code" member; "" for a success or
-// a body without one).
+// a body without one). A body compressed with gzip or deflate (net/http leaves it so when the
+// caller set Accept-Encoding itself) is read decompressed.
 func (r Result) Code() string { return client.Result(r).Code() }
 
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its

@@ -23,6 +23,9 @@ package client
 
 import (
 	"bytes"
+	"cmp"
+	"compress/gzip"
+	"compress/zlib"
 	"context"
 	crand "crypto/rand"
 	"crypto/tls"
@@ -34,9 +37,11 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptrace"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/pgidem/internal/httpsyntax"
@@ -86,14 +91,37 @@ type Result struct {
 // JSON decodes the body into v.
 func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 
-// Code is the problem code of an error answer ("" for a success or a body without one).
+// Code is the problem code of an error answer ("" for a success or a body without one). A body
+// sent with Content-Encoding gzip or deflate (net/http leaves it so when the caller set
+// Accept-Encoding itself) is read decompressed, up to maxProblemBytes.
 func (r Result) Code() string {
+	body := r.Body
+	if enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc == "gzip" || enc == "x-gzip" || enc == "deflate" {
+		var zr io.ReadCloser
+		var err error
+		if enc == "deflate" {
+			zr, err = zlib.NewReader(bytes.NewReader(r.Body))
+		} else {
+			zr, err = gzip.NewReader(bytes.NewReader(r.Body))
+		}
+		if err != nil {
+			return ""
+		}
+		body, err = io.ReadAll(io.LimitReader(zr, maxProblemBytes))
+		zr.Close()
+		if err != nil {
+			return ""
+		}
+	}
 	var p struct {
 		Code string `json:"code"`
 	}
-	_ = json.Unmarshal(r.Body, &p)
+	_ = json.Unmarshal(body, &p)
 	return p.Code
 }
+
+// maxProblemBytes bounds what Code decompresses of a compressed answer.
+const maxProblemBytes = 1 << 20
 
 // ErrGaveUp is returned when an operation ran out of attempts (MaxAttempts) with an outcome
 // still unknown; the last attempt's error or answer is wrapped.
@@ -177,6 +205,13 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		}
 		var err error
 		if payload, err = readBody(ctx, body); err != nil {
+			if req.GetBody == nil {
+				// Part of the body may be read, and an abandoned read may go on: a later Do
+				// would send what is left of it under this key, another request. Nothing was
+				// sent; the request must be built again.
+				req.Body = spentBody{}
+				req.GetBody = func() (io.ReadCloser, error) { return spentBody{}, nil }
+			}
 			return Result{Key: key}, err
 		}
 		if req.GetBody == nil {
@@ -199,10 +234,11 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		maxBackoff = 2 * time.Second
 	}
 	res := Result{Key: key}
-	for attempt := 1; ; attempt++ {
-		res.Attempts = attempt
-		r, err := c.once(ctx, req, key, payload)
-		wait := jitter(doubled(backoff, attempt-1, maxBackoff))
+	attempt := 0
+	for try := 1; ; try++ {
+		r, sent, err := c.once(ctx, req, key, payload)
+		attempt += sent
+		wait := jitter(doubled(backoff, try-1, maxBackoff))
 		switch {
 		case err == nil && !retryable(r):
 			r.Attempts, r.Key = attempt, key
@@ -214,8 +250,10 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			res = r
 			res.Attempts, res.Key = attempt, key
 		default:
-			// No answer this time: the result holds none (not an earlier attempt's).
-			res = Result{Attempts: attempt, Key: key}
+			// No answer this time: the result holds none (not an earlier attempt's), but the
+			// status and headers of a redirect that CheckRedirect refused.
+			res = r
+			res.Attempts, res.Key = attempt, key
 			if ctx.Err() != nil {
 				return res, ctx.Err()
 			}
@@ -286,6 +324,16 @@ func readBody(ctx context.Context, body io.ReadCloser) ([]byte, error) {
 	}
 }
 
+// spentBody is the body Do leaves on a request whose body it could not read whole: every read
+// fails, so no later Do sends what is left of it.
+type spentBody struct{}
+
+func (spentBody) Read([]byte) (int, error) { return 0, errBodySpent }
+func (spentBody) Close() error             { return nil }
+
+var errBodySpent = errors.New("idemclient: the request's body was partly read by a Do that ended before it had all of it " +
+	"(nothing was sent); build the request again, with its whole body, to retry under the same key")
+
 func (c *Client) maxAttempts() int {
 	if c.MaxAttempts == 0 {
 		return DefaultMaxAttempts
@@ -327,6 +375,12 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 			return fmt.Errorf("idemclient: the URL's port %q is not 1 to 65535", p)
 		}
 	}
+	if strings.ContainsFunc(req.URL.RequestURI(), isCTL) {
+		return fmt.Errorf("idemclient: the URL %q has a control character, which net/http refuses to send", req.URL.RequestURI())
+	}
+	if host := cmp.Or(req.Host, req.URL.Host); strings.ContainsFunc(host, func(r rune) bool { return r == ' ' || isCTL(r) }) {
+		return fmt.Errorf("idemclient: the host %q has a space or a control character, which net/http refuses to send", host)
+	}
 	if req.Method != "" && !httpsyntax.IsToken(req.Method) {
 		return fmt.Errorf("idemclient: the method %q is not an HTTP token", req.Method)
 	}
@@ -345,6 +399,26 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 	}
 	return nil
 }
+
+// firstTrip counts the times the transport wrote an attempt's request (not the requests of
+// the redirects it follows): net/http writes a request again on its own when a kept-alive
+// connection closes before any answer, if the request carries an Idempotency-Key.
+type firstTrip struct {
+	rt      http.RoundTripper
+	started atomic.Bool
+	wrote   atomic.Int32
+}
+
+func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
+	if f.started.CompareAndSwap(false, true) {
+		req = req.WithContext(httptrace.WithClientTrace(req.Context(),
+			&httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { f.wrote.Add(1) }}))
+	}
+	return f.rt.RoundTrip(req)
+}
+
+// isCTL tells whether r is an ASCII control character (net/http refuses them in a request's URL).
+func isCTL(r rune) bool { return r < 0x20 || r == 0x7f }
 
 // keyValues is every value of the key header in h, under any spelling of its name (a caller
 // may have set the map entry directly, not in Go's canonical form).
@@ -391,12 +465,17 @@ func permanent(err error) bool {
 		errors.As(err, &invalid) || errors.As(err, &record)
 }
 
-func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (Result, error) {
+// once sends one attempt. sent is how many requests it took: 1, or more when net/http wrote
+// the request again on its own (it does so for a request that carries an Idempotency-Key when
+// a kept-alive connection closes before any answer).
+func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (r Result, sent int, err error) {
 	if c.AttemptTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.AttemptTimeout)
 		defer cancel()
 	}
+	counted := &firstTrip{}
+	defer func() { sent = max(1, int(counted.wrote.Load())) }()
 	req := orig.Clone(ctx)
 	if req.Header == nil {
 		req.Header = make(http.Header, 1)
@@ -413,28 +492,33 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		}
 	}
 	req.Header.Set(c.keyHeader(), key)
-	hc := c.HTTP
-	if hc == nil {
-		hc = http.DefaultClient
+	hc := http.Client{}
+	if c.HTTP != nil {
+		hc = *c.HTTP
 	}
+	counted.rt = hc.Transport
+	if counted.rt == nil {
+		counted.rt = http.DefaultTransport
+	}
+	hc.Transport = counted
 	resp, err := hc.Do(req)
 	if err != nil {
-		if resp != nil { // net/http: only when CheckRedirect refused a redirect
-			return Result{}, &redirectRefused{err}
+		if resp != nil { // net/http: only when CheckRedirect refused a redirect (its body is closed)
+			return Result{Status: resp.StatusCode, Header: resp.Header}, 0, &redirectRefused{err}
 		}
-		return Result{}, err
+		return Result{}, 0, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return Result{}, err // the answer was lost on the way: its outcome is unknown
+		return Result{}, 0, err // the answer was lost on the way: its outcome is unknown
 	}
 	replayed := c.ReplayedHeader
 	if replayed == "" {
 		replayed = "Idempotent-Replayed"
 	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b,
-		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, nil
+		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, 0, nil
 }
 
 // Ledger is a client for the reference ledger API (cmd/server): one server, one bearer token,
