@@ -21,15 +21,20 @@ type Job struct {
 	// message's own id (not a delivery's).
 	Principal, Key, Action string
 	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
-	// JSON), so the same key with another input is ErrMismatch. Default nil: no input.
+	// JSON), so the same key with another input is ErrMismatch. Default nil: no input. A
+	// string in it that is not valid UTF-8 is ErrInvalidArgument before anything runs:
+	// encoding/json writes such bytes as U+FFFD (the escape \ufffd, which is refused too), so
+	// two inputs would fingerprint alike; encode bytes (base64, hex).
 	Input any
-	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults.
+	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults. A negative
+	// one is ErrInvalidArgument.
 	TTL, LockTimeout time.Duration
 	// Gate coalesces concurrent calls of this process with the same key. Default nil: one
 	// Gate shared by every Do and DoLease of the process.
 	Gate *Gate
 	// Lease is the lease of a DoLease job: the claim is held that long past its last
-	// extension. Required by DoLease, from a second to 10 years; Do ignores it.
+	// extension. Required by DoLease, from a second to 10 years (any other is
+	// ErrInvalidArgument, which idemriver cancels the job for); Do ignores it.
 	Lease time.Duration
 	// Timeout bounds a DoLease job's work (its context ends then). Default 0:
 	// DefaultLeaseTimeout.

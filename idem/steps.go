@@ -42,7 +42,11 @@ import (
 //
 // When the claim was taken over (another attempt holds the key now) the step's writes roll
 // back, the lease counts as lost (its answer is not recorded: a lease route answers 409, DoLease
-// returns ErrLeaseLost), and Step returns an error that is ErrLeaseLost and ErrClaimLost. Step
+// returns ErrLeaseLost), and Step returns an error that is ErrLeaseLost and ErrClaimLost, as
+// does every Step after it. A lease lost by this process's clock alone (its extensions failed
+// until the lease ran out) is ErrLeaseLost without ErrClaimLost: Step runs nothing and asks the
+// database nothing, which may be out of reach, so whether another attempt took the key over is
+// not known. Step
 // outside the work of a lease returns ErrNoSteps; on a lease route, a request without a key
 // runs each step in a transaction without a recovery point (the client asked for no retry
 // safety). Names identify steps within one request: give each step its own; the same name

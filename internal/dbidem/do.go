@@ -96,6 +96,12 @@ func (job Job) claim(lease time.Duration) (Claim, []byte, error) {
 		if input, err = json.Marshal(job.Input); err != nil {
 			return Claim{}, nil, fmt.Errorf("idem: encode input: %w", err)
 		}
+		// encoding/json writes each byte of a string that is not UTF-8 as the escape \ufffd
+		// (and a U+FFFD of valid text as itself): two such inputs would be one request.
+		if holdsEscape(input, `\ufffd`) {
+			return Claim{}, nil, fmt.Errorf("%w: the job's Input holds a string that is not UTF-8 (or the escape \\ufffd): "+
+				"its JSON would be the same for other bytes; encode such bytes (base64, hex)", ErrInvalidArgument)
+		}
 	}
 	fp := canon.Compute("DO", job.Action, input)
 	return Claim{Principal: job.Principal, Key: job.Key, Action: job.Action, Fingerprint: fp.Sum,
@@ -158,7 +164,7 @@ type Pool interface {
 // commits with its recovery point, and a takeover skips the steps done.
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if job.Lease < time.Second {
-		return result, false, fmt.Errorf("idem: DoLease needs a Lease of at least a second, got %s", job.Lease)
+		return result, false, fmt.Errorf("%w: DoLease needs a Lease of at least a second, got %s", ErrInvalidArgument, job.Lease)
 	}
 	claim, input, err := job.claim(job.Lease)
 	if err != nil {

@@ -259,8 +259,12 @@ func (g *Gate) Unhold(held int64) {
 // this process already hold MaxWaitingBytes: waiting longer would hold more.
 func IsFull(err error) bool { return errors.Is(err, errFull) }
 
-// LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0.
+// LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0; a
+// negative one is ErrInvalidArgument.
 func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Duration, error) {
+	if c.LockTimeout < 0 { // the SQL API refuses it (22023); the Gate's statements never send it
+		return 0, fmt.Errorf("%w: LockTimeout must be positive, got %s", ErrInvalidArgument, c.LockTimeout)
+	}
 	if c.LockTimeout > 0 {
 		return c.LockTimeout, nil
 	}

@@ -128,6 +128,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		s.mu.Unlock()
 	}()
 	if s.lease != nil && s.lease.Lost() {
+		if s.lease.TakenOver() { // the database said so earlier (an extension, a step)
+			return zero, fmt.Errorf("%w: %w", ErrLeaseLost, ErrClaimLost)
+		}
 		return zero, ErrLeaseLost
 	}
 	s.mu.Lock()
@@ -235,8 +238,12 @@ func (s *Steps) recorded(ctx context.Context, name string) (json.RawMessage, err
 
 // holdsNUL tells whether the JSON text b holds the escape \u0000 (a string with U+0000, which
 // jsonb refuses), not counting a literal backslash before "u0000" (escaped as \\).
-func holdsNUL(b []byte) bool {
-	for i := bytes.Index(b, []byte(`\u0000`)); i >= 0; {
+func holdsNUL(b []byte) bool { return holdsEscape(b, `\u0000`) }
+
+// holdsEscape tells whether the JSON text b holds the escape esc (a backslash and what
+// follows), not counting a literal backslash before the rest (escaped as \\).
+func holdsEscape(b []byte, esc string) bool {
+	for i := bytes.Index(b, []byte(esc)); i >= 0; {
 		n := 0 // the backslashes that end at i, i's own included
 		for j := i; j >= 0 && b[j] == '\\'; j-- {
 			n++
@@ -244,7 +251,7 @@ func holdsNUL(b []byte) bool {
 		if n%2 == 1 {
 			return true
 		}
-		next := bytes.Index(b[i+1:], []byte(`\u0000`))
+		next := bytes.Index(b[i+1:], []byte(esc))
 		if next < 0 {
 			return false
 		}
