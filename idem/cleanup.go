@@ -98,7 +98,10 @@ func (a cleanupObserver) Vacuumed() { a.o.Vacuumed() }
 // each so that batches take at most Duty of the time. With several processes on one database
 // one of them cleans at a time (the others' passes are skipped); a pass holds at most one
 // connection, and only while a statement runs. Rows that a request holds are skipped, never
-// waited for. Safe for concurrent use.
+// waited for. A batch statement that gets no answer within two minutes (a connection that
+// stopped answering) fails the pass, which the metrics count as failed; a cleaner whose
+// batches wait for the lock (CleanerOptions.Wait) waits as long as the lock is held. Safe for
+// concurrent use.
 type Cleaner struct{ c *dbidem.Cleaner }
 
 // NewCleaner returns a cleaner on db (a pool: each batch is a statement of its own, never

@@ -229,8 +229,13 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.str("IDEM_DATA_DIR", &c.DataDir)
 	p.integer("IDEM_DATA_PORT", &c.DataPort, 1, 65535)
 	if v := getenv("IDEM_APP_ROLE"); v != "" {
-		if !roleName.MatchString(v) {
+		switch {
+		case !roleName.MatchString(v):
 			p.fail("IDEM_APP_ROLE", v, "want a lower-case SQL identifier")
+		case strings.HasPrefix(v, "pg_") || v == "public" || v == "none" || v == "current_user" || v == "session_user" || v == "current_role":
+			// PostgreSQL's reserved names, and its predefined roles (pg_read_all_data, pg_monitor:
+			// granting them the API would give every backup or monitoring login its writes).
+			p.fail("IDEM_APP_ROLE", v, "want a role of the application's own: names that begin with pg_, and public, are PostgreSQL's")
 		}
 		c.AppRole = v
 	}
@@ -251,6 +256,11 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	maxWaiting := int(c.MaxWaitingBytes)
 	p.integer("IDEMPOTENCY_MAX_WAITING_BYTES", &maxWaiting, 1, 1<<40)
 	c.MaxWaitingBytes = int64(maxWaiting)
+	if c.MaxWaitingBytes != 0 && c.MaxWaitingBytes < c.MaxBodyBytes+4096 {
+		// Below one duplicate with the largest body, no duplicate with a body could ever wait.
+		p.fail("IDEMPOTENCY_MAX_WAITING_BYTES", strconv.FormatInt(c.MaxWaitingBytes, 10),
+			fmt.Sprintf("want at least MAX_BODY_BYTES + 4096 (%d): room for one duplicate with the largest body", c.MaxBodyBytes+4096))
+	}
 	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 0, 1<<30)
 	if v := getenv("CLEANUP_INTERVAL"); v == "0" {
 		c.CleanupInterval = 0
@@ -299,8 +309,12 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		}
 	}
 	if c.DatabaseURL != "" {
-		if _, err := pgx.ParseConfig(c.DatabaseURL); err != nil {
+		if pc, err := pgx.ParseConfig(c.DatabaseURL); err != nil {
 			p.errs = append(p.errs, fmt.Errorf("DATABASE_URL: %v", err))
+		} else if _, ok := pc.RuntimeParams["pool_max_conns"]; ok {
+			// pgxpool reads it, but the pool's size is DATABASE_POOL_SIZE's (the waiting claims'
+			// bound is set against it): one setting, not two that disagree in silence.
+			p.errs = append(p.errs, errors.New("DATABASE_URL: pool_max_conns is not read here; set DATABASE_POOL_SIZE instead"))
 		}
 	}
 	if c.MaxWaitingClaims >= c.PoolSize {

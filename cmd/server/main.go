@@ -27,6 +27,9 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal starts the stop; a second one ends the process at once (the signals'
+	// default action, back once stop is called).
+	go func() { <-ctx.Done(); stop() }()
 	m := NewMain(os.Stdout, os.Stderr)
 	if err := m.ParseFlags(os.Args[1:], os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "server:", err)
@@ -36,9 +39,27 @@ func main() {
 	if cerr := m.Close(); err == nil {
 		err = cerr
 	}
-	if err != nil && !errors.Is(err, context.Canceled) {
+	if code := exitCode(m.Command, ctx.Err() != nil, err); code != 0 {
+		if errors.Is(err, context.Canceled) {
+			err = fmt.Errorf("%s interrupted by a signal before it finished: %w", m.Command, err)
+		}
 		fmt.Fprintln(os.Stderr, "server:", err)
-		os.Exit(1)
+		os.Exit(code)
+	}
+}
+
+// exitCode is the process's exit status for a command that ended with err, signaled when a
+// signal ended its context: 0 when it did its work; 1 when it failed, or when a signal stopped
+// it before it finished (a cron job or a deploy step must not take an interrupted migrate or
+// cleanup for a done one). serve stops on a signal by design: its graceful stop is a success.
+func exitCode(command string, signaled bool, err error) int {
+	switch {
+	case err == nil:
+		return 0
+	case command == "serve" && signaled && errors.Is(err, context.Canceled):
+		return 0 // stopped while starting
+	default:
+		return 1
 	}
 }
 

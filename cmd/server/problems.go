@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"net/http"
 
 	"github.com/pgidem/pgidem/idem"
@@ -22,6 +24,7 @@ var ledgerProblems = map[string]string{
 	"balance_limit":       "Balance limit",
 	"internal_error":      "Internal error",
 	"service_unavailable": "Service unavailable",
+	"shutting_down":       "Shutting down",
 	"not_found":           "Not found",
 	"method_not_allowed":  "Method not allowed",
 }
@@ -38,6 +41,12 @@ func problem(w http.ResponseWriter, r *http.Request, status int, code, detail st
 func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
 	if r.Context().Err() == nil {
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) {
+		// The shutdown timeout ended the work: it rolled back.
+		w.Header().Set("Retry-After", "1")
+		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down; nothing was changed; retry with the same Idempotency-Key")
+		return
 	}
 	if idem.IsUnavailable(err) {
 		w.Header().Set("Retry-After", "1")

@@ -77,11 +77,23 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	// Stop accepting and let in-flight requests finish; lease work (which outlives its client)
 	// is ended by the middleware's Shutdown when the timeout passes, so that it gives its
 	// lease up for the client's retry instead of being cut off by the exit.
-	leases := make(chan error, 1)
-	go func() { leases <- m.idem.Shutdown(sctx) }()
+	work := make(chan error, 1)
+	go func() { work <- m.idem.Shutdown(sctx) }()
 	err = srv.Shutdown(sctx)
-	if lerr := <-leases; lerr != nil {
-		m.log.Warn("lease work still running at the shutdown timeout was ended", "error", lerr)
+	if werr := <-work; werr != nil {
+		m.log.Warn("keyed work still running at the shutdown timeout was ended", "error", werr)
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		// The keyed work still running was ended (its requests are answered 503 shutting_down
+		// now): their answers get a moment to go out, then the connections left are closed.
+		// The documented stop, not a failed one.
+		gctx, gcancel := context.WithTimeout(context.Background(), shutdownGrace)
+		err = srv.Shutdown(gctx)
+		gcancel()
+		if err != nil {
+			m.log.Warn("requests still running after the shutdown timeout were cut off", "error", err)
+			err = srv.Close()
+		}
 	}
 	if stopCleanup != nil {
 		stopCleanup() // cancels a running pass and waits for it
@@ -93,6 +105,10 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	m.log.Info("stopped")
 	return nil
 }
+
+// shutdownGrace is how long the requests whose keyed work the shutdown timeout ended have to
+// send their answers before their connections are closed.
+const shutdownGrace = 2 * time.Second
 
 // logReplication says at start what a failover would do to the promise (idem_health's
 // replication): the mode, and as a warning when an answered key could be lost on failover

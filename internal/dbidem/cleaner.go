@@ -105,6 +105,7 @@ type Cleaner struct {
 	duty      float64 // the share of the time its batches may take (1: no pause between them)
 	vacuum    bool
 	wait      bool // each batch waits for the cleanup lock (CleanerOptions.Wait)
+	bound     time.Duration // a batch statement's bound, 0 when it waits (CleanupBatchTimeout)
 	log       *slog.Logger
 	observer  CleanerObserver
 
@@ -126,6 +127,9 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 	}
 	c := &Cleaner{db: db, interval: o.Interval, batchSize: o.BatchSize, duty: o.Duty, vacuum: !o.SkipVacuum,
 		wait: o.Wait, log: o.Logger, observer: o.Observer}
+	if !c.wait {
+		c.bound = CleanupBatchTimeout
+	}
 	if c.interval == 0 {
 		c.interval = DefaultCleanupInterval
 	}
@@ -207,9 +211,12 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 		if c.wait {
 			sql = batchWaitSQL
 		}
-		if err := c.db.QueryRow(ctx, sql, CleanupLock, batch).Scan(&n); err != nil {
+		bctx, cancel := c.batchContext(ctx, 0)
+		err := c.db.QueryRow(bctx, sql, CleanupLock, batch).Scan(&n)
+		cancel()
+		if err != nil {
 			c.observer.PassEnded(failure(ctx), total, time.Since(start))
-			return total, true, classify(err)
+			return total, true, classify(batchError(bctx, err))
 		}
 		if n == nil {
 			if total == 0 {
@@ -242,9 +249,12 @@ func (c *Cleaner) workersPass(ctx context.Context, batch int) (total int, ran, w
 		if c.wait {
 			sql = workersWaitSQL
 		}
-		if err := c.db.QueryRow(ctx, sql, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
-			CleanupLock).Scan(&locked, &r); err != nil {
-			return total, true, workers, err
+		bctx, cancel := c.batchContext(ctx, CleanupWorkersTime)
+		err := c.db.QueryRow(bctx, sql, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
+			CleanupLock).Scan(&locked, &r)
+		cancel()
+		if err != nil {
+			return total, true, workers, batchError(bctx, err)
 		}
 		switch {
 		case !locked:
@@ -273,6 +283,35 @@ func (c *Cleaner) finish(ctx context.Context, start time.Time, total int, worker
 	}
 	c.observer.PassEnded(PassDone, total, time.Since(start))
 	return total, true, nil
+}
+
+// CleanupBatchTimeout bounds one batch statement of a scheduled cleanup pass (on Citus, one
+// round of the workers' passes: CleanupWorkersTime more; not a pass whose batches wait for the
+// cleanup lock, CleanerOptions.Wait): a connection that stops answering (a primary gone
+// without a word, a black-holed network) fails the pass, in the metrics and the log, instead of
+// holding it until the kernel gives the connection up (about 15 minutes). A batch of the
+// largest size (a million keys) takes seconds.
+const CleanupBatchTimeout = 2 * time.Minute
+
+// batchContext is the context of one batch statement: ctx, bounded by c.bound and extra unless
+// the batches wait for the cleanup lock (a `server cleanup` by hand waits for a maintenance
+// window's lock as long as it is held, and its operator sees it wait).
+func (c *Cleaner) batchContext(ctx context.Context, extra time.Duration) (context.Context, context.CancelFunc) {
+	if c.bound == 0 {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeoutCause(ctx, c.bound+extra, errBatchTimeout)
+}
+
+// errBatchTimeout is the cause of a batch statement cut at CleanupBatchTimeout.
+var errBatchTimeout = errors.New("idem: a cleanup batch got no answer within CleanupBatchTimeout (2 minutes)")
+
+// batchError is err of a batch statement run on bctx; one cut at its bound says so.
+func batchError(bctx context.Context, err error) error {
+	if context.Cause(bctx) == errBatchTimeout {
+		return fmt.Errorf("%w: %w", errBatchTimeout, err)
+	}
+	return err
 }
 
 // failure is the result a pass that ended in an error counts as: stopped when its context

@@ -1,0 +1,6 @@
+package dbidem
+
+import "time"
+
+// SetBatchBound sets the bound of c's batch statements (CleanupBatchTimeout), for tests.
+func SetBatchBound(c *Cleaner, d time.Duration) { c.bound = d }
