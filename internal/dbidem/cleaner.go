@@ -104,7 +104,7 @@ type Cleaner struct {
 	batchSize int
 	duty      float64 // the share of the time its batches may take (1: no pause between them)
 	vacuum    bool
-	wait      bool // each batch waits for the cleanup lock (CleanerOptions.Wait)
+	wait      bool          // each batch waits for the cleanup lock (CleanerOptions.Wait)
 	bound     time.Duration // a batch statement's bound, 0 when it waits (CleanupBatchTimeout)
 	log       *slog.Logger
 	observer  CleanerObserver
