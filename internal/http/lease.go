@@ -99,12 +99,14 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		return q.run(hctx, nil, true)
 	}()
 	endHandlerSpan(handlerSpan, rec, v)
-	// Shutdown ended the work and the handler stopped without answering: net/http would send an
-	// empty 200, and it would be stored as the answer of work that did not run. The lease is
-	// given up instead, as for a failure, and the client told to retry (another process runs
-	// the work again, under the same provider key).
-	shutdown := v == commit && rec != nil && rec.status == 0 && errors.Is(context.Cause(hctx), ErrShutdown)
-	if shutdown {
+	// The handler's context ended (Shutdown, the route's LeaseTimeout) and it stopped without
+	// answering: net/http would send an empty 200, and it would be stored as the answer of work
+	// that did not run. The lease is given up instead, as for a failure, and the client told to
+	// retry (this process or another runs the work again, under the same provider key). A lost
+	// lease is the case below of its own (lost).
+	ended := v == commit && rec != nil && rec.status == 0 && hctx.Err() != nil
+	shutdown := ended && errors.Is(context.Cause(hctx), ErrShutdown)
+	if ended {
 		v = rollBack
 	}
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
@@ -136,8 +138,11 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			// found the key taken over: the claim may still stand, and every retry would wait
 			// it out. Fenced by the token, the yield finds nothing when another attempt holds
 			// the key (D164).
+			// Bounded as giveUpUnknownClaim is: the client waits for its answer meanwhile.
+			yctx, ycancel := context.WithTimeout(ctx, min(claim.Lease, 5*time.Second))
 			var yerr error
-			yielded, yerr = dbidem.PersistYield(ctx, db, claim.Principal, claim.Key, attempt)
+			yielded, yerr = dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt)
+			ycancel()
 			if yerr != nil && !errors.Is(yerr, dbidem.ErrClaimLost) {
 				q.m.o.Logger.Warn("idem: a lease that ran out by this process's clock could not be given up; the key waits for its lease to run out",
 					"error", yerr, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
@@ -198,7 +203,10 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		}
 	case unanswered:
 		log.Error("idem: lease lost: another attempt may hold the key; this attempt's answer is not recorded and not sent")
-		q.inProgress(claim.Lease)
+		// The lease's end has passed by this process's clock: the retry learns from the
+		// database at once whether another attempt holds the key (and then waits for its
+		// answer as a duplicate) or takes the key over.
+		q.inProgress(time.Second)
 	case shutdown:
 		// The handler wrote nothing to send: the client is told to retry, also when the lease
 		// could not be given up (the retry then takes it over once it runs out).
@@ -207,6 +215,13 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		}
 		q.w.Header().Set("Retry-After", "1")
 		q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered; the work was given up: retry with the same key", nil)
+	case ended:
+		// The route's LeaseTimeout ended the work before it answered, as above.
+		if err != nil {
+			log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
+		}
+		q.m.problem(q.w, q.r, CodeInternalError, "the work did not answer within the route's lease timeout; it was given up: "+
+			"retrying with the same key runs it again, under the same provider key", nil)
 	case err != nil && v == rollBack:
 		log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.answer(rec)
