@@ -23,7 +23,8 @@ type Job struct {
 	// Input is what the work is about; it is JSON-encoded and fingerprinted (canonical
 	// JSON), so the same key with another input is ErrMismatch. Default nil: no input. A
 	// string in it that is not valid UTF-8 is ErrInvalidArgument before anything runs:
-	// encoding/json writes such bytes as U+FFFD (the escape \ufffd, which is refused too), so
+	// encoding/json writes such bytes as the escape \ufffd (lowercase; an input whose JSON
+	// holds that escape otherwise, from a json.RawMessage, is refused too), so
 	// two inputs would fingerprint alike; encode bytes (base64, hex).
 	Input any
 	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults. A negative

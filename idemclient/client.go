@@ -13,9 +13,8 @@
 // ten of them in a row by default: the server answered), and a request that net/http would
 // refuse to send (a URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
-// value, the URL or the key, a space or a control character in the host, a RequestURI: a
-// server's request handed on as it came; two key headers), which Do refuses before sending
-// anything. A nil Header is sent as an empty one. The context
+// value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
+// headers), which Do refuses before sending anything. A nil Header is sent as an empty one. The context
 // bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
@@ -113,7 +112,9 @@ type Result struct {
 	// Client.ReplayedHeader: true): an earlier attempt had taken effect and its answer was lost.
 	Replayed bool
 	// Attempts is how many requests the operation took: net/http's own second write of a
-	// request counts (Client.MaxAttempts); the redirects it follows do not.
+	// request counts (Client.MaxAttempts); the redirects it follows do not. A write that
+	// net/http found had not gone out (a kept-alive connection closed under it, then a new
+	// one) counts too: Attempts may be one more than the requests the server saw, never fewer.
 	Attempts int
 	// Key is the idempotency key the operation used: retry a failed operation later under it.
 	Key string
@@ -123,8 +124,9 @@ type Result struct {
 func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 
 // Code is the problem code of an error answer (its body's "code" member; "" for a success or
-// a body without one). A body compressed with gzip or deflate (net/http leaves it so when the
-// caller set Accept-Encoding itself) is read decompressed.
+// a body without one). A body compressed with gzip or deflate (zlib's format, or raw DEFLATE
+// as some servers send it; net/http leaves it so when the caller set Accept-Encoding itself)
+// is read decompressed.
 func (r Result) Code() string { return client.Result(r).Code() }
 
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its

@@ -93,6 +93,19 @@ func (m *Main) Run(ctx context.Context) error {
 	return m.serve(ctx)
 }
 
+// Abort is the stop of a second signal: the private cluster, if this process started it, is
+// stopped at once (an immediate shutdown: the next start recovers from the WAL); nothing else
+// is waited for.
+func (m *Main) Abort() {
+	if m.cluster != nil && m.cluster.Started() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := m.cluster.Crash(ctx); err != nil {
+			fmt.Fprintln(m.stderr, "server: stop the private cluster:", err)
+		}
+	}
+}
+
 // poolCloseWait bounds how long Close waits for the pool's connections to come back.
 const poolCloseWait = 5 * time.Second
 

@@ -27,10 +27,20 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	// The first signal starts the stop; a second one ends the process at once (the signals'
-	// default action, back once stop is called).
-	go func() { <-ctx.Done(); stop() }()
 	m := NewMain(os.Stdout, os.Stderr)
+	// The first signal starts the stop; a second one ends the process at once, after stopping
+	// the private cluster if this process started it (pg_ctl runs it in a session of its own,
+	// which no signal of the terminal reaches).
+	go func() {
+		<-ctx.Done()
+		again := make(chan os.Signal, 1)
+		signal.Notify(again, os.Interrupt, syscall.SIGTERM)
+		stop()
+		<-again
+		fmt.Fprintln(os.Stderr, "server: a second signal: stopping at once")
+		m.Abort()
+		os.Exit(1)
+	}()
 	if err := m.ParseFlags(os.Args[1:], os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "server:", err)
 		os.Exit(2)

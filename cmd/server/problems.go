@@ -43,9 +43,10 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 	}
 	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) {
-		// The shutdown timeout ended the work: it rolled back.
+		// The shutdown timeout ended the work before it answered: a transfer or deposit rolled
+		// back; a payout's retry runs it again under the same provider key.
 		w.Header().Set("Retry-After", "1")
-		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down; nothing was changed; retry with the same Idempotency-Key")
+		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; retry with the same Idempotency-Key")
 		return
 	}
 	if idem.IsUnavailable(err) {

@@ -23,7 +23,7 @@ package client
 
 import (
 	"bytes"
-	"cmp"
+	"compress/flate"
 	"compress/gzip"
 	"compress/zlib"
 	"context"
@@ -100,7 +100,10 @@ func (r Result) Code() string {
 		var zr io.ReadCloser
 		var err error
 		if enc == "deflate" {
-			zr, err = zlib.NewReader(bytes.NewReader(r.Body))
+			// RFC 9110's deflate is zlib's format; some servers send raw DEFLATE under the name.
+			if zr, err = zlib.NewReader(bytes.NewReader(r.Body)); err != nil {
+				zr, err = flate.NewReader(bytes.NewReader(r.Body)), nil
+			}
 		} else {
 			zr, err = gzip.NewReader(bytes.NewReader(r.Body))
 		}
@@ -378,9 +381,6 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 	if strings.ContainsFunc(req.URL.RequestURI(), isCTL) {
 		return fmt.Errorf("idemclient: the URL %q has a control character, which net/http refuses to send", req.URL.RequestURI())
 	}
-	if host := cmp.Or(req.Host, req.URL.Host); strings.ContainsFunc(host, func(r rune) bool { return r == ' ' || isCTL(r) }) {
-		return fmt.Errorf("idemclient: the host %q has a space or a control character, which net/http refuses to send", host)
-	}
 	if req.Method != "" && !httpsyntax.IsToken(req.Method) {
 		return fmt.Errorf("idemclient: the method %q is not an HTTP token", req.Method)
 	}
@@ -402,7 +402,10 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 
 // firstTrip counts the times the transport wrote an attempt's request (not the requests of
 // the redirects it follows): net/http writes a request again on its own when a kept-alive
-// connection closes before any answer, if the request carries an Idempotency-Key.
+// connection closes before any answer, if the request carries an Idempotency-Key. A write
+// counts when the request is written to the connection's buffer: one whose flush then fails
+// (the connection found closed with nothing sent) counts too, so the count may be one more
+// than the requests the server saw, never fewer.
 type firstTrip struct {
 	rt      http.RoundTripper
 	started atomic.Bool
