@@ -126,7 +126,10 @@ func TestLeaseClientRetryAfterWithAFigure(t *testing.T) {
 		t.Fatalf("warm-up: %d %v", res.Status, err)
 	}
 	key := idemclient.NewKey()
-	go (&idemclient.Client{}).Do(ctx, clientPayReq(t, a.srv.URL, `{"amount":14}`), key)
+	first := clientPayReq(t, a.srv.URL, `{"amount":14}`)
+	firstDone := make(chan struct{})
+	defer func() { <-firstDone }()
+	go func() { defer close(firstDone); _, _ = (&idemclient.Client{}).Do(ctx, first, key) }()
 	for a.calls.Load() < 2 {
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -155,7 +158,10 @@ func TestLeaseClientRowLockedPastLease(t *testing.T) {
 	a := clientLeaseServe(t, pool, idem.Options{}, idem.Route{Required: true, Lease: time.Second}, clientPay(prov, 2*time.Second))
 	key := idemclient.NewKey()
 	conn := pgtest.Connect(t, url)
+	locked := make(chan struct{})
+	defer func() { <-locked }() // the lock's goroutine ends before the connection is closed
 	go func() {
+		defer close(locked)
 		for a.calls.Load() == 0 {
 			time.Sleep(5 * time.Millisecond)
 		}
