@@ -257,27 +257,12 @@ func TestLeaseClientDuplicateOtherProcess(t *testing.T) {
 	prov := &clientProv{}
 	a := clientLeaseServe(t, pool, idem.Options{}, idem.Route{Required: true, Lease: time.Second}, clientPay(prov, 3*time.Second))
 	b := clientLeaseServe(t, poolB, idem.Options{}, idem.Route{Required: true, Lease: time.Second}, clientPay(prov, 3*time.Second))
-	var n atomic.Int32
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		target := b.srv.URL
-		if n.Add(1) == 1 {
-			target = a.srv.URL
+	front := clientFront(t, func(n int32) string {
+		if n == 1 {
+			return a.srv.URL
 		}
-		body, _ := io.ReadAll(r.Body)
-		req, _ := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.Path, strings.NewReader(string(body)))
-		req.Header = r.Header.Clone()
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return
-		}
-		defer resp.Body.Close()
-		for k, v := range resp.Header {
-			w.Header()[k] = v
-		}
-		w.WriteHeader(resp.StatusCode)
-		io.Copy(w, resp.Body)
-	}))
-	defer front.Close()
+		return b.srv.URL
+	})
 	c := &idemclient.Client{AttemptTimeout: 500 * time.Millisecond}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -362,26 +347,12 @@ func TestLeaseClientShutdownThenOtherProcess(t *testing.T) {
 	a := clientLeaseServe(t, pool, idem.Options{}, idem.Route{Required: true, Lease: 5 * time.Second}, behave(20*time.Second))
 	b := clientLeaseServe(t, poolB, idem.Options{}, idem.Route{Required: true, Lease: 5 * time.Second}, behave(200*time.Millisecond))
 	var down atomic.Bool
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		target := a.srv.URL
+	front := clientFront(t, func(int32) string {
 		if down.Load() {
-			target = b.srv.URL
+			return b.srv.URL
 		}
-		body, _ := io.ReadAll(r.Body)
-		req, _ := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.Path, strings.NewReader(string(body)))
-		req.Header = r.Header.Clone()
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return
-		}
-		defer resp.Body.Close()
-		for k, v := range resp.Header {
-			w.Header()[k] = v
-		}
-		w.WriteHeader(resp.StatusCode)
-		io.Copy(w, resp.Body)
-	}))
-	defer front.Close()
+		return a.srv.URL
+	})
 	go func() {
 		for a.calls.Load() == 0 {
 			time.Sleep(5 * time.Millisecond)

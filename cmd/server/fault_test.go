@@ -123,12 +123,7 @@ func TestFaults(t *testing.T) {
 		}
 	}
 
-	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
-		"postgres", "127.0.0.1:0", pgtest.TCPAddr(t))
-	if err := proxy.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Stop()
+	proxy := dbProxy(t)
 	port, err := pgcluster.FreePort()
 	if err != nil {
 		t.Fatal(err)
@@ -279,12 +274,7 @@ func TestDatabaseDownIs503(t *testing.T) {
 	_, token := s.principal("down")
 	account := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
 
-	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
-		"postgres", "127.0.0.1:0", pgtest.TCPAddr(t))
-	if err := proxy.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Stop()
+	proxy := dbProxy(t)
 	port, err := pgcluster.FreePort()
 	if err != nil {
 		t.Fatal(err)
@@ -343,4 +333,17 @@ func TestDatabaseDownIs503(t *testing.T) {
 	if b := s.count(fmt.Sprintf(`SELECT balance FROM ledger.accounts WHERE id = %d`, account)); b != 10 {
 		t.Fatalf("balance %d, want 10: the deposit before and the retried one, once each", b)
 	}
+}
+
+// dbProxy is a toxiproxy proxy, in process, in front of the test cluster's PostgreSQL, started
+// and stopped with the test.
+func dbProxy(t *testing.T) *toxiproxy.Proxy {
+	t.Helper()
+	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
+		"postgres", "127.0.0.1:0", pgtest.TCPAddr(t))
+	if err := proxy.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxy.Stop)
+	return proxy
 }

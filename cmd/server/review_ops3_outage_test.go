@@ -11,10 +11,6 @@ import (
 	"testing"
 	"time"
 
-	toxiproxy "github.com/Shopify/toxiproxy/v2"
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/rs/zerolog"
-
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -48,12 +44,7 @@ func metricValue(body, name string) (float64, bool) {
 func TestReviewOps3DatabaseOutage(t *testing.T) {
 	t.Parallel()
 	base := startServer(t, nil)
-	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
-		"pg", "127.0.0.1:0", pgtest.TCPAddr(t))
-	if err := proxy.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Stop()
+	proxy := dbProxy(t)
 	listen := proxy.Listen
 	log := &logBuffer{}
 	s := serveWith(t, pgtest.Via(t, base.db, listen), base.db, map[string]string{"CLEANUP_INTERVAL": "1s"}, log)
@@ -139,12 +130,7 @@ func linesWith(s, sub string) string {
 func TestReviewOps3DatabaseStall(t *testing.T) {
 	t.Parallel()
 	base := startServer(t, nil)
-	proxy := toxiproxy.NewProxy(toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop()),
-		"pg", "127.0.0.1:0", pgtest.TCPAddr(t))
-	if err := proxy.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Stop()
+	proxy := dbProxy(t)
 	log := &logBuffer{}
 	s := serveWith(t, pgtest.Via(t, base.db, proxy.Listen), base.db, map[string]string{"CLEANUP_INTERVAL": "1s", "LOG_LEVEL": "debug"}, log)
 	_, token := s.principal("stall")
