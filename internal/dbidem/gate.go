@@ -361,7 +361,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 					return err
 				}
 				claimed()
-				return fn(tx, d)
+				return tx.work(fn, d)
 			}
 			// The claim statement waits on the key's row lock: that wait, like the one in Go,
 			// ends with wait (a caller whose client went away, a shutdown); the work after
@@ -426,7 +426,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				return err
 			}
 			claimed()
-			return fn(tx, d)
+			return tx.work(fn, d)
 		}
 	}
 	first := c
@@ -441,7 +441,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	// committed, which no probe waited for), or every duplicate of running lease work was
 	// claimed four times and told the table was locked.
 	for _, pause := range tableBusyPauses {
-		if !isLockTimeout(err) || IsKeyWait(err) {
+		if !isLockTimeout(err) || IsKeyWait(err) || isWork(err) {
 			break
 		}
 		if !sleep(wait, pause) {
@@ -455,7 +455,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		err = RunTx(ctx, db, opts, unit(first, false))
 	}
-	if isLockTimeout(err) && !IsKeyWait(err) {
+	if isLockTimeout(err) && !IsKeyWait(err) && !isWork(err) {
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
 		g.countRefused(ctx)
@@ -495,6 +495,40 @@ func sleep(ctx context.Context, d time.Duration) bool {
 	case <-ctx.Done():
 		return false
 	}
+}
+
+// workError marks an error of the work after the claim (RunDetached's fn): a lock timeout of
+// the handler's own statements says nothing of the key table, and the unit is not run again
+// as a probe's would be (before, the handler ran up to five times and its client was told the
+// table was locked for maintenance).
+type workError struct{ err error }
+
+func (e workError) Error() string { return e.err.Error() }
+func (e workError) Unwrap() error { return e.err }
+
+// asWork marks err (nil stays nil) as the work's.
+func asWork(err error) error {
+	if err == nil {
+		return nil
+	}
+	return workError{err}
+}
+
+// work runs fn, the work after the claim, and marks its errors as the work's: its own, and a
+// serialization failure, deadlock or lock timeout of its statements that RunTx runs the unit
+// again for (Options.MaxAttempts), and returns once the attempts are spent.
+func (tx *Tx) work(fn func(tx *Tx, d Decision) error, d Decision) error {
+	err := fn(tx, d)
+	if tx.retry != nil {
+		tx.retry = asWork(tx.retry)
+	}
+	return asWork(err)
+}
+
+// isWork tells whether err came from the work after the claim.
+func isWork(err error) bool {
+	var w workError
+	return errors.As(err, &w)
 }
 
 // IsKeyWait tells whether a lock timeout (55P03) came from waiting on a key's row: the wait

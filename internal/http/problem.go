@@ -6,6 +6,8 @@ import (
 	"errors"
 	"net/http"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
@@ -83,8 +85,28 @@ func errorProblem(err error) (code, detail string) {
 		return CodeStoreUnavailable, "the database is not migrated for this server; nothing was changed; retry with the same key"
 	case errors.Is(err, dbidem.ErrPermissionDenied):
 		return CodeMisconfigured, "the server's database role may not call the idempotency store: a server configuration problem; nothing was changed"
+	case handlerSQLError(err):
+		return CodeInternalError, "the request's work failed in the database; nothing was changed"
 	}
 	return CodeStoreUnavailable, "the request could not be recorded; nothing was changed; retry with the same key"
+}
+
+// handlerSQLError tells whether err is PostgreSQL's refusal of the request's own work (the
+// store's refusals are matched before it): a data exception (22), an integrity constraint (23:
+// a deferred foreign key at COMMIT, say), a transaction the handler left aborted (25), a
+// statement PostgreSQL rejects (42), or an exception a function raised (P0). A retry meets it
+// again; it is not the store being unavailable (a lost connection, a restart, too many
+// connections, a serialization failure or a lock timeout are).
+func handlerSQLError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "22", "23", "25", "42", "P0":
+		return true
+	}
+	return false
 }
 
 // Problem is an RFC 9457 problem details object.

@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"bytes"
+	"fmt"
 	"net/http"
 )
 
@@ -18,6 +19,12 @@ func newRecorder() *recorder { return &recorder{header: http.Header{}} }
 func (rec *recorder) Header() http.Header { return rec.header }
 
 func (rec *recorder) WriteHeader(status int) {
+	// As net/http's own ResponseWriter: a status no response can carry is the handler's bug,
+	// and it panics (a panic is answered 500 internal_error, its work rolled back or its lease
+	// given up); before, it was dropped and an implicit 200 stored.
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
 	}

@@ -75,9 +75,27 @@ func (q *request) unkeyed() {
 		defer q.m.work.enter()()
 		ctx, done := q.m.work.context(q.r.Context())
 		defer done()
+		// Bounded by the route's LeaseTimeout, as a keyed request's work is.
+		timeout := q.rt.LeaseTimeout
+		if timeout <= 0 {
+			timeout = dbidem.DefaultLeaseTimeout
+		}
+		ctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
 		// Steps (Step) without a recovery point: transactions of their own, nothing to resume.
 		ctx = dbidem.WithSteps(ctx, dbidem.NewSteps(q.m.o.DB, nil, dbidem.Decision{}, nil, q.txOptions()))
 		rec, _, _ := q.run(ctx, nil, false)
+		if rec != nil && rec.status == 0 && ctx.Err() != nil {
+			// The work was ended (Shutdown, the LeaseTimeout) and the handler wrote nothing:
+			// not net/http's empty 200, which would say the work was done (D172).
+			if errors.Is(context.Cause(ctx), ErrShutdown) {
+				q.w.Header().Set("Retry-After", "1")
+				q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered", nil)
+			} else {
+				q.m.problem(q.w, q.r, CodeInternalError, "the work did not answer within the route's lease timeout", nil)
+			}
+			return
+		}
 		q.answer(rec)
 		return
 	}
@@ -329,6 +347,23 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
+	case err != nil && acquired && q.m.work.stop.Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown) &&
+		!errors.Is(err, dbidem.ErrStoreBusy):
+		// Shutdown ended the unit of work before it committed: it rolled back. The client
+		// retries, against another process; the store did not fail.
+		endSpan(done, "shutdown", err)
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeShuttingDown, "this server shut down before the work answered; it rolled back, nothing was changed: retry with the same key", nil)
+		return StateAcquired, nil
+	case err != nil && acquired && context.Cause(wctx) == context.DeadlineExceeded && !errors.Is(err, dbidem.ErrCommitUnknown) &&
+		!errors.Is(err, dbidem.ErrStoreBusy):
+		// The route's WorkTimeout ended the unit of work before it committed: it rolled back.
+		// The work's own failure, not the store's.
+		endSpan(done, "timeout", err)
+		q.m.o.Logger.Warn("idem: unit of work ended at its WorkTimeout; rolled back", "error", err,
+			"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		q.m.problem(q.w, q.r, CodeInternalError, "the request's work did not finish within the server's work timeout; it rolled back, nothing was changed", nil)
+		return StateAcquired, nil
 	case err != nil:
 		endSpan(done, "error", err)
 		if acquired && d.Outcome == dbidem.Claimed && q.rt.Lease > 0 && errors.Is(err, dbidem.ErrCommitUnknown) {
