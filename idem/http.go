@@ -154,7 +154,8 @@ type Route struct {
 	// While the handler runs, the lease is extended every third of it; the handler's context
 	// does not end when the client disconnects, and ends with cause ErrLeaseLost when the
 	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. TxFrom is nil in the
-	// handler: write through your own pool, idempotently (TxFrom says how). Default 0: a
+	// handler: write in steps (Step), each committing its writes with its recovery point
+	// (TxFrom says why). Default 0: a
 	// transactional claim, whose handler's writes commit with the key. From a second to 10
 	// years. The example ExampleRoute_lease in idem/example_test.go (pkg.go.dev shows it
 	// under Route) runs a lease route against a provider that counts its calls.

@@ -81,6 +81,20 @@ const TernLock int64 = 9628173550095224
 // release keeps serving (RebuildOnline), so the transaction only swaps the tables in a lock of
 // milliseconds, whatever the table's size; docs/operations.md ("Upgrades") has the figures.
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
+	return withHint(migrate1(ctx, conn, opts))
+}
+
+// withHint adds PostgreSQL's hint to err's text (pgconn's Error() leaves it out): the hint of
+// a missing role names the superuser step, and a program that prints the error shows it.
+func withHint(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Hint != "" && !strings.Contains(err.Error(), pgErr.Hint) {
+		return fmt.Errorf("%w (hint: %s)", err, pgErr.Hint)
+	}
+	return err
+}
+
+func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	data, err := TemplateData(opts)
 	if err != nil {
 		return err

@@ -67,6 +67,10 @@ func TestInstallWithoutSuperuser(t *testing.T) {
 	if !errors.As(err, &pgErr) || pgErr.Code != "42501" || !strings.Contains(pgErr.Hint, "ALTER ROLE early_owner CREATEROLE") {
 		t.Fatalf("idemmigrate.Migrate before the superuser step: %v", err)
 	}
+	// A program that prints the error shows the hint (pgconn's Error() leaves it out).
+	if !strings.Contains(err.Error(), "(hint: ") || !strings.Contains(err.Error(), "ALTER ROLE early_owner CREATEROLE") {
+		t.Fatalf("idemmigrate.Migrate's error does not show its hint: %v", err)
+	}
 	if n := pgtest.Count(t, early, `SELECT count(*) FROM pg_namespace WHERE nspname = 'idem'`); n != 0 {
 		t.Fatal("the failed install left schema idem behind")
 	}

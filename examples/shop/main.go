@@ -55,10 +55,15 @@ func run(ctx context.Context, databaseURL, addr string) error {
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	leases := make(chan error, 1)
-	go func() { leases <- s.idem.Shutdown(sctx) }() // lease work, if the shop had lease routes
+	work := make(chan error, 1)
+	go func() { work <- s.idem.Shutdown(sctx) }() // keyed work in flight, duplicates waiting
 	err = srv.Shutdown(sctx)
-	<-leases // lease work has ended, or given its lease up, before the process exits
+	if werr := <-work; werr != nil { // the keyed work still running was ended, and answered
+		log.Printf("shutdown: keyed work still running at the deadline was ended: %v", werr)
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		err = srv.Close() // past the deadline: a stop all the same; what is left is cut
+	}
 	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}

@@ -49,7 +49,7 @@ type Options struct {
 // run with its rights: run it as the role that should own schema idem (not a superuser in
 // production, not the services' role). conn must not be in a transaction. When a role is
 // missing and conn's role may not create it, the error (SQLSTATE 42501) carries a hint that
-// names the superuser step.
+// names the superuser step; the error's text ends with it, "(hint: ...)".
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	return idemsql.Migrate(ctx, conn, idemsql.Options{AppRole: opts.AppRole, OperatorRole: opts.OperatorRole})
 }

@@ -25,6 +25,9 @@
 //
 // When none can be had, the test fails with a message that says how to get one; it never
 // skips.
+//
+// It imports testcontainers-go (and with it a Docker client): a service's go.mod gains those
+// modules when its tests import this package; its binaries do not link them.
 package idemtest
 
 import (
@@ -67,7 +70,12 @@ func NewPool(t testing.TB) *pgxpool.Pool {
 // only a member of the application role idem_app (what a service in production logs in as),
 // dropped when the test ends. Grant it the privileges on the service's own tables as the
 // service's migrate step grants its login role (not idem_app: that role holds the SQL API
-// only, docs/http.md "Two roles").
+// only, docs/http.md "Two roles"). The role's name is the URL's user (pgx.ParseConfig's User),
+// or, on a pool, current_user:
+//
+//	var role string
+//	_ = app.QueryRow(ctx, "SELECT current_user").Scan(&role)
+//	_, _ = owner.Exec(ctx, "GRANT SELECT, INSERT ON orders TO "+pgx.Identifier{role}.Sanitize())
 func AppURL(t testing.TB, url string) string {
 	t.Helper()
 	return pgtest.LoginRole(t, url, "idem_app")
