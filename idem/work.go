@@ -71,6 +71,8 @@ var _ pgx.Tx = (*Tx)(nil)
 // on holding its connection until PostgreSQL answers it, then the connection returns to db.
 // Any other COMMIT runs on ctx, as a statement does: when ctx ends while it runs, pgx cancels
 // it (it then either did not commit or committed in full) and RunTx returns ErrCommitUnknown.
+// A COMMIT that PostgreSQL answers with ROLLBACK (fn left the transaction failed: an error of
+// its statements it did not return) committed nothing: RunTx returns pgx.ErrTxCommitRollback.
 func RunTx(ctx context.Context, db Pool, opts TxOptions, fn func(tx *Tx) error) error {
 	return dbidem.RunTx(ctx, db, dbidem.TxOptions(opts), func(t *dbidem.Tx) error { return fn(&Tx{t}) })
 }

@@ -309,6 +309,12 @@ func (g *Gate) RunHolding(ctx context.Context, db Acquirer, opts TxOptions, c Cl
 // claim commits): the unit, the claim and its COMMIT, is bounded (ClaimReplyMargin), and the
 // server ends its transaction once idle that long (D168).
 func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptions, c Claim, held int64, fn func(tx *Tx, d Decision) error) (err error) {
+	defer func() {
+		// fn's own error goes back as fn returned it (the mark is for the decisions here).
+		if w, ok := err.(workError); ok {
+			err = w.err
+		}
+	}()
 	ctx := work
 	lockTimeout, err := g.LockTimeout(ctx, db, c)
 	if err != nil {
@@ -461,7 +467,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		g.countRefused(ctx)
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
-	if !IsKeyWait(err) || lockTimeout <= Probe {
+	if !IsKeyWait(err) || isWork(err) || lockTimeout <= Probe {
 		return err
 	}
 	if wait.Err() != nil {

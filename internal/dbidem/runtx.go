@@ -245,6 +245,11 @@ func commitError(err error, open bool) error {
 	if errors.As(err, &pgErr) && !fatal(pgErr) {
 		return classify(err)
 	}
+	if errors.Is(err, pgx.ErrTxCommitRollback) {
+		// PostgreSQL answered the COMMIT with ROLLBACK: the work left its transaction failed
+		// (an error it did not act on). Nothing committed; the outcome is known.
+		return err
+	}
 	if pgconn.SafeToRetry(err) && !(open && lostReply(err)) {
 		return classify(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
@@ -85,6 +86,8 @@ func errorProblem(err error) (code, detail string) {
 		return CodeStoreUnavailable, "the database is not migrated for this server; nothing was changed; retry with the same key"
 	case errors.Is(err, dbidem.ErrPermissionDenied):
 		return CodeMisconfigured, "the server's database role may not call the idempotency store: a server configuration problem; nothing was changed"
+	case errors.Is(err, pgx.ErrTxCommitRollback):
+		return CodeInternalError, "the request's work left its transaction failed; it rolled back, nothing was changed"
 	case handlerSQLError(err):
 		return CodeInternalError, "the request's work failed in the database; nothing was changed"
 	}
@@ -93,17 +96,22 @@ func errorProblem(err error) (code, detail string) {
 
 // handlerSQLError tells whether err is PostgreSQL's refusal of the request's own work (the
 // store's refusals are matched before it): a data exception (22), an integrity constraint (23:
-// a deferred foreign key at COMMIT, say), a transaction the handler left aborted (25), a
-// statement PostgreSQL rejects (42), or an exception a function raised (P0). A retry meets it
-// again; it is not the store being unavailable (a lost connection, a restart, too many
-// connections, a serialization failure or a lock timeout are).
+// a deferred foreign key at COMMIT, say), a transaction the handler left aborted (25P02; not
+// the rest of class 25: a read-only transaction, 25006, is a database that cannot take writes,
+// after a failover or on a standby), a statement PostgreSQL rejects (42), or an exception a
+// function raised (P0). A retry meets it again; it is not the store being unavailable (a lost
+// connection, a restart, a read-only database, too many connections, a serialization failure
+// or a lock timeout are).
 func handlerSQLError(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
 		return false
 	}
+	if pgErr.Code == "25P02" { // in_failed_sql_transaction: an error the work did not act on
+		return true
+	}
 	switch pgErr.Code[:2] {
-	case "22", "23", "25", "42", "P0":
+	case "22", "23", "42", "P0":
 		return true
 	}
 	return false

@@ -19,6 +19,9 @@ func newRecorder() *recorder { return &recorder{header: http.Header{}} }
 func (rec *recorder) Header() http.Header { return rec.header }
 
 func (rec *recorder) WriteHeader(status int) {
+	if rec.status != 0 {
+		return // superfluous, as net/http ignores it (before it checks the code)
+	}
 	// As net/http's own ResponseWriter: a status no response can carry is the handler's bug,
 	// and it panics (a panic is answered 500 internal_error, its work rolled back or its lease
 	// given up); before, it was dropped and an implicit 200 stored.
