@@ -69,7 +69,8 @@ type Options struct {
 	// to its end and commits with its answer, which the client's retry gets (it waits for the
 	// work while it runs, and replays it after); it ends at this server-side deadline, and
 	// when Shutdown gives up waiting for it, and then rolls back (its context's cause is
-	// context.DeadlineExceeded, or ErrShutdown; its Err is context.Canceled). Default 0:
+	// context.DeadlineExceeded, or ErrShutdown; its Err is context.Canceled), and its client
+	// gets 500 internal_error, or 503 shutting_down. Default 0:
 	// DefaultWorkTimeout (30 seconds); Route.WorkTimeout overrides it for one route. Not
 	// negative.
 	WorkTimeout time.Duration
@@ -161,7 +162,9 @@ type Route struct {
 	// under Route) runs a lease route against a provider that counts its calls.
 	Lease time.Duration
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
-	// gives up answers 5xx, which gives the lease up. Default 0: five minutes
+	// gives up answers 5xx, which gives the lease up; one that returns without writing gives
+	// it up too, and its client gets 500 internal_error (never an empty 200). A request
+	// without a key on the route is bounded the same way. Default 0: five minutes
 	// (DefaultLeaseTimeout). Not negative.
 	LeaseTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on this transactional route
