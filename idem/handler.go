@@ -44,10 +44,12 @@ type ClaimInfo struct {
 // nor sent. A handler that returns without writing, or an error, records nothing.
 var ErrLeaseLost = idemhttp.ErrLeaseLost
 
-// ErrShutdown is the cause (context.Cause) of a keyed request's work context when the
-// middleware's Shutdown gave up waiting for it: the handler should stop. On a transactional
+// ErrShutdown is the cause (context.Cause) of a keyed request's work context (and of a lease
+// route's request without a key) when the middleware's Shutdown gave up waiting for it: the
+// handler should stop. On a transactional
 // route the unit of work rolls back, nothing is stored, and the client gets 503 shutting_down
-// with Retry-After; on a lease route, unless the handler
+// with Retry-After when the handler wrote nothing or a 2xx (a handler that answers its own
+// error sends that); on a lease route, unless the handler
 // answers with a 2xx or a final error, its lease ends at once without an answer, and the
 // client's retry runs the work again under the same ClaimInfo.ProviderKey. A lease route's
 // handler that returns without writing anything is answered 503 shutting_down (it is not sent

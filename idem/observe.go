@@ -65,7 +65,9 @@ const (
 	// CodePrincipalUnknown: 401, the application's principals table does not know the
 	// principal.
 	CodePrincipalUnknown = "principal_unknown"
-	// CodeInternalError: 500, the handler failed (a panic); nothing was kept.
+	// CodeInternalError: 500, the handler failed (a panic, an impossible status), its work
+	// passed WorkTimeout or LeaseTimeout, or PostgreSQL refused its work; a transactional
+	// route kept nothing. Counted acquired, not store_error.
 	CodeInternalError = "internal_error"
 	// CodeMisconfigured: 500, the store refused the server's configuration (an action or a
 	// principal too long, a role that may not call the API): final, retrying does not help.
@@ -75,7 +77,8 @@ const (
 	// CodeOutcomeUnknown: 503 with Retry-After, the connection was lost while committing.
 	CodeOutcomeUnknown = "outcome_unknown"
 	// CodeShuttingDown: 503 with Retry-After, a keyed request that came after Shutdown's
-	// deadline: nothing was claimed or changed; the client's retry goes to another process.
+	// deadline (nothing was claimed or changed), or work in flight that the deadline ended
+	// (rolled back, or its lease given up); the client's retry goes to another process.
 	CodeShuttingDown = "shutting_down"
 )
 

@@ -44,6 +44,11 @@ func (q *request) storeError(err error) State {
 		return StateStoreError
 	case CodeStoreUnavailable, CodeOutcomeUnknown:
 		q.w.Header().Set("Retry-After", "1")
+	case CodeInternalError:
+		// PostgreSQL refused the handler's own work (D173): the store did not fail.
+		q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		q.m.problem(q.w, q.r, code, detail, nil)
+		return StateAcquired
 	}
 	if errors.Is(err, dbidem.ErrStoreBusy) {
 		// Maintenance (a migration's swap, VACUUM FULL, pg_repack) locks the key table for a

@@ -221,11 +221,11 @@ func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, 
 		// No wait slot: pause before the next try, without a connection.
 		return sleep(wctx, DefaultAnswerPoll)
 	}
-	if !q.m.gate.Hold(int64(cap(q.body))) {
+	if !q.m.gate.Hold(int64(len(q.body))) {
 		b.refused = true
 		return false // the duplicates waiting here hold enough already
 	}
-	defer q.m.gate.Unhold(int64(cap(q.body)))
+	defer q.m.gate.Unhold(int64(len(q.body)))
 	claimedAt, err := q.m.watches.wait(wctx, watchKey{claim.Principal, claim.Key}, DefaultAnswerPoll, q.m.lookAtKeys)
 	if !claimedAt.IsZero() {
 		b.claimedAt = claimedAt

@@ -107,8 +107,11 @@ func handlerSQLError(err error) bool {
 	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
 		return false
 	}
-	if pgErr.Code == "25P02" { // in_failed_sql_transaction: an error the work did not act on
+	switch pgErr.Code {
+	case "25P02": // in_failed_sql_transaction: an error the work did not act on
 		return true
+	case "42P05": // duplicate_prepared_statement: a pooler in transaction mode (docs/operations.md)
+		return false
 	}
 	switch pgErr.Code[:2] {
 	case "22", "23", "42", "P0":

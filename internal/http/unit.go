@@ -286,7 +286,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	}
 	started := time.Now()
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
-	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(cap(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
+	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
 		claimSpan = nil
@@ -371,7 +371,9 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 			q.giveUpUnknownClaim(ctx, claim, d.Attempt)
 		}
 		st := q.storeError(err)
-		q.m.o.Metrics.Count(q.action, st)
+		if st != StateAcquired { // the handler's own failure is not the store's (counted acquired)
+			q.m.o.Metrics.Count(q.action, st)
+		}
 		return st, nil
 	}
 	endSpan(done, [...]string{commit: "completed", final: "final", rollBack: "rolled_back"}[v], nil)
