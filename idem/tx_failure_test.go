@@ -26,7 +26,8 @@ func TestReviewSilentTxHandlerFailureAnswered503StoreUnavailable(t *testing.T) {
 	pgtest.Exec(t, pool, `CREATE TABLE rs_uniq (id int PRIMARY KEY); INSERT INTO rs_uniq VALUES (1);
 		CREATE TABLE rs_parent (id int PRIMARY KEY);
 		CREATE TABLE rs_child (p int REFERENCES rs_parent DEFERRABLE INITIALLY DEFERRED)`)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
+	rec := &recorder{}
+	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger(), Metrics: rec})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,6 +62,10 @@ func TestReviewSilentTxHandlerFailureAnswered503StoreUnavailable(t *testing.T) {
 	if len(bad) > 0 {
 		t.Fatalf("a handler's own failed work (%v) is answered 503 %s (\"the database failed\", Retry-After 1) on every retry; "+
 			"want the handler's failure told as one (500 %s), not a store outage", bad, idem.CodeStoreUnavailable, idem.CodeInternalError)
+	}
+	// Counted acquired, never store_error: the store-errors alert reads that as the database failing.
+	if strings.Contains(rec.String(), string(idem.StateStoreError)) {
+		t.Fatalf("a handler's own failed work was counted %v; want acquired only", rec)
 	}
 }
 
