@@ -23,13 +23,13 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// TestReviewD173ReadOnlyStoreAnswered500: the database turns read-only under a running server (a
+// TestReviewD173ReadOnlyStoreIs503: the database turns read-only under a running server (a
 // failover whose pool still reaches the demoted node, a hot standby, a provider's read-only mode
 // on a full disk: default_transaction_read_only). The claim's idem_begin is refused with 25006
 // (class 25), which handlerSQLError takes for "the handler's own work": 500 internal_error, no
 // Retry-After, "The handler failed". Before D173 it was 503 store_unavailable with
 // Retry-After: 1, which it is: the store cannot record anything, a retry may pass.
-func TestReviewD173ReadOnlyStoreAnswered500(t *testing.T) {
+func TestReviewD173ReadOnlyStoreIs503(t *testing.T) {
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
 	cfg, err := pgxpool.ParseConfig(url)
@@ -43,10 +43,7 @@ func TestReviewD173ReadOnlyStoreAnswered500(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	var runs atomic.Int32
 	srv := httptest.NewServer(m.Route(idem.Route{Action: "POST /ro"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
@@ -62,20 +59,17 @@ func TestReviewD173ReadOnlyStoreAnswered500(t *testing.T) {
 	}
 }
 
-// TestReviewD173SuperfluousInvalidWriteHeaderPanics: net/http checks a status only for the first
+// TestReviewD173SuperfluousInvalidWriteHeaderIgnored: net/http checks a status only for the first
 // WriteHeader; a later call (superfluous) is logged and ignored, whatever its code. The
 // recorder panics on any call with a code below 100, also after the handler's answer: a handler
 // (or a wrapper that replays a captured status at its end) that wrote 201 and then calls
 // WriteHeader(0) gets 201 under net/http alone, and 500 internal_error, its work rolled back,
 // under the middleware.
-func TestReviewD173SuperfluousInvalidWriteHeaderPanics(t *testing.T) {
+func TestReviewD173SuperfluousInvalidWriteHeaderIgnored(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_sup (id int)`)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if tx := idem.TxFrom(r.Context()); tx != nil {
 			if _, err := tx.Exec(r.Context(), `INSERT INTO rv_sup VALUES (1)`); err != nil {
@@ -103,21 +97,18 @@ func TestReviewD173SuperfluousInvalidWriteHeaderPanics(t *testing.T) {
 	}
 }
 
-// TestReviewD173UnkeyedAbortedTxAnswered503: D173 says a transaction the handler left aborted is the
+// TestReviewD173UnkeyedAbortedTxIs500: D173 says a transaction the handler left aborted is the
 // handler's failure (500 internal_error), not a store outage. On a transactional route without
 // a key it is 503 outcome_unknown ("the connection to the database was lost while the request
 // was committing: it may or may not have taken effect"): the COMMIT of an aborted transaction
 // comes back as pgx.ErrTxCommitRollback, which commitError (not a PgError, not SafeToRetry)
 // takes for a lost connection, ErrCommitUnknown. Nothing can have committed. (A keyed request
 // meets 25P02 at idem_complete instead; idem.RunTx's callers get ErrCommitUnknown too.)
-func TestReviewD173UnkeyedAbortedTxAnswered503(t *testing.T) {
+func TestReviewD173UnkeyedAbortedTxIs500(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_uniq (id int PRIMARY KEY); INSERT INTO rv_uniq VALUES (1)`)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	srv := httptest.NewServer(m.Route(idem.Route{Action: "POST /ab"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = idem.TxFrom(r.Context()).Exec(r.Context(), `INSERT INTO rv_uniq VALUES (1)`) // fails, ignored
 		w.WriteHeader(201)
@@ -141,10 +132,7 @@ func TestReviewD173HandlerLockTimeoutOnTableNamedLikeKeyTable(t *testing.T) {
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE order_idempotency_keys (id int PRIMARY KEY); INSERT INTO order_idempotency_keys VALUES (1)`)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	holder := pgtest.Connect(t, url)
 	pgtest.Exec(t, holder, `BEGIN`)
 	pgtest.Exec(t, holder, `SELECT * FROM order_idempotency_keys WHERE id = 1 FOR UPDATE`)
@@ -171,11 +159,11 @@ func TestReviewD173HandlerLockTimeoutOnTableNamedLikeKeyTable(t *testing.T) {
 	}
 }
 
-// TestReviewD173NestedDoKeyWaitRerunsOuterWork: the same gap through Do. An outer Do whose fn returns
+// TestReviewD173NestedDoKeyWaitRunsOuterWorkOnce: the same gap through Do. An outer Do whose fn returns
 // an inner Do's ErrInProgress (the inner key held by another transaction past its lock
 // timeout) has its whole unit run again as a wait on the outer key's row: fn runs twice, and
 // the call takes two inner lock timeouts. The error is fn's (workError), not the outer claim's.
-func TestReviewD173NestedDoKeyWaitRerunsOuterWork(t *testing.T) {
+func TestReviewD173NestedDoKeyWaitRunsOuterWorkOnce(t *testing.T) {
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 6)
 	holder := pgtest.Connect(t, url)

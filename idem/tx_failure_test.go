@@ -13,24 +13,21 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// TestReviewSilentTxHandlerFailureAnswered503StoreUnavailable: a transactional handler whose own
+// TestReviewSilentTxHandlerFailureIs500: a transactional handler whose own
 // statement failed (a unique violation it did not map to a final error) writes 201. The work
 // cannot commit (the transaction is aborted), so the middleware answered 503 store_unavailable
 // "the request could not be recorded; nothing was changed; retry with the same key" with
 // Retry-After: 1: the store was healthy, and every retry got the same 503 (a client told the
 // database is down). The same for a deferred constraint that fails at COMMIT. PostgreSQL's
 // refusals of the work's own statements are 500 internal_error now (D173).
-func TestReviewSilentTxHandlerFailureAnswered503StoreUnavailable(t *testing.T) {
+func TestReviewSilentTxHandlerFailureIs500(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rs_uniq (id int PRIMARY KEY); INSERT INTO rs_uniq VALUES (1);
 		CREATE TABLE rs_parent (id int PRIMARY KEY);
 		CREATE TABLE rs_child (p int REFERENCES rs_parent DEFERRABLE INITIALLY DEFERRED)`)
 	rec := &recorder{}
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger(), Metrics: rec})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool, Metrics: rec})
 	var runs atomic.Int32
 	mux := http.NewServeMux()
 	mux.Handle("POST /aborted", m.Route(idem.Route{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -78,10 +75,7 @@ func TestReviewSilentTxHandlerFailureAnswered503StoreUnavailable(t *testing.T) {
 func TestReviewSilentTxContextEndedAnswer(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	hIn := make(chan struct{}, 4)
 	mux := http.NewServeMux()
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -121,10 +115,7 @@ func TestReviewSilentHandlerLockTimeoutRunsMaxAttempts(t *testing.T) {
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rs_held (id int PRIMARY KEY); INSERT INTO rs_held VALUES (1)`)
-	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := quietMiddleware(t, idem.Options{DB: pool})
 	holder := pgtest.Connect(t, url)
 	pgtest.Exec(t, holder, `BEGIN`)
 	pgtest.Exec(t, holder, `SELECT * FROM rs_held WHERE id = 1 FOR UPDATE`)
