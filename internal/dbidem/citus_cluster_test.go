@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -170,7 +171,8 @@ func TestCitusErrorForms(t *testing.T) {
 	}
 
 	// Another table's deferred foreign key failing at the worker's COMMIT, the claim completed:
-	// Citus' XX000, and none of the driver's sentinels.
+	// Citus' XX000, which a worker lost while it committed gives too
+	// (TestCitusCommitLostOnAWorker), so the outcome is unknown to the client (D175).
 	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
 		if _, err := tx.Claim(ctx, at(a, "effect")); err != nil {
 			return err
@@ -179,13 +181,108 @@ func TestCitusErrorForms(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO public.children VALUES ($1, 42)`, a)
 		return err
 	})
-	if err == nil || errors.Is(err, dbidem.ErrClaimNotCompleted) || errors.Is(err, dbidem.ErrUnknownPrincipal) || errors.Is(err, dbidem.ErrCommitUnknown) {
-		t.Fatalf("another table's foreign key at COMMIT: %v, want the error itself", err)
+	if !errors.Is(err, dbidem.ErrCommitUnknown) || errors.Is(err, dbidem.ErrClaimNotCompleted) || errors.Is(err, dbidem.ErrUnknownPrincipal) {
+		t.Fatalf("another table's foreign key at a worker's one-phase COMMIT: %v, want ErrCommitUnknown", err)
 	}
-	if e := pgErr(err); e.Code != "XX000" && e.Code != "23503" {
-		t.Fatalf("another table's foreign key at COMMIT: %s %s", e.Code, e.Message)
+	if e := pgErr(err); e.Code != "XX000" {
+		t.Fatalf("another table's foreign key at COMMIT: %s %s, want Citus' XX000", e.Code, e.Message)
 	}
-	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'effect'`); n != 0 {
+	// On two workers (two-phase commit) the worker's refusal arrives at PREPARE, before
+	// anything commits: the error itself, the outcome known.
+	err = dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+		if _, err := tx.Claim(ctx, at(a, "effect2")); err != nil {
+			return err
+		}
+		tx.CompleteOnCommit(dbidem.Response{Status: 201})
+		if _, err := tx.Exec(ctx, `INSERT INTO public.parents VALUES ($1, 7)`, b); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO public.children VALUES ($1, 42)`, a)
+		return err
+	})
+	if e := pgErr(err); errors.Is(err, dbidem.ErrCommitUnknown) || errors.Is(err, dbidem.ErrClaimNotCompleted) || e.Code != "23503" {
+		t.Fatalf("another table's foreign key at a two-phase COMMIT: %v (%s), want the worker's 23503 as it is", err, e.Code)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key IN ('effect', 'effect2')`); n != 0 {
 		t.Fatalf("the claim of the refused transaction committed (%d rows)", n)
+	}
+}
+
+// TestCitusCommitLostOnAWorker: Citus commits a transaction that ran on one worker with one
+// phase, and when it does not hear the worker's COMMIT succeed it reports XX000 "could not
+// commit transaction for shard N", the same error a deferred constraint's refusal gives. Here
+// the worker's connection is ended while its COMMIT waits for a synchronous standby that never
+// comes, after the commit is written: the client gets that XX000, yet the key, its answer and
+// the work are committed. The driver said so before (a refusal: "nothing was changed") and
+// says ErrCommitUnknown now (D175); the key still answers the retry.
+func TestCitusCommitLostOnAWorker(t *testing.T) {
+	db := pgtest.CitusDB(t)
+	pgtest.CitusInstall(t, db)
+	pgtest.CitusDistribute(t, db)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // after the worker's settings are reset, which releases a COMMIT still waiting
+	pgtest.Exec(t, pool, `CREATE TABLE public.effects (principal_id text, n int)`)
+	pgtest.Exec(t, pool, `SELECT create_distributed_table('public.effects', 'principal_id', colocate_with => 'idem.idempotency_keys')`)
+	var port int
+	if err := pool.QueryRow(ctx, `SELECT nodeport FROM citus_shards
+		WHERE shardid = get_shard_id_for_distribution_column('idem.idempotency_keys', 'lost')`).Scan(&port); err != nil {
+		t.Fatal(err)
+	}
+	_, workers := pgtest.CitusNodes(t)
+	var worker *pgx.Conn
+	for _, w := range workers {
+		if w.Port == port {
+			worker = pgtest.Connect(t, pgtest.CitusNodeURL(t, db, w))
+		}
+	}
+	if worker == nil {
+		t.Fatalf("no worker on port %d", port)
+	}
+	// The worker's sessions commit without waiting (synchronous_commit local) but for the one
+	// that asks to: this test's transaction, by a SET LOCAL that Citus passes on to it.
+	pgtest.Exec(t, worker, `ALTER SYSTEM SET synchronous_standby_names = 'idem_test_nobody'`)
+	pgtest.Exec(t, worker, `ALTER SYSTEM SET synchronous_commit = 'local'`)
+	pgtest.Exec(t, worker, `SELECT pg_reload_conf()`)
+	t.Cleanup(func() {
+		pgtest.Exec(t, worker, `ALTER SYSTEM RESET synchronous_standby_names`)
+		pgtest.Exec(t, worker, `ALTER SYSTEM RESET synchronous_commit`)
+		pgtest.Exec(t, worker, `SELECT pg_reload_conf()`)
+	})
+	done := make(chan error, 1)
+	go func() {
+		done <- dbidem.RunTx(ctx, pool, dbidem.TxOptions{}, func(tx *dbidem.Tx) error {
+			c := claim("k", `{}`)
+			c.Principal = "lost"
+			if _, err := tx.Claim(ctx, c); err != nil {
+				return err
+			}
+			tx.CompleteOnCommit(dbidem.Response{Status: 201, Body: []byte(`{"n":1}`)})
+			if _, err := tx.Exec(ctx, `SET LOCAL citus.propagate_set_commands = 'local'`); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = on`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO public.effects VALUES ('lost', 1)`)
+			return err
+		})
+	}()
+	pgtest.WaitFor(t, worker, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
+	pgtest.Exec(t, worker, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
+	var pgErr *pgconn.PgError
+	if err := <-done; !errors.Is(err, dbidem.ErrCommitUnknown) || !errors.As(err, &pgErr) || pgErr.Code != "XX000" {
+		t.Fatalf("a worker lost while it committed: %v, want ErrCommitUnknown from Citus' XX000", err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM public.effects) + (SELECT count(*) FROM idem.idempotency_keys WHERE state = 'c')`); n != 2 {
+		t.Fatalf("%d of the effect and the completed key committed; the test needs both (the worker committed)", n)
+	}
+	c := claim("k", `{}`)
+	c.Principal = "lost"
+	if d, err := dbidem.Begin(ctx, pool, c); err != nil || d.Outcome != dbidem.Replay || d.Response.Status != 201 {
+		t.Fatalf("the retry: %+v %v, want the committed answer", d, err)
 	}
 }

@@ -86,11 +86,15 @@ func TestClassifyCitusErrors(t *testing.T) {
 	}
 
 	// The one-phase form is the guard only for a transaction that holds an uncompleted
-	// transactional claim; otherwise it is a commit failure of its own.
-	if err := uncompletedCommitError(commitError(citusGuardOnePhase, true), true); !errors.Is(err, ErrClaimNotCompleted) {
+	// transactional claim (which cannot commit); otherwise the worker refused its COMMIT or
+	// its connection failed while it committed: the outcome is unknown (D175).
+	if err := uncompletedCommitError(citusGuardOnePhase, true, true); !errors.Is(err, ErrClaimNotCompleted) || errors.Is(err, ErrCommitUnknown) {
 		t.Errorf("Citus guard, one-phase, claim uncompleted: %v", err)
 	}
-	if err := uncompletedCommitError(commitError(citusGuardOnePhase, true), false); errors.Is(err, ErrClaimNotCompleted) || errors.Is(err, ErrCommitUnknown) {
-		t.Errorf("a Citus commit failure without a claim: %v, want the error itself", err)
+	if err := uncompletedCommitError(citusGuardOnePhase, true, false); errors.Is(err, ErrClaimNotCompleted) || !errors.Is(err, ErrCommitUnknown) {
+		t.Errorf("a Citus commit failure without an uncompleted claim: %v, want ErrCommitUnknown", err)
+	}
+	if err := commitError(citusGuardOnePhase, true); !errors.Is(err, ErrCommitUnknown) {
+		t.Errorf("a Citus commit failure after a completion: %v, want ErrCommitUnknown", err)
 	}
 }

@@ -174,7 +174,7 @@ func (t *Tx) commit(ctx context.Context) error {
 	// connection lost during the exchange (commitError).
 	open := !t.tx.Conn().IsClosed()
 	if t.end == nil {
-		return uncompletedCommitError(commitError(t.tx.Commit(ctx), open), t.attempt != 0 && t.claim.Lease == 0)
+		return uncompletedCommitError(t.tx.Commit(ctx), open, t.attempt != 0 && t.claim.Lease == 0)
 	}
 	b := &pgx.Batch{}
 	if t.final {
@@ -203,7 +203,7 @@ func (t *Tx) commit(ctx context.Context) error {
 	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
 	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && !fatal(pgErr) {
+		if errors.As(err, &pgErr) && !fatal(pgErr) && !isCitusCommitFailure(pgErr) {
 			// A statement before COMMIT failed; the server skipped the COMMIT.
 			t.rollback(ctx)
 			return classify(err)
@@ -219,13 +219,15 @@ func (t *Tx) commit(ctx context.Context) error {
 // uncompletedCommitError classifies the failure of a COMMIT that carried no completion. When
 // the transaction holds a transactional claim (uncompleted), Citus' report that a worker could
 // not commit its shard is the commit guard's refusal: on one worker the coordinator commits
-// with one phase, and the worker's 23503 arrives only as a WARNING before the error.
-func uncompletedCommitError(err error, uncompleted bool) error {
+// with one phase, and the worker's 23503 arrives only as a WARNING before the error. Such a
+// worker transaction can never commit (the guard refuses it whatever else happens), so the
+// outcome is known. Otherwise the error goes to commitError.
+func uncompletedCommitError(err error, open, uncompleted bool) error {
 	var pgErr *pgconn.PgError
 	if uncompleted && errors.As(err, &pgErr) && isCitusCommitFailure(pgErr) {
 		return fmt.Errorf("%w: %w", ErrClaimNotCompleted, err)
 	}
-	return err
+	return commitError(err, open)
 }
 
 // commitError tells a refused commit (an ERROR from PostgreSQL: nothing committed, or a
@@ -242,6 +244,13 @@ func commitError(err error, open bool) error {
 		return nil
 	}
 	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && isCitusCommitFailure(pgErr) {
+		// Citus sent the COMMIT of a transaction on one worker to that worker (one-phase) and
+		// did not hear that it committed: the worker refused it (a deferred constraint of the
+		// work), or the connection to the worker failed while it committed, after which the
+		// worker's transaction may well have committed (D175). The error is the same.
+		return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
+	}
 	if errors.As(err, &pgErr) && !fatal(pgErr) {
 		return classify(err)
 	}
