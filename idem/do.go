@@ -113,8 +113,9 @@ func checkOnce(ctx context.Context, db Pool) error {
 
 // Do runs fn at most once for job.Key, in the same transaction as the key's claim, and
 // stores its result as JSON with it; a repeat returns the stored result with replayed true.
-// Another Input under the key is ErrMismatch; a run still in progress past the lock timeout,
-// ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
+// Another Input under the key is ErrMismatch, and so is a key whose work DoLease began for the
+// same job and recorded steps for before its lease ran out (Do would do their writes again:
+// continue it with DoLease); a run still in progress past the lock timeout, ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
 // transaction rolls back, nothing is stored, and a later Do runs fn again. ctx bounds the
 // whole unit of work, as Go callers expect: when it ends first, the transaction rolls back
 // (unlike the HTTP middleware, whose work outlives a client that goes away; an HTTP client's

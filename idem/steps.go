@@ -24,7 +24,9 @@ import (
 // it), Step returns the value fn returned then, JSON-decoded into T, without running fn.
 //
 // fn's value is saved as JSON: an id, an amount, what later steps need (at most 8192 bytes for
-// every step of a generation; keep the rest in your tables, written by fn). fn writes to the
+// every step of a generation, names included, counted as PostgreSQL writes them as text, which
+// puts a space after each comma and colon: a list of 2,800 zeros, 5,601 bytes of JSON, takes
+// 8,411; keep the rest in your tables, written by fn). fn writes to the
 // database through tx only. An outside call in fn is not rolled back with the step and may run
 // again (a crash before the step commits, a serialization failure that runs fn again): make it
 // one that deduplicates, a provider called with ClaimInfo.ProviderKey (or LeaseClaim's), and
@@ -52,8 +54,10 @@ import (
 // safety). Names identify steps within one request: give each step its own; the same name
 // again returns the saved value. A name is 1 to 255 characters of UTF-8 without U+0000: any
 // other is ErrInvalidArgument before fn runs. A value whose JSON holds U+0000 in a string
-// (which PostgreSQL's jsonb cannot store) is ErrInvalidArgument after fn ran, and its
-// transaction rolls back: save such a value encoded (base64, hex).
+// (which PostgreSQL's jsonb cannot store), or a string that is not UTF-8 (which encoding/json
+// writes as U+FFFD, so the attempt after a takeover would get another value), is
+// ErrInvalidArgument after fn ran, and its transaction rolls back: save such a value encoded
+// (base64, hex).
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)
 }
@@ -65,7 +69,7 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // takeover's Decision.Steps lists the steps recorded. It returns ErrClaimLost when no lease
 // claim with this attempt is in progress (the transaction is aborted: roll it back),
 // ErrStepRecorded when the generation recorded the step already, and ErrInvalidArgument when
-// the generation's saved values would pass 8192 bytes.
+// the generation's saved values would pass 8192 bytes (as Step counts them).
 func RecordStep(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) error {
 	return dbidem.RecordStep(ctx, q, principal, key, attempt, name, saved)
 }

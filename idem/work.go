@@ -234,10 +234,13 @@ type Decision struct {
 	Sent time.Time
 	// RecoveryPoint is the last step (RecordStep) that the key's current generation recorded,
 	// told to a takeover of its lease (Claimed) so that it goes on after it; "" when none (the
-	// first claim of a generation always).
+	// first claim of a generation always). Begin and a lease claim read it; Tx.Claim of a
+	// transactional claim does not (it stays ""): such a claim takes a dead lease over only to
+	// do all of the request's work in its own transaction.
 	RecoveryPoint string
 	// Steps are the steps recorded in the generation, each by name with the JSON value it
-	// saved (Claimed by a takeover; nil when none): skip them, they are done.
+	// saved (Claimed by a takeover; nil when none): skip them, they are done. Read as
+	// RecoveryPoint is.
 	Steps map[string]json.RawMessage
 }
 
@@ -247,8 +250,9 @@ func decisionOf(d dbidem.Decision) Decision {
 		RecoveryPoint: d.RecoveryPoint, Steps: d.Steps}
 }
 
-// Begin claims c.Key for c.Principal in q's transaction (idem_begin), or returns the decision
-// about the row that holds it. With a transactional claim (Lease 0) the transaction must
+// Begin claims c.Key for c.Principal in q's transaction (idem_begin_steps: idem_begin, and
+// for a claim the steps its generation recorded), or returns the decision about the row that
+// holds it. With a transactional claim (Lease 0) the transaction must
 // complete the claim (Complete, or SaveFinal after rolling the work back) before it commits.
 // Inside RunTx prefer Tx.Claim, which saves a round trip.
 func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {

@@ -2085,8 +2085,8 @@ COMMENT ON FUNCTION idem.idem_yield(text, text, bigint) IS
 -- it, then reads the step; a holder whose takeover committed first finds another token here.
 -- A step recorded already in this generation raises 23505: its writes were done once.
 -- p_saved is what later steps need to know of this one (an id, an amount), any JSON value (SQL
--- NULL is stored as JSON null); the steps' values of one generation are at most 8192 bytes as
--- text in all (22023 past it).
+-- NULL is stored as JSON null); the steps' values of one generation are at most 8192 bytes in
+-- all, counted on recovery_saved::text, the object as jsonb writes it (22023 past it).
 CREATE OR REPLACE FUNCTION idem.idem_step(
     p_principal text,
     p_key       text,

@@ -134,7 +134,8 @@ type Decision struct {
 	// none (a fresh generation always).
 	RecoveryPoint string
 	// Steps are the steps recorded in the generation, each by name with the JSON value it
-	// saved (Claimed by a takeover only; nil when none).
+	// saved (Claimed by a takeover only; nil when none). Read by Begin, a lease claim and Do's
+	// claim, not by Tx.Claim of another transactional claim.
 	Steps map[string]json.RawMessage
 	// Sent is this process's clock just before the claim was sent. A lease claimed by it runs
 	// at least until Sent plus the lease by this process's clock, since the database counts

@@ -68,11 +68,18 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 	if err != nil {
 		return result, false, err
 	}
-	err = job.gate().RunHolding(ctx, db, opts, claim, int64(len(input)), func(tx *Tx, d Decision) error {
+	err = job.gate().RunHolding(withReadSteps(ctx), db, opts, claim, int64(len(input)), func(tx *Tx, d Decision) error {
 		var zero T
 		result, replayed = zero, false
 		if done, err := decided(d, &result, &replayed); done || err != nil {
 			return err
+		}
+		if len(d.Steps) > 0 {
+			// A takeover of a lease that DoLease claimed for the same job, whose work died
+			// after it recorded steps: fn would do their writes again. The claim rolls back
+			// with this error; DoLease goes on after the steps (D176).
+			return fmt.Errorf("%w: DoLease began this job's work under the key and recorded steps (the last %q): "+
+				"continue it with DoLease, which skips them; Do would run them again", ErrMismatch, d.RecoveryPoint)
 		}
 		var err error
 		if result, err = fn(ctx, tx); err != nil {

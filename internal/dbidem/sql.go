@@ -38,11 +38,11 @@ const (
        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
 
-	// beginLeaseSQL is BeginSQL for a lease claim, through idem_begin_steps: the steps its
-	// generation recorded (idem_recovery) come with a claim, in the same call. One function in
-	// FROM, so that Citus delegates the call, with its lock timeout, to the principal's worker
-	// (D139).
-	beginLeaseSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body,
+	// beginStepsSQL is BeginSQL through idem_begin_steps: the steps its generation recorded
+	// (idem_recovery) come with a claim, in the same call; a lease claim's statement, Begin's
+	// and Do's. One function in FROM, so that Citus delegates the call, with its lock timeout,
+	// to the principal's worker (D139).
+	beginStepsSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body,
        b.resource_id, b.withheld, b.changed_fields, extract(epoch FROM b.retry_after)::float8,
        b.provider_key, b.recovery_point, b.recovery_saved
   FROM idem.idem_begin_steps(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
@@ -184,14 +184,6 @@ func decodeHeaderLine(line string) string {
 	return string(out)
 }
 
-// beginSQL is the statement of c's claim: a lease claim reads its recovery points too.
-func (c Claim) beginSQL() string {
-	if c.Lease != 0 {
-		return beginLeaseSQL
-	}
-	return BeginSQL
-}
-
 // standbyWaitColumn, a last column of the claim's statement in RunTx (Tx.Claim), tells whether
 // this transaction's COMMIT may wait for a synchronous standby: synchronous_standby_names is set
 // (whatever the session's synchronous_commit, which the work may still change with SET LOCAL),
@@ -201,10 +193,10 @@ const standbyWaitColumn = `,
        current_setting('synchronous_standby_names') <> ''
        OR current_setting('citus.node_conninfo', true) IS NOT NULL`
 
-// txBeginSQL and txBeginLeaseSQL are BeginSQL and beginLeaseSQL with standbyWaitColumn.
+// txBeginSQL and txBeginStepsSQL are BeginSQL and beginStepsSQL with standbyWaitColumn.
 var (
 	txBeginSQL      = withColumn(BeginSQL, standbyWaitColumn)
-	txBeginLeaseSQL = withColumn(beginLeaseSQL, standbyWaitColumn)
+	txBeginStepsSQL = withColumn(beginStepsSQL, standbyWaitColumn)
 )
 
 // standbyWaitSQL is standbyWaitColumn as a statement of its own, queued right after
@@ -232,16 +224,17 @@ func withColumn(stmt, column string) string {
 	return stmt[:i] + column + stmt[i:]
 }
 
-// queueTxBegin queues c's claim in RunTx on conn: beginSQL with standbyWaitColumn, or, where conn
-// reads records, BeginRecordSQL and then standbyWaitSQL. The decision goes to r, the
-// standby's column to standbyWait.
-func (c Claim) queueTxBegin(b *pgx.Batch, conn *pgx.Conn, r *decisionRow, standbyWait *bool) {
+// queueTxBegin queues c's claim in RunTx on conn: a lease claim, or one whose caller reads the
+// steps (steps), through beginStepsSQL; otherwise BeginSQL, or, where conn reads records,
+// BeginRecordSQL and then standbyWaitSQL; each with standbyWaitColumn. The decision goes to r,
+// the standby's column to standbyWait.
+func (c Claim) queueTxBegin(b *pgx.Batch, conn *pgx.Conn, steps bool, r *decisionRow, standbyWait *bool) {
 	scan := func(dest ...any) func(pgx.Row) error {
 		return func(row pgx.Row) error { return row.Scan(dest...) }
 	}
 	switch {
-	case c.Lease != 0:
-		b.Queue(txBeginLeaseSQL, c.beginArgs()...).QueryRow(scan(append(r.dest(true), standbyWait)...))
+	case c.Lease != 0 || steps:
+		b.Queue(txBeginStepsSQL, c.beginArgs()...).QueryRow(scan(append(r.dest(true), standbyWait)...))
 	case binaryResults(conn):
 		b.Queue(BeginRecordSQL, c.beginArgs()...).QueryRow(scan(r.record()))
 		b.Queue(standbyWaitSQL).QueryRow(scan(standbyWait))
@@ -280,11 +273,11 @@ type decisionRow struct {
 	interval pgtype.Interval // retry_after, read from a record
 }
 
-// dest is where the row of BeginSQL goes; with lease, the row of beginLeaseSQL.
-func (r *decisionRow) dest(lease bool) []any {
+// dest is where the row of BeginSQL goes; with steps, the row of beginStepsSQL.
+func (r *decisionRow) dest(steps bool) []any {
 	d := []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
 		&r.d.ChangedFields, &r.retry, &r.provider}
-	if lease {
+	if steps {
 		d = append(d, &r.point, &r.saved)
 	}
 	return d
@@ -344,7 +337,7 @@ func (r *decisionRow) decision() (Decision, error) {
 func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
-	if err := q.QueryRow(ctx, c.beginSQL(), c.beginArgs()...).Scan(row.dest(c.Lease != 0)...); err != nil {
+	if err := q.QueryRow(ctx, beginStepsSQL, c.beginArgs()...).Scan(row.dest(true)...); err != nil {
 		return Decision{}, classify(err)
 	}
 	return row.decision()

@@ -105,6 +105,11 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	if n := utf8.RuneCountInString(name); n == 0 || n > 255 || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0 {
 		return zero, fmt.Errorf("%w: a step's name must be 1 to 255 characters of UTF-8 without U+0000, got %q", ErrInvalidArgument, name)
 	}
+	if s.lease != nil && s.lease.TakenOver() {
+		// Every Step after one that found the claim taken over fails, a step this attempt
+		// recorded before included: the work stops (D176).
+		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, ErrClaimLost)
+	}
 	s.mu.Lock()
 	saved, done := s.done[name]
 	busy := s.running[name]
@@ -174,6 +179,12 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		}
 		if holdsNUL(raw) {
 			return fmt.Errorf("%w: step %s: its saved value holds U+0000, which PostgreSQL's jsonb cannot store", ErrInvalidArgument, name)
+		}
+		if holdsEscape(raw, `\ufffd`) {
+			// encoding/json writes each byte of a string that is not UTF-8 as \ufffd (a U+FFFD
+			// of valid text as itself): the attempt after a takeover would get another value.
+			return fmt.Errorf("%w: step %s: its saved value holds a string that is not UTF-8 (or the escape \\ufffd), "+
+				"which would come back changed; save such bytes encoded (base64, hex)", ErrInvalidArgument, name)
 		}
 		if s.claim == nil {
 			return nil

@@ -88,6 +88,17 @@ func isLockTimeout(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
 }
 
+// readStepsKey marks a context whose transactional claims read their generation's steps too
+// (withReadSteps).
+type readStepsKey struct{}
+
+// withReadSteps returns ctx marked so that Tx.Claim of a transactional claim reads the steps its
+// generation recorded (idem_begin_steps), as a lease claim always does: Do, which must not run
+// again the steps of a lease it takes over.
+func withReadSteps(ctx context.Context) context.Context {
+	return context.WithValue(ctx, readStepsKey{}, true)
+}
+
 // Claim calls idem_begin for c in this transaction, sending BEGIN (if not sent yet),
 // idem_begin and a savepoint in one round trip. One claim per transaction. With a
 // transactional claim (Lease 0) that is Claimed, end the work with CompleteOnCommit or
@@ -109,7 +120,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
 	var standbyWait bool
-	c.queueTxBegin(b, t.conn, &row, &standbyWait)
+	c.queueTxBegin(b, t.conn, ctx.Value(readStepsKey{}) != nil, &row, &standbyWait)
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
 	if t.tx == nil {
