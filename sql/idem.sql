@@ -2848,7 +2848,9 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
     'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED; on a Citus coordinator, from every worker) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
 
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
--- procedure that commits). For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
+-- procedure that commits), each under the cleanup lock (idem.CleanupLock in Go,
+-- 29665259344325742), which it waits for, as `server cleanup` does: it takes turns with the
+-- servers' cleaners, and a maintenance window that holds the lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
 -- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
 -- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
@@ -2877,6 +2879,7 @@ IF v_problem IS NOT NULL THEN
 
     p_deleted := 0;
     LOOP
+        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
@@ -2887,6 +2890,7 @@ IF v_problem IS NOT NULL THEN
         END IF;
     END LOOP;
     LOOP
+        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted + v_n;
         COMMIT;
@@ -3000,7 +3004,7 @@ IF v_problem IS NOT NULL THEN
             EXECUTE format($q$
                 SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= $1), min(k.claimed_at)
                   FROM %s AS k
-                 WHERE k.claimed_at IS NOT NULL AND k.state = 'p'
+                 WHERE k.claimed_at IS NOT NULL AND k.state = 'p' AND (k.expires_at > $1 OR k.lease_expires_at > $1)
                 $q$, v_rel) USING v_now INTO v_n, v_r, v_min;
             v_in_progress := v_in_progress + v_n;
             v_run_out := v_run_out + v_r;
@@ -3539,6 +3543,8 @@ IF v_problem IS NOT NULL THEN
         SELECT k.principal_id, k.key, k.attempt, k.generation, k.claimed_at, k.lease_expires_at
           FROM idem.idempotency_keys AS k
          WHERE k.claimed_at IS NOT NULL AND k.claimed_at <= v_now - p_older_than AND k.state = 'p'
+           -- An expired key is absent (its next request claims it anew), however it was left.
+           AND (k.expires_at > v_now OR k.lease_expires_at > v_now)
          ORDER BY k.claimed_at, k.principal_id, k.key
          LIMIT p_limit
     LOOP

@@ -185,10 +185,15 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	start := time.Now()
 	batch := c.batchSize
 	if batch <= 0 {
-		d, err := ReadDefaults(ctx, c.db)
+		// The pass's first statement, bounded as a batch is: a connection that went silent
+		// between two passes (most of the time: a pass lasts milliseconds a minute) meets it
+		// here first.
+		bctx, cancel := c.batchContext(ctx, 0)
+		d, err := ReadDefaults(bctx, c.db)
+		cancel()
 		if err != nil {
 			c.observer.PassEnded(failure(ctx), 0, time.Since(start))
-			return 0, false, err
+			return 0, false, batchError(bctx, err)
 		}
 		batch = d.BatchSize
 	}

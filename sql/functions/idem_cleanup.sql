@@ -449,7 +449,9 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
     'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED; on a Citus coordinator, from every worker) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
 
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
--- procedure that commits). For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
+-- procedure that commits), each under the cleanup lock (idem.CleanupLock in Go,
+-- 29665259344325742), which it waits for, as `server cleanup` does: it takes turns with the
+-- servers' cleaners, and a maintenance window that holds the lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
 -- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
 -- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
@@ -475,6 +477,7 @@ BEGIN
 {{ template "include/raise.sql" "idem_cleanup_all" }}
     p_deleted := 0;
     LOOP
+        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
@@ -485,6 +488,7 @@ BEGIN
         END IF;
     END LOOP;
     LOOP
+        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted + v_n;
         COMMIT;

@@ -55,6 +55,8 @@ BEGIN
         SELECT k.principal_id, k.key, k.attempt, k.generation, k.claimed_at, k.lease_expires_at
           FROM idem.idempotency_keys AS k
          WHERE k.claimed_at IS NOT NULL AND k.claimed_at <= v_now - p_older_than AND k.state = 'p'
+           -- An expired key is absent (its next request claims it anew), however it was left.
+           AND (k.expires_at > v_now OR k.lease_expires_at > v_now)
          ORDER BY k.claimed_at, k.principal_id, k.key
          LIMIT p_limit
     LOOP

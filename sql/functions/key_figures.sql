@@ -59,7 +59,7 @@ BEGIN
             EXECUTE format($q$
                 SELECT count(*), count(*) FILTER (WHERE k.lease_expires_at <= $1), min(k.claimed_at)
                   FROM %s AS k
-                 WHERE k.claimed_at IS NOT NULL AND k.state = 'p'
+                 WHERE k.claimed_at IS NOT NULL AND k.state = 'p' AND (k.expires_at > $1 OR k.lease_expires_at > $1)
                 $q$, v_rel) USING v_now INTO v_n, v_r, v_min;
             v_in_progress := v_in_progress + v_n;
             v_run_out := v_run_out + v_r;
