@@ -115,7 +115,10 @@ func checkOnce(ctx context.Context, db Pool) error {
 // stores its result as JSON with it; a repeat returns the stored result with replayed true.
 // Another Input under the key is ErrMismatch, and so is a key whose work DoLease began for the
 // same job and recorded steps for before its lease ran out (Do would do their writes again:
-// continue it with DoLease); a run still in progress past the lock timeout, ErrInProgress. The first Do on a pool checks its schema (CheckSchema). When fn fails the
+// continue it with DoLease); a run still in progress past the lock timeout, ErrInProgress. A
+// result holding a string that is not UTF-8 (or the escape \ufffd) is ErrInvalidArgument, and
+// the transaction rolls back: a replay would decode another value (encoding/json writes each
+// bad byte as \ufffd); return such bytes encoded (base64, hex). DoLease refuses it alike. The first Do on a pool checks its schema (CheckSchema). When fn fails the
 // transaction rolls back, nothing is stored, and a later Do runs fn again. ctx bounds the
 // whole unit of work, as Go callers expect: when it ends first, the transaction rolls back
 // (unlike the HTTP middleware, whose work outlives a client that goes away; an HTTP client's

@@ -4,6 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -180,5 +183,79 @@ func TestStepValueLimitCountsJSONBText(t *testing.T) {
 	}
 	if err := step("over", 2800); !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "8411") {
 		t.Fatalf("2,800 zeros (5,601 bytes of JSON, 8,411 as jsonb writes them): %v, want ErrInvalidArgument naming 8411", err)
+	}
+}
+
+// TestDoResultNotUTF8IsRefused: a Do or DoLease result holding a string that is not UTF-8 was
+// stored as encoding/json writes it (each bad byte as \ufffd): the first call returned the
+// bytes fn returned, every replay U+FFFD in their place. It is ErrInvalidArgument now (D178),
+// as Input and a step's value are; Do's transaction rolls back and nothing is stored.
+func TestDoResultNotUTF8IsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 4)
+	pgtest.Exec(t, pool, `CREATE TABLE rs_do (n int)`)
+	const ref = "po_\xff\xfe" // a provider's binary reference
+	job := idem.Job{Principal: "alice", Key: "do-bin", Action: "pay"}
+	_, _, err := idem.Do(ctx, pool, job, idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO rs_do VALUES (1)`)
+		return ref, err
+	})
+	if !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Do of a result that is not UTF-8: %v, want ErrInvalidArgument", err)
+	}
+	if n := pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM rs_do) + (SELECT count(*) FROM idem.idempotency_keys)`); n != 0 {
+		t.Fatalf("%d rows after the refused Do; want its work rolled back and no key", n)
+	}
+	lj := idem.Job{Principal: "alice", Key: "lease-bin", Action: "pay", Lease: 5 * time.Second}
+	if _, _, err := idem.DoLease(ctx, pool, lj, func(context.Context, idem.LeaseClaim) (string, error) { return ref, nil }); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("DoLease of a result that is not UTF-8: %v, want ErrInvalidArgument", err)
+	}
+	// U+FFFD in valid text is itself, and replays as it was.
+	job.Key = "do-fffd"
+	first, _, err := idem.Do(ctx, pool, job, idem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "po_\uFFFD", nil })
+	again, replayed, err2 := idem.Do(ctx, pool, job, idem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", nil })
+	if err != nil || err2 != nil || !replayed || again != first || first != "po_\uFFFD" {
+		t.Fatalf("Do of U+FFFD in valid text: %q %v, replay %q %v %v", first, err, again, replayed, err2)
+	}
+}
+
+// TestKeylessStepValueIsNotChecked: docs/http.md: "A request without a key on a lease route
+// whose key is optional has no claim: its steps are plain transactions, with nothing to
+// resume." Nothing of such a step is saved, so nothing can come back changed; D176's first
+// build refused its value all the same (a binary reference: ErrInvalidArgument after fn ran,
+// the writes rolled back, 500). The checks of a saved value apply to saved values only (D178).
+func TestKeylessStepValueIsNotChecked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 4)
+	pgtest.Exec(t, pool, `CREATE TABLE rs_keyless (ref bytea)`)
+	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := m.Route(idem.Route{Lease: 10 * time.Second})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ref, err := idem.Step(r.Context(), "pay", func(ctx context.Context, tx pgx.Tx) (string, error) {
+			const ref = "po_\xff\xfe" // the provider's reference, binary
+			_, err := tx.Exec(ctx, `INSERT INTO rs_keyless VALUES ($1)`, []byte(ref))
+			return ref, err
+		})
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(ref))
+	}))
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	resp, err := http.Post(srv.URL+"/pay", "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || pgtest.Count(t, pool, `SELECT count(*) FROM rs_keyless`) != 1 {
+		t.Fatalf("a keyless request's step (a plain transaction, nothing saved): %d %s", resp.StatusCode, body)
 	}
 }

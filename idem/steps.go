@@ -55,9 +55,10 @@ import (
 // again returns the saved value. A name is 1 to 255 characters of UTF-8 without U+0000: any
 // other is ErrInvalidArgument before fn runs. A value whose JSON holds U+0000 in a string
 // (which PostgreSQL's jsonb cannot store), or a string that is not UTF-8 (which encoding/json
-// writes as U+FFFD, so the attempt after a takeover would get another value), is
+// writes as the escape \ufffd, so the attempt after a takeover would get another value; the
+// escape itself, which encoding/json never writes for valid text, is refused too), is
 // ErrInvalidArgument after fn ran, and its transaction rolls back: save such a value encoded
-// (base64, hex).
+// (base64, hex). A request without a key saves nothing, and none of this applies to it.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)
 }

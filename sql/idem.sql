@@ -2879,6 +2879,9 @@ IF v_problem IS NOT NULL THEN
 
     p_deleted := 0;
     LOOP
+        -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
+        -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
+        PERFORM pg_catalog.set_config('lock_timeout', '0', true);
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
@@ -2890,6 +2893,9 @@ IF v_problem IS NOT NULL THEN
         END IF;
     END LOOP;
     LOOP
+        -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
+        -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
+        PERFORM pg_catalog.set_config('lock_timeout', '0', true);
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted + v_n;

@@ -124,3 +124,45 @@ func TestStuckListsOnlyClaimsThatHoldTheirKey(t *testing.T) {
 			"with the token from the list: %v (SQLSTATE %s)", inProgress, runOut, listed, releaseErr, sqlCode(releaseErr))
 	}
 }
+
+// TestCleanupAllWaitsOutTheWindowUnderALockTimeout: docs/sql-api.md: "Each batch first
+// waits for the cleanup lock ... a maintenance window that holds the lock pauses it until the
+// window ends"; the section "Behind PgBouncer": "Nothing depends on session state: the
+// functions set search_path and lock_timeout through their own SET clauses". The procedure has
+// no SET clause (it cannot), so its new wait runs under the caller's lock_timeout: a pg_cron
+// job whose role has one (a common guard rail, ALTER ROLE ... SET lock_timeout) fails with
+// 55P03 at the window instead of waiting it out (D177's first build). Each batch's wait sets
+// lock_timeout 0 for its own transaction now; the session keeps its setting.
+func TestCleanupAllWaitsOutTheWindowUnderALockTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	owner := pgtest.Connect(t, url)
+	pgtest.InsertExpired(t, owner, "p", 50)
+
+	maint := pgtest.Connect(t, pgtest.LoginRole(t, url, "idem_operator"))
+	pgtest.Exec(t, maint, `BEGIN`)
+	pgtest.Exec(t, maint, `SELECT pg_advisory_xact_lock(29665259344325742)`)
+	defer func() { _, _ = maint.Exec(ctx, `ROLLBACK`) }()
+
+	cron := pgtest.Connect(t, url)
+	pgtest.Exec(t, cron, `SET lock_timeout = '500ms'`) // as ALTER ROLE ... SET lock_timeout gives every session of the role
+	done := make(chan error, 1)
+	go func() {
+		var n int64
+		done <- cron.QueryRow(ctx, `CALL idem.idem_cleanup_all(5000)`).Scan(&n)
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("the pg_cron job ended during the maintenance window: %v; want it to wait until the window ends", err)
+	case <-time.After(2 * time.Second):
+	}
+	pgtest.Exec(t, maint, `ROLLBACK`)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	var lt string
+	if err := cron.QueryRow(ctx, `SHOW lock_timeout`).Scan(&lt); err != nil || lt != "500ms" {
+		t.Fatalf("the session's lock_timeout after the CALL: %q %v, want 500ms as it was", lt, err)
+	}
+}

@@ -85,9 +85,9 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 		if result, err = fn(ctx, tx); err != nil {
 			return err
 		}
-		body, err := json.Marshal(result)
+		body, err := encodeResult(result)
 		if err != nil {
-			return fmt.Errorf("idem: encode result: %w", err)
+			return err
 		}
 		tx.CompleteOnCommit(Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
 		return nil
@@ -265,14 +265,14 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	// without an extension landing (the database unreachable, the key's row locked) while no
 	// other attempt took the key over. The recording is fenced by the token: it lands only
 	// then, and fails with ErrClaimLost (ErrLeaseLost below) once another attempt holds it.
-	body, err := json.Marshal(result)
+	body, err := encodeResult(result)
 	if err != nil {
 		if !lost {
 			yield()
 		} else {
 			giveUpRanOut()
 		}
-		return result, false, fmt.Errorf("idem: encode result: %w", err)
+		return result, false, err
 	}
 	// The answer is recorded until the lease's end by this process's clock and at least one
 	// lease from now (AnswerDeadline), through the failures that pass (Persist: a lock timeout
@@ -293,3 +293,21 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	}
 	return result, false, err
 }
+
+// encodeResult is the JSON of a Do or DoLease result, to store. A string that is not UTF-8
+// would be stored as encoding/json writes it, each bad byte as the escape \ufffd, and every
+// replay would get another value than the first call: ErrInvalidArgument (D178), as for Input
+// and a step's value. So is the escape itself, which encoding/json never writes for a U+FFFD of
+// valid text (it writes the character), only a json.RawMessage or a MarshalJSON method does.
+func encodeResult(result any) ([]byte, error) {
+	body, err := json.Marshal(result)
+	if err != nil {
+		return nil, fmt.Errorf("idem: encode result: %w", err)
+	}
+	if holdsEscape(body, `\ufffd`) {
+		return nil, fmt.Errorf("%w: the result holds a string that is not UTF-8 (or the escape \\ufffd): "+
+			"a replay would decode another value; return such bytes encoded (base64, hex)", ErrInvalidArgument)
+	}
+	return body, nil
+}
+

@@ -177,6 +177,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		if raw, err = json.Marshal(result); err != nil {
 			return fmt.Errorf("idem: step %s: encode its saved value: %w", name, err)
 		}
+		if s.claim == nil {
+			return nil // a request without a key: nothing is saved
+		}
 		if holdsNUL(raw) {
 			return fmt.Errorf("%w: step %s: its saved value holds U+0000, which PostgreSQL's jsonb cannot store", ErrInvalidArgument, name)
 		}
@@ -185,9 +188,6 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			// of valid text as itself): the attempt after a takeover would get another value.
 			return fmt.Errorf("%w: step %s: its saved value holds a string that is not UTF-8 (or the escape \\ufffd), "+
 				"which would come back changed; save such bytes encoded (base64, hex)", ErrInvalidArgument, name)
-		}
-		if s.claim == nil {
-			return nil
 		}
 		return RecordStep(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw)
 	})
