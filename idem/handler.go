@@ -90,7 +90,7 @@ func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
 
 // DecodeJSON reads the request's JSON body into v strictly (exact-case member names; unknown
 // and duplicate members, names that differ only in case, invalid UTF-8, trailing data, nesting
-// deeper than 128 levels and exponents of more than 15 digits refused, with a key or without),
+// deeper than 128 levels and exponents of more than 16 digits refused, with a key or without),
 // decoding the canonical text that was fingerprinted, so that two requests with one
 // fingerprint mean the same thing. On failure it writes 400 malformed_body or 415
 // unsupported_media_type (final answers, stored for a keyed request) and returns false.

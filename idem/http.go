@@ -30,7 +30,10 @@ type Options struct {
 	// Idempotency-Key is then ignored): your authentication, which must run before the
 	// middleware. Required. Keys belong to a principal: 1 to 255 characters (longer is a
 	// 500 idempotency_misconfigured). An application that references its own principals
-	// table from idem.idempotency_keys gets 401 for a principal that is not there.
+	// table from idem.idempotency_keys gets 401 for a principal that is not there. It may
+	// read the body (a form's access_token through r.FormValue): what it reads is kept and
+	// fingerprinted with the rest. A form that a handler before the middleware parsed took
+	// the body with it, and a keyed request then gets 500 idempotency_misconfigured.
 	Principal func(*http.Request) (string, bool)
 	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),
 	// which names the route in its default Route.Action and finds the routes declared with

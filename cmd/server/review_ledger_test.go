@@ -264,7 +264,7 @@ func TestLedgerReviewHugeExponentSameAnswerWithOrWithoutKey(t *testing.T) {
 	plain := s.call("POST", path, token, "", body)
 	keyed := s.call("POST", path, token, "exp", body)
 	if plain.status != 400 || plain.status != keyed.status || plain.json(t)["code"] != keyed.json(t)["code"] ||
-		!strings.Contains(plain.body, "exponents of at most 15 digits") {
+		!strings.Contains(plain.body, "exponents of at most 16 digits") {
 		t.Errorf("without a key: %d %v; with a key: %d %v %q; want one answer", plain.status, plain.json(t)["code"],
 			keyed.status, keyed.json(t)["code"], keyed.json(t)["detail"])
 	}

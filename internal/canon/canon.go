@@ -4,7 +4,8 @@
 // The canonical body is the RFC 8785 (JSON Canonicalization Scheme) form of a body that is
 // strictly valid JSON, and the raw bytes of any other body. Strictly valid means: the RFC 8259
 // grammar, valid UTF-8, no lone surrogate in a \u escape, no duplicate member name in any
-// object, at most [MaxDepth] levels of nesting and exponents of at most 15 digits. A body
+// object, at most [MaxDepth] levels of nesting and exponents of at most 16 digits (as written
+// and in the canonical form). A body
 // that fails any of these is not an error: it is fingerprinted as its bytes, so two requests
 // share a fingerprint exactly when their bytes are equal.
 //
@@ -50,9 +51,13 @@ const MaxFields = 64
 // total gets no hashes, as for more than MaxFields members.
 const MaxFieldNameBytes = 4096
 
-// maxExponentDigits bounds the significant digits of a number's exponent (1e999999999999999
-// is canonicalized, a longer exponent is not), so positions fit in an int64.
-const maxExponentDigits = 15
+// maxExponentDigits bounds the significant digits of a number's exponent, as written and in its
+// canonical form (1e9999999999999999 is canonicalized; a longer exponent is not, nor
+// 10e9999999999999999, whose canonical exponent is 10000000000000000), so positions fit in an
+// int64 and a canonical text canonicalizes again to itself: no body hashed as its bytes is the
+// canonical text of another (D178; it was 15 for both, and 10e999999999999999's canonical
+// 1e+1000000000000000 was hashed as its bytes).
+const maxExponentDigits = 16
 
 // Fingerprint is what identifies a request.
 type Fingerprint struct {
@@ -66,7 +71,8 @@ type Fingerprint struct {
 	// fields of a mismatch. Nil when the body is not a JSON object, has more than
 	// MaxFields members, or its member names take more than MaxFieldNameBytes together.
 	Fields map[string]string
-	// Ambiguous is why a strictly valid JSON body must still be refused, or "": a string or
+	// Ambiguous is why a strictly valid JSON body must still be refused, or "" (the case
+	// duplicate when there are both): a string or
 	// member name holds U+0000 (PostgreSQL's jsonb and text cannot store it), or two member
 	// names of one object differ only in case (decoders such as encoding/json match names
 	// case-insensitively, so the request would not mean what its fingerprint says).
@@ -84,6 +90,24 @@ const (
 // nil or empty when there is none.
 func Compute(method, escapedPath string, body []byte) Fingerprint {
 	fp, _ := compute(method, escapedPath, body, false)
+	return fp
+}
+
+// ComputeRaw returns the fingerprint of a request whose body is hashed as its bytes, whatever
+// they hold: a body declared as another type than JSON, which its handler reads as it is.
+// SHA-256 over the upper-case method, " bytes", '\n', the escaped path, '\n' and the body: the
+// first line holds a space, which no method does, so it never equals a fingerprint of Compute
+// (D178), whose raw form releases before D178 gave such a body when it was not strictly valid
+// JSON, and whose canonical form they gave it when it was.
+func ComputeRaw(method, escapedPath string, body []byte) Fingerprint {
+	h := sha256.New()
+	h.Write([]byte(strings.ToUpper(method)))
+	h.Write([]byte(" bytes\n"))
+	h.Write([]byte(escapedPath))
+	h.Write([]byte{'\n'})
+	h.Write(body)
+	var fp Fingerprint
+	h.Sum(fp.Sum[:0])
 	return fp
 }
 
@@ -111,11 +135,11 @@ func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, [
 	if len(body) > 0 {
 		if t, err := parse(body); err == nil {
 			fp.JSON = true
-			switch {
-			case t.nul:
-				fp.Ambiguous = AmbiguousNUL
+			switch { // the case first: DecodeJSON refuses it without a key too (D178)
 			case t.caseDup:
 				fp.Ambiguous = AmbiguousCase
+			case t.nul:
+				fp.Ambiguous = AmbiguousNUL
 			}
 			if keep {
 				var out bytes.Buffer
@@ -163,11 +187,11 @@ func CanonicalizeAmbiguous(data []byte) (canonical []byte, ambiguous string, err
 	if err != nil {
 		return nil, "", err
 	}
-	switch {
-	case t.nul:
-		ambiguous = AmbiguousNUL
+	switch { // the case first: DecodeJSON refuses it without a key too (D178)
 	case t.caseDup:
 		ambiguous = AmbiguousCase
+	case t.nul:
+		ambiguous = AmbiguousNUL
 	}
 	var out bytes.Buffer
 	out.Grow(len(data))

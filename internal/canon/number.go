@@ -66,7 +66,20 @@ func (p *parser) number() (span, error) {
 	if expNeg {
 		exp = -exp
 	}
-	return p.decimal(lit, neg, intPart, fracPart, exp), nil
+	sp := p.decimal(lit, neg, intPart, fracPart, exp)
+	// The canonical exponent may take a digit more than the literal's (10e9999999999999999 is
+	// 1e+10000000000000000): such a text would not be strictly valid as a body of its own, and
+	// hashed as its bytes, the very bytes of this canonical form. Refused alike, so that a
+	// canonical text always canonicalizes again to itself (D178).
+	txt := p.data
+	off := int(sp.off)
+	if sp.off < 0 {
+		txt, off = p.arena, int(-sp.off-1)
+	}
+	if e := bytes.IndexByte(txt[off:off+int(sp.n)], 'e'); e >= 0 && int(sp.n)-e-2 > maxExponentDigits {
+		return span{}, p.fail("exponent too long")
+	}
+	return sp, nil
 }
 
 // digits skips the decimal digits at p.pos and returns where they started.

@@ -310,4 +310,3 @@ func encodeResult(result any) ([]byte, error) {
 	}
 	return body, nil
 }
-

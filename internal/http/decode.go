@@ -22,7 +22,7 @@ import (
 //   - member names match struct fields by exact case (the field's json tag, or its name);
 //     an unknown member, a duplicate member, two names that differ only in case (whatever v
 //     is, a map included), invalid UTF-8, data after the value, nesting deeper than 128
-//     levels and an exponent of more than 15 digits (what the fingerprint does not
+//     levels and an exponent of more than 16 digits (what the fingerprint does not
 //     canonicalize) are 400 malformed_body, as is any body that does not decode into v.
 //
 // On a declared route it decodes the very bytes the middleware read and fingerprinted. On
@@ -53,7 +53,7 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 		// Not canonicalized yet (a request without a key): the same text the fingerprint
 		// would hash. A body that is not strictly valid JSON (the fingerprint hashes it as its
 		// bytes) is refused as a keyed request's is before its claim, so that a request gets
-		// one answer with a key and without: an exponent of more than 15 digits or nesting
+		// one answer with a key and without: an exponent of more than 16 digits or nesting
 		// deeper than 128 levels too, which a JSON decoder alone might take (D162).
 		// Names that differ only in case are refused whatever the target (a map would keep
 		// both), as a keyed request's body is before its claim. (U+0000 is the handler's to

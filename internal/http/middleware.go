@@ -191,6 +191,9 @@ type request struct {
 	next      http.Handler
 	body      []byte
 	canonical []byte // the canonical body (strictly valid JSON), when the fingerprint computed it
+	// rawHashed: the body, declared as another type than JSON, was hashed as its bytes; the
+	// releases before D178 hashed its canonical form when it was strictly valid JSON.
+	rawHashed bool
 	action    string
 	keyHash   string     // the key's hash, for traces (keyed requests with tracing on)
 	claim     *ClaimInfo // the claim the handler works under (keyed requests)
@@ -211,7 +214,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if q.action == "" {
 		q.action = defaultAction(r.Method, m.template(r))
 	}
+	// The principal function may read the body (a form's access_token, RFC 6750 section 2.2,
+	// through r.FormValue): what it reads is kept, so that the body hashed is the body the
+	// request carried, not what it left (D178).
+	tee := &bodyTee{src: r.Body, max: m.o.MaxBodyBytes}
+	if r.Body != nil && r.Body != http.NoBody {
+		r.Body = tee
+	}
 	principal, authenticated := m.o.Principal(r)
+	tee.stop = true // what is read from here on is read whole below
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	keyed := authenticated && present
 	if keyed {
@@ -239,13 +250,23 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	// One byte more than the bound tells a body over it; math.MaxInt64 has no byte more (its
 	// + 1 would wrap to a negative limit, which reads nothing).
-	body, err := io.ReadAll(io.LimitReader(r.Body, min(m.o.MaxBodyBytes, math.MaxInt64-1)+1))
+	body, err := io.ReadAll(io.LimitReader(r.Body, min(m.o.MaxBodyBytes, math.MaxInt64-1)+1-int64(len(tee.got))))
 	if err != nil {
 		m.problem(w, r, CodeBodyUnreadable, "the request body could not be read", nil)
 		return
 	}
+	if len(tee.got) > 0 {
+		body = append(tee.got, body...) // what the principal function read of it first
+	}
 	if int64(len(body)) > m.o.MaxBodyBytes {
 		m.tooLarge(w, r)
+		return
+	}
+	if keyed && len(body) == 0 && (len(r.PostForm) > 0 || r.MultipartForm != nil) {
+		// A handler before the middleware parsed the request's form, which read its body: the
+		// handler would act on a form that no fingerprint covers (D178).
+		m.problem(w, r, CodeMisconfigured, "the request's body was read before the idempotency middleware (its form was parsed): "+
+			"it cannot be fingerprinted; a server configuration problem, nothing was changed", nil)
 		return
 	}
 	q.body = body
@@ -270,6 +291,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 				}
 			}
 		}
+	} else if len(body) > 0 && !jsonContent(r) && r.Header.Get("Content-Type") != "" {
+		// Declared as another type than JSON: its handler reads the bytes, so the bytes are
+		// hashed, whatever they hold, and left to the handler (D178). DecodeJSON answers 415.
+		fp = canon.ComputeRaw(r.Method, r.URL.EscapedPath(), body)
+		q.rawHashed = true
 	} else {
 		// The canonical text from the same parse: DecodeJSON decodes it (what was hashed).
 		fp, q.canonical = canon.ComputeCanonical(r.Method, r.URL.EscapedPath(), body)
@@ -315,3 +341,24 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 func (m *Middleware) tooLarge(w http.ResponseWriter, r *http.Request) {
 	m.problem(w, r, CodeRequestTooLarge, fmt.Sprintf("the request body is larger than %d bytes", m.o.MaxBodyBytes), nil)
 }
+
+// bodyTee is a request's body while the principal function may read it: until stop, it keeps
+// what is read through it, up to one byte past max (enough to tell a body over max).
+type bodyTee struct {
+	src  io.ReadCloser
+	max  int64
+	got  []byte
+	stop bool
+}
+
+func (b *bodyTee) Read(p []byte) (int, error) {
+	n, err := b.src.Read(p)
+	if !b.stop {
+		if keep := min(b.max, math.MaxInt64-1) + 1 - int64(len(b.got)); keep > 0 {
+			b.got = append(b.got, p[:min(int64(n), keep)]...)
+		}
+	}
+	return n, err
+}
+
+func (b *bodyTee) Close() error { return b.src.Close() }

@@ -63,7 +63,7 @@ var problems = map[string]problemSpec{
 // notStrictJSON is the detail of a body sent as JSON that is not strictly valid JSON, the
 // form the fingerprint canonicalizes (internal/canon): a 400 malformed_body.
 const notStrictJSON = "the body is not strictly valid JSON (one value, no duplicate member names, valid UTF-8, " +
-	"at most 128 levels of nesting, exponents of at most 15 digits)"
+	"at most 128 levels of nesting, exponents of at most 16 digits)"
 
 // errorProblem maps an error of the unit of work (from the driver, the database or the
 // Gate) to the problem that answers it, and the detail to send. It is the one place that

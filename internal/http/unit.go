@@ -15,6 +15,7 @@ import (
 	"github.com/go-json-experiment/json/jsontext"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
@@ -288,6 +289,11 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
 	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
+		if d.Outcome == dbidem.Mismatch && q.rawHashed {
+			if earlier, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
+				d = earlier
+			}
+		}
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
 		claimSpan = nil
 		if d.Outcome != dbidem.Claimed {
@@ -404,4 +410,29 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		})
 	}
 	return st, nil
+}
+
+// earlierReleaseDecision answers a request whose body, declared as another type than JSON,
+// was hashed as its bytes (request.rawHashed, canon.ComputeRaw) and found its key stored under
+// another fingerprint: it may be the retry of a request that a release before D178
+// fingerprinted as canon.Compute does (the canonical form of a strictly valid JSON body, the
+// bytes of any other). It asks the key again with that fingerprint, in tx under a savepoint,
+// and returns that answer when it is a replay or a lease in progress (read only); anything
+// else is undone, and the mismatch stands. No fingerprint of ComputeRaw equals one of
+// Compute, so a key stored under this rule is never answered by the other.
+func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim) (dbidem.Decision, bool) {
+	fp := canon.Compute(q.r.Method, q.r.URL.EscapedPath(), q.body)
+	if fp.Ambiguous != "" { // refused before any claim by those releases: never stored
+		return dbidem.Decision{}, false
+	}
+	claim.Fingerprint, claim.Fields = fp.Sum, fp.Fields
+	if _, err := tx.Exec(ctx, "SAVEPOINT idem_earlier_release"); err != nil {
+		return dbidem.Decision{}, false
+	}
+	d, err := dbidem.Begin(ctx, tx, claim)
+	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress) {
+		return d, true
+	}
+	_, _ = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release")
+	return dbidem.Decision{}, false
 }
