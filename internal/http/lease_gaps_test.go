@@ -813,7 +813,7 @@ func TestDoCanceledBetweenStatements(t *testing.T) {
 	t.Parallel()
 	z := newGapApp(t, time.Second, nil)
 	for _, c := range []struct{ name, trigger string }{
-		{"claim", "idem_begin("}, {"work", "INSERT INTO gap_rows"}, {"commit", "idem_complete"},
+		{"claim", "idem.idem_begin"}, {"work", "INSERT INTO gap_rows"}, {"commit", "idem_complete"},
 	} {
 		key := "do-cancel-" + c.name
 		hold := z.proxy.rule(c.trigger, gapHoldReply)
