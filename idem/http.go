@@ -32,7 +32,8 @@ type Options struct {
 	// 500 idempotency_misconfigured). An application that references its own principals
 	// table from idem.idempotency_keys gets 401 for a principal that is not there. It may
 	// read the body (a form's access_token through r.FormValue): what it reads is kept and
-	// fingerprinted with the rest. A form that a handler before the middleware parsed took
+	// fingerprinted with the rest; a body it puts back (r.Body set to the bytes it read, to
+	// check a webhook's signature) is the whole body. A form that a handler before the middleware parsed took
 	// the body with it, and a keyed request then gets 500 idempotency_misconfigured.
 	Principal func(*http.Request) (string, bool)
 	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),

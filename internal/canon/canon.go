@@ -123,8 +123,22 @@ func ComputeCanonical(method, escapedPath string, body []byte) (Fingerprint, []b
 	return compute(method, escapedPath, body, true)
 }
 
+// ComputeBefore178 is Compute as the releases before D178 computed it: an exponent of 16
+// digits made a body not strictly valid (hashed as its bytes), and none was refused for its
+// canonical form. The same as Compute for every other body (the golden digests). For keys
+// those releases stored.
+func ComputeBefore178(method, escapedPath string, body []byte) Fingerprint {
+	fp, _ := computeRule(method, escapedPath, body, false, true)
+	return fp
+}
+
 // compute is Compute, and when keep is set also returns the canonical body.
 func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, []byte) {
+	return computeRule(method, escapedPath, body, keep, false)
+}
+
+// computeRule is compute, under the rule of the releases before D178 when before178 is set.
+func computeRule(method, escapedPath string, body []byte, keep, before178 bool) (Fingerprint, []byte) {
 	h := sha256.New()
 	h.Write([]byte(strings.ToUpper(method)))
 	h.Write([]byte{'\n'})
@@ -133,7 +147,7 @@ func compute(method, escapedPath string, body []byte, keep bool) (Fingerprint, [
 	var fp Fingerprint
 	var canonical []byte
 	if len(body) > 0 {
-		if t, err := parse(body); err == nil {
+		if t, err := parseRule(body, before178); err == nil {
 			fp.JSON = true
 			switch { // the case first: DecodeJSON refuses it without a key too (D178)
 			case t.caseDup:

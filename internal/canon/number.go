@@ -56,7 +56,7 @@ func (p *parser) number() (span, error) {
 		return span{}, p.fail("invalid number: no digit in the exponent")
 	}
 	ed := bytes.TrimLeft(p.data[s:p.pos], "0")
-	if len(ed) > maxExponentDigits {
+	if len(ed) > maxExponentDigits || (p.before178 && len(ed) > maxExponentDigits-1) {
 		return span{}, p.fail("exponent too long")
 	}
 	var exp int64
@@ -76,7 +76,7 @@ func (p *parser) number() (span, error) {
 	if sp.off < 0 {
 		txt, off = p.arena, int(-sp.off-1)
 	}
-	if e := bytes.IndexByte(txt[off:off+int(sp.n)], 'e'); e >= 0 && int(sp.n)-e-2 > maxExponentDigits {
+	if e := bytes.IndexByte(txt[off:off+int(sp.n)], 'e'); e >= 0 && int(sp.n)-e-2 > maxExponentDigits && !p.before178 {
 		return span{}, p.fail("exponent too long")
 	}
 	return sp, nil

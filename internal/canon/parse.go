@@ -53,14 +53,20 @@ type parser struct {
 	// scratch of the member sort (order.go) and of the case check (fold.go)
 	keys, keysTmp []keyed
 	fold          []byte
+	// before178: the rule of the releases before D178 (an exponent of at most 15 digits as
+	// written, whatever its canonical form), for ComputeBefore178.
+	before178 bool
 }
 
 // parse returns the tree of a strictly valid JSON text.
-func parse(data []byte) (*tree, error) {
+func parse(data []byte) (*tree, error) { return parseRule(data, false) }
+
+// parseRule is parse, under the rule of the releases before D178 when before178 is set.
+func parseRule(data []byte, before178 bool) (*tree, error) {
 	if len(data) > math.MaxInt32/2 {
 		return nil, fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
 	}
-	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}}
+	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}, before178: before178}
 	p.space()
 	if err := p.value(); err != nil {
 		return nil, err

@@ -223,6 +223,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	principal, authenticated := m.o.Principal(r)
 	tee.stop = true // what is read from here on is read whole below
+	if r.Body != tee {
+		// The principal function put a body back (what it read, a webhook's signed bytes, or a
+		// reader that starts with them): that body is the whole of it.
+		tee.got = nil
+	}
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	keyed := authenticated && present
 	if keyed {
@@ -283,7 +288,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		// of whether the body is strictly valid JSON: the body is judged on its own, as the
 		// default fingerprint judges it.
 		ambiguous = fp.Ambiguous
-		if len(body) > 0 {
+		if len(body) > 0 && sentAsJSON(r) { // a body of another type is its handler's (D178)
 			if c, a, err := canon.CanonicalizeAmbiguous(body); err == nil {
 				bodyJSON, q.canonical = true, c
 				if ambiguous == "" {
@@ -291,7 +296,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 				}
 			}
 		}
-	} else if len(body) > 0 && !jsonContent(r) && r.Header.Get("Content-Type") != "" {
+	} else if len(body) > 0 && !sentAsJSON(r) {
 		// Declared as another type than JSON: its handler reads the bytes, so the bytes are
 		// hashed, whatever they hold, and left to the handler (D178). DecodeJSON answers 415.
 		fp = canon.ComputeRaw(r.Method, r.URL.EscapedPath(), body)
@@ -306,7 +311,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		// Refused before any claim: a handler could not be sure to act on what was hashed.
 		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+ambiguous, nil)
 		return
-	case !bodyJSON && len(body) > 0 && (jsonContent(r) || r.Header.Get("Content-Type") == ""):
+	case !bodyJSON && len(body) > 0 && sentAsJSON(r):
 		// Sent as JSON (or without a Content-Type, which DecodeJSON takes as JSON) but not
 		// strictly valid JSON (duplicate members, data after the value, invalid UTF-8...): no
 		// handler may act on it, so nothing is claimed or stored.
@@ -362,3 +367,9 @@ func (b *bodyTee) Read(p []byte) (int, error) {
 }
 
 func (b *bodyTee) Close() error { return b.src.Close() }
+
+// sentAsJSON tells whether r's body is sent as JSON: a JSON Content-Type, or none, which
+// DecodeJSON takes as JSON. Any other body is its handler's to read as it is (D178).
+func sentAsJSON(r *http.Request) bool {
+	return jsonContent(r) || r.Header.Get("Content-Type") == ""
+}

@@ -290,8 +290,8 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		if d.Outcome == dbidem.Mismatch && q.rawHashed {
-			if earlier, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
-				d = earlier
+			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
+				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
 			}
 		}
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
@@ -417,22 +417,25 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 // another fingerprint: it may be the retry of a request that a release before D178
 // fingerprinted as canon.Compute does (the canonical form of a strictly valid JSON body, the
 // bytes of any other). It asks the key again with that fingerprint, in tx under a savepoint,
-// and returns that answer when it is a replay or a lease in progress (read only); anything
+// and returns that answer, with the claim under that fingerprint, when it is a replay, a lease
+// in progress (both read only), or, on a lease route, a claim (the takeover of a lease that
+// ran out: a deploy ended its process), which commits as the route's claim does; anything
 // else is undone, and the mismatch stands. No fingerprint of ComputeRaw equals one of
-// Compute, so a key stored under this rule is never answered by the other.
-func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim) (dbidem.Decision, bool) {
-	fp := canon.Compute(q.r.Method, q.r.URL.EscapedPath(), q.body)
+// ComputeBefore178, so a key stored under this rule is never answered by the other.
+func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim) (dbidem.Decision, dbidem.Claim, bool) {
+	fp := canon.ComputeBefore178(q.r.Method, q.r.URL.EscapedPath(), q.body)
 	if fp.Ambiguous != "" { // refused before any claim by those releases: never stored
-		return dbidem.Decision{}, false
+		return dbidem.Decision{}, claim, false
 	}
-	claim.Fingerprint, claim.Fields = fp.Sum, fp.Fields
+	earlier := claim
+	earlier.Fingerprint, earlier.Fields = fp.Sum, fp.Fields
 	if _, err := tx.Exec(ctx, "SAVEPOINT idem_earlier_release"); err != nil {
-		return dbidem.Decision{}, false
+		return dbidem.Decision{}, claim, false
 	}
-	d, err := dbidem.Begin(ctx, tx, claim)
-	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress) {
-		return d, true
+	d, err := dbidem.Begin(ctx, tx, earlier)
+	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || (d.Outcome == dbidem.Claimed && claim.Lease > 0)) {
+		return d, earlier, true
 	}
 	_, _ = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release")
-	return dbidem.Decision{}, false
+	return dbidem.Decision{}, claim, false
 }
