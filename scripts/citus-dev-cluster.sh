@@ -12,7 +12,8 @@
 #   scripts/citus-dev-cluster.sh destroy   # stops them and removes their data
 #
 # Settings (environment):
-#   CITUS_DIR      where the source and the clusters go (default $HOME/citus-dev)
+#   CITUS_DIR      where the source and the clusters go (default $HOME/citus-dev; as root
+#                  /var/tmp/citus-dev, a directory the postgres user can enter)
 #   CITUS_VERSION  the release to build (default 13.2.2; the tag is v$CITUS_VERSION)
 #   CITUS_GIT      a clone URL or a local git directory holding the tag
 #                  (default https://github.com/citusdata/citus.git; offline, a local clone:
@@ -31,7 +32,12 @@
 # 127.0.0.1 only and trust local connections.
 set -euo pipefail
 
-CITUS_DIR=${CITUS_DIR:-$HOME/citus-dev}
+# As root the nodes run as postgres, which cannot enter /root: the default is then /var/tmp.
+if [ "$(id -u)" = 0 ]; then
+    CITUS_DIR=${CITUS_DIR:-/var/tmp/citus-dev}
+else
+    CITUS_DIR=${CITUS_DIR:-$HOME/citus-dev}
+fi
 CITUS_VERSION=${CITUS_VERSION:-13.2.2}
 CITUS_GIT=${CITUS_GIT:-https://github.com/citusdata/citus.git}
 CITUS_PORT=${CITUS_PORT:-9700}
