@@ -31,9 +31,10 @@ type Options struct {
 	// middleware. Required. Keys belong to a principal: 1 to 255 characters (longer is a
 	// 500 idempotency_misconfigured). An application that references its own principals
 	// table from idem.idempotency_keys gets 401 for a principal that is not there. It may
-	// read the body (a form's access_token through r.FormValue): what it reads is kept and
-	// fingerprinted with the rest; a body it puts back (r.Body set to the bytes it read, to
-	// check a webhook's signature) is the whole body. A form that a handler before the middleware parsed took
+	// read the body (a form's access_token through r.FormValue), put it back (to check a
+	// webhook's signature) or wrap it (http.MaxBytesReader): the body fingerprinted and given
+	// to the handler is what the client sent, every byte read from the connection, whatever
+	// reader it leaves in r.Body. A form that a handler before the middleware parsed took
 	// the body with it, and a keyed request then gets 500 idempotency_misconfigured.
 	Principal func(*http.Request) (string, bool)
 	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),

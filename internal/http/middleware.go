@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"cmp"
 	"fmt"
 	"io"
 	"math"
@@ -214,20 +215,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if q.action == "" {
 		q.action = defaultAction(r.Method, m.template(r))
 	}
-	// The principal function may read the body (a form's access_token, RFC 6750 section 2.2,
-	// through r.FormValue): what it reads is kept, so that the body hashed is the body the
-	// request carried, not what it left (D178).
+	// The body is what the client sent, whatever the principal function does with it: it may
+	// read it (a form's access_token, RFC 6750 section 2.2, through r.FormValue), put it back
+	// (a webhook's signature check), wrap it (http.MaxBytesReader) or peek at it. Every byte
+	// read from the connection's body passes through tee and is kept there, with the first
+	// read error, which a form parse swallows (D178).
 	tee := &bodyTee{src: r.Body, max: m.o.MaxBodyBytes}
 	if r.Body != nil && r.Body != http.NoBody {
 		r.Body = tee
 	}
 	principal, authenticated := m.o.Principal(r)
-	tee.stop = true // what is read from here on is read whole below
-	if r.Body != tee {
-		// The principal function put a body back (what it read, a webhook's signed bytes, or a
-		// reader that starts with them): that body is the whole of it.
-		tee.got = nil
-	}
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	keyed := authenticated && present
 	if keyed {
@@ -255,14 +252,23 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	// One byte more than the bound tells a body over it; math.MaxInt64 has no byte more (its
 	// + 1 would wrap to a negative limit, which reads nothing).
-	body, err := io.ReadAll(io.LimitReader(r.Body, min(m.o.MaxBodyBytes, math.MaxInt64-1)+1-int64(len(tee.got))))
+	var err error
+	if tee.src != nil && tee.src != http.NoBody {
+		if r.Body != tee {
+			// A body the principal function put back: read to its end, for what it still
+			// reads through tee (a wrapper, a reader that ends with the rest).
+			_, err = io.Copy(io.Discard, io.LimitReader(r.Body, tee.room()+1))
+		}
+		if err == nil {
+			_, err = io.Copy(io.Discard, io.LimitReader(tee, tee.room()+1))
+		}
+		err = cmp.Or(tee.err, err)
+	}
 	if err != nil {
 		m.problem(w, r, CodeBodyUnreadable, "the request body could not be read", nil)
 		return
 	}
-	if len(tee.got) > 0 {
-		body = append(tee.got, body...) // what the principal function read of it first
-	}
+	body := tee.got
 	if int64(len(body)) > m.o.MaxBodyBytes {
 		m.tooLarge(w, r)
 		return
@@ -347,24 +353,31 @@ func (m *Middleware) tooLarge(w http.ResponseWriter, r *http.Request) {
 	m.problem(w, r, CodeRequestTooLarge, fmt.Sprintf("the request body is larger than %d bytes", m.o.MaxBodyBytes), nil)
 }
 
-// bodyTee is a request's body while the principal function may read it: until stop, it keeps
-// what is read through it, up to one byte past max (enough to tell a body over max).
+// bodyTee is a request's body as the middleware reads it: it keeps every byte read through it,
+// up to one byte past max (enough to tell a body over max), and the first read error other
+// than io.EOF (a body cut off before its Content-Length: net/http reports it once, and a plain
+// io.EOF after it).
 type bodyTee struct {
-	src  io.ReadCloser
-	max  int64
-	got  []byte
-	stop bool
+	src io.ReadCloser
+	max int64
+	got []byte
+	err error
 }
 
 func (b *bodyTee) Read(p []byte) (int, error) {
 	n, err := b.src.Read(p)
-	if !b.stop {
-		if keep := min(b.max, math.MaxInt64-1) + 1 - int64(len(b.got)); keep > 0 {
-			b.got = append(b.got, p[:min(int64(n), keep)]...)
-		}
+	if keep := b.room() + 1; keep > 0 {
+		b.got = append(b.got, p[:min(int64(n), keep)]...)
+	}
+	if err != nil && err != io.EOF && b.err == nil {
+		b.err = err
 	}
 	return n, err
 }
+
+// room is how many bytes more the body may have: max less what was kept (one more tells a
+// body over max; math.MaxInt64 has no byte more).
+func (b *bodyTee) room() int64 { return min(b.max, math.MaxInt64-1) - int64(len(b.got)) }
 
 func (b *bodyTee) Close() error { return b.src.Close() }
 
