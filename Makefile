@@ -72,7 +72,7 @@ test-citus: ## the Citus tests against the coordinator at CITUS_URL (scripts/cit
 		echo 'make test-citus: set CITUS_URL to a Citus coordinator (postgres://...), e.g.' >&2; \
 		echo '  scripts/citus-dev-cluster.sh build && scripts/citus-dev-cluster.sh start' >&2; \
 		echo '  CITUS_URL=$$(scripts/citus-dev-cluster.sh url) make test-citus' >&2; exit 2; fi
-	$(GO) test $(GOFLAGS_TEST) -tags citus -run '^TestCitus' ./tests ./internal/dbidem ./cmd/server
+	$(GO) test $(GOFLAGS_TEST) -tags citus -run '^TestCitus' ./tests ./internal/dbidem ./cmd/server ./idem
 
 # The history tests' long run: HISTORY_OPS operations (10,000) per harness, for at least
 # HISTORY_SECONDS (120), through every fault, and the liveness scenarios (TestHTTPLiveness) for

@@ -110,6 +110,16 @@ func (q *request) unkeyed() {
 		return nil
 	})
 	if err != nil && !errors.Is(err, errRollBack) {
+		if errors.Is(err, dbidem.ErrCommitUnknown) {
+			// No key: no retry can learn the outcome, and a retry may do the work again, so
+			// no Retry-After invites one (on Citus also a deferred constraint of the work that
+			// a worker refused at its one-phase COMMIT, which Citus reports alike: D175).
+			q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", CodeOutcomeUnknown,
+				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+			q.m.problem(q.w, q.r, CodeOutcomeUnknown, "the database did not confirm the request's COMMIT: it may or may not "+
+				"have taken effect; it carried no "+q.m.o.KeyHeader+", so a retry may do it again", nil)
+			return
+		}
 		q.storeError(err)
 		return
 	}
