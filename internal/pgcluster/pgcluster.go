@@ -417,6 +417,21 @@ func (c *Cluster) Kill() error {
 	for i := 0; i < 500 && syscall.Kill(pid, 0) == nil && !zombie(pid); i++ {
 		time.Sleep(10 * time.Millisecond)
 	}
+	// A dead postmaster that its parent has not reaped yet still answers kill(pid, 0), which is
+	// how a starting PostgreSQL tells that its lock files' owner is alive: "lock file already
+	// exists" (a history run's promotion fault, under load). It is given a few seconds to be
+	// reaped; then its lock files, whose owner is dead, are removed.
+	for i := 0; i < 300 && syscall.Kill(pid, 0) == nil; i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if syscall.Kill(pid, 0) == nil && zombie(pid) {
+		locks, _ := filepath.Glob(filepath.Join(c.SocketDir, ".s.PGSQL.*.lock"))
+		for _, l := range append(locks, filepath.Join(c.dataDir(), "postmaster.pid")) {
+			if b, err := os.ReadFile(l); err == nil && strings.SplitN(string(b), "\n", 2)[0] == strconv.Itoa(pid) {
+				_ = os.Remove(l) // this postmaster's own, and it is dead
+			}
+		}
+	}
 	return nil
 }
 
