@@ -190,18 +190,7 @@ func TestEarlierReleaseKeyWithASixteenDigitExponentReplays(t *testing.T) {
 	body := `1e1000000000000000` // a 16-digit exponent
 	// The fingerprint a release before D178 stored: the raw form (no " bytes" separator).
 	fp := sha256.Sum256([]byte("POST\n/things\n" + body))
-	c := idem.Claim{Principal: "alice", Key: "before-d178-exp", Action: "POST /things", Fingerprint: fp}
-	err := idem.RunTx(ctx, pool, idem.TxOptions{}, func(tx *idem.Tx) error {
-		d, err := tx.Claim(ctx, c)
-		if err != nil || d.Outcome != idem.Claimed {
-			return fmt.Errorf("claim: %+v %v", d, err)
-		}
-		tx.CompleteOnCommit(idem.Response{Status: 201, Body: []byte("the first answer")})
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	storeFirstAnswer(t, pool, idem.Claim{Principal: "alice", Key: "before-d178-exp", Action: "POST /things", Fingerprint: fp})
 	st, h, got := pgtest.Send(t, ctx, "POST", srv.URL+"/things", body, "Idempotency-Key", "before-d178-exp", "Content-Type", "text/plain")
 	if st != 201 || got != "the first answer" || h.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("the retry of a key stored before D178: %d %q (handler runs %d), want the first answer", st, got, runs.Load())

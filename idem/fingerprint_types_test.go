@@ -115,18 +115,7 @@ func TestEarlierReleaseKeyOfANonJSONBodyReplays(t *testing.T) {
 	ctx := context.Background()
 	body := `{"to":"bob","amount":5}` // not canonical: its members out of order
 	fp := idem.ComputeFingerprint("POST", "/things", []byte(body))
-	c := idem.Claim{Principal: "alice", Key: "before-d178", Action: "POST /things", Fingerprint: fp.Sum, Fields: fp.Fields}
-	err := idem.RunTx(ctx, pool, idem.TxOptions{}, func(tx *idem.Tx) error {
-		d, err := tx.Claim(ctx, c)
-		if err != nil || d.Outcome != idem.Claimed {
-			return fmt.Errorf("claim: %+v %v", d, err)
-		}
-		tx.CompleteOnCommit(idem.Response{Status: 201, Body: []byte("the first answer")})
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	storeFirstAnswer(t, pool, idem.Claim{Principal: "alice", Key: "before-d178", Action: "POST /things", Fingerprint: fp.Sum, Fields: fp.Fields})
 	st, h, got := pgtest.Send(t, ctx, "POST", srv.URL+"/things", body, "Idempotency-Key", "before-d178", "Content-Type", "text/plain")
 	if st != 201 || got != "the first answer" || h.Get("Idempotent-Replayed") != "true" || runs.Load() != 0 {
 		t.Fatalf("the retry of a key stored before D178: %d %q (replayed %q, handler runs %d), want the first answer", st, got, h.Get("Idempotent-Replayed"), runs.Load())
@@ -207,5 +196,23 @@ func TestDecodeJSONRefusesCaseDuplicatesWhateverElse(t *testing.T) {
 		if ok := idem.DecodeJSON(w, r, &v); ok || w.Code != http.StatusBadRequest {
 			t.Errorf("DecodeJSON(%s) into a map: ok %v, status %d, decoded %v; want 400", body, ok, w.Code, v)
 		}
+	}
+}
+
+// storeFirstAnswer stores the key of c completed with 201 "the first answer", as an earlier
+// release would have for the request whose fingerprint c carries.
+func storeFirstAnswer(t *testing.T, pool idem.Pool, c idem.Claim) {
+	t.Helper()
+	ctx := context.Background()
+	err := idem.RunTx(ctx, pool, idem.TxOptions{}, func(tx *idem.Tx) error {
+		d, err := tx.Claim(ctx, c)
+		if err != nil || d.Outcome != idem.Claimed {
+			return fmt.Errorf("claim: %+v %v", d, err)
+		}
+		tx.CompleteOnCommit(idem.Response{Status: 201, Body: []byte("the first answer")})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
