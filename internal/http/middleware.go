@@ -250,8 +250,6 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		m.tooLarge(w, r)
 		return
 	}
-	// One byte more than the bound tells a body over it; math.MaxInt64 has no byte more (its
-	// + 1 would wrap to a negative limit, which reads nothing).
 	var err error
 	if tee.src != nil && tee.src != http.NoBody {
 		if r.Body != tee {
@@ -288,13 +286,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	var fp canon.Fingerprint
 	var bodyJSON bool
 	var ambiguous string
+	asJSON := sentAsJSON(r)
 	if rt.Fingerprint != nil {
 		fp = rt.Fingerprint(r, body)
 		// What the route hashed (often a part of the body, or not JSON at all) says nothing
 		// of whether the body is strictly valid JSON: the body is judged on its own, as the
 		// default fingerprint judges it.
 		ambiguous = fp.Ambiguous
-		if len(body) > 0 && sentAsJSON(r) { // a body of another type is its handler's (D178)
+		if len(body) > 0 && asJSON { // a body of another type is its handler's (D178)
 			if c, a, err := canon.CanonicalizeAmbiguous(body); err == nil {
 				bodyJSON, q.canonical = true, c
 				if ambiguous == "" {
@@ -302,7 +301,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 				}
 			}
 		}
-	} else if len(body) > 0 && !sentAsJSON(r) {
+	} else if len(body) > 0 && !asJSON {
 		// Declared as another type than JSON: its handler reads the bytes, so the bytes are
 		// hashed, whatever they hold, and left to the handler (D178). DecodeJSON answers 415.
 		fp = canon.ComputeRaw(r.Method, r.URL.EscapedPath(), body)
@@ -317,7 +316,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		// Refused before any claim: a handler could not be sure to act on what was hashed.
 		m.problem(w, r, CodeMalformedBody, "the body is ambiguous: "+ambiguous, nil)
 		return
-	case !bodyJSON && len(body) > 0 && sentAsJSON(r):
+	case !bodyJSON && len(body) > 0 && asJSON:
 		// Sent as JSON (or without a Content-Type, which DecodeJSON takes as JSON) but not
 		// strictly valid JSON (duplicate members, data after the value, invalid UTF-8...): no
 		// handler may act on it, so nothing is claimed or stored.
