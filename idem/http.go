@@ -297,8 +297,10 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // under the same provider key), waits up to five seconds more for them, and returns ctx's
 // error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
 // (CodeShuttingDown, with Retry-After) before any claim, also when Shutdown had returned early
-// (nothing was in flight). Call it beside the HTTP server's Shutdown, with
-// the same deadline, and wait for both before the process exits:
+// (nothing was in flight); one whose claim was under way (waiting for a connection, or for
+// another holder of its key) is ended and answered so too: nothing was claimed. Call it beside
+// the HTTP server's Shutdown, with the same deadline, and wait for both before the process
+// exits:
 //
 //	work := make(chan error, 1)
 //	go func() { work <- m.Shutdown(ctx) }()

@@ -200,6 +200,9 @@ type request struct {
 	claim     *ClaimInfo // the claim the handler works under (keyed requests)
 	// providerKey is the provider key of a request without a key on a lease route.
 	providerKey string
+	// shutDown: Shutdown's deadline ended the request's claim under way, and it was refused
+	// as one that came after it (counted in no state).
+	shutDown bool
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, next http.Handler) {
@@ -328,7 +331,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if m.tracer != nil {
 		q.keyHash = keyHash(principal, key)
 	}
-	if m.work.stop.Err() != nil {
+	if m.work.stopped() {
 		// Shutdown's deadline has passed: work that starts now would be ended at once. Nothing
 		// is claimed; the client's retry goes to another process. Not a failure of the store:
 		// counted in no state.
@@ -340,6 +343,13 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	ctx, span := q.startSpan(r.Context(), "idem.request")
 	st := q.keyed(ctx, claim)
+	if q.shutDown {
+		// Shutdown's deadline ended its claim under way: refused as above.
+		endSpan(span, "shutdown", nil)
+		m.o.Logger.Info("idem: keyed request refused, shutting down", "action", q.action,
+			"request_id", r.Header.Get(m.o.CorrelationHeader))
+		return
+	}
 	endSpan(span, string(st), nil)
 	m.o.Metrics.Done(st, time.Since(start))
 	if st != StateAcquired && st != StateReplayed {

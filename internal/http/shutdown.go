@@ -30,6 +30,10 @@ type workTracker struct {
 	// draining ends when Shutdown starts: duplicates stop waiting for answers then.
 	draining context.Context
 	drain    context.CancelFunc
+	// deadlines are the contexts Shutdown was called with: stopped reads them itself, so a
+	// request that comes once one has ended is refused, not only once the callback that
+	// stops the tracker has run.
+	deadlines []context.Context
 }
 
 func newWorkTracker() *workTracker {
@@ -72,6 +76,24 @@ func (t *workTracker) context(parent context.Context) (context.Context, func()) 
 	}
 }
 
+// stopped tells whether the work of this middleware is ended: Shutdown's context has ended.
+// It stops the tracker itself when that context ended and its callback has not run yet.
+func (t *workTracker) stopped() bool {
+	if t.stop.Err() != nil {
+		return true
+	}
+	t.mu.Lock()
+	deadlines := t.deadlines
+	t.mu.Unlock()
+	for _, ctx := range deadlines {
+		if ctx.Err() != nil {
+			t.cancel(ErrShutdown)
+			return true
+		}
+	}
+	return false
+}
+
 func (t *workTracker) idleChan() <-chan struct{} {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -87,8 +109,8 @@ func (t *workTracker) idleChan() <-chan struct{} {
 // When ctx ends first, it ends the work's contexts with cause ErrShutdown (a transactional unit
 // of work rolls back; lease work gives its lease up), waits up to five seconds more for them,
 // and returns ctx's error. From the moment ctx ends, a keyed request that comes is answered
-// 503 shutting_down before any claim (one whose claim was under way is ended at once), also
-// when Shutdown had returned early (nothing was in flight). Call it beside the HTTP server's
+// 503 shutting_down before any claim (one whose claim was under way is ended at once, and
+// answered so), also when Shutdown had returned early (nothing was in flight). Call it beside the HTTP server's
 // Shutdown, with the same deadline, and wait for both before the process exits:
 //
 //	go func() { errc <- srv.Shutdown(ctx) }()
@@ -96,6 +118,9 @@ func (t *workTracker) idleChan() <-chan struct{} {
 //	srvErr := <-errc
 func (m *Middleware) Shutdown(ctx context.Context) error {
 	m.work.drain()
+	m.work.mu.Lock()
+	m.work.deadlines = append(m.work.deadlines, ctx)
+	m.work.mu.Unlock()
 	context.AfterFunc(ctx, func() { m.work.cancel(ErrShutdown) })
 	select {
 	case <-m.work.idleChan():

@@ -360,6 +360,14 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		q.m.o.Metrics.Count(q.action, StateBusy)
 		q.inProgress(time.Second)
 		return StateBusy, nil
+	case err != nil && !acquired && errors.Is(context.Cause(wctx), ErrShutdown) && !errors.Is(err, dbidem.ErrStoreBusy):
+		// Shutdown's deadline ended the claim under way (it waited for a connection, or for
+		// another holder of the key): nothing was claimed. Not the store's failure.
+		endSpan(done, "shutdown", err)
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; nothing was changed; retry with the same key", nil)
+		q.shutDown = true
+		return "", nil
 	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
