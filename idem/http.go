@@ -288,8 +288,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that
 // outlives the client (so an HTTP server's own Shutdown, which does not wait for a handler whose
-// client went away, does not end it): from the key's check (a request still reading its body
-// counts) to those committing or recording their answers. Duplicates waiting for another
+// client went away, does not end it): from their arrival (a request carrying a key counts while
+// Options.Principal runs and while its body arrives; so does every request to a lease route,
+// with a key or without) to those committing or recording their answers. Duplicates waiting for another
 // request's answer stop waiting at once (409 request_in_progress; the client retries, against
 // another process); requests with fresh keys are still served until ctx ends. When ctx ends
 // first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
@@ -298,7 +299,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
 // (CodeShuttingDown, with Retry-After) before any claim, also when Shutdown had returned early
 // (nothing was in flight); one whose claim was under way (waiting for a connection, or for
-// another holder of its key) is ended and answered so too: nothing was claimed. Call it beside
+// another holder of its key) is ended and answered so too: nothing was claimed. So is a request
+// without a key to a lease route, before its handler runs, and a lease claim that committed
+// just before the deadline: its work does not start, and its claim is given up. Call it beside
 // the HTTP server's Shutdown, with the same deadline, and wait for both before the process
 // exits:
 //

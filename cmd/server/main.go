@@ -25,18 +25,20 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// One channel from the start, with room for both signals: a second one that came before
+	// the first was handled is not lost (D179).
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
 	m := NewMain(os.Stdout, os.Stderr)
 	// The first signal starts the stop; a second one ends the process at once, after stopping
 	// the private cluster if this process started it (pg_ctl runs it in a session of its own,
 	// which no signal of the terminal reaches).
 	go func() {
-		<-ctx.Done()
-		again := make(chan os.Signal, 1)
-		signal.Notify(again, os.Interrupt, syscall.SIGTERM)
+		<-sigs
 		stop()
-		<-again
+		<-sigs
 		fmt.Fprintln(os.Stderr, "server: a second signal: stopping at once")
 		m.Abort()
 		os.Exit(1)

@@ -46,6 +46,25 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	wctx, untrack := q.m.work.context(context.WithoutCancel(ctx))
 	defer untrack()
 	db := slotted{q: q.m.o.DB, slots: q.m.leaseSlots}
+	if errors.Is(context.Cause(wctx), ErrShutdown) {
+		// Shutdown's deadline passed between the claim's COMMIT and the work's start: the work
+		// does not start (its context is ended already), and the claim is given up, fenced by
+		// its token, as a handler that stopped at the deadline gives it up: the client's retry
+		// runs the work, under the same provider key, on another process (D179).
+		yctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(claim.Lease, 5*time.Second))
+		yielded, err := dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt)
+		cancel()
+		if yielded {
+			q.m.watches.signal(watchKey{claim.Principal, claim.Key})
+		} else if err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
+			q.m.o.Logger.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again",
+				"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+		}
+		q.m.o.Metrics.LeaseEnded(q.action, false, time.Since(start))
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start: retry with the same key", nil)
+		return StateAcquired
+	}
 	l := dbidem.KeepAlive(wctx, db, claim.Principal, claim.Key, attempt,
 		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, Start: d.Sent,
 			OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})

@@ -227,15 +227,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if r.Body != nil && r.Body != http.NoBody {
 		r.Body = tee
 	}
-	principal, authenticated := m.o.Principal(r)
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
-	keyed := authenticated && present
-	if keyed {
-		// Shutdown waits for a keyed request from here on: its body, its fingerprint and its
-		// claim, not only from the claim (one it had received and not yet counted could claim
-		// and run after Shutdown returned nil).
+	if present || rt.Lease > 0 {
+		// Shutdown waits for a request that carries a key, and for every request to a lease
+		// route (its work outlives its client), from here on: its principal function (which
+		// may read a slow body, or look a token up), its body, its fingerprint and its claim
+		// or its work; one received and not yet counted could claim and run after Shutdown
+		// returned nil (D160, D179).
 		defer m.work.enter()()
 	}
+	principal, authenticated := m.o.Principal(r)
+	keyed := authenticated && present
 	switch {
 	case keyed && !valid && len(r.Header.Values(m.o.KeyHeader)) > 1:
 		m.problem(w, r, CodeKeyInvalid, fmt.Sprintf("the request carries %d %s headers; send one", len(r.Header.Values(m.o.KeyHeader)), m.o.KeyHeader),

@@ -70,6 +70,11 @@ func (t *workTracker) enter() func() {
 func (t *workTracker) context(parent context.Context) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(parent)
 	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
+	if t.stopped() {
+		// AfterFunc on an ended context calls back in a goroutine of its own: the work would
+		// start on a live context and have it ended under it a moment later (D179).
+		cancel(context.Cause(t.stop))
+	}
 	return ctx, func() {
 		stop()
 		cancel(context.Canceled)
@@ -102,8 +107,8 @@ func (t *workTracker) idleChan() <-chan struct{} {
 
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that
 // outlives the client (so an HTTP server's own Shutdown, which stops waiting for a handler
-// whose client is gone, does not end it): from those still claiming their key to those
-// committing or recording their answers. Duplicates waiting for another request's answer stop
+// whose client is gone, does not end it), and for every request to a lease route: from their
+// arrival (the principal function, the body) to those committing or recording their answers. Duplicates waiting for another request's answer stop
 // waiting at once (409 request_in_progress; the client retries against the next process);
 // requests with fresh keys are still served until ctx ends.
 // When ctx ends first, it ends the work's contexts with cause ErrShutdown (a transactional unit

@@ -73,7 +73,14 @@ func (q *request) unkeyed() {
 		// Work outside the database without a key: no claim, no retry safety (the client
 		// chose), but a provider key of its own, so that no provider merges it with another.
 		q.providerKey = randomProviderKey()
-		defer q.m.work.enter()()
+		// Counted for Shutdown since serve began (its body may still have been arriving).
+		if q.m.work.stopped() {
+			// Shutdown's deadline has passed: the work would be ended as it starts. It does
+			// not start, as a keyed request's claim is not made (D179).
+			q.w.Header().Set("Retry-After", "1")
+			q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start", nil)
+			return
+		}
 		ctx, done := q.m.work.context(q.r.Context())
 		defer done()
 		// Bounded by the route's LeaseTimeout, as a keyed request's work is.
