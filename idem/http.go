@@ -289,14 +289,16 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that
 // outlives the client (so an HTTP server's own Shutdown, which does not wait for a handler whose
 // client went away, does not end it): from their arrival (a request carrying a key counts while
-// Options.Principal runs and while its body arrives; so does every request to a lease route,
-// with a key or without) to those committing or recording their answers. Duplicates waiting for another
+// Options.Principal runs, and while its body arrives once the principal authenticated it; every
+// request to a lease route counts, with a key or without) to those committing or recording
+// their answers. Duplicates waiting for another
 // request's answer stop waiting at once (409 request_in_progress; the client retries, against
 // another process); requests with fresh keys are still served until ctx ends. When ctx ends
 // first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
 // back and stores nothing; lease work gives its lease up, and the client's retry runs it again
-// under the same provider key), waits up to five seconds more for them, and returns ctx's
-// error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
+// under the same provider key), waits up to five seconds more for the work that began (a
+// request still arriving then is refused as it would begin: it needs no grace), and returns
+// ctx's error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
 // (CodeShuttingDown, with Retry-After) before any claim, also when Shutdown had returned early
 // (nothing was in flight); one whose claim was under way (waiting for a connection, or for
 // another holder of its key) is ended and answered so too: nothing was claimed. So is a request

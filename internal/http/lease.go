@@ -54,14 +54,17 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		yctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(claim.Lease, 5*time.Second))
 		yielded, err := dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt)
 		cancel()
+		retry := "1"
 		if yielded {
 			q.m.watches.signal(watchKey{claim.Principal, claim.Key})
 		} else if err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
 			q.m.o.Logger.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again",
 				"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+			// The claim stands until its lease runs out: a retry before that would get 409.
+			retry = strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1))
 		}
 		q.m.o.Metrics.LeaseEnded(q.action, false, time.Since(start))
-		q.w.Header().Set("Retry-After", "1")
+		q.w.Header().Set("Retry-After", retry)
 		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start: retry with the same key", nil)
 		return StateAcquired
 	}

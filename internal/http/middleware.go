@@ -228,16 +228,23 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		r.Body = tee
 	}
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
+	var leave func()
 	if present || rt.Lease > 0 {
 		// Shutdown waits for a request that carries a key, and for every request to a lease
 		// route (its work outlives its client), from here on: its principal function (which
 		// may read a slow body, or look a token up), its body, its fingerprint and its claim
 		// or its work; one received and not yet counted could claim and run after Shutdown
 		// returned nil (D160, D179).
-		defer m.work.enter()()
+		leave = m.work.enter()
+		defer leave()
 	}
 	principal, authenticated := m.o.Principal(r)
 	keyed := authenticated && present
+	if leave != nil && !keyed && rt.Lease == 0 {
+		// Not authenticated: its key is ignored, and it runs on the request's context as a
+		// request without a key does, which Shutdown neither ends nor waits for.
+		leave()
+	}
 	switch {
 	case keyed && !valid && len(r.Header.Values(m.o.KeyHeader)) > 1:
 		m.problem(w, r, CodeKeyInvalid, fmt.Sprintf("the request carries %d %s headers; send one", len(r.Header.Values(m.o.KeyHeader)), m.o.KeyHeader),
@@ -333,7 +340,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if m.tracer != nil {
 		q.keyHash = keyHash(principal, key)
 	}
-	if m.work.stopped() {
+	working, ok := m.work.begin()
+	if !ok {
 		// Shutdown's deadline has passed: work that starts now would be ended at once. Nothing
 		// is claimed; the client's retry goes to another process. Not a failure of the store:
 		// counted in no state.
@@ -343,6 +351,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 			"request_id", r.Header.Get(m.o.CorrelationHeader))
 		return
 	}
+	defer working()
 	ctx, span := q.startSpan(r.Context(), "idem.request")
 	st := q.keyed(ctx, claim)
 	if q.shutDown {

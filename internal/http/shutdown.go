@@ -19,14 +19,17 @@ var ErrShutdown = errors.New("idem: shut down")
 // to roll back or give its lease up.
 const shutdownGrace = 5 * time.Second
 
-// workTracker counts the keyed requests in flight (their work outlives their clients) and
-// ends their work at Shutdown.
+// workTracker counts the requests in flight whose work outlives their clients (keyed
+// requests, and every request to a lease route) and ends their work at Shutdown.
 type workTracker struct {
-	mu     sync.Mutex
-	n      int
-	idle   chan struct{} // closed while n == 0
-	stop   context.Context
-	cancel context.CancelCauseFunc
+	mu sync.Mutex
+	// all counts them from their arrival (the principal function, the body); working from the
+	// moment they start their claim or their work (begin). Before its deadline Shutdown waits
+	// for all; after it, for working only: a request still arriving then is refused before
+	// any claim or work, and nothing of it needs the grace.
+	all, working count
+	stop         context.Context
+	cancel       context.CancelCauseFunc
 	// draining ends when Shutdown starts: duplicates stop waiting for answers then.
 	draining context.Context
 	drain    context.CancelFunc
@@ -36,33 +39,67 @@ type workTracker struct {
 	deadlines []context.Context
 }
 
+// count is a number of requests, with a channel closed while it is 0.
+type count struct {
+	n    int
+	idle chan struct{}
+}
+
+func newCount() count {
+	c := count{idle: make(chan struct{})}
+	close(c.idle)
+	return c
+}
+
+func (c *count) add() {
+	if c.n == 0 {
+		c.idle = make(chan struct{})
+	}
+	c.n++
+}
+
+func (c *count) done() {
+	if c.n--; c.n == 0 {
+		close(c.idle)
+	}
+}
+
 func newWorkTracker() *workTracker {
 	stop, cancel := context.WithCancelCause(context.Background())
 	draining, drain := context.WithCancel(context.Background())
-	t := &workTracker{idle: make(chan struct{}), stop: stop, cancel: cancel, draining: draining, drain: drain}
-	close(t.idle)
-	return t
+	return &workTracker{all: newCount(), working: newCount(), stop: stop, cancel: cancel, draining: draining, drain: drain}
 }
 
-// enter counts one keyed request in flight, from before its claim (so a Shutdown that comes
-// while it claims waits for it too), and returns the function to call when it is done.
+// enter counts one request in flight from its arrival (so a Shutdown that comes while its
+// principal function runs or its body arrives waits for it too), and returns the function
+// to call when it is done (once; later calls do nothing).
 func (t *workTracker) enter() func() {
 	t.mu.Lock()
-	if t.n == 0 {
-		t.idle = make(chan struct{})
-	}
-	t.n++
+	t.all.add()
 	t.mu.Unlock()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			t.mu.Lock()
-			if t.n--; t.n == 0 {
-				close(t.idle)
-			}
-			t.mu.Unlock()
-		})
+	return sync.OnceFunc(func() {
+		t.mu.Lock()
+		t.all.done()
+		t.mu.Unlock()
+	})
+}
+
+// begin counts a request entered before as working, from its claim or its work on, and
+// returns the function to call when it is done; or false, counting nothing, when Shutdown's
+// deadline has passed (its work would be ended as it starts). One lock orders it with
+// Shutdown's: a request that began before the deadline is waited for during the grace.
+func (t *workTracker) begin() (func(), bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.stoppedLocked() {
+		return nil, false
 	}
+	t.working.add()
+	return sync.OnceFunc(func() {
+		t.mu.Lock()
+		t.working.done()
+		t.mu.Unlock()
+	}), true
 }
 
 // context returns the context of one piece of work: it ends when parent ends or the tracker is
@@ -84,25 +121,29 @@ func (t *workTracker) context(parent context.Context) (context.Context, func()) 
 // stopped tells whether the work of this middleware is ended: Shutdown's context has ended.
 // It stops the tracker itself when that context ended and its callback has not run yet.
 func (t *workTracker) stopped() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.stoppedLocked()
+}
+
+func (t *workTracker) stoppedLocked() bool {
 	if t.stop.Err() != nil {
 		return true
 	}
-	t.mu.Lock()
-	deadlines := t.deadlines
-	t.mu.Unlock()
-	for _, ctx := range deadlines {
+	for _, ctx := range t.deadlines {
 		if ctx.Err() != nil {
-			t.cancel(ErrShutdown)
+			t.cancel(ErrShutdown) // its callbacks run in goroutines of their own: no lock taken here
 			return true
 		}
 	}
 	return false
 }
 
-func (t *workTracker) idleChan() <-chan struct{} {
+// idle returns the channel closed while c counts nothing.
+func (t *workTracker) idle(c *count) <-chan struct{} {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.idle
+	return c.idle
 }
 
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that
@@ -128,17 +169,19 @@ func (m *Middleware) Shutdown(ctx context.Context) error {
 	m.work.mu.Unlock()
 	context.AfterFunc(ctx, func() { m.work.cancel(ErrShutdown) })
 	select {
-	case <-m.work.idleChan():
+	case <-m.work.idle(&m.work.all):
 		if ctx.Err() == nil {
 			return nil
 		}
 	case <-ctx.Done():
 	}
 	m.work.cancel(ErrShutdown)
+	// The grace is for the work that began: a request still arriving is refused when it
+	// would begin (workTracker.begin).
 	grace := time.NewTimer(shutdownGrace)
 	defer grace.Stop()
 	select {
-	case <-m.work.idleChan():
+	case <-m.work.idle(&m.work.working):
 	case <-grace.C:
 	}
 	return ctx.Err()

@@ -74,13 +74,15 @@ func (q *request) unkeyed() {
 		// chose), but a provider key of its own, so that no provider merges it with another.
 		q.providerKey = randomProviderKey()
 		// Counted for Shutdown since serve began (its body may still have been arriving).
-		if q.m.work.stopped() {
+		working, ok := q.m.work.begin()
+		if !ok {
 			// Shutdown's deadline has passed: the work would be ended as it starts. It does
 			// not start, as a keyed request's claim is not made (D179).
 			q.w.Header().Set("Retry-After", "1")
 			q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start", nil)
 			return
 		}
+		defer working()
 		ctx, done := q.m.work.context(q.r.Context())
 		defer done()
 		// Bounded by the route's LeaseTimeout, as a keyed request's work is.
@@ -341,7 +343,13 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		}
 		return nil
 	})
-	endSpan(claimSpan, "error", err) // the claim itself failed (in progress, the store)
+	// Shutdown's deadline ended the claim under way: not a failure, of the claim or the store.
+	shutDown := err != nil && !acquired && errors.Is(context.Cause(wctx), ErrShutdown) && !errors.Is(err, dbidem.ErrStoreBusy)
+	if shutDown {
+		endSpan(claimSpan, "shutdown", nil)
+	} else {
+		endSpan(claimSpan, "error", err) // the claim itself failed (in progress, the store)
+	}
 	if acquired {
 		// Once per fresh claim, however often the unit of work ran; after its transaction
 		// ended, so that no observer holds a connection, a row lock or the key's claim.
@@ -367,10 +375,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		q.m.o.Metrics.Count(q.action, StateBusy)
 		q.inProgress(time.Second)
 		return StateBusy, nil
-	case err != nil && !acquired && errors.Is(context.Cause(wctx), ErrShutdown) && !errors.Is(err, dbidem.ErrStoreBusy):
+	case shutDown:
 		// Shutdown's deadline ended the claim under way (it waited for a connection, or for
 		// another holder of the key): nothing was claimed. Not the store's failure.
-		endSpan(done, "shutdown", err)
+		endSpan(done, "shutdown", nil)
 		q.w.Header().Set("Retry-After", "1")
 		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; nothing was changed; retry with the same key", nil)
 		q.shutDown = true

@@ -1,0 +1,104 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/pgcluster"
+)
+
+// TestTwoSignalsAtOnceEndTheProcess: the second signal's handler was registered only once
+// the first had woken the stop, so a second signal that came before that was taken by the
+// first's channel and lost: the process waited out SHUTDOWN_TIMEOUT. A SIGINT and a SIGTERM
+// sent back to back (two kinds, so the kernel does not merge them) end the process at once
+// now, with a request in flight holding the graceful stop.
+func TestTwoSignalsAtOnceEndTheProcess(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	bin := serverBinary(t)
+	for round := range 3 {
+		port, err := pgcluster.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), log: &out, env: append(os.Environ(),
+			"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
+			"SHUTDOWN_TIMEOUT=60s", "LOG_LEVEL=error")}
+		p.start()
+		exited := make(chan struct{})
+		go func() { _ = p.cmd.Wait(); close(exited) }()
+		// A request in flight (its headers half sent) holds the graceful stop.
+		c, err := net.Dial("tcp", p.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+		_ = p.cmd.Process.Signal(syscall.SIGINT)
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(20 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-exited
+			c.Close()
+			t.Fatalf("round %d: a SIGINT and a SIGTERM back to back did not end the process within 20 s (SHUTDOWN_TIMEOUT 60 s):\n%s", round, out.String())
+		}
+		c.Close()
+		if code := p.cmd.ProcessState.ExitCode(); code != 1 {
+			t.Errorf("round %d: exit %d after two signals, want 1:\n%s", round, code, out.String())
+		}
+	}
+}
+
+// TestOneSignalStillStopsGracefully: docs/operations.md "Shutdown": one SIGINT (or SIGTERM)
+// and nothing more: the server stops gracefully, waits at most SHUTDOWN_TIMEOUT (+2 s) for a
+// request in flight (here a request whose headers are half sent), logs "stopped" and exits 0.
+// The channel registered at start (D179) must not turn a lone signal into the abort.
+func TestOneSignalStillStopsGracefully(t *testing.T) {
+	s := startServer(t, nil)
+	bin := serverBinary(t)
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+		port, err := pgcluster.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), log: &out, env: append(os.Environ(),
+			"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
+			"SHUTDOWN_TIMEOUT=2s", "LOG_LEVEL=info")}
+		p.start()
+		exited := make(chan struct{})
+		go func() { _ = p.cmd.Wait(); close(exited) }()
+		c, err := net.Dial("tcp", p.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A fresh connection with half-sent headers (StateNew: http.Server.Shutdown waits for
+		// it); a moment for the server to accept it.
+		_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+		time.Sleep(300 * time.Millisecond)
+		start := time.Now()
+		_ = p.cmd.Process.Signal(sig)
+		select {
+		case <-exited:
+		case <-time.After(30 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-exited
+			t.Fatalf("%v: not stopped within 30 s:\n%s", sig, out.String())
+		}
+		c.Close()
+		took := time.Since(start)
+		code := p.cmd.ProcessState.ExitCode()
+		t.Logf("%v: exit %d after %v", sig, code, took.Round(time.Millisecond))
+		if code != 0 || !strings.Contains(out.String(), `"stopped"`) && !strings.Contains(out.String(), "msg=stopped") || took < 2*time.Second {
+			t.Errorf("%v: exit %d after %v, want the graceful stop (exit 0, \"stopped\", after SHUTDOWN_TIMEOUT):\n%s", sig, code, took, out.String())
+		}
+	}
+}
