@@ -344,7 +344,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return nil
 	})
 	// Shutdown's deadline ended the claim under way: not a failure, of the claim or the store.
-	shutDown := err != nil && !acquired && errors.Is(context.Cause(wctx), ErrShutdown) && !errors.Is(err, dbidem.ErrStoreBusy)
+	// A wait that the drain ended (a bare context.Canceled) just as the deadline passed counts:
+	// the work's context learns of the deadline from a callback that may not have run yet.
+	shutDown := err != nil && !acquired && !errors.Is(err, dbidem.ErrStoreBusy) &&
+		(errors.Is(context.Cause(wctx), ErrShutdown) || (errors.Is(err, context.Canceled) && q.m.work.stopped()))
 	if shutDown {
 		endSpan(claimSpan, "shutdown", nil)
 	} else {
