@@ -188,10 +188,13 @@ func TestLeaseCompletionsDoNotHoldThePoolUnderATableLock(t *testing.T) {
 	// the completions, which wait for the lock).
 	defer func() { _, _ = locker.Exec(context.WithoutCancel(ctx), `ROLLBACK`) }()
 	close(release)
-	pgtest.WaitFor(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+	// Watched from a session outside the locker's transaction: inside it, pg_stat_activity's
+	// state and query are a snapshot taken at the first read (only wait_event is live).
+	watcher := pgtest.Connect(t, url)
+	pgtest.WaitFor(t, watcher, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
 		AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
 	time.Sleep(100 * time.Millisecond) // every completion is waiting on the lock by now
-	waiting := pgtest.Count(t, locker, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
+	waiting := pgtest.Count(t, watcher, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_complete%'`)
 
 	// An unkeyed request's query, on the same pool.
 	began := time.Now()

@@ -65,11 +65,13 @@ const KeyWaiters = `SELECT count(*) FROM pg_stat_activity AS a JOIN pg_locks AS 
 	AND clock_timestamp() - l.waitstart > interval '100 ms'`
 
 // WaitFor polls a query that returns an integer until it is above zero, and fails the test
-// after 10 seconds.
+// after 10 seconds. Each poll reads fresh statistics: inside a transaction, pg_stat_activity's
+// state and query are otherwise a snapshot of its first read (only the wait events are live).
 func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
+		_, _ = q.Exec(context.Background(), `SELECT pg_stat_clear_snapshot()`)
 		if Count(t, q, sql, args...) > 0 {
 			return
 		}
@@ -80,6 +82,7 @@ func WaitFor(t testing.TB, q Querier, sql string, args ...any) {
 
 // activity is what the sessions of q's database are doing, for a failure's message.
 func activity(q Querier) string {
+	_, _ = q.Exec(context.Background(), `SELECT pg_stat_clear_snapshot()`)
 	var list string
 	err := q.QueryRow(context.Background(), `SELECT coalesce(string_agg(format(E'\n  %s %s %s %s', pid, state,
 		wait_event_type || '/' || wait_event, left(regexp_replace(query, '\s+', ' ', 'g'), 100)), '' ORDER BY pid), '')
