@@ -28,7 +28,6 @@ func TestShutdownLeavesNoCountBehind(t *testing.T) {
 		handler   http.HandlerFunc
 		nested    bool
 		body      string
-		ctype     string
 		keys      []string
 	}
 	ok201 := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }
