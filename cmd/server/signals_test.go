@@ -23,23 +23,7 @@ func TestTwoSignalsAtOnceEndTheProcess(t *testing.T) {
 	s := startServer(t, nil)
 	bin := serverBinary(t)
 	for round := range 3 {
-		port, err := pgcluster.FreePort()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var out bytes.Buffer
-		p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), log: &out, env: append(os.Environ(),
-			"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
-			"SHUTDOWN_TIMEOUT=60s", "LOG_LEVEL=error")}
-		p.start()
-		exited := make(chan struct{})
-		go func() { _ = p.cmd.Wait(); close(exited) }()
-		// A request in flight (its headers half sent) holds the graceful stop.
-		c, err := net.Dial("tcp", p.addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+		p, out, c, exited := signalled(t, s, bin, "60s", "error")
 		_ = p.cmd.Process.Signal(syscall.SIGINT)
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		select {
@@ -65,24 +49,9 @@ func TestOneSignalStillStopsGracefully(t *testing.T) {
 	s := startServer(t, nil)
 	bin := serverBinary(t)
 	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
-		port, err := pgcluster.FreePort()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var out bytes.Buffer
-		p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), log: &out, env: append(os.Environ(),
-			"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
-			"SHUTDOWN_TIMEOUT=2s", "LOG_LEVEL=info")}
-		p.start()
-		exited := make(chan struct{})
-		go func() { _ = p.cmd.Wait(); close(exited) }()
-		c, err := net.Dial("tcp", p.addr)
-		if err != nil {
-			t.Fatal(err)
-		}
 		// A fresh connection with half-sent headers (StateNew: http.Server.Shutdown waits for
 		// it); a moment for the server to accept it.
-		_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+		p, out, c, exited := signalled(t, s, bin, "2s", "info")
 		time.Sleep(300 * time.Millisecond)
 		start := time.Now()
 		_ = p.cmd.Process.Signal(sig)
@@ -101,4 +70,29 @@ func TestOneSignalStillStopsGracefully(t *testing.T) {
 			t.Errorf("%v: exit %d after %v, want the graceful stop (exit 0, \"stopped\", after SHUTDOWN_TIMEOUT):\n%s", sig, code, took, out.String())
 		}
 	}
+}
+
+// signalled starts the server on s's database with SHUTDOWN_TIMEOUT and LOG_LEVEL set, opens
+// a connection that sends half a request's headers (a request in flight that holds the
+// graceful stop), and returns the process, its output, the connection and a channel closed
+// when the process has exited.
+func signalled(t *testing.T, s *testServer, bin, shutdownTimeout, logLevel string) (*process, *bytes.Buffer, net.Conn, chan struct{}) {
+	t.Helper()
+	port, err := pgcluster.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := &bytes.Buffer{}
+	p := &process{t: t, bin: bin, addr: fmt.Sprintf("127.0.0.1:%d", port), log: out, env: append(os.Environ(),
+		"DATABASE_URL="+s.db, "LISTEN_ADDR="+fmt.Sprintf("127.0.0.1:%d", port), "CLEANUP_INTERVAL=0",
+		"SHUTDOWN_TIMEOUT="+shutdownTimeout, "LOG_LEVEL="+logLevel)}
+	p.start()
+	exited := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(exited) }()
+	c, err := net.Dial("tcp", p.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+	return p, out, c, exited
 }
