@@ -175,10 +175,19 @@ func TestOperationsSQLRuns(t *testing.T) {
 		t.Fatal("no sql block in docs/operations.md")
 	}
 	url := pgtest.NewDB(t)
+	conn := pgtest.Connect(t, url)
+	// Roles belong to the cluster, not to the test's database: the ones the blocks create are
+	// dropped again, so that a second run on the same server (TEST_DATABASE_URL) finds none.
+	for _, m := range regexp.MustCompile(`(?i)CREATE ROLE (\w+)`).FindAllStringSubmatch(string(raw), -1) {
+		t.Cleanup(func() {
+			if _, err := conn.Exec(context.Background(), `DROP ROLE IF EXISTS `+m[1]); err != nil {
+				t.Errorf("dropping the role the docs created: %v", err)
+			}
+		})
+	}
 	for _, b := range blocks {
 		psql(t, url, []byte(b[1]), "-v", "ON_ERROR_STOP=1")
 	}
-	conn := pgtest.Connect(t, url)
 	var opts []string
 	if err := conn.QueryRow(context.Background(), `SELECT reloptions FROM pg_class WHERE oid = 'idem.idempotency_keys'::regclass`).Scan(&opts); err != nil {
 		t.Fatal(err)
