@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 )
@@ -28,8 +29,12 @@ type workTracker struct {
 	// for all; after it, for working only: a request still arriving then is refused before
 	// any claim or work, and nothing of it needs the grace.
 	all, working count
-	stop         context.Context
-	cancel       context.CancelCauseFunc
+	// ended: Shutdown's deadline has passed. live are the cancel functions of the work
+	// contexts in use: the tracker ends them itself, before the call that ends it returns, so
+	// that a request reading its context's cause sees the deadline the moment it is known.
+	ended  bool
+	live   map[uint64]context.CancelCauseFunc
+	nextID uint64
 	// draining ends when Shutdown starts: duplicates stop waiting for answers then.
 	draining context.Context
 	drain    context.CancelFunc
@@ -65,9 +70,9 @@ func (c *count) done() {
 }
 
 func newWorkTracker() *workTracker {
-	stop, cancel := context.WithCancelCause(context.Background())
 	draining, drain := context.WithCancel(context.Background())
-	return &workTracker{all: newCount(), working: newCount(), stop: stop, cancel: cancel, draining: draining, drain: drain}
+	return &workTracker{all: newCount(), working: newCount(), live: map[uint64]context.CancelCauseFunc{},
+		draining: draining, drain: drain}
 }
 
 // enter counts one request in flight from its arrival (so a Shutdown that comes while its
@@ -103,17 +108,22 @@ func (t *workTracker) begin() (func(), bool) {
 }
 
 // context returns the context of one piece of work: it ends when parent ends or the tracker is
-// stopped (at once if it was already), and with the returned function.
+// stopped (at once if it was already), with cause ErrShutdown, and with the returned function.
 func (t *workTracker) context(parent context.Context) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(parent)
-	stop := context.AfterFunc(t.stop, func() { cancel(context.Cause(t.stop)) })
-	if t.stopped() {
-		// AfterFunc on an ended context calls back in a goroutine of its own: the work would
-		// start on a live context and have it ended under it a moment later (D179).
-		cancel(context.Cause(t.stop))
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.stoppedLocked() {
+		cancel(ErrShutdown)
+		return ctx, func() { cancel(context.Canceled) }
 	}
+	id := t.nextID
+	t.nextID++
+	t.live[id] = cancel
 	return ctx, func() {
-		stop()
+		t.mu.Lock()
+		delete(t.live, id)
+		t.mu.Unlock()
 		cancel(context.Canceled)
 	}
 }
@@ -127,16 +137,30 @@ func (t *workTracker) stopped() bool {
 }
 
 func (t *workTracker) stoppedLocked() bool {
-	if t.stop.Err() != nil {
-		return true
+	if !t.ended && slices.ContainsFunc(t.deadlines, func(ctx context.Context) bool { return ctx.Err() != nil }) {
+		t.stopLocked()
 	}
-	for _, ctx := range t.deadlines {
-		if ctx.Err() != nil {
-			t.cancel(ErrShutdown) // its callbacks run in goroutines of their own: no lock taken here
-			return true
-		}
+	return t.ended
+}
+
+// stop ends the work: every work context in use ends with cause ErrShutdown before it
+// returns, and every one made later is ended as it is made.
+func (t *workTracker) stop() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.stopLocked()
+}
+
+func (t *workTracker) stopLocked() {
+	if t.ended {
+		return
 	}
-	return false
+	t.ended = true
+	// A context's cancel ends its descendants at once and calls back its AfterFunc
+	// functions in goroutines of their own: nothing here takes t.mu again.
+	for _, cancel := range t.live {
+		cancel(ErrShutdown)
+	}
 }
 
 // idle returns the channel closed while c counts nothing.
@@ -167,7 +191,7 @@ func (m *Middleware) Shutdown(ctx context.Context) error {
 	m.work.mu.Lock()
 	m.work.deadlines = append(m.work.deadlines, ctx)
 	m.work.mu.Unlock()
-	context.AfterFunc(ctx, func() { m.work.cancel(ErrShutdown) })
+	context.AfterFunc(ctx, m.work.stop)
 	select {
 	case <-m.work.idle(&m.work.all):
 		if ctx.Err() == nil {
@@ -175,7 +199,7 @@ func (m *Middleware) Shutdown(ctx context.Context) error {
 		}
 	case <-ctx.Done():
 	}
-	m.work.cancel(ErrShutdown)
+	m.work.stop()
 	// The grace is for the work that began: a request still arriving is refused when it
 	// would begin (workTracker.begin).
 	grace := time.NewTimer(shutdownGrace)

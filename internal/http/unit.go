@@ -343,11 +343,11 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		}
 		return nil
 	})
-	// Shutdown's deadline ended the claim under way: not a failure, of the claim or the store.
-	// A wait that the drain ended (a bare context.Canceled) just as the deadline passed counts:
-	// the work's context learns of the deadline from a callback that may not have run yet.
-	shutDown := err != nil && !acquired && !errors.Is(err, dbidem.ErrStoreBusy) &&
-		(errors.Is(context.Cause(wctx), ErrShutdown) || (errors.Is(err, context.Canceled) && q.m.work.stopped()))
+	// Whether Shutdown's deadline ended the work, read once (the tracker ends wctx the moment
+	// the deadline is known). A claim it ended under way is not a failure, of the claim or the
+	// store; nor is a wait that the drain ended (a bare context.Canceled) as the deadline passed.
+	ended := errors.Is(context.Cause(wctx), ErrShutdown)
+	shutDown := err != nil && !acquired && !errors.Is(err, dbidem.ErrStoreBusy) && ended
 	if shutDown {
 		endSpan(claimSpan, "shutdown", nil)
 	} else {
@@ -369,7 +369,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "client_gone", err)
 		q.m.o.Metrics.Count(q.action, StateBusy)
 		return StateBusy, nil
-	case err != nil && !acquired && q.m.work.draining.Err() != nil && q.m.work.stop.Err() == nil && errors.Is(err, context.Canceled) &&
+	case err != nil && !acquired && q.m.work.draining.Err() != nil && !ended && errors.Is(err, context.Canceled) &&
 		!errors.Is(err, dbidem.ErrStoreBusy):
 		// Shutdown started while this request waited for another with its key: it stops
 		// waiting (the client retries, against another process). A request whose probes found
@@ -389,7 +389,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)
 		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
-	case err != nil && acquired && q.m.work.stop.Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown) &&
+	case err != nil && acquired && ended && !errors.Is(err, dbidem.ErrCommitUnknown) &&
 		!errors.Is(err, dbidem.ErrStoreBusy):
 		// Shutdown ended the unit of work before it committed: it rolled back. The client
 		// retries, against another process; the store did not fail.
