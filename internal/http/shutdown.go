@@ -128,14 +128,8 @@ func (t *workTracker) context(parent context.Context) (context.Context, func()) 
 	}
 }
 
-// stopped tells whether the work of this middleware is ended: Shutdown's context has ended.
-// It stops the tracker itself when that context ended and its callback has not run yet.
-func (t *workTracker) stopped() bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.stoppedLocked()
-}
-
+// stoppedLocked tells whether the work of this middleware is ended: Shutdown's context has
+// ended. It stops the tracker itself when that context ended and its callback has not run yet.
 func (t *workTracker) stoppedLocked() bool {
 	if !t.ended && slices.ContainsFunc(t.deadlines, func(ctx context.Context) bool { return ctx.Err() != nil }) {
 		t.stopLocked()
