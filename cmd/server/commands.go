@@ -34,6 +34,7 @@ type Main struct {
 	log            *slog.Logger
 	cluster        *pgcluster.Cluster
 	pool           *pgxpool.Pool
+	probe          *pgxpool.Pool // serve's pool for /healthz and the key gauges (openProbePool), or nil
 	registry       *prometheus.Registry
 	idem           *idem.Middleware      // set by routes: its Shutdown ends lease work at shutdown
 	receipts       *river.Client[pgx.Tx] // the receipts' River client (RECEIPT_URL), or nil
@@ -114,6 +115,9 @@ const poolCloseWait = 5 * time.Second
 func (m *Main) Close() error {
 	if m.riverPool != nil {
 		m.riverPool.Close()
+	}
+	if m.probe != nil {
+		m.probe.Close()
 	}
 	if m.pool != nil {
 		// A COMMIT that outlived its request (it waits for a synchronous standby that is away)

@@ -25,8 +25,9 @@ type Config struct {
 	// DatabaseURL (DATABASE_URL): the PostgreSQL to use. Empty: a private cluster under
 	// DataDir, created, started and migrated on start.
 	DatabaseURL string
-	// PoolSize (DATABASE_POOL_SIZE): the most connections this process opens. Default
-	// DefaultPoolSize(): twice the CPUs, at least 4.
+	// PoolSize (DATABASE_POOL_SIZE): the most connections this process's requests and cleanup
+	// use. Default DefaultPoolSize(): twice the CPUs, at least 4. /healthz and the key gauges
+	// have at most 2 more of their own (probeConns), River's receipts 4.
 	PoolSize int
 	// ListenAddr (LISTEN_ADDR): the HTTP address. Default 127.0.0.1:8080.
 	ListenAddr string
@@ -140,7 +141,7 @@ commands:
 
 environment (docs/operations.md):
   DATABASE_URL                    PostgreSQL connection string; unset: a private cluster under IDEM_DATA_DIR
-  DATABASE_POOL_SIZE              most connections this process opens (twice the CPUs, at least 4)
+  DATABASE_POOL_SIZE              most connections requests and cleanup use (twice the CPUs, at least 4; +2 for /healthz)
   LISTEN_ADDR                     HTTP address, host:port (127.0.0.1:8080)
   IDEM_DATA_DIR                   the private cluster's directory (.data)
   IDEM_DATA_PORT                  the private cluster's port on 127.0.0.1 (54329)

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -72,6 +73,29 @@ func (m *Main) openDatabase(ctx context.Context) error {
 	}
 	return nil
 }
+
+// openProbePool opens the pool that /healthz, the key gauges and the start's replication check
+// read the database through: at most probeConns connections of its own, opened when first
+// used. On the request pool, a busy service (every connection held by a request that waits)
+// read as a database that does not answer: /healthz said 503 after its 2 s, so a load
+// balancer took the instance out at the worst moment, and the key gauges went absent
+// (IdemKeyGaugesAbsent) under load.
+func (m *Main) openProbePool(ctx context.Context) error {
+	cfg := m.pool.Config()
+	cfg.MaxConns = probeConns
+	cfg.MinConns = 0
+	cfg.MaxConnIdleTime = time.Minute
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	m.probe = pool
+	return nil
+}
+
+// probeConns is the most connections the probe pool opens: one for /healthz, one for the key
+// gauges' read, which can take longer on a large table.
+const probeConns = 2
 
 // statementCacheMode keeps pgx's statement cache away from a connection pooler.
 //

@@ -12,7 +12,7 @@ import (
 
 // TestReviewOps3PoolSizeInDatabaseURL: docs/operations.md: DATABASE_URL is the "PostgreSQL connection
 // string (URL or key/value); pgx options such as default_query_exec_mode=exec go here", and
-// DATABASE_POOL_SIZE is "the most connections this process opens". pgx's own pool options in
+// DATABASE_POOL_SIZE is "the most connections this process's requests and cleanup use". pgx's own pool options in
 // DATABASE_URL (pool_max_conns, which pgx documents and operators copy from other pgx
 // services) conflict with DATABASE_POOL_SIZE: the start must refuse the conflict or honour
 // it, not silently replace pool_max_conns=10 by the default (4 on this machine), as it did.

@@ -37,7 +37,11 @@ func (m *Main) routes(ctx context.Context) (http.Handler, error) {
 // router builds the routes: the ledger under /v1 (bearer authentication, idempotency),
 // health, version, metrics and the OpenAPI document outside it.
 func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error) {
-	s := &ledger{pool: m.pool, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease,
+	probe := m.probe
+	if probe == nil {
+		probe = m.pool // a router built without serve (tests)
+	}
+	s := &ledger{pool: m.pool, probe: probe, log: m.log, provider: newProvider(m.pool, m.Config.PayoutProviderDelay), payoutLease: m.Config.PayoutsLease,
 		receipts: m.receipts, stepPause: m.Config.PayoutStepPause}
 	idem, err := idem.New(ctx, idem.Options{
 		DB:                 m.pool,
@@ -167,7 +171,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
-	if err := checkMigrated(ctx, s.pool); err != nil {
+	if err := checkMigrated(ctx, s.probe); err != nil {
 		reason := "the database does not answer"
 		if errors.Is(err, errNotMigrated) || errors.Is(err, errNewer) {
 			reason = err.Error()
@@ -181,8 +185,9 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 // ledger is the reference API: a deliberately small money API whose handlers write through
 // the transaction of idem's unit of work.
 type ledger struct {
-	pool *pgxpool.Pool
-	log  interface {
+	pool  *pgxpool.Pool
+	probe *pgxpool.Pool // /healthz's: not the requests' pool, whose connections a busy service holds
+	log   interface {
 		Error(msg string, args ...any)
 	}
 	provider    *provider             // the simulated payment provider of the payouts route

@@ -16,9 +16,12 @@ import (
 )
 
 func (m *Main) serve(ctx context.Context) (err error) {
+	if err := m.openProbePool(ctx); err != nil {
+		return err
+	}
 	m.registry = prometheus.NewRegistry()
 	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		idemprom.NewHealthCollector(m.pool, healthEvery, m.log))
+		idemprom.NewHealthCollector(m.probe, healthEvery, m.log))
 	if m.receipts, err = m.startReceipts(ctx); err != nil {
 		return err
 	}
@@ -114,7 +117,7 @@ const shutdownGrace = 2 * time.Second
 // replication): the mode, and as a warning when an answered key could be lost on failover
 // (a primary with standbys, none synchronous) or commits wait for a missing standby.
 func (m *Main) logReplication(ctx context.Context) {
-	h, err := idem.ReadHealth(ctx, m.pool)
+	h, err := idem.ReadHealth(ctx, m.probe)
 	switch {
 	case err != nil:
 		m.log.Warn("could not read the database's replication (idem.idem_health())", "error", err)

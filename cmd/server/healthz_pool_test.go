@@ -1,0 +1,57 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// TestHealthWhileEveryRequestConnectionWaits: with every connection of the request pool held by
+// requests waiting on a row lock (a busy service, not a broken one), /healthz still answers 200
+// at once and /metrics still carries the key gauges. Both used to borrow a request connection:
+// /healthz said "the database does not answer" after its 2 s, and the gauges went absent, so a
+// load balancer took a busy instance out and IdemKeyGaugesAbsent fired under load.
+func TestHealthWhileEveryRequestConnectionWaits(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, map[string]string{"DATABASE_POOL_SIZE": "2", "IDEMPOTENCY_LOCK_TIMEOUT": "20s"})
+	_, token := s.principal("busy")
+	id := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
+
+	ctx := context.Background()
+	holder, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	pgtest.Exec(t, holder, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, id)
+	done := make(chan resp, 2)
+	for i := range 2 {
+		go func() {
+			done <- s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", id), token, fmt.Sprintf("busy-%d", i), `{"amount":1}`)
+		}()
+	}
+	// Both of the server's request connections wait on the account's row.
+	pgtest.WaitFor(t, s.pool, `SELECT count(*) - 1 FROM pg_stat_activity
+		WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+
+	st, body, took, err := getWithin(s.url+"/healthz", 10*time.Second)
+	if err != nil || st != 200 || took > time.Second {
+		t.Errorf("/healthz with the request pool taken: %d %s in %v (%v), want 200 at once", st, body, took, err)
+	}
+	st, body, took, err = getWithin(s.url+"/metrics", 10*time.Second)
+	if err != nil || st != 200 || took > time.Second || !strings.Contains(body, "\nidempotency_keys_in_progress ") {
+		t.Errorf("/metrics with the request pool taken: %d in %v (%v), key gauges present: %v",
+			st, took, err, strings.Contains(body, "\nidempotency_keys_in_progress "))
+	}
+
+	_ = holder.Rollback(ctx)
+	for range 2 {
+		if r := <-done; r.status != 201 {
+			t.Errorf("a deposit that waited: %+v", r)
+		}
+	}
+}
