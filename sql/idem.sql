@@ -1274,10 +1274,18 @@ BEGIN
     -- the probe's for the table's lock too.
     IF p_ttl IS NOT NULL OR p_lease IS NOT NULL OR p_lock_timeout IS NOT NULL THEN
 IF p_ttl IS NOT NULL THEN
-        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
+        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) <> 0 OR date_part('month', p_ttl) <> 0
+             OR date_part('day', p_ttl) <> 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
+ THEN
+            IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
              OR date_part('day', p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
  THEN
-            RAISE EXCEPTION 'idem_begin: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+                RAISE EXCEPTION 'idem_begin: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+            END IF;
+            p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
+                         + date_part('day', p_ttl))::integer * 24)
+             + (p_ttl - date_trunc('day', p_ttl)))
+;
         END IF;
         IF p_ttl > interval '10 years' THEN
             RAISE EXCEPTION 'idem_begin: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
@@ -1285,11 +1293,19 @@ IF p_ttl IS NOT NULL THEN
     END IF;
 
         IF p_lease IS NOT NULL THEN
-            IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
+            IF (p_lease <= interval '0' OR date_part('year', p_lease) <> 0 OR date_part('month', p_lease) <> 0
+             OR date_part('day', p_lease) <> 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
+ THEN
+                IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
              OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
  THEN
-                RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
-                    USING ERRCODE = '22023';
+                    RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
+                        USING ERRCODE = '22023';
+                END IF;
+                p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
+                         + date_part('day', p_lease))::integer * 24)
+             + (p_lease - date_trunc('day', p_lease)))
+;
             END IF;
             IF p_lease > interval '10 years' THEN
                 RAISE EXCEPTION 'idem_begin: p_lease must be at most 10 years, got %', p_lease
@@ -1326,7 +1342,11 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
     -- transaction, even where it stops at its first operand.
     IF NOT FOUND THEN
         -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
-        -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
+        -- request's arrival); decisions after a wait use clock_timestamp(). In a procedure or
+        -- DO block that commits, statement_timestamp() is the CALL's start, before the claim's
+        -- own transaction began: the claim counts from that transaction's start then (the
+        -- greatest of the two), or an answer stored later in it would be kept less than the
+        -- TTL, and a lease could have run out before it was claimed. A claim's
         -- expires_at is the TTL after now (a transactional claim) or after the end of its lease
         -- (a lease claim); the completion keeps the key the TTL after the answer
         -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
@@ -1377,10 +1397,11 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
 
         v_token := nextval('idem.token_seq');
         IF p_lease IS NOT NULL THEN
-            v_now := statement_timestamp();
+            v_now := greatest(statement_timestamp(), transaction_timestamp());
             v_lease := v_now + p_lease;
         END IF;
-        v_expires := coalesce(v_lease, statement_timestamp()) + coalesce(p_ttl, interval '24 hours');
+        v_expires := coalesce(v_lease, greatest(statement_timestamp(), transaction_timestamp()))
+                     + coalesce(p_ttl, interval '24 hours');
 INSERT INTO idem.idempotency_keys AS k
             (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
              principal_id, key, request_sha256, request_fields, claimed_at)
@@ -1847,10 +1868,18 @@ IF v_problem IS NOT NULL THEN
 
     END IF;
 IF p_ttl IS NOT NULL THEN
-        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
+        IF (p_ttl <= interval '0' OR date_part('year', p_ttl) <> 0 OR date_part('month', p_ttl) <> 0
+             OR date_part('day', p_ttl) <> 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
+ THEN
+            IF (p_ttl <= interval '0' OR date_part('year', p_ttl) < 0 OR date_part('month', p_ttl) < 0
              OR date_part('day', p_ttl) < 0 OR p_ttl - date_trunc('day', p_ttl) < interval '0')
  THEN
-            RAISE EXCEPTION 'idem_save_final: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+                RAISE EXCEPTION 'idem_save_final: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
+            END IF;
+            p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
+                         + date_part('day', p_ttl))::integer * 24)
+             + (p_ttl - date_trunc('day', p_ttl)))
+;
         END IF;
         IF p_ttl > interval '10 years' THEN
             RAISE EXCEPTION 'idem_save_final: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
@@ -2285,8 +2314,12 @@ BEGIN
       FROM idem.idem_begin(p_principal, p_key, p_action, p_request_sha256, p_ttl, p_lease,
                            p_request_fields, p_lock_timeout) AS b;
     IF outcome = 'claimed' THEN
-        SELECT r.recovery_point, r.recovery_saved INTO recovery_point, recovery_saved
-          FROM idem.idem_recovery(p_principal, p_key, attempt) AS r;
+        -- The claim this call just made (its row is this transaction's, locked): read without
+        -- idem_recovery's test of the key's expiry, which a claim with a TTL of a few
+        -- microseconds has passed by now, where idem_begin answered it claimed.
+        SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
+          FROM idem.idempotency_keys AS k
+         WHERE k.principal_id = p_principal AND k.key = p_key AND k.attempt = idem_begin_steps.attempt;
     END IF;
 END
 $$;
@@ -2341,10 +2374,18 @@ IF v_problem IS NOT NULL THEN
     END IF;
 
     END IF;
-    IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
+    IF (p_lease <= interval '0' OR date_part('year', p_lease) <> 0 OR date_part('month', p_lease) <> 0
+             OR date_part('day', p_lease) <> 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
+ THEN
+        IF (p_lease <= interval '0' OR date_part('year', p_lease) < 0 OR date_part('month', p_lease) < 0
              OR date_part('day', p_lease) < 0 OR p_lease - date_trunc('day', p_lease) < interval '0')
  THEN
-        RAISE EXCEPTION 'idem_extend: p_lease must be positive in every part, got %', p_lease USING ERRCODE = '22023';
+            RAISE EXCEPTION 'idem_extend: p_lease must be positive in every part, got %', p_lease USING ERRCODE = '22023';
+        END IF;
+        p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
+                         + date_part('day', p_lease))::integer * 24)
+             + (p_lease - date_trunc('day', p_lease)))
+;
     END IF;
     IF p_lease > interval '10 years' THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be at most 10 years, got %', p_lease USING ERRCODE = '22023';

@@ -65,9 +65,12 @@ BEGIN
     IF p_ttl IS NOT NULL OR p_lease IS NOT NULL OR p_lock_timeout IS NOT NULL THEN
 {{ template "include/check_ttl.sql" "idem_begin" }}
         IF p_lease IS NOT NULL THEN
-            IF {{ template "include/not_positive.sql" "p_lease" }} THEN
-                RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
-                    USING ERRCODE = '22023';
+            IF {{ template "include/not_plain_positive.sql" "p_lease" }} THEN
+                IF {{ template "include/not_positive.sql" "p_lease" }} THEN
+                    RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
+                        USING ERRCODE = '22023';
+                END IF;
+                p_lease := {{ template "include/in_hours.sql" "p_lease" }};
             END IF;
             IF p_lease > interval '{{ template "max_interval" }}' THEN
                 RAISE EXCEPTION 'idem_begin: p_lease must be at most {{ template "max_interval" }}, got %', p_lease
@@ -97,7 +100,11 @@ BEGIN
     -- transaction, even where it stops at its first operand.
     IF NOT FOUND THEN
         -- A fresh key: one INSERT. statement_timestamp() is one instant for the whole call (the
-        -- request's arrival); decisions after a wait use clock_timestamp(). A claim's
+        -- request's arrival); decisions after a wait use clock_timestamp(). In a procedure or
+        -- DO block that commits, statement_timestamp() is the CALL's start, before the claim's
+        -- own transaction began: the claim counts from that transaction's start then (the
+        -- greatest of the two), or an answer stored later in it would be kept less than the
+        -- TTL, and a lease could have run out before it was claimed. A claim's
         -- expires_at is the TTL after now (a transactional claim) or after the end of its lease
         -- (a lease claim); the completion keeps the key the TTL after the answer
         -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
@@ -106,10 +113,11 @@ BEGIN
 {{ template "include/fields_blob.sql" "idem_begin" }}
         v_token := nextval('idem.token_seq');
         IF p_lease IS NOT NULL THEN
-            v_now := statement_timestamp();
+            v_now := greatest(statement_timestamp(), transaction_timestamp());
             v_lease := v_now + p_lease;
         END IF;
-        v_expires := coalesce(v_lease, statement_timestamp()) + coalesce(p_ttl, {{ template "default_ttl" }});
+        v_expires := coalesce(v_lease, greatest(statement_timestamp(), transaction_timestamp()))
+                     + coalesce(p_ttl, {{ template "default_ttl" }});
 {{ template "include/claim_insert.sql" . }}
         IF FOUND THEN
             provider_key := {{ template "include/provider_key.sql" "attempt" }};

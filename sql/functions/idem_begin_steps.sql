@@ -24,8 +24,12 @@ BEGIN
       FROM idem.idem_begin(p_principal, p_key, p_action, p_request_sha256, p_ttl, p_lease,
                            p_request_fields, p_lock_timeout) AS b;
     IF outcome = 'claimed' THEN
-        SELECT r.recovery_point, r.recovery_saved INTO recovery_point, recovery_saved
-          FROM idem.idem_recovery(p_principal, p_key, attempt) AS r;
+        -- The claim this call just made (its row is this transaction's, locked): read without
+        -- idem_recovery's test of the key's expiry, which a claim with a TTL of a few
+        -- microseconds has passed by now, where idem_begin answered it claimed.
+        SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
+          FROM idem.idempotency_keys AS k
+         WHERE k.principal_id = p_principal AND k.key = p_key AND k.attempt = idem_begin_steps.attempt;
     END IF;
 END
 $$;
