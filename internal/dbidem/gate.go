@@ -446,17 +446,15 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	// ErrInProgress too (Do and DoLease return it for a claim another process holds and has
 	// committed, which no probe waited for), or every duplicate of running lease work was
 	// claimed four times and told the table was locked.
+	// These probes and their pauses (50 ms in all) are the first try's, not a wait on another
+	// holder: they run under work whatever becomes of wait (D161). A fresh key whose probe met
+	// a blip just as Shutdown began its drain (which ends wait) was told the table was locked,
+	// 503, where the drain serves fresh keys.
 	for _, pause := range tableBusyPauses {
 		if !isLockTimeout(err) || IsKeyWait(err) || isWork(err) {
 			break
 		}
-		if !sleep(wait, pause) {
-			// The caller stopped waiting (its client left, a shutdown): no more probes. The
-			// probe's error is told, not wrapped: it is an ErrInProgress, and the key was never
-			// in progress; the table was locked.
-			return fmt.Errorf("%w: %w (%v)", ErrStoreBusy, wait.Err(), err)
-		}
-		if ctx.Err() != nil {
+		if !sleep(ctx, pause) {
 			return ctx.Err()
 		}
 		err = RunTx(ctx, db, opts, unit(first, false))
@@ -465,6 +463,13 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
 		g.countRefused(ctx)
+		// The lock timeout itself is wrapped, not the ErrInProgress around it: the key was
+		// never in progress, and a caller that tests for ErrInProgress first (Do's) must not
+		// read a locked table as a key another process holds.
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			return fmt.Errorf("%w: %w", ErrStoreBusy, pgErr)
+		}
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
 	if !IsKeyWait(err) || isWork(err) || lockTimeout <= Probe {
