@@ -55,8 +55,12 @@ const (
 	CodeNotReplayable = "response_not_replayable"
 	// CodeRequestTooLarge: 413, the body is over Options.MaxBodyBytes.
 	CodeRequestTooLarge = "request_too_large"
-	// CodeBodyUnreadable: 400, the body could not be read.
+	// CodeBodyUnreadable: 400, the body could not be read: what arrived is not a body
+	// (malformed chunked encoding).
 	CodeBodyUnreadable = "request_body_unreadable"
+	// CodeBodyIncomplete: 408, the body did not arrive whole (the connection ended before its
+	// end, or the server's read timeout passed): nothing was done; a retry mends it.
+	CodeBodyIncomplete = "request_body_incomplete"
 	// CodeMalformedBody: 400, the body is ambiguous, not strictly valid JSON, or not what the
 	// route takes.
 	CodeMalformedBody = "malformed_body"

@@ -20,8 +20,9 @@ import (
 
 // TestTruncatedFormReadByPrincipalIsUnreadable: a request whose body ends before its
 // Content-Length (the client's connection closed midway) cannot be read: net/http's body
-// returns io.ErrUnexpectedEOF, and the middleware answers 400 request_body_unreadable without
-// claiming or running anything. When Principal reads the form first (r.FormValue, the case
+// returns io.ErrUnexpectedEOF, and the middleware answers 408 request_body_incomplete (400
+// request_body_unreadable before D183: a status a client takes as final) without claiming or
+// running anything. When Principal reads the form first (r.FormValue, the case
 // D178 wraps the body for), net/http's body returns ErrUnexpectedEOF to ParseForm (which
 // FormValue swallows) and a plain io.EOF to every later read (its sawEOF): D178's wrapper
 // kept the partial bytes, the middleware's own read saw a clean EOF, and the truncated body was
@@ -75,9 +76,9 @@ func TestTruncatedFormReadByPrincipalIsUnreadable(t *testing.T) {
 		}
 		conn.Close()
 		time.Sleep(300 * time.Millisecond) // any work started on the truncated body ends
-		if n := runs.Load(); n != 0 || status != http.StatusBadRequest {
+		if n := runs.Load(); n != 0 || status != http.StatusRequestTimeout {
 			t.Errorf("principal reads the form %v: a body cut after 12 of its %d bytes: %d, handler ran %d times on %q; "+
-				"want 400 request_body_unreadable, nothing run", readsForm, len(full), status, n, seen.Load())
+				"want 408 request_body_incomplete, nothing run", readsForm, len(full), status, n, seen.Load())
 		}
 		if n := pgtest.Count(t, pool, "SELECT count(*) FROM idem.idempotency_keys WHERE key = $1", key); n != 0 {
 			t.Errorf("principal reads the form %v: the truncated request stored its key (%d rows)", readsForm, n)

@@ -7,7 +7,8 @@
 // temporary: a network error or timeout, a 5xx (except 501, 505 and 500
 // idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress, honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
-// answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured) ends the operation:
+// answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
+// answer marked Idempotent-Replayed: true is stored, whatever its status) ends the operation:
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
 // certificate, TLS to a plain server, a redirect that the HTTP client's CheckRedirect refuses,
 // ten of them in a row by default: the server answered), and a request that net/http would

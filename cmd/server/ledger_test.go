@@ -456,7 +456,7 @@ func TestProblemCodesAreDocumented(t *testing.T) {
 		}
 	}
 	for _, code := range []string{idem.CodeKeyMissing, idem.CodeKeyInvalid, idem.CodeKeyReuse, idem.CodeInProgress,
-		idem.CodeOneTimeSecret, idem.CodeNotReplayable, idem.CodeRequestTooLarge, idem.CodeBodyUnreadable,
+		idem.CodeOneTimeSecret, idem.CodeNotReplayable, idem.CodeRequestTooLarge, idem.CodeBodyUnreadable, idem.CodeBodyIncomplete,
 		idem.CodeMalformedBody, idem.CodeUnsupportedMedia, idem.CodePrincipalUnknown, idem.CodeInternalError,
 		idem.CodeMisconfigured, idem.CodeStoreUnavailable, idem.CodeOutcomeUnknown} {
 		if !slices.Contains(listed, code) {

@@ -571,9 +571,13 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 // retryable tells whether an answer leaves the operation's outcome open: 5xx (but 501 Not
 // Implemented, 505 HTTP Version Not Supported and 500 idempotency_misconfigured, which no
 // retry changes: the server's configuration refuses the request), 408, 425, 429, or 409
-// request_in_progress. Every other answer is final.
+// request_in_progress. Every other answer is final, and so is every replay: a stored answer
+// comes back the same to every retry, whatever its status (a handler's own 409
+// request_in_progress, stored as its answer, was retried until ErrGaveUp).
 func retryable(r Result) bool {
 	switch {
+	case r.Replayed:
+		return false
 	case r.Status == http.StatusNotImplemented, r.Status == http.StatusHTTPVersionNotSupported:
 		return false
 	case r.Status == http.StatusInternalServerError && r.Code() == "idempotency_misconfigured":

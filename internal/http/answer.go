@@ -25,15 +25,17 @@ func (q *request) answer(rec *recorder) {
 
 // storeError answers a failure of the unit of work (not of the handler).
 func (q *request) storeError(err error) State {
-	if q.r.Context().Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown) {
-		// The client is gone; the transaction rolled back. A keyed unit of work outlives its
-		// client, so a failure of its own is still worth a line.
-		if !errors.Is(err, context.Canceled) {
-			q.m.o.Logger.Warn("idem: unit of work failed after its client went away; rolled back", "error", err,
-				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
-		}
-		return StateStoreError
+	gone := q.r.Context().Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown)
+	if gone && !errors.Is(err, context.Canceled) {
+		// The client is gone, or an outer middleware's deadline ended the request; the
+		// transaction rolled back. A keyed unit of work outlives its client, so a failure of
+		// its own is still worth a line.
+		q.m.o.Logger.Warn("idem: unit of work failed after its request's context ended; rolled back", "error", err,
+			"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	}
+	// Answered even when the request's context has ended: a client still connected (the
+	// context ended by an outer middleware's deadline) would get net/http's empty 200
+	// otherwise, and take it for the operation's success.
 	code, detail := errorProblem(err)
 	switch code {
 	case CodeInProgress:
@@ -46,15 +48,20 @@ func (q *request) storeError(err error) State {
 		q.w.Header().Set("Retry-After", "1")
 	case CodeInternalError:
 		// PostgreSQL refused the handler's own work (D173): the store did not fail.
-		q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		if !gone {
+			q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		}
 		q.m.problem(q.w, q.r, code, detail, nil)
 		return StateAcquired
 	}
-	if errors.Is(err, dbidem.ErrStoreBusy) {
+	switch {
+	case gone:
+		// Logged above.
+	case errors.Is(err, dbidem.ErrStoreBusy):
 		// Maintenance (a migration's swap, VACUUM FULL, pg_repack) locks the key table for a
 		// while: expected, answered at once, and retried by the client.
 		q.m.o.Logger.Warn("idem: the key table is locked; answered 503", "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
-	} else {
+	default:
 		q.m.o.Logger.Error("idem: unit of work failed", "error", err, "problem", code, "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	}
 	q.m.problem(q.w, q.r, code, detail, nil)

@@ -41,7 +41,8 @@ func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 	} else {
 		b, err := io.ReadAll(r.Body)
 		if err != nil {
-			problemFor(r.Context(), w, r, CodeBodyUnreadable, "the request body could not be read")
+			code, detail := bodyProblem(err)
+			problemFor(r.Context(), w, r, code, detail)
 			return false
 		}
 		body = b

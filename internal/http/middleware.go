@@ -275,7 +275,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		err = cmp.Or(tee.err, err)
 	}
 	if err != nil {
-		m.problem(w, r, CodeBodyUnreadable, "the request body could not be read", nil)
+		code, detail := bodyProblem(err)
+		m.problem(w, r, code, detail, nil)
 		return
 	}
 	body := tee.got

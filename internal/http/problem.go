@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"net"
 	"net/http"
+	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -23,6 +26,7 @@ const (
 	CodeNotReplayable    = "response_not_replayable"
 	CodeRequestTooLarge  = "request_too_large"
 	CodeBodyUnreadable   = "request_body_unreadable"
+	CodeBodyIncomplete   = "request_body_incomplete"
 	CodeMalformedBody    = "malformed_body"
 	CodeUnsupportedMedia = "unsupported_media_type"
 	CodePrincipalUnknown = "principal_unknown"
@@ -50,6 +54,7 @@ var problems = map[string]problemSpec{
 	CodeNotReplayable:    {http.StatusConflict, "The response cannot be replayed"},
 	CodeRequestTooLarge:  {http.StatusRequestEntityTooLarge, "Request body too large"},
 	CodeBodyUnreadable:   {http.StatusBadRequest, "Request body unreadable"},
+	CodeBodyIncomplete:   {http.StatusRequestTimeout, "Request body incomplete"},
 	CodeMalformedBody:    {http.StatusBadRequest, "Malformed body"},
 	CodeUnsupportedMedia: {http.StatusUnsupportedMediaType, "Unsupported media type"},
 	CodePrincipalUnknown: {http.StatusUnauthorized, "Unknown principal"},
@@ -58,6 +63,19 @@ var problems = map[string]problemSpec{
 	CodeStoreUnavailable: {http.StatusServiceUnavailable, "Idempotency store unavailable"},
 	CodeOutcomeUnknown:   {http.StatusServiceUnavailable, "Outcome unknown"},
 	CodeShuttingDown:     {http.StatusServiceUnavailable, "Shutting down"},
+}
+
+// bodyProblem is the problem of a request body that could not be read: 408
+// request_body_incomplete when it did not arrive whole (the connection ended before its end, or
+// the server's read timeout passed while the client was still sending), which a retry of the
+// same request mends; 400 request_body_unreadable when what arrived is not a body (malformed
+// chunked encoding), which a retry would send again.
+func bodyProblem(err error) (code, detail string) {
+	var ne net.Error
+	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.As(err, &ne) && ne.Timeout() {
+		return CodeBodyIncomplete, "the request body did not arrive whole (the connection ended or was too slow); nothing was done: send the request again with the same key"
+	}
+	return CodeBodyUnreadable, "the request body could not be read"
 }
 
 // notStrictJSON is the detail of a body sent as JSON that is not strictly valid JSON, the

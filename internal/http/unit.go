@@ -155,6 +155,12 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	case rec.body.Len() > q.m.o.MaxStoredBodyBytes:
 		resp.Body, resp.Withheld, big = nil, dbidem.WithheldTooLarge, true
 	}
+	if v := rec.header.Values("Content-Encoding"); len(v) > 0 && resp.Withheld == "" {
+		// The body is stored as the handler sent it: encoded (a compressing middleware inside
+		// the route). Its encoding is part of it, whatever the allowlist says, or a replay
+		// would be gzip bytes with nothing to say so.
+		h["Content-Encoding"] = v
+	}
 	if resp.Withheld != "" && resp.ResourceID == "" {
 		// A repeat cannot get the body: it gets the id of what was created instead, taken
 		// from the body's top-level "id" (the Location header is the fallback at replay).
@@ -364,10 +370,14 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		q.answer(rec)
 		return StateAcquired, nil
 	case err != nil && !acquired && q.r.Context().Err() != nil && (waitable(err) || errors.Is(err, context.Canceled)):
-		// The client went away while this request waited for another with its key: nothing
-		// was done, and nobody to answer.
+		// The request's context ended while this request waited for another with its key:
+		// nothing was done. Usually the client went away, but an outer middleware's deadline
+		// ends it too, with the client still waiting: it is told to retry (written to a client
+		// that is gone, the answer costs nothing). Without an answer net/http would send an
+		// empty 200, which a client takes for the operation's success.
 		endSpan(done, "client_gone", err)
 		q.m.o.Metrics.Count(q.action, StateBusy)
+		q.inProgress(time.Second)
 		return StateBusy, nil
 	case err != nil && !acquired && q.m.work.draining.Err() != nil && !ended && errors.Is(err, context.Canceled) &&
 		!errors.Is(err, dbidem.ErrStoreBusy):
