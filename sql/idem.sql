@@ -1282,10 +1282,13 @@ IF p_ttl IS NOT NULL THEN
  THEN
                 RAISE EXCEPTION 'idem_begin: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
             END IF;
-            p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
+            -- Within the limit only (tested below): the hours are computed in integers.
+            IF p_ttl <= interval '10 years' THEN
+                p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
                          + date_part('day', p_ttl))::integer * 24)
              + (p_ttl - date_trunc('day', p_ttl)))
 ;
+            END IF;
         END IF;
         IF p_ttl > interval '10 years' THEN
             RAISE EXCEPTION 'idem_begin: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
@@ -1302,10 +1305,13 @@ IF p_ttl IS NOT NULL THEN
                     RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
                         USING ERRCODE = '22023';
                 END IF;
-                p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
+                -- Within the limit only (tested below): the hours are computed in integers.
+                IF p_lease <= interval '10 years' THEN
+                    p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
                          + date_part('day', p_lease))::integer * 24)
              + (p_lease - date_trunc('day', p_lease)))
 ;
+                END IF;
             END IF;
             IF p_lease > interval '10 years' THEN
                 RAISE EXCEPTION 'idem_begin: p_lease must be at most 10 years, got %', p_lease
@@ -1876,10 +1882,13 @@ IF p_ttl IS NOT NULL THEN
  THEN
                 RAISE EXCEPTION 'idem_save_final: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
             END IF;
-            p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
+            -- Within the limit only (tested below): the hours are computed in integers.
+            IF p_ttl <= interval '10 years' THEN
+                p_ttl := (make_interval(hours => ((date_part('year', p_ttl) * 12 + date_part('month', p_ttl)) * 30
                          + date_part('day', p_ttl))::integer * 24)
              + (p_ttl - date_trunc('day', p_ttl)))
 ;
+            END IF;
         END IF;
         IF p_ttl > interval '10 years' THEN
             RAISE EXCEPTION 'idem_save_final: p_ttl must be at most 10 years, got %', p_ttl USING ERRCODE = '22023';
@@ -2382,10 +2391,13 @@ IF v_problem IS NOT NULL THEN
  THEN
             RAISE EXCEPTION 'idem_extend: p_lease must be positive in every part, got %', p_lease USING ERRCODE = '22023';
         END IF;
-        p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
+        -- Within the limit only (tested below): the hours are computed in integers.
+        IF p_lease <= interval '10 years' THEN
+            p_lease := (make_interval(hours => ((date_part('year', p_lease) * 12 + date_part('month', p_lease)) * 30
                          + date_part('day', p_lease))::integer * 24)
              + (p_lease - date_trunc('day', p_lease)))
 ;
+        END IF;
     END IF;
     IF p_lease > interval '10 years' THEN
         RAISE EXCEPTION 'idem_extend: p_lease must be at most 10 years, got %', p_lease USING ERRCODE = '22023';

@@ -6,6 +6,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -194,5 +195,29 @@ func TestDBATTLDoesNotDependOnTheSessionTimeZone(t *testing.T) {
 	}
 	if lease < 24*time.Hour-time.Minute || extended < 24*time.Hour-time.Minute {
 		t.Errorf("under TimeZone %q a lease of '1 day' runs %v from now, extended by '1 day' %v: want 24 hours each", zone, lease, extended)
+	}
+}
+
+// TestDBAHugeCalendarIntervalsAreRefusedClearly: a TTL or a lease with a year, month or day part
+// is given in hours (computed in integers) before it is used; one far past the 10-year limit must
+// still get the limit's 22023, not an integer overflow (22003) from that computation.
+func TestDBAHugeCalendarIntervalsAreRefusedClearly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	app, _, _ := dbaApp(t)
+	for _, call := range []string{
+		`SELECT outcome FROM idem.idem_begin(p_principal => 'alice', p_key => 'huge-ttl', p_action => 'POST /v1/transfers',
+			p_request_sha256 => sha256('t'), p_ttl => '1000000 years')`,
+		`SELECT outcome FROM idem.idem_begin(p_principal => 'alice', p_key => 'huge-lease', p_action => 'POST /v1/payouts',
+			p_request_sha256 => sha256('p'), p_lease => '100000000 days')`,
+		`SELECT idem.idem_save_final(p_principal => 'alice', p_key => 'huge-final', p_action => 'POST /v1/transfers',
+			p_request_sha256 => sha256('t'), p_ttl => '1000000 years', p_status => 422, p_headers => '{}', p_body => 'no')::text`,
+		`SELECT idem.idem_extend('alice', 'huge-extend', 1, '1000000 years')::text`,
+	} {
+		var out string
+		err := app.QueryRow(ctx, call).Scan(&out)
+		if sqlCode(err) != "22023" || !strings.Contains(err.Error(), "at most 10 years") {
+			t.Errorf("%s: %q, %v (SQLSTATE %s); want 22023, at most 10 years", call, out, err, sqlCode(err))
+		}
 	}
 }

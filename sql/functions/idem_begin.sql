@@ -70,7 +70,10 @@ BEGIN
                     RAISE EXCEPTION 'idem_begin: p_lease must be positive in every part, got %', p_lease
                         USING ERRCODE = '22023';
                 END IF;
-                p_lease := {{ template "include/in_hours.sql" "p_lease" }};
+                -- Within the limit only (tested below): the hours are computed in integers.
+                IF p_lease <= interval '{{ template "max_interval" }}' THEN
+                    p_lease := {{ template "include/in_hours.sql" "p_lease" }};
+                END IF;
             END IF;
             IF p_lease > interval '{{ template "max_interval" }}' THEN
                 RAISE EXCEPTION 'idem_begin: p_lease must be at most {{ template "max_interval" }}, got %', p_lease

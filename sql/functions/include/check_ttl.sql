@@ -7,7 +7,10 @@
             IF {{ template "include/not_positive.sql" "p_ttl" }} THEN
                 RAISE EXCEPTION '{{ . }}: p_ttl must be positive in every part, got %', p_ttl USING ERRCODE = '22023';
             END IF;
-            p_ttl := {{ template "include/in_hours.sql" "p_ttl" }};
+            -- Within the limit only (tested below): the hours are computed in integers.
+            IF p_ttl <= interval '{{ template "max_interval" }}' THEN
+                p_ttl := {{ template "include/in_hours.sql" "p_ttl" }};
+            END IF;
         END IF;
         IF p_ttl > interval '{{ template "max_interval" }}' THEN
             RAISE EXCEPTION '{{ . }}: p_ttl must be at most {{ template "max_interval" }}, got %', p_ttl USING ERRCODE = '22023';
