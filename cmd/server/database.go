@@ -83,7 +83,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 func (m *Main) openProbePool(ctx context.Context) error {
 	cfg := m.pool.Config()
 	cfg.MaxConns = probeConns
-	cfg.MinConns = 0
+	cfg.MinConns, cfg.MinIdleConns = 0, 0 // DATABASE_URL's pool_min_conns and pool_min_idle_conns are the request pool's
 	cfg.MaxConnIdleTime = time.Minute
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {

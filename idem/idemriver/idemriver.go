@@ -191,7 +191,8 @@ func ranBefore(job *rivertype.JobRow) bool {
 //   - river.JobSnooze(Options.Snooze) when another run holds the key (a worker that is still
 //     at work or hung, or one that died and whose lease has not run out yet): the job waits,
 //     without spending an attempt, and then finds the result, or takes the key over once the
-//     lease has run out (with the same provider key);
+//     lease has run out (with the same provider key); and a snooze of at most 5 seconds when
+//     the key table was locked for maintenance (idem.ErrStoreBusy: nothing was written);
 //   - an error when this run's lease was lost (idem.ErrLeaseLost: a worker that hung past its
 //     lease, whose key another run may have taken over; fn returned an error, or another run
 //     holds the key: nothing of this run is stored, and River's retry finds the other run's
@@ -259,6 +260,10 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		return err
 	case errors.Is(err, idem.ErrInProgress):
 		return river.JobSnooze(o.Snooze)
+	case errors.Is(err, idem.ErrStoreBusy):
+		// The key table is locked for maintenance (a migration's swap, VACUUM FULL,
+		// pg_repack): nothing was written, and the lock is expected to go; no attempt spent.
+		return river.JobSnooze(min(o.Snooze, storeBusySnooze))
 	case errors.Is(err, idem.ErrMismatch), errors.Is(err, idem.ErrInvalidArgument), errors.Is(err, idem.ErrUnknownPrincipal):
 		// Another job's arguments under this key, a key, principal or action the SQL API
 		// refuses (Options.Key, PrincipalOf), or a principal the application's foreign key on
@@ -268,6 +273,9 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	}
 	return err
 }
+
+// storeBusySnooze is the longest a job waits when the key table was locked for maintenance.
+const storeBusySnooze = 5 * time.Second
 
 // claimKey is the context key of ClaimOf.
 type claimKey struct{}

@@ -467,3 +467,35 @@ func TestRiverStaysOutOfIdem(t *testing.T) {
 		}
 	}
 }
+
+// TestLockedKeyTableSnoozes: a run that finds the key table locked for maintenance (a
+// migration's swap, VACUUM FULL, pg_repack) wrote nothing and did not run; the job waits a few
+// seconds without spending an attempt (a snooze), and runs once the table is free. When
+// idem.ErrStoreBusy stopped also matching idem.ErrInProgress (D182), such a run went to River's
+// retry policy as a failure.
+func TestLockedKeyTableSnoozes(t *testing.T) {
+	ctx := context.Background()
+	pool := newPool(t)
+	client := newClient(t, pool, nil)
+	job := jobRow(t, client, ReceiptArgs{Order: 11})
+	opts := idemriver.Options{DB: pool, Lease: time.Minute}
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(ctx) }()
+	if _, err := locker.Exec(ctx, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	work := func(context.Context, idem.LeaseClaim) error { runs++; return nil }
+	err = idemriver.Work(ctx, job, opts, work)
+	var snooze *river.JobSnoozeError
+	if !errors.As(err, &snooze) || snooze.Duration > 5*time.Second || runs != 0 {
+		t.Fatalf("a run under a locked key table: %v (%d runs), want a snooze of at most 5 s and no run", err, runs)
+	}
+	_ = locker.Rollback(ctx)
+	if err := idemriver.Work(ctx, job, opts, work); err != nil || runs != 1 {
+		t.Fatalf("the run after the table is free: %v, %d runs", err, runs)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"syscall"
 
 	"github.com/jackc/pgx/v5"
@@ -70,9 +71,19 @@ var problems = map[string]problemSpec{
 // the server's read timeout passed while the client was still sending), which a retry of the
 // same request mends; 400 request_body_unreadable when what arrived is not a body (malformed
 // chunked encoding), which a retry would send again.
+//
+// io.ErrUnexpectedEOF is net/http's for a body cut short, and net/http's own "unexpected EOF
+// reading trailer" is one too (a chunked body cut before its last line, by the connection or
+// by the read timeout, whose error net/http drops then). A decoder that an outer middleware
+// put in front of the body (of a request sent with Content-Encoding: gzip) returns the same
+// io.ErrUnexpectedEOF for a stream that arrived whole but truncated, and such middleware
+// deletes the header: the two cannot be told apart here. Both are 408: a client that sent a
+// broken stream retries it a few times for nothing, where a 400 would tell a client whose
+// body was cut that its operation failed for good (D183).
 func bodyProblem(err error) (code, detail string) {
 	var ne net.Error
-	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.As(err, &ne) && ne.Timeout() {
+	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.As(err, &ne) && ne.Timeout() ||
+		strings.Contains(err.Error(), "unexpected EOF") {
 		return CodeBodyIncomplete, "the request body did not arrive whole (the connection ended or was too slow); nothing was done: send the request again with the same key"
 	}
 	return CodeBodyUnreadable, "the request body could not be read"

@@ -2,6 +2,8 @@ package idemhttp
 
 import (
 	"bytes"
+	"compress/gzip"
+	"compress/zlib"
 	"context"
 	"errors"
 	"fmt"
@@ -164,7 +166,7 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	if resp.Withheld != "" && resp.ResourceID == "" {
 		// A repeat cannot get the body: it gets the id of what was created instead, taken
 		// from the body's top-level "id" (the Location header is the fallback at replay).
-		resp.ResourceID = topLevelID(rec.body.Bytes())
+		resp.ResourceID = bodyID(rec.body.Bytes(), rec.header.Values("Content-Encoding"))
 	}
 	// Stored as text: what PostgreSQL's text cannot hold (U+0000, bytes that are not UTF-8,
 	// which a body's "id" or SetResourceID may carry) would make every recording of the
@@ -179,10 +181,38 @@ func storableText(s string) string {
 	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
+// maxIDScan bounds how much of a decoded body bodyID reads for its "id".
+const maxIDScan = 16 << 20
+
+// bodyID is topLevelID of a response body as the handler sent it: decoded first when its
+// Content-Encoding is gzip or deflate (a compressing middleware inside the route), reading at
+// most maxIDScan bytes of it; "" for another encoding.
+func bodyID(body []byte, encoding []string) string {
+	var r io.Reader = bytes.NewReader(body)
+	switch strings.ToLower(strings.TrimSpace(strings.Join(encoding, ","))) {
+	case "", "identity":
+	case "gzip", "x-gzip":
+		zr, err := gzip.NewReader(r)
+		if err != nil {
+			return ""
+		}
+		r = zr
+	case "deflate":
+		zr, err := zlib.NewReader(r)
+		if err != nil {
+			return ""
+		}
+		r = zr
+	default:
+		return ""
+	}
+	return topLevelID(io.LimitReader(r, maxIDScan))
+}
+
 // topLevelID is the top-level "id" member of a JSON object body, a string or a number as
 // written, or "".
-func topLevelID(body []byte) string {
-	dec := jsontext.NewDecoder(bytes.NewReader(body))
+func topLevelID(body io.Reader) string {
+	dec := jsontext.NewDecoder(body)
 	if tok, err := dec.ReadToken(); err != nil || tok.Kind() != '{' {
 		return ""
 	}
