@@ -49,8 +49,8 @@ var All = []Mutant{
 	{
 		Name: "sql-ttl-lease-claim", Promise: "a lease claim's answer is kept the TTL after the answer (its key counted from the claim)",
 		File:     "sql/functions/idem_begin.sql",
-		Search:   "v_expires := coalesce(v_lease, statement_timestamp()) + coalesce(p_ttl, {{ template \"default_ttl\" }});\n",
-		Replace:  "v_expires := statement_timestamp() + coalesce(p_ttl, {{ template \"default_ttl\" }});\n",
+		Search:   "v_expires := coalesce(v_lease, greatest(statement_timestamp(), transaction_timestamp()))\n",
+		Replace:  "v_expires := greatest(statement_timestamp(), transaction_timestamp())\n",
 		Expected: "TestSQLHistory, TestDoHistory: expiry edge lease",
 	},
 	{
