@@ -72,21 +72,37 @@ var problems = map[string]problemSpec{
 // same request mends; 400 request_body_unreadable when what arrived is not a body (malformed
 // chunked encoding), which a retry would send again.
 //
-// io.ErrUnexpectedEOF is net/http's for a body cut short, and net/http's own "unexpected EOF
-// reading trailer" is one too (a chunked body cut before its last line, by the connection or
-// by the read timeout, whose error net/http drops then). A decoder that an outer middleware
-// put in front of the body (of a request sent with Content-Encoding: gzip) returns the same
-// io.ErrUnexpectedEOF for a stream that arrived whole but truncated, and such middleware
-// deletes the header: the two cannot be told apart here. Both are 408: a client that sent a
-// broken stream retries it a few times for nothing, where a 400 would tell a client whose
-// body was cut that its operation failed for good (D183).
+// io.ErrUnexpectedEOF is net/http's for a body cut short. net/http's other reports of a body
+// that stopped arriving are unexported errors, told by their exact text (transportCut). A
+// decoder that an outer middleware put in front of the body (of a request sent with
+// Content-Encoding: gzip) returns the same io.ErrUnexpectedEOF for a stream that arrived whole
+// but truncated, and such middleware deletes the header: the two cannot be told apart here.
+// Both are 408: a client that sent a broken stream retries it a few times for nothing, where a
+// 400 would tell a client whose body was cut that its operation failed for good (D183).
 func bodyProblem(err error) (code, detail string) {
 	var ne net.Error
 	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.As(err, &ne) && ne.Timeout() ||
-		strings.Contains(err.Error(), "unexpected EOF") {
+		transportCut(err) {
 		return CodeBodyIncomplete, "the request body did not arrive whole (the connection ended or was too slow); nothing was done: send the request again with the same key"
 	}
 	return CodeBodyUnreadable, "the request body could not be read"
+}
+
+// transportCut tells whether err, or an error it wraps, is one of net/http's own reports of a
+// request body that stopped arriving, which it does not export: a chunked body cut before its
+// last line (by the connection, or by the read timeout, whose error net/http drops there), and
+// on HTTP/2 a stream the client reset or a connection that ended. Matched by the whole text
+// (or net/http's own prefix of a stream error), never by a part of it: a malformed trailer's
+// error quotes the client's own line.
+func transportCut(err error) bool {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		switch s := e.Error(); {
+		case s == "http: unexpected EOF reading trailer", s == "client disconnected", s == "http2: stream closed",
+			strings.HasPrefix(s, "stream error: stream ID "):
+			return true
+		}
+	}
+	return false
 }
 
 // notStrictJSON is the detail of a body sent as JSON that is not strictly valid JSON, the

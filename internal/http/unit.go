@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"bytes"
+	"compress/flate"
 	"compress/gzip"
 	"compress/zlib"
 	"context"
@@ -185,24 +186,26 @@ func storableText(s string) string {
 const maxIDScan = 16 << 20
 
 // bodyID is topLevelID of a response body as the handler sent it: decoded first when its
-// Content-Encoding is gzip or deflate (a compressing middleware inside the route), reading at
-// most maxIDScan bytes of it; "" for another encoding.
+// Content-Encoding is gzip or deflate (a compressing middleware inside the route; deflate as
+// zlib, or raw DEFLATE as some servers send it), reading at most maxIDScan bytes of the
+// decoded body; "" for another encoding.
 func bodyID(body []byte, encoding []string) string {
-	var r io.Reader = bytes.NewReader(body)
+	var r io.Reader
 	switch strings.ToLower(strings.TrimSpace(strings.Join(encoding, ","))) {
 	case "", "identity":
+		return topLevelID(bytes.NewReader(body))
 	case "gzip", "x-gzip":
-		zr, err := gzip.NewReader(r)
+		zr, err := gzip.NewReader(bytes.NewReader(body))
 		if err != nil {
 			return ""
 		}
 		r = zr
 	case "deflate":
-		zr, err := zlib.NewReader(r)
-		if err != nil {
-			return ""
+		if zr, err := zlib.NewReader(bytes.NewReader(body)); err == nil {
+			r = zr
+		} else {
+			r = flate.NewReader(bytes.NewReader(body))
 		}
-		r = zr
 	default:
 		return ""
 	}

@@ -1,0 +1,126 @@
+package idem_test
+
+import (
+	"bytes"
+	"compress/flate"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// rawDeflated compresses a route's answer with Content-Encoding: deflate as
+// github.com/go-chi/chi/v5/middleware.Compress does (its deflate encoder is
+// compress/flate.NewWriter: raw DEFLATE, no zlib header), and as many servers and
+// browsers treat "deflate".
+func rawDeflated(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !strings.Contains(r.Header.Get("Accept-Encoding"), "deflate") {
+			h.ServeHTTP(w, r)
+			return
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, r)
+		for k, v := range rec.Header() {
+			w.Header()[k] = v
+		}
+		w.Header().Set("Content-Encoding", "deflate")
+		w.WriteHeader(rec.Code)
+		fw, _ := flate.NewWriter(w, flate.DefaultCompression)
+		fw.Write(rec.Body.Bytes())
+		fw.Close()
+	})
+}
+
+// withheldRepeat serves answer (withheld: over MaxStoredBodyBytes) on a keyed route wrapped
+// by wrap, sends it twice with key and acceptEncoding, and returns the repeat's status, code
+// and resource_id.
+func withheldRepeat(t *testing.T, wrap func(http.Handler) http.Handler, answer []byte, key, acceptEncoding string) (int, string, string) {
+	t.Helper()
+	pool, _ := pgtest.NewPool(t, 8)
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet, MaxStoredBodyBytes: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /things", m.Route(idem.Route{Required: true})(wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		w.Write(answer)
+	}))))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	send := func() (int, string, string) {
+		req, _ := http.NewRequest("POST", srv.URL+"/things", strings.NewReader(`{"sku":"a1"}`))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set("Accept-Encoding", acceptEncoding)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		var p struct {
+			Code       string `json:"code"`
+			ResourceID string `json:"resource_id"`
+		}
+		if resp.StatusCode != http.StatusCreated {
+			_ = json.Unmarshal(b, &p)
+		}
+		return resp.StatusCode, p.Code, p.ResourceID
+	}
+	if st, _, _ := send(); st != http.StatusCreated {
+		t.Fatalf("setup: first request %d", st)
+	}
+	return send()
+}
+
+// TestRawDeflateWithheldBodyKeepsItsResourceID: docs/http.md, response_not_replayable:
+// "resource_id names what it created: ... else the top-level id of the first response's JSON
+// body"; D183 (review): "The body is decoded for it now (gzip and deflate ...)". A route whose
+// compressing middleware is chi's Compress (raw DEFLATE for "deflate") lost it: only a zlib
+// stream was read. Raw DEFLATE is read too now.
+func TestRawDeflateWithheldBodyKeepsItsResourceID(t *testing.T) {
+	noise := make([]byte, 300)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range noise {
+		noise[i] = byte(rng.Uint32())
+	}
+	// Incompressible: over MaxStoredBodyBytes compressed or not.
+	answer := []byte(`{"id":"acc_42","statement":"` + base64.StdEncoding.EncodeToString(noise) + `"}`)
+	// Control: the same answer through the same route uncompressed gets its resource_id.
+	if st, code, id := withheldRepeat(t, rawDeflated, answer, "k-plain", "identity"); st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
+		t.Fatalf("setup: uncompressed repeat %d %s resource_id %q, want 409 response_not_replayable acc_42", st, code, id)
+	}
+	st, code, id := withheldRepeat(t, rawDeflated, answer, "k-deflate", "deflate")
+	if st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
+		t.Errorf("repeat of a withheld answer sent with Content-Encoding: deflate (raw DEFLATE, as chi's Compress writes it): "+
+			"%d %s resource_id %q, want 409 response_not_replayable with resource_id acc_42", st, code, id)
+	}
+}
+
+// TestPlainWithheldBodyIDAfter16MiB: before D183's review an uncompressed withheld body
+// was scanned whole for its top-level "id" (topLevelID(rec.body.Bytes())); the first build of
+// bodyID put the 16 MiB bound meant for decoded bodies on plain ones too, so a large plain
+// answer whose "id" follows a big member lost its resource_id. Plain bodies are read whole
+// again.
+func TestPlainWithheldBodyIDAfter16MiB(t *testing.T) {
+	var b bytes.Buffer
+	b.WriteString(`{"statement":"`)
+	b.WriteString(strings.Repeat("x", 17<<20))
+	b.WriteString(`","id":"acc_42"}`)
+	st, code, id := withheldRepeat(t, func(h http.Handler) http.Handler { return h }, b.Bytes(), "k-big-plain", "identity")
+	if st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
+		t.Errorf("repeat of a withheld uncompressed 17 MiB answer whose id follows its statement: %d %s resource_id %q, "+
+			"want 409 response_not_replayable with resource_id acc_42 (found before D183's review)", st, code, id)
+	}
+}
