@@ -1386,7 +1386,7 @@ IF v_problem IS NOT NULL THEN
         END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea),
+            SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea), ''::bytea),
                    bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
               INTO v_fields, v_ok
               FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
@@ -1522,7 +1522,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
             IF NOT FOUND THEN
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1568,7 +1568,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
             IF v_lock THEN
                 v_token := nextval('idem.token_seq');
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1595,7 +1595,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             attempt := v_row.attempt;
             IF v_row.request_fields IS NOT NULL AND v_row.action_hash = v_action THEN
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1896,7 +1896,7 @@ IF p_ttl IS NOT NULL THEN
     END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea),
+            SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea), ''::bytea),
                    bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
               INTO v_fields, v_ok
               FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;

@@ -214,18 +214,24 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		return
 	}
 	start := time.Now()
-	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
-	if q.action == "" {
-		q.action = defaultAction(r.Method, m.template(r))
-	}
 	// The body is what the client sent, whatever the principal function does with it: it may
 	// read it (a form's access_token, RFC 6750 section 2.2, through r.FormValue), put it back
 	// (a webhook's signature check), wrap it (http.MaxBytesReader) or peek at it. Every byte
 	// read from the connection's body passes through tee and is kept there, with the first
-	// read error, which a form parse swallows (D178).
+	// read error, which a form parse swallows (D178). tee goes into a copy of the request:
+	// net/http's own keeps its body, whose type tells the server what to do with a body the
+	// answer leaves unread (an Expect: 100-continue request refused before its body is never
+	// sent 100 Continue, and its answer goes out at once; with any other body the server read
+	// it, or waited for it forever, before it sent the answer).
 	tee := &bodyTee{src: r.Body, max: m.o.MaxBodyBytes}
 	if r.Body != nil && r.Body != http.NoBody {
-		r.Body = tee
+		shallow := *r
+		shallow.Body = tee
+		r = &shallow
+	}
+	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
+	if q.action == "" {
+		q.action = defaultAction(r.Method, m.template(r))
 	}
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	var leave func()

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"fmt"
 	"net/http"
+	"strconv"
+	"strings"
 )
 
 // recorder buffers the handler's response so that nothing reaches the client before the
@@ -12,6 +14,8 @@ type recorder struct {
 	header http.Header
 	status int
 	body   bytes.Buffer
+	// badLength: the handler's Content-Length did not hold what it wrote (a write refused).
+	badLength bool
 }
 
 func newRecorder() *recorder { return &recorder{header: http.Header{}} }
@@ -33,8 +37,26 @@ func (rec *recorder) WriteHeader(status int) {
 	}
 }
 
+// Write keeps what net/http would send: nothing for a status that carries no body (204, 304:
+// http.ErrBodyNotAllowed), and nothing past a Content-Length the handler set
+// (http.ErrContentLength, for the whole write, as net/http refuses it). What is kept is what
+// the first answer sends and what a repeat gets: a handler's extra bytes, which net/http would
+// drop, made a 204's repeat 409 response_not_replayable, or a repeat whole where the first
+// answer was cut.
 func (rec *recorder) Write(b []byte) (int, error) {
 	rec.WriteHeader(http.StatusOK)
+	if len(b) == 0 {
+		return 0, nil
+	}
+	if rec.status == http.StatusNoContent || rec.status == http.StatusNotModified {
+		return 0, http.ErrBodyNotAllowed
+	}
+	if cl := rec.header.Get("Content-Length"); cl != "" {
+		if n, err := strconv.ParseInt(strings.TrimSpace(cl), 10, 64); err == nil && n >= 0 && int64(rec.body.Len())+int64(len(b)) > n {
+			rec.badLength = true
+			return 0, http.ErrContentLength
+		}
+	}
 	return rec.body.Write(b)
 }
 
@@ -48,9 +70,16 @@ func (rec *recorder) code() int {
 	return rec.status
 }
 
+// sendTo sends the response as it is stored, but for a Content-Length that does not say the
+// body's length (a write it refused, or fewer bytes than it declared): net/http sets the true
+// one, so the first answer is whole, as its repeats are. A HEAD's Content-Length with no body
+// is kept.
 func (rec *recorder) sendTo(w http.ResponseWriter) {
 	for k, v := range rec.header {
 		w.Header()[k] = v
+	}
+	if cl := rec.header.Get("Content-Length"); cl != "" && (rec.badLength || rec.body.Len() > 0 && strings.TrimSpace(cl) != strconv.Itoa(rec.body.Len())) {
+		w.Header().Del("Content-Length")
 	}
 	w.WriteHeader(rec.code())
 	_, _ = w.Write(rec.body.Bytes())
