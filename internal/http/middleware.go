@@ -225,9 +225,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	// it, or waited for it forever, before it sent the answer).
 	tee := &bodyTee{src: r.Body, max: m.o.MaxBodyBytes}
 	if r.Body != nil && r.Body != http.NoBody {
-		shallow := *r
+		own, shallow := r, *r
 		shallow.Body = tee
 		r = &shallow
+		defer func() {
+			// A multipart form the principal function parsed is net/http's to remove, with
+			// its temporary files, once the request is done: it does so through its own request.
+			if shallow.MultipartForm != nil && own.MultipartForm == nil {
+				own.MultipartForm = shallow.MultipartForm
+			}
+		}()
 	}
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
 	if q.action == "" {

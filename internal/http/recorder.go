@@ -5,22 +5,33 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 )
 
 // recorder buffers the handler's response so that nothing reaches the client before the
 // unit of work has committed or rolled back. Flush is accepted and has no effect until then.
 type recorder struct {
 	header http.Header
+	// sent is the header as it was when the status was written: what net/http sends (it
+	// ignores what a handler changes after WriteHeader), so what is sent and stored.
+	sent   http.Header
 	status int
 	body   bytes.Buffer
+	head   bool // the request is a HEAD: a Content-Length without a body is its GET's
 	// badLength: the handler's Content-Length did not hold what it wrote (a write refused).
 	badLength bool
 }
 
-func newRecorder() *recorder { return &recorder{header: http.Header{}} }
+func newRecorder(head bool) *recorder { return &recorder{header: http.Header{}, head: head} }
 
 func (rec *recorder) Header() http.Header { return rec.header }
+
+// headers is the response's header as sent: as at WriteHeader, or as now before it.
+func (rec *recorder) headers() http.Header {
+	if rec.sent != nil {
+		return rec.sent
+	}
+	return rec.header
+}
 
 func (rec *recorder) WriteHeader(status int) {
 	if rec.status != 0 {
@@ -34,6 +45,7 @@ func (rec *recorder) WriteHeader(status int) {
 	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
+		rec.sent = rec.header.Clone()
 	}
 }
 
@@ -51,8 +63,10 @@ func (rec *recorder) Write(b []byte) (int, error) {
 	if rec.status == http.StatusNoContent || rec.status == http.StatusNotModified {
 		return 0, http.ErrBodyNotAllowed
 	}
-	if cl := rec.header.Get("Content-Length"); cl != "" {
-		if n, err := strconv.ParseInt(strings.TrimSpace(cl), 10, 64); err == nil && n >= 0 && int64(rec.body.Len())+int64(len(b)) > n {
+	// Parsed as net/http parses it: a value it cannot read ("3 ", "-1") it drops, and sends
+	// the whole body.
+	if cl := rec.headers().Get("Content-Length"); cl != "" {
+		if n, err := strconv.ParseUint(cl, 10, 63); err == nil && uint64(rec.body.Len())+uint64(len(b)) > n {
 			rec.badLength = true
 			return 0, http.ErrContentLength
 		}
@@ -70,15 +84,17 @@ func (rec *recorder) code() int {
 	return rec.status
 }
 
-// sendTo sends the response as it is stored, but for a Content-Length that does not say the
-// body's length (a write it refused, or fewer bytes than it declared): net/http sets the true
-// one, so the first answer is whole, as its repeats are. A HEAD's Content-Length with no body
-// is kept.
+// sendTo sends the response as it was written (its header as at WriteHeader), but for a
+// Content-Length that does not say the body's length (a write it refused, fewer bytes than it
+// declared, a value net/http cannot read): net/http sets the true one, so the first answer is
+// whole, as its repeats are. A HEAD's Content-Length with no body is its GET's, and kept.
 func (rec *recorder) sendTo(w http.ResponseWriter) {
-	for k, v := range rec.header {
+	h := rec.headers()
+	for k, v := range h {
 		w.Header()[k] = v
 	}
-	if cl := rec.header.Get("Content-Length"); cl != "" && (rec.badLength || rec.body.Len() > 0 && strings.TrimSpace(cl) != strconv.Itoa(rec.body.Len())) {
+	if cl := h.Get("Content-Length"); cl != "" && !(rec.head && rec.body.Len() == 0) &&
+		(rec.badLength || cl != strconv.Itoa(rec.body.Len())) {
 		w.Header().Del("Content-Length")
 	}
 	w.WriteHeader(rec.code())

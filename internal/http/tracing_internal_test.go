@@ -10,7 +10,7 @@ import (
 func TestTracingOffAllocatesNothing(t *testing.T) {
 	q := &request{m: &Middleware{}, action: "POST /x"}
 	ctx := context.Background()
-	rec := newRecorder()
+	rec := newRecorder(false)
 	if n := testing.AllocsPerRun(1000, func() {
 		_, claim := q.startSpan(ctx, "idem.claim")
 		endSpan(claim, "claimed", nil)

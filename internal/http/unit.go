@@ -42,7 +42,7 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 	if tx != nil {
 		st.tx = tx
 	}
-	rec = newRecorder()
+	rec = newRecorder(q.r.Method == http.MethodHead)
 	r2 := q.r.WithContext(context.WithValue(ctx, stateKey{}, st))
 	r2.Body = io.NopCloser(bytes.NewReader(q.body))
 	r2.ContentLength = int64(len(q.body))
@@ -145,10 +145,15 @@ func (q *request) txOptions() dbidem.TxOptions {
 // stored turns the handler's response into what is stored.
 func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	h := http.Header{}
+	sent := rec.headers()
 	for _, name := range q.m.o.StoredHeaders {
-		if v := rec.header.Values(name); len(v) > 0 {
+		if v := sent.Values(name); len(v) > 0 {
 			h[http.CanonicalHeaderKey(name)] = v
 		}
+	}
+	if v := sent.Values("Content-Length"); len(v) > 0 && rec.head && rec.body.Len() == 0 {
+		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again.
+		h["Content-Length"] = v
 	}
 	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(rec.body.Bytes()), ResourceID: st.resourceID}
 	big := false
@@ -158,7 +163,7 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	case rec.body.Len() > q.m.o.MaxStoredBodyBytes:
 		resp.Body, resp.Withheld, big = nil, dbidem.WithheldTooLarge, true
 	}
-	if v := rec.header.Values("Content-Encoding"); len(v) > 0 && resp.Withheld == "" {
+	if v := sent.Values("Content-Encoding"); len(v) > 0 && resp.Withheld == "" {
 		// The body is stored as the handler sent it: encoded (a compressing middleware inside
 		// the route). Its encoding is part of it, whatever the allowlist says, or a replay
 		// would be gzip bytes with nothing to say so.
@@ -167,7 +172,7 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	if resp.Withheld != "" && resp.ResourceID == "" {
 		// A repeat cannot get the body: it gets the id of what was created instead, taken
 		// from the body's top-level "id" (the Location header is the fallback at replay).
-		resp.ResourceID = bodyID(rec.body.Bytes(), rec.header.Values("Content-Encoding"))
+		resp.ResourceID = bodyID(rec.body.Bytes(), sent.Values("Content-Encoding"))
 	}
 	// Stored as text: what PostgreSQL's text cannot hold (U+0000, bytes that are not UTF-8,
 	// which a body's "id" or SetResourceID may carry) would make every recording of the
