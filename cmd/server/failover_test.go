@@ -147,15 +147,27 @@ func (p *pair) follow(t *testing.T) {
 	if err := p.standby.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if !p.synchronous {
-		return
-	}
-	// Set in postgresql.auto.conf after the base backup, so that the standby never has it.
 	conn, err := pgx.Connect(ctx, p.primary.ConnString("postgres"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
+	// The standby streams before anything reads the primary's replication: a server started at
+	// once read "none" once, its standby not connected yet.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var streaming bool
+		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_replication WHERE state = 'streaming')`).Scan(&streaming)
+		if err == nil && streaming {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the standby did not stream in 30 s (%v)", err)
+		}
+	}
+	if !p.synchronous {
+		return
+	}
+	// Set in postgresql.auto.conf after the base backup, so that the standby never has it.
 	if _, err := conn.Exec(ctx, `ALTER SYSTEM SET synchronous_standby_names = '*'`); err != nil {
 		t.Fatal(err)
 	}
