@@ -21,24 +21,10 @@ import (
 // github.com/go-chi/chi/v5/middleware.Compress does (its deflate encoder is
 // compress/flate.NewWriter: raw DEFLATE, no zlib header), and as many servers and
 // browsers treat "deflate".
-func rawDeflated(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !strings.Contains(r.Header.Get("Accept-Encoding"), "deflate") {
-			h.ServeHTTP(w, r)
-			return
-		}
-		rec := httptest.NewRecorder()
-		h.ServeHTTP(rec, r)
-		for k, v := range rec.Header() {
-			w.Header()[k] = v
-		}
-		w.Header().Set("Content-Encoding", "deflate")
-		w.WriteHeader(rec.Code)
-		fw, _ := flate.NewWriter(w, flate.DefaultCompression)
-		fw.Write(rec.Body.Bytes())
-		fw.Close()
-	})
-}
+var rawDeflated = compressing("deflate", func(w io.Writer) io.WriteCloser {
+	fw, _ := flate.NewWriter(w, flate.DefaultCompression)
+	return fw
+})
 
 // withheldRepeat serves answer (withheld: over MaxStoredBodyBytes) on a keyed route wrapped
 // by wrap, sends it twice with key and acceptEncoding, and returns the repeat's status, code

@@ -3,6 +3,7 @@ package idem_test
 import (
 	"compress/gzip"
 	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -15,27 +16,33 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// gzipped is a minimal per-route compression middleware, as gzhttp or gziphandler wrap a
-// handler: when the request accepts gzip, the body goes out compressed with Content-Encoding.
-func gzipped(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !strings.Contains(r.Header.Get("Accept-Encoding"), "gzip") {
-			h.ServeHTTP(w, r)
-			return
-		}
-		rec := httptest.NewRecorder()
-		h.ServeHTTP(rec, r)
-		for k, v := range rec.Header() {
-			w.Header()[k] = v
-		}
-		w.Header().Set("Content-Encoding", "gzip")
-		w.Header().Add("Vary", "Accept-Encoding")
-		w.WriteHeader(rec.Code)
-		zw := gzip.NewWriter(w)
-		zw.Write(rec.Body.Bytes())
-		zw.Close()
-	})
+// compressing is a minimal per-route compression middleware, as gzhttp, gziphandler or chi's
+// Compress wrap a handler: when the request accepts encoding, the body goes out through
+// newWriter with Content-Encoding: encoding.
+func compressing(encoding string, newWriter func(io.Writer) io.WriteCloser) func(http.Handler) http.Handler {
+	return func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if !strings.Contains(r.Header.Get("Accept-Encoding"), encoding) {
+				h.ServeHTTP(w, r)
+				return
+			}
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, r)
+			for k, v := range rec.Header() {
+				w.Header()[k] = v
+			}
+			w.Header().Set("Content-Encoding", encoding)
+			w.Header().Add("Vary", "Accept-Encoding")
+			w.WriteHeader(rec.Code)
+			zw := newWriter(w)
+			zw.Write(rec.Body.Bytes())
+			zw.Close()
+		})
+	}
 }
+
+// gzipped compresses a route's answer with gzip.
+var gzipped = compressing("gzip", func(w io.Writer) io.WriteCloser { return gzip.NewWriter(w) })
 
 // TestCompressedAnswerReplaysWithItsEncoding: a route whose handler compresses its answer
 // (m.Route(rt)(gzipped(h))) stores the compressed bytes as the key's body, and stored not the
