@@ -70,27 +70,44 @@ func withheldRepeat(t *testing.T, wrap func(http.Handler) http.Handler, answer [
 	return send()
 }
 
-// TestRawDeflateWithheldBodyKeepsItsResourceID: docs/http.md, response_not_replayable:
-// "resource_id names what it created: ... else the top-level id of the first response's JSON
-// body"; D183 (review): "The body is decoded for it now (gzip and deflate ...)". A route whose
-// compressing middleware is chi's Compress (raw DEFLATE for "deflate") lost it: only a zlib
-// stream was read. Raw DEFLATE is read too now.
-func TestRawDeflateWithheldBodyKeepsItsResourceID(t *testing.T) {
+// incompressibleAnswer is a 201's JSON body with the top-level id acc_42, over a
+// MaxStoredBodyBytes of 64 whether it is compressed or not.
+func incompressibleAnswer() []byte {
 	noise := make([]byte, 300)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range noise {
 		noise[i] = byte(rng.Uint32())
 	}
-	// Incompressible: over MaxStoredBodyBytes compressed or not.
-	answer := []byte(`{"id":"acc_42","statement":"` + base64.StdEncoding.EncodeToString(noise) + `"}`)
-	// Control: the same answer through the same route uncompressed gets its resource_id.
-	if st, code, id := withheldRepeat(t, rawDeflated, answer, "k-plain", "identity"); st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
-		t.Fatalf("setup: uncompressed repeat %d %s resource_id %q, want 409 response_not_replayable acc_42", st, code, id)
-	}
-	st, code, id := withheldRepeat(t, rawDeflated, answer, "k-deflate", "deflate")
-	if st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
-		t.Errorf("repeat of a withheld answer sent with Content-Encoding: deflate (raw DEFLATE, as chi's Compress writes it): "+
-			"%d %s resource_id %q, want 409 response_not_replayable with resource_id acc_42", st, code, id)
+	return []byte(`{"id":"acc_42","statement":"` + base64.StdEncoding.EncodeToString(noise) + `"}`)
+}
+
+// TestCompressedWithheldBodyKeepsItsResourceID: docs/http.md, response_not_replayable:
+// "409. The first response was larger than the storage limit; resource_id names what it
+// created: what the handler named with SetResourceID, else the top-level id of the first
+// response's JSON body, else its Location".
+//
+// A handler behind a compressing middleware inside the route stores its body as sent, with its
+// Content-Encoding (D183). When such a body was withheld (over MaxStoredBodyBytes), the
+// middleware looked for the top-level "id" in the compressed bytes, found none, and the
+// repeat's 409 had no resource_id: the client could not find what the first request created.
+// The body is decoded for its "id" now: gzip, and deflate as a zlib stream or as raw DEFLATE
+// (chi's Compress writes raw DEFLATE for "deflate"; the first build of the decoding read only
+// zlib).
+func TestCompressedWithheldBodyKeepsItsResourceID(t *testing.T) {
+	answer := incompressibleAnswer()
+	for _, c := range []struct {
+		name, accept string
+		wrap         func(http.Handler) http.Handler
+	}{
+		{"uncompressed", "identity", gzipped},
+		{"gzip", "gzip", gzipped},
+		{"raw deflate", "deflate", rawDeflated},
+	} {
+		st, code, id := withheldRepeat(t, c.wrap, answer, "k-"+strings.ReplaceAll(c.name, " ", "-"), c.accept)
+		if st != http.StatusConflict || code != "response_not_replayable" || id != "acc_42" {
+			t.Errorf("%s: the repeat of a withheld answer: %d %s resource_id %q, want 409 response_not_replayable with resource_id acc_42",
+				c.name, st, code, id)
+		}
 	}
 }
 
