@@ -44,18 +44,11 @@ func startStandbyPair(t *testing.T, names string) *standbyPair {
 	settings := map[string]string{"fsync": "off", "max_connections": "50", "shared_buffers": "16MB",
 		"synchronous_commit": "on", "wal_sender_timeout": "0", "wal_receiver_timeout": "0",
 		"wal_retrieve_retry_interval": "500ms"}
-	port := func() int {
-		p, err := pgcluster.FreePort()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
 	p := &standbyPair{
 		primary: &pgcluster.Cluster{Dir: filepath.Join(dir, "a"), SocketDir: filepath.Join(dir, "a"), TCPAddr: "127.0.0.1",
-			Port: port(), Settings: settings},
+			AnyPort: true, Settings: settings},
 		standby: &pgcluster.Cluster{Dir: filepath.Join(dir, "b"), SocketDir: filepath.Join(dir, "b"), TCPAddr: "127.0.0.1",
-			Port: port(), Settings: settings},
+			AnyPort: true, Settings: settings},
 	}
 	t.Cleanup(func() {
 		_ = p.primary.Kill()

@@ -109,18 +109,11 @@ func startPair(t *testing.T, synchronous bool) *pair {
 		}
 		return out
 	}
-	port := func() int {
-		p, err := pgcluster.FreePort()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
 	p := &pair{dir: dir, synchronous: synchronous,
 		primary: &pgcluster.Cluster{Dir: filepath.Join(dir, "a"), SocketDir: filepath.Join(dir, "a"), TCPAddr: "127.0.0.1",
-			Port: port(), Settings: settings(nil)},
+			AnyPort: true, Settings: settings(nil)},
 		standby: &pgcluster.Cluster{Dir: filepath.Join(dir, "b"), SocketDir: filepath.Join(dir, "b"), TCPAddr: "127.0.0.1",
-			Port: port(), Settings: settings(nil)},
+			AnyPort: true, Settings: settings(nil)},
 	}
 	t.Cleanup(func() {
 		_ = p.primary.Kill()
@@ -529,11 +522,7 @@ func runFailover(t *testing.T, synchronous bool) failoverRun {
 
 	// The old primary's data, as it was when it died (started alone on a port of its own, so
 	// that the server never reaches it): what it had committed.
-	oldPort, err := pgcluster.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.primary.Port = oldPort
+	p.primary.Port = 0 // AnyPort: a new one
 	p.primary.Settings["synchronous_standby_names"] = ""
 	if err := p.primary.Start(ctx); err != nil {
 		t.Fatal(err)

@@ -101,10 +101,6 @@ func (c *Cluster) WithStandby(t testing.TB) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	port, err := pgcluster.FreePort()
-	if err != nil {
-		t.Fatalf("history: %v", err)
-	}
 	settings := map[string]string{}
 	for k, v := range c.pg.Settings {
 		settings[k] = v
@@ -115,7 +111,7 @@ func (c *Cluster) WithStandby(t testing.TB) {
 	dir := filepath.Join(filepath.Dir(c.pg.Dir), "standby") // in the temporary directory StartCluster removes
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.standby = &pgcluster.Cluster{Dir: dir, SocketDir: dir, TCPAddr: "127.0.0.1", Port: port, Settings: settings}
+	c.standby = &pgcluster.Cluster{Dir: dir, SocketDir: dir, TCPAddr: "127.0.0.1", AnyPort: true, Settings: settings}
 	t.Cleanup(func() {
 		c.mu.Lock()
 		defer c.mu.Unlock()

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -34,8 +35,12 @@ type Cluster struct {
 	// TCPAddr is set. Keep it short: a socket path is limited to about 100 bytes.
 	SocketDir string
 	// Port is the port number (the socket's name, and the TCP port when TCPAddr is set).
-	// Default 5432.
+	// Default 5432, or a free port when AnyPort is set.
 	Port int
+	// AnyPort lets Start choose the port of a throwaway cluster when Port is 0: a free one,
+	// and another when that one was taken before the server could bind it (up to five
+	// tries). Port holds the chosen port once Start returns, and later starts keep it.
+	AnyPort bool
 	// TCPAddr is the address to listen on, for example "127.0.0.1". Empty: Unix socket only.
 	TCPAddr string
 	// Settings are passed to the server as -c name=value, for example fsync=off.
@@ -85,7 +90,7 @@ func (c *Cluster) prepare() error {
 	if c.SocketDir == "" && c.TCPAddr == "" {
 		c.SocketDir = c.Dir
 	}
-	if c.Port == 0 {
+	if c.Port == 0 && !c.AnyPort {
 		c.Port = 5432
 	}
 	if c.cred, c.uid, c.gid, err = PostgresUser("the server (initdb refuses root)"); err != nil {
@@ -205,6 +210,34 @@ func (c *Cluster) Start(ctx context.Context) error {
 	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") == nil {
 		return nil
 	}
+	if !c.AnyPort || c.Port != 0 {
+		return c.startOnce(ctx)
+	}
+	for try := 1; ; try++ {
+		port, err := choosePort()
+		if err != nil {
+			return fmt.Errorf("pgcluster: %w", err)
+		}
+		c.Port = port
+		err = c.startOnce(ctx)
+		if err == nil || try == 5 || !errors.Is(err, errPortInUse) {
+			return err
+		}
+		// Taken between the choice and the bind: choose again.
+	}
+}
+
+// choosePort is FreePort; a test makes it return a taken port.
+var choosePort = FreePort
+
+// errPortInUse marks a start that failed because the port was taken.
+var errPortInUse = errors.New("port in use")
+
+func (c *Cluster) startOnce(ctx context.Context) error {
+	logStart := int64(0)
+	if fi, err := os.Stat(c.LogFile()); err == nil {
+		logStart = fi.Size() // the log is appended to: read only this start's lines
+	}
 	c.started = true
 	opts := []string{
 		"-c", "listen_addresses=" + c.TCPAddr,
@@ -222,15 +255,18 @@ func (c *Cluster) Start(ctx context.Context) error {
 	err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", c.LogFile(), "-w", "-t", "60",
 		"-o", strings.Join(quoteAll(opts), " "), "start")
 	if err != nil {
-		return c.startError(err)
+		return c.startError(err, logStart)
 	}
 	return nil
 }
 
 // startError explains a failed start from the server's log: its last FATAL or ERROR lines,
 // and for a port in use, which port.
-func (c *Cluster) startError(err error) error {
+func (c *Cluster) startError(err error, logStart int64) error {
 	log, _ := os.ReadFile(c.LogFile())
+	if logStart <= int64(len(log)) {
+		log = log[logStart:]
+	}
 	var cause []string
 	for _, line := range strings.Split(string(log), "\n") {
 		if strings.Contains(line, "FATAL:") || strings.Contains(line, "ERROR:") || strings.Contains(line, "HINT:") {
@@ -241,14 +277,26 @@ func (c *Cluster) startError(err error) error {
 		cause = cause[len(cause)-4:]
 	}
 	msg := fmt.Sprintf("pgcluster: PostgreSQL did not start in %s", c.Dir)
-	if strings.Contains(string(log), "Address already in use") || strings.Contains(string(log), "could not bind") {
+	inUse := strings.Contains(string(log), "Address already in use") || strings.Contains(string(log), "could not bind")
+	if inUse {
 		msg += fmt.Sprintf(": port %d is in use by another program (the server's IDEM_DATA_PORT chooses another)", c.Port)
+		err = errors.Join(err, errPortInUse)
 	}
 	if len(cause) > 0 {
-		return fmt.Errorf("%s\n%s\n(log: %s)", msg, strings.Join(cause, "\n"), c.LogFile())
+		return &startFailure{msg: fmt.Sprintf("%s\n%s\n(log: %s)", msg, strings.Join(cause, "\n"), c.LogFile()), err: err}
 	}
-	return fmt.Errorf("%s: %w (log: %s)", msg, err, c.LogFile())
+	return &startFailure{msg: fmt.Sprintf("%s: %v (log: %s)", msg, err, c.LogFile()), err: err}
 }
+
+// startFailure is a failed start: its message explains it from the log, and it wraps pg_ctl's
+// error (and errPortInUse when the port was taken).
+type startFailure struct {
+	msg string
+	err error
+}
+
+func (e *startFailure) Error() string { return e.msg }
+func (e *startFailure) Unwrap() error { return e.err }
 
 func quoteAll(args []string) []string {
 	out := make([]string, len(args))
@@ -308,14 +356,49 @@ func (c *Cluster) TCPHostPort() string {
 	return net.JoinHostPort(c.TCPAddr, strconv.Itoa(c.Port))
 }
 
-// FreePort returns a TCP port on 127.0.0.1 that nothing listened on a moment ago.
+// FreePort returns a TCP port on 127.0.0.1 that nothing listened on a moment ago. It is
+// chosen at random below the kernel's ephemeral range (ip_local_port_range), where the
+// source ports of outgoing connections and other programs' ":0" listeners never land, so
+// that the port is still free when its server binds it a while later. Where that range
+// cannot be read or leaves no room below it, the kernel chooses.
 func FreePort() (int, error) {
+	if low := ephemeralLow(); low > freePortFloor+1000 {
+		for range 50 {
+			port := freePortFloor + rand.IntN(low-freePortFloor)
+			ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+			if err == nil {
+				ln.Close()
+				return port, nil
+			}
+		}
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
 	}
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// freePortFloor is the lowest port FreePort chooses: above the registered ports most
+// services listen on.
+const freePortFloor = 20000
+
+// ephemeralLow is the first port of the kernel's ephemeral range, or 0 when unknown.
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 0
+	}
+	low, err := strconv.Atoi(f[0])
+	if err != nil {
+		return 0
+	}
+	return low
 }
 
 // StartTemp initializes and starts a throwaway cluster in a new temporary directory (made
@@ -331,12 +414,7 @@ func StartTemp(ctx context.Context, prefix string, settings map[string]string) (
 		os.RemoveAll(dir)
 		return nil, nil, err
 	}
-	port, err := FreePort()
-	if err != nil {
-		os.RemoveAll(dir)
-		return nil, nil, err
-	}
-	c = &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", Port: port, Settings: settings}
+	c = &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", AnyPort: true, Settings: settings}
 	stop = func() {
 		_ = c.Stop(context.Background())
 		_ = os.RemoveAll(dir)

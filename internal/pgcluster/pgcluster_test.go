@@ -75,3 +75,76 @@ func TestUnreachableDirectoryIsNamed(t *testing.T) {
 		t.Fatalf("a cluster under a closed directory: %v", err)
 	}
 }
+
+// TestAnyPortChoosesAgain: a throwaway cluster whose chosen port is taken before the server
+// binds it (what failed a CI run: another program's connection took the standby's port
+// between the choice and the start) starts on another port.
+func TestAnyPortChoosesAgain(t *testing.T) { // not parallel: it replaces choosePort
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	taken := ln.Addr().(*net.TCPAddr).Port
+	var chosen []int
+	choosePort = func() (int, error) {
+		if len(chosen) == 0 {
+			chosen = append(chosen, taken)
+			return taken, nil
+		}
+		p, err := FreePort()
+		chosen = append(chosen, p)
+		return p, err
+	}
+	defer func() { choosePort = FreePort }()
+	dir, err := os.MkdirTemp("", "idem-pgcluster-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	if err := os.Chmod(dir, 0o755); err != nil { // the server may run as postgres
+		t.Fatal(err)
+	}
+	c := &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", AnyPort: true}
+	ctx := context.Background()
+	if err := c.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop(ctx)
+	if err := c.Start(ctx); err != nil {
+		t.Fatalf("start with the first choice taken: %v", err)
+	}
+	if len(chosen) != 2 || c.Port != chosen[1] || c.Port == taken {
+		t.Fatalf("chosen %v, port %d, taken %d", chosen, c.Port, taken)
+	}
+	conn, err := net.Dial("tcp", c.TCPHostPort())
+	if err != nil {
+		t.Fatalf("the server is not on its port %d: %v", c.Port, err)
+	}
+	conn.Close()
+}
+
+// TestFreePortIsBelowTheEphemeralRange: a port chosen for a server started later is one
+// that outgoing connections' source ports never take.
+func TestFreePortIsBelowTheEphemeralRange(t *testing.T) {
+	t.Parallel()
+	floor, low := freePortFloor, ephemeralLow()
+	if low <= freePortFloor+1000 {
+		t.Logf("this machine's ephemeral range starts at %d: the kernel chooses", low)
+		floor, low = 1, 65536
+	}
+	for range 20 {
+		p, err := FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p))); err != nil {
+			t.Fatalf("FreePort chose %d, which is taken: %v", p, err)
+		} else {
+			ln.Close()
+		}
+		if p < floor || p >= low {
+			t.Fatalf("FreePort chose %d, not in [%d, %d)", p, freePortFloor, low)
+		}
+	}
+}
