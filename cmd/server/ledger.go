@@ -319,6 +319,16 @@ type transfer struct {
 	CreatedAt time.Time `json:"created_at"`
 }
 
+// lockTransferAccounts locks a transfer's two accounts in id order, so that two opposite
+// transfers cannot deadlock. FOR NO KEY UPDATE, not FOR UPDATE: a transfer changes no key,
+// and the weaker lock lets the foreign-key checks of rows that reference the accounts (a
+// payout's record, a deposit's) pass without waiting. With FOR UPDATE such a check, which
+// also locks the account's newer versions, could wait for a transfer that waited for it: a
+// deadlock, and a 500 for a payout whose record is written outside the request's
+// transaction (D185).
+const lockTransferAccounts = `SELECT id, currency, balance FROM ledger.accounts
+	WHERE id IN ($1, $2) AND principal_id = $3 ORDER BY id FOR NO KEY UPDATE`
+
 func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var in struct {
@@ -348,9 +358,7 @@ func (s *ledger) createTransfer(w http.ResponseWriter, r *http.Request) {
 	}
 	principal, _ := principalOf(ctx)
 	tx := idem.TxFrom(ctx)
-	// Lock both accounts in id order, so two opposite transfers cannot deadlock.
-	rows, err := tx.Query(ctx, `SELECT id, currency, balance FROM ledger.accounts
-		WHERE id IN ($1, $2) AND principal_id = $3 ORDER BY id FOR UPDATE`, from, to, principal)
+	rows, err := tx.Query(ctx, lockTransferAccounts, from, to, principal)
 	if err != nil {
 		s.serverError(w, r, err)
 		return

@@ -183,3 +183,53 @@ func TestPayoutSurvivesAServerKill(t *testing.T) {
 		t.Fatalf("%d payouts in the ledger, want alice's and bob's", n)
 	}
 }
+
+// TestPayoutDoesNotWaitForATransfer: a payout's record, written outside the request's
+// transaction, references its account; its foreign-key check must not wait for a transfer
+// that holds the account. When transfers locked their accounts FOR UPDATE it did, and with
+// deposits updating the account in between, the check (which also locks the account's newer
+// versions) could wait for a transfer that waited for it: a deadlock, and a 500 for the payout
+// (a CI run of the upgrade test met it in release 0.2.0). Here a transfer's lock, taken with
+// the server's own statement, is held open while the payout runs.
+func TestPayoutDoesNotWaitForATransfer(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "1ms"})
+	principal, token := s.principal("payer")
+	open := func(name string) int64 {
+		return int64(s.call("POST", "/v1/accounts", token, "", `{"name":"`+name+`","currency":"EUR"}`).json(t)["id"].(float64))
+	}
+	from, to := open("from"), open("to")
+	ctx := context.Background()
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	rows, err := tx.Query(ctx, lockTransferAccounts, from, to, principal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	locked := 0
+	for rows.Next() {
+		locked++
+	}
+	if rows.Close(); rows.Err() != nil || locked != 2 {
+		t.Fatalf("the transfer's lock: %d accounts, %v", locked, rows.Err())
+	}
+
+	answer := make(chan resp, 1)
+	began := time.Now()
+	go func() {
+		answer <- s.call("POST", "/v1/payouts", token, "pay-beside-a-transfer", fmt.Sprintf(`{"account":%d,"amount":5}`, from))
+	}()
+	select {
+	case r := <-answer:
+		if r.status != http.StatusCreated {
+			t.Fatalf("the payout beside a transfer: %+v, want 201", r)
+		}
+		t.Logf("the payout answered in %v while the transfer held its accounts", time.Since(began).Round(time.Millisecond))
+	case <-time.After(5 * time.Second):
+		_ = tx.Rollback(ctx)
+		t.Fatalf("the payout still waited 5 s for the transfer's lock (then: %+v)", <-answer)
+	}
+}
