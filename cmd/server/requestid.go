@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"log/slog"
 	"net/http"
 	"time"
@@ -30,16 +31,17 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 		}
 		r.Header.Set("X-Request-Id", id)
 		w.Header().Set("X-Request-Id", id)
-		sw := &statusWriter{ResponseWriter: w, status: http.StatusOK}
+		sw := &statusWriter{ResponseWriter: w, status: http.StatusOK, ctx: r.Context()}
 		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id)))
 		level := slog.LevelInfo
 		if r.URL.Path == "/metrics" || r.URL.Path == "/healthz" {
 			level = slog.LevelDebug
 		}
 		status := sw.status
-		if !sw.wrote && r.Context().Err() != nil {
-			// Nothing was answered and the client is gone (it disconnected or timed out while
-			// the request waited): no 200 was sent, whatever net/http would have defaulted to.
+		if sw.goneFirst || !sw.wrote && r.Context().Err() != nil {
+			// The client was gone before anything was answered (it disconnected while the
+			// request waited): what was written went nowhere (a duplicate is written its 409 all
+			// the same), and no 200 was sent, whatever net/http would have defaulted to.
 			status = statusClientGone
 		}
 		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", r.URL.Path, "status", status,
@@ -65,16 +67,28 @@ const statusClientGone = 499
 
 type statusWriter struct {
 	http.ResponseWriter
+	ctx    context.Context // the request's, from net/http: canceled when its client disconnects
 	status int
 	wrote  bool
+	// goneFirst: the client had disconnected when the answer was first written. An outer
+	// deadline ends the context too (context.DeadlineExceeded), with the client still there.
+	goneFirst bool
+}
+
+func (w *statusWriter) first() {
+	if !w.wrote {
+		w.wrote = true
+		w.goneFirst = errors.Is(w.ctx.Err(), context.Canceled)
+	}
 }
 
 func (w *statusWriter) Write(b []byte) (int, error) {
-	w.wrote = true
+	w.first()
 	return w.ResponseWriter.Write(b)
 }
 
 func (w *statusWriter) WriteHeader(code int) {
-	w.status, w.wrote = code, true
+	w.first()
+	w.status = code
 	w.ResponseWriter.WriteHeader(code)
 }

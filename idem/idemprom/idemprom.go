@@ -82,7 +82,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		}, []string{"action", "state"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idempotency_request_duration_seconds",
-			Help:    "Time from the key check to the answer of keyed requests, by state.",
+			Help:    "Time from a keyed request's body read to its answer, by state (the upload not included).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}, []string{"state"}),
 		extensions: prometheus.NewCounterVec(prometheus.CounterOpts{

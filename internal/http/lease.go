@@ -38,6 +38,9 @@ import (
 func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decision) State {
 	start := time.Now()
 	attempt := d.Attempt
+	// Every line this lease logs names the key's hash, the attempt and the request.
+	llog := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
+		"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	timeout := q.rt.LeaseTimeout
 	if timeout <= 0 {
 		timeout = dbidem.DefaultLeaseTimeout
@@ -58,8 +61,8 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		if yielded {
 			q.m.watches.signal(watchKey{claim.Principal, claim.Key})
 		} else if err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
-			q.m.o.Logger.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again",
-				"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+			llog.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again",
+				"error", err)
 			// The claim stands until its lease runs out: a retry before that would get 409.
 			retry = strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1))
 		}
@@ -76,8 +79,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		// before the work could start, and it could not be renewed: another attempt may hold
 		// the key; the work does not start.
 		l.Stop()
-		q.m.o.Logger.Warn("idem: a lease ran out before its work started; the work did not run", "key_hash",
-			keyHash(claim.Principal, claim.Key), "attempt", attempt)
+		llog.Warn("idem: a lease ran out before its work started; the work did not run")
 		q.m.o.Metrics.LeaseEnded(q.action, true, time.Since(start))
 		q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client got 409
 		retry := claim.Lease
@@ -166,8 +168,8 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			yielded, yerr = dbidem.PersistYield(yctx, db, claim.Principal, claim.Key, attempt)
 			ycancel()
 			if yerr != nil && !errors.Is(yerr, dbidem.ErrClaimLost) {
-				q.m.o.Logger.Warn("idem: a lease that ran out by this process's clock could not be given up; the key waits for its lease to run out",
-					"error", yerr, "key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+				llog.Warn("idem: a lease that ran out by this process's clock could not be given up; the key waits for its lease to run out",
+					"error", yerr)
 			}
 		}
 	case v == rollBack:
@@ -184,8 +186,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// answered 503 outcome_unknown below, as any answer not recorded, and counts as lost).
 	unanswered := (lost && !late && !yielded) || errors.Is(err, dbidem.ErrClaimLost)
 	if late && err == nil {
-		q.m.o.Logger.Warn("idem: a lease ran out before its work ended, but no other attempt had taken the key over: its answer was recorded",
-			"key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt)
+		llog.Warn("idem: a lease ran out before its work ended, but no other attempt had taken the key over: its answer was recorded")
 	}
 	lost = unanswered || yielded || (late && err != nil)
 	switch {
@@ -205,8 +206,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			q.m.typical.add(q.action, time.Since(start))
 		}
 	}
-	log := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
-		"extensions", l.Extensions(), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+	log := llog.With("extensions", l.Extensions())
 	if aborted {
 		if err != nil {
 			log.Error("idem: the handler aborted; its lease was not ended, and the key stays in progress until the lease runs out", "error", err)

@@ -52,7 +52,8 @@ type Observer interface {
 	// Count counts one state of a keyed request of this action (a request may count
 	// StateAcquired and then StateOversize).
 	Count(action string, state State)
-	// Done times a keyed request from the key check to its answer, by its main state.
+	// Done times a keyed request from its body read (the client's upload not included) to its
+	// answer, by its main state.
 	Done(state State, elapsed time.Duration)
 	// LeaseExtended counts one extension of a lease route's lease (the heartbeat).
 	LeaseExtended(action string)

@@ -213,7 +213,6 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		next.ServeHTTP(w, r)
 		return
 	}
-	start := time.Now()
 	// The body is what the client sent, whatever the principal function does with it: it may
 	// read it (a form's access_token, RFC 6750 section 2.2, through r.FormValue), put it back
 	// (a webhook's signature check), wrap it (http.MaxBytesReader) or peek at it. Every byte
@@ -309,6 +308,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		q.unkeyed()
 		return
 	}
+	// The request's time in the histogram runs from here, its body read: how long the client
+	// took to upload it is the client's, not the store's or the handler's.
+	start := time.Now()
 	var fp canon.Fingerprint
 	var bodyJSON bool
 	var ambiguous string

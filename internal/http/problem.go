@@ -218,7 +218,7 @@ func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, code, detai
 	spec, ok := problems[code]
 	if !ok {
 		m.o.Logger.Error("idem: Refuse takes only this package's problem codes (an application's own go to WriteProblem); answered 500 internal_error",
-			"code", code)
+			"code", code, "request_id", r.Header.Get(m.o.CorrelationHeader))
 		code, detail, edit = CodeInternalError, "the request failed; nothing was changed; retrying with the same key is safe", nil
 		spec = problems[code]
 	}

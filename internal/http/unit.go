@@ -351,7 +351,9 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	started := time.Now()
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
 	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
-		d, rec, oversize = dec, nil, false
+		// Each run decides afresh: a run after a deadlock may replay what another request
+		// committed meanwhile, and its claim was rolled back with the run before.
+		d, rec, oversize, acquired = dec, nil, false, false
 		if d.Outcome == dbidem.Mismatch && q.rawHashed {
 			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
 				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
@@ -407,7 +409,8 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
 		return StateAcquired, nil
-	case err != nil && !acquired && q.r.Context().Err() != nil && (waitable(err) || errors.Is(err, context.Canceled)):
+	case err != nil && !acquired && q.r.Context().Err() != nil &&
+		(waitable(err) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
 		// The request's context ended while this request waited for another with its key:
 		// nothing was done. Usually the client went away, but an outer middleware's deadline
 		// ends it too, with the client still waiting: it is told to retry (written to a client
