@@ -3181,6 +3181,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_now   timestamptz := clock_timestamp();
@@ -3250,6 +3251,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 BEGIN
     SELECT sum((f ->> 'in_progress')::bigint)::bigint, sum((f ->> 'leases_run_out')::bigint)::bigint,
@@ -3362,6 +3364,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_problem text;
@@ -3426,6 +3429,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_problem text;
@@ -3566,6 +3570,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET debug_print_plan = off
 SET client_min_messages = notice
 

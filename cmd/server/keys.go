@@ -17,6 +17,16 @@ import (
 	"github.com/pgidem/pgidem/idem"
 )
 
+// tableLocked explains a read of the keys that met a lock on the key table: the operator
+// functions wait for it at most their lock_timeout (2 s), then raise 55P03.
+func tableLocked(err error) error {
+	if errors.Is(err, idem.ErrStoreBusy) {
+		return fmt.Errorf("the key table is locked (a VACUUM FULL, CLUSTER, pg_repack, a migration's swap or a LOCK TABLE holds it); "+
+			"nothing was read: try again once it ends [%w]", err)
+	}
+	return err
+}
+
 // healthEvery is how often, at most, the key gauges (idemprom.HealthCollector) ask the
 // database: a scrape in between gets the figures of the last read.
 const healthEvery = 15 * time.Second
@@ -34,11 +44,11 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 	case len(args) == 0 || (len(args) == 1 && args[0] == "by-principal"):
 		rows, err := idem.ReadSummary(ctx, pool, len(args) == 1)
 		if err != nil {
-			return err
+			return tableLocked(err)
 		}
 		h, err := idem.ReadHealth(ctx, pool)
 		if err != nil {
-			return err
+			return tableLocked(err)
 		}
 		fmt.Fprintf(out, "%-24s %10s %12s %10s %9s %8s %15s  %s\n", "principal", "keys", "in_progress", "completed", "released",
 			"expired", "leases_run_out", "oldest_in_progress")
@@ -70,7 +80,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		claims, err := idem.ReadStuck(ctx, pool, age, maxStuckListed+1)
 		if err != nil {
-			return err
+			return tableLocked(err)
 		}
 		cut := len(claims) > maxStuckListed
 		if cut {
@@ -92,7 +102,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 	case len(args) == 2:
 		k, ok, err := idem.ReadKey(ctx, pool, args[0], args[1])
 		if err != nil {
-			return err
+			return tableLocked(err)
 		}
 		if !ok {
 			return fmt.Errorf("no key %q of principal %q", args[1], args[0])

@@ -151,8 +151,16 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 // another process holds the lock.
 const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
 
-// batchWaitSQL is batchSQL that waits for the lock (CleanerOptions.Wait).
-const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact_lock($1) OFFSET 0) AS l`
+// batchWaitSQL is batchSQL that waits for the lock (CleanerOptions.Wait), whatever
+// lock_timeout the session has (a role's ALTER ROLE ... SET lock_timeout): a maintenance window
+// holds the lock for as long as it needs, as idem_cleanup_all waits for it. The wait is its
+// transaction's, the statement's own; lock_timeout 0 lasts as long.
+const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact_lock($1) FROM ` + noLockTimeout + ` OFFSET 0) AS l`
+
+// noLockTimeout is a subquery that sets lock_timeout to 0 for the transaction (the statement's,
+// when it has none of its own); the lock is taken in the target list of a query over it, so
+// after it.
+const noLockTimeout = `(SELECT pg_catalog.set_config('lock_timeout', '0', true) OFFSET 0) AS nl`
 
 // workersSQL is, under the cleanup lock, one pass of idem_cleanup_workers: locked tells
 // whether this transaction took the lock (the pass runs only then), and the array is
@@ -166,7 +174,7 @@ const workersSQLFormat = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY
 	  FROM (%s) AS l`
 
 // workersWaitSQL is workersSQL that waits for the lock (CleanerOptions.Wait): locked is true.
-var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT true AS locked FROM pg_advisory_xact_lock($4) OFFSET 0")
+var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT pg_advisory_xact_lock($4) IS NOT NULL AS locked FROM "+noLockTimeout+" OFFSET 0")
 
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own

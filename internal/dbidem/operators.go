@@ -2,10 +2,12 @@ package dbidem
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // The operators' view of the keys (idem_summary, idem_health, idem_key) and their lever
@@ -50,7 +52,7 @@ func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 		FROM idem.idem_health() AS h, idem.idem_replication() AS r`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
 		&h.Replication, &h.Standbys, &warning)
 	if err != nil {
-		return Health{}, classify(err)
+		return Health{}, classifyRead(err)
 	}
 	if oldest != nil {
 		h.OldestInProgress = *oldest
@@ -85,7 +87,7 @@ func ReadSummary(ctx context.Context, q interface {
 	rows, err := q.Query(ctx, `SELECT coalesce(principal_id, ''), keys, in_progress, completed, released, expired,
 		leases_run_out, oldest_in_progress_at, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`, byPrincipal)
 	if err != nil {
-		return nil, classify(err)
+		return nil, classifyRead(err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
 		var s Summary
@@ -96,7 +98,7 @@ func ReadSummary(ctx context.Context, q interface {
 		}
 		return s, err
 	})
-	return out, classify(err)
+	return out, classifyRead(err)
 }
 
 // KeyStory is one key's story (idem.idem_key): never its body.
@@ -139,7 +141,7 @@ func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, b
 	case err == pgx.ErrNoRows:
 		return KeyStory{}, false, nil
 	case err != nil:
-		return KeyStory{}, false, classify(err)
+		return KeyStory{}, false, classifyRead(err)
 	}
 	for _, p := range []struct {
 		src *time.Time
@@ -204,7 +206,7 @@ func ReadStuck(ctx context.Context, q interface {
 		extract(epoch FROM age)::float8, provider_key FROM idem.idem_stuck($1::interval, $2::integer)`,
 		fmt.Sprintf("%d microseconds", olderThan.Microseconds()), limit)
 	if err != nil {
-		return nil, classify(err)
+		return nil, classifyRead(err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (StuckClaim, error) {
 		var s StuckClaim
@@ -213,5 +215,16 @@ func ReadStuck(ctx context.Context, q interface {
 		s.Age = time.Duration(age * float64(time.Second))
 		return s, err
 	})
-	return out, classify(err)
+	return out, classifyRead(err)
+}
+
+// classifyRead is classify for the operators' reads: their lock_timeout (2 s) runs out only
+// behind a lock on the key table itself (a VACUUM FULL, a LOCK TABLE), never behind a claim
+// in progress, so a 55P03 is ErrStoreBusy.
+func classifyRead(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
+	}
+	return classify(err)
 }

@@ -24,6 +24,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 {{ template "include/secret_attributes.sql" . }}
 AS $$
 DECLARE
