@@ -31,7 +31,10 @@ import (
 // again (a crash before the step commits, a serialization failure that runs fn again): make it
 // one that deduplicates, a provider called with ClaimInfo.ProviderKey (or LeaseClaim's), and
 // save its answer as the step's value, so that no later attempt calls it again once the step
-// is recorded. fn's transaction holds a connection of the pool while fn runs. When fn fails,
+// is recorded. fn's transaction takes a connection of the pool when fn first sends a
+// statement through tx (or to record the step when fn sent none), and holds it from then until
+// the step ends: an outside call before fn's first statement holds none (a provider that
+// shares the pool cannot starve it of connections), one after it holds one. When fn fails,
 // its transaction rolls back and Step returns fn's error; the step is not recorded, and runs
 // again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
 // in a new transaction, as Do does.

@@ -57,6 +57,21 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")
 }
 
+// stepError is serverError for a stepped payout that failed after its first step: the steps
+// it did are recorded with the key, so "nothing was changed" would not be true; the retry
+// with the key goes on after them.
+func (s *ledger) stepError(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) {
+		s.serverError(w, r, err)
+		return
+	}
+	if r.Context().Err() == nil {
+		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	problem(w, r, http.StatusInternalServerError, "internal_error",
+		"the payout stopped after some of its steps, which are recorded with the key; retry with the same Idempotency-Key to finish it")
+}
+
 func invalid(w http.ResponseWriter, r *http.Request, detail string) {
 	problem(w, r, http.StatusUnprocessableEntity, "validation_failed", detail)
 }

@@ -95,7 +95,7 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 		return s.provider.pay(ctx, principal, claim.ProviderKey, amt)
 	})
 	if err != nil {
-		s.serverError(w, r, err)
+		s.stepError(w, r, err)
 		return
 	}
 	s.pause(ctx)
@@ -112,7 +112,7 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 		return p, err
 	})
 	if err != nil {
-		s.serverError(w, r, err)
+		s.stepError(w, r, err)
 		return
 	}
 	s.pause(ctx)

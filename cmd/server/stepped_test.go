@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -128,5 +129,53 @@ func TestSteppedPayoutKilledBetweenSteps(t *testing.T) {
 				t.Errorf("no kill: the first attempt got %d", st)
 			}
 		}
+	}
+}
+
+// TestSteppedPayoutsBeyondThePoolSize: twice as many concurrent stepped payouts as the pool has
+// connections, each on an account of its own, and a deposit beside them. The pay step called
+// the simulated provider (which writes through the same pool) while its step held a
+// connection: with as many payouts in that step as connections, each held one and waited for
+// another, until the leases were lost and every payout answered 500 after 2 s, its money
+// reserved.
+func TestSteppedPayoutsBeyondThePoolSize(t *testing.T) {
+	t.Parallel()
+	const n = 8
+	s := startServer(t, map[string]string{"DATABASE_POOL_SIZE": "4", "PAYOUTS_LEASE": "2s", "PAYOUT_PROVIDER_DELAY": "300ms"})
+	_, token := s.principal("steppool")
+	accounts := make([]int, n+1)
+	for i := range accounts {
+		accounts[i] = int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
+		if r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", accounts[i]), token, "", `{"amount":1000}`); r.status != http.StatusCreated {
+			t.Fatalf("the deposit: %+v", r)
+		}
+	}
+	var wg sync.WaitGroup
+	answers := make([]resp, n)
+	began := time.Now()
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			answers[i] = s.call("POST", "/v1/stepped-payouts", token, fmt.Sprintf("sp-%d", i), fmt.Sprintf(`{"account":%d,"amount":10}`, accounts[i]))
+		}()
+	}
+	deposit := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", accounts[n]), token, "dep", `{"amount":1}`)
+	wg.Wait()
+	took := time.Since(began)
+	for i, r := range answers {
+		if r.status != http.StatusCreated {
+			t.Errorf("stepped payout %d: %d %s", i, r.status, r.body)
+		}
+	}
+	if deposit.status != http.StatusCreated {
+		t.Errorf("the deposit beside them: %d %s", deposit.status, deposit.body)
+	}
+	// Two rounds of 300 ms on four connections; a starved pool waits out the 2 s leases.
+	if took > 1500*time.Millisecond {
+		t.Errorf("%d stepped payouts with a 300 ms provider took %v", n, took.Round(time.Millisecond))
+	}
+	if got := s.count(`SELECT count(*) FROM ledger.payouts`); got != n {
+		t.Errorf("%d payouts recorded, want %d", got, n)
 	}
 }

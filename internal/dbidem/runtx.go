@@ -45,12 +45,17 @@ type Acquirer interface {
 // keep state from a failed run (re-read a request body from its start, reset a response
 // buffer). A fn that sends no statement costs no round trip.
 func RunTx(ctx context.Context, db Acquirer, opts TxOptions, fn func(tx *Tx) error) error {
-	return runTx(ctx, db, opts, 0, fn)
+	return runTx(ctx, db, opts, 0, false, fn)
 }
 
 // runTx is RunTx; commitBound, when set, bounds the wait for COMMIT's reply (a step's): past
 // it the COMMIT is abandoned, not canceled, and runTx returns ErrCommitUnknown (D168).
-func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Duration, fn func(tx *Tx) error) error {
+//
+// lazy (a step's): the connection is acquired when fn first needs it (a statement, Conn),
+// not before fn runs, so that a step whose fn calls outside the database first (a provider)
+// holds no connection meanwhile; with a pool shared with that outside call, as many such
+// steps as connections would otherwise each hold one and wait for another.
+func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Duration, lazy bool, fn func(tx *Tx) error) error {
 	attempts := opts.MaxAttempts
 	if attempts <= 0 {
 		attempts = DefaultMaxAttempts
@@ -70,7 +75,7 @@ func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Du
 			}
 		}
 		var again bool
-		again, err = runOnce(ctx, db, opts.TxOptions, commitBound, fn)
+		again, err = runOnce(ctx, db, opts.TxOptions, commitBound, lazy, fn)
 		if !again {
 			return err
 		}
@@ -80,21 +85,26 @@ func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Du
 
 // runOnce runs fn in one transaction; again tells whether the unit of work may run again (a
 // statement of the work or the commit failed in a way a new transaction may not).
-func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound time.Duration, fn func(tx *Tx) error) (again bool, err error) {
-	conn, err := db.Acquire(ctx)
-	if err != nil {
-		return false, err
+func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound time.Duration, lazy bool, fn func(tx *Tx) error) (again bool, err error) {
+	t := &Tx{opts: txOpts, pool: db, poolCtx: ctx}
+	if !lazy {
+		if err := t.acquire(); err != nil {
+			return false, err
+		}
 	}
 	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
 	// transaction status when the connection comes back. A COMMIT still running when ctx
 	// ends keeps it (commit) and releases it when the COMMIT returns.
-	release := conn.Release
+	release := func() {
+		if t.pooled != nil {
+			t.pooled.Release()
+		}
+	}
 	defer func() {
 		if release != nil {
 			release()
 		}
 	}()
-	t := &Tx{conn: conn.Conn(), opts: txOpts}
 	defer func() {
 		if r := recover(); r != nil {
 			t.rollback(ctx)

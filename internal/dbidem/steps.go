@@ -169,7 +169,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		// until its Timeout (D168).
 		commitBound = max(s.lease.lease, ClaimReplyMargin)
 	}
-	err := runTx(ctx, s.db, s.opts, commitBound, func(tx *Tx) error {
+	// The connection is taken when fn first sends a statement, or for the recovery point
+	// after it: fn's calls outside the database hold none.
+	err := runTx(ctx, s.db, s.opts, commitBound, true, func(tx *Tx) error {
 		var err error
 		if result, err = fn(ctx, tx); err != nil {
 			return err

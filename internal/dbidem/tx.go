@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // claimSavepoint is taken right after idem_begin, in the same round trip: a final error rolls
@@ -39,7 +40,10 @@ var ErrTxOwned = errors.New("idem: the transaction is RunTx's: return from the f
 // or before the first statement of the work. Every statement is watched for serialization
 // failures and deadlocks, which make RunTx run the unit again.
 type Tx struct {
-	conn    *pgx.Conn
+	conn    *pgx.Conn // nil until acquired (a step's transaction acquires it when first needed)
+	pooled  *pgxpool.Conn
+	pool    Acquirer
+	poolCtx context.Context // the context the connection is acquired on: RunTx's
 	opts    pgx.TxOptions
 	tx      pgx.Tx // nil until BEGIN has been sent
 	claim   *Claim
@@ -60,10 +64,26 @@ type Tx struct {
 
 var _ pgx.Tx = (*Tx)(nil)
 
+// acquire takes the transaction's connection from the pool unless it has one.
+func (t *Tx) acquire() error {
+	if t.conn != nil {
+		return nil
+	}
+	c, err := t.pool.Acquire(t.poolCtx)
+	if err != nil {
+		return err
+	}
+	t.pooled, t.conn = c, c.Conn()
+	return nil
+}
+
 // begin sends BEGIN unless it was sent.
 func (t *Tx) begin(ctx context.Context) error {
 	if t.tx != nil {
 		return nil
+	}
+	if err := t.acquire(); err != nil {
+		return err
 	}
 	tx, err := t.conn.BeginTx(ctx, t.opts)
 	if err != nil {
@@ -106,6 +126,9 @@ func withReadSteps(ctx context.Context) context.Context {
 func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	if t.claim != nil {
 		return Decision{}, errors.New("idem: Tx.Claim called twice in one transaction")
+	}
+	if err := t.acquire(); err != nil {
+		return Decision{}, err
 	}
 	b := &pgx.Batch{}
 	if t.tx == nil {
@@ -229,6 +252,9 @@ func (t *Tx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []strin
 
 // Prepare prepares a statement on the transaction's connection.
 func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.acquire(); err != nil {
+		return nil, err
+	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
@@ -243,5 +269,9 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 	return t.tx.LargeObjects()
 }
 
-// Conn returns the transaction's connection.
-func (t *Tx) Conn() *pgx.Conn { return t.conn }
+// Conn returns the transaction's connection; a step's transaction acquires it here if no
+// statement did yet (nil if the pool gave none: its context ended, the pool closed).
+func (t *Tx) Conn() *pgx.Conn {
+	_ = t.acquire()
+	return t.conn
+}
