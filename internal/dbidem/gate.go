@@ -349,6 +349,9 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	}
 	unit := func(c Claim, waits bool) func(tx *Tx) error {
 		return func(tx *Tx) error {
+			if start, _ := ctx.Value(attemptStartKey{}).(func()); start != nil {
+				start()
+			}
 			// A lease claim's unit is the claim and its COMMIT: fn returns at once (the
 			// callers of RunDetached run a lease's work after it), so the server may end
 			// the transaction once idle (Tx.leaseUnit).
@@ -490,6 +493,23 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	defer func() { <-g.slots }()
 	return RunTx(ctx, db, opts, unit(rest, true))
 }
+
+// attemptStartKey marks a work context that carries a function RunDetached calls as each run
+// of its unit of work starts (WithAttemptStart).
+type attemptStartKey struct{}
+
+// WithAttemptStart returns work with start, which RunDetached calls at the start of each run of
+// its unit of work, before the claim: each try of the claim, and each run again after a
+// serialization failure or a deadlock. A caller that keeps what a run decided (a decision, a
+// count) forgets it there, so that a run whose claim fails leaves nothing of the run before.
+func WithAttemptStart(work context.Context, start func()) context.Context {
+	return context.WithValue(work, attemptStartKey{}, start)
+}
+
+// IsNoReply tells whether err is a claim's or a lease's statement given up because the
+// database did not answer within its bound (the connection taken for lost): the store's
+// failure, whatever context also ended meanwhile.
+func IsNoReply(err error) bool { return errors.Is(err, errNoReply) }
 
 // tableBusyPauses are the pauses before the probes that follow one that timed out on a lock
 // other than the key's: about 50 ms in all, long enough for the table's extension lock under

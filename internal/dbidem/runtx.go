@@ -91,6 +91,10 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		if err := t.acquire(); err != nil {
 			return false, err
 		}
+	} else if ctx.Err() != nil {
+		// As an Acquire up front would: fn (and its outside call) does not run for a context
+		// that ended already.
+		return false, context.Cause(ctx)
 	}
 	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
 	// transaction status when the connection comes back. A COMMIT still running when ctx

@@ -269,9 +269,17 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 	return t.tx.LargeObjects()
 }
 
-// Conn returns the transaction's connection; a step's transaction acquires it here if no
-// statement did yet (nil if the pool gave none: its context ended, the pool closed).
+// Conn returns the transaction's connection. A step's transaction acquires it here if no
+// statement did yet, waiting for one even when the step's context has ended (the
+// connection's statements then fail on that context, as before the acquisition was lazy);
+// nil only when the pool is closed.
 func (t *Tx) Conn() *pgx.Conn {
-	_ = t.acquire()
+	if t.conn == nil {
+		c, err := t.pool.Acquire(context.WithoutCancel(t.poolCtx))
+		if err != nil {
+			return nil
+		}
+		t.pooled, t.conn = c, c.Conn()
+	}
 	return t.conn
 }

@@ -350,10 +350,14 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	}
 	started := time.Now()
 	_, claimSpan := q.startSpan(ctx, "idem.claim")
-	err := q.m.gate.RunDetached(waitCtx, wctx, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
-		// Each run decides afresh: a run after a deadlock may replay what another request
-		// committed meanwhile, and its claim was rolled back with the run before.
-		d, rec, oversize, acquired = dec, nil, false, false
+	// Each run decides afresh: a run after a deadlock may replay what another request
+	// committed meanwhile, or fail to claim, and its claim was rolled back with the run before.
+	fresh := dbidem.WithAttemptStart(wctx, func() {
+		d, rec, oversize, acquired = dbidem.Decision{}, nil, false, false
+		q.claim = nil
+	})
+	err := q.m.gate.RunDetached(waitCtx, fresh, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
+		d, rec, oversize = dec, nil, false
 		if d.Outcome == dbidem.Mismatch && q.rawHashed {
 			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
 				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
@@ -409,7 +413,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
 		return StateAcquired, nil
-	case err != nil && !acquired && q.r.Context().Err() != nil &&
+	case err != nil && !acquired && q.r.Context().Err() != nil && !dbidem.IsNoReply(err) &&
 		(waitable(err) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
 		// The request's context ended while this request waited for another with its key:
 		// nothing was done. Usually the client went away, but an outer middleware's deadline
