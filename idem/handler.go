@@ -66,7 +66,8 @@ const (
 	MaxDuplicateWait = idemhttp.MaxDuplicateWait
 	// DefaultAnswerPoll is how often a duplicate on a lease route whose holder runs in another
 	// process looks at the key: one statement per round for every key the process waits on,
-	// however many duplicates wait, the rounds paced to a tenth of the time at most.
+	// however many duplicates wait, the rounds paced to a tenth of the time at most: 100
+	// milliseconds.
 	DefaultAnswerPoll = idemhttp.DefaultAnswerPoll
 )
 

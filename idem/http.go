@@ -320,10 +320,11 @@ func (m *Middleware) Shutdown(ctx context.Context) error { return m.m.Shutdown(c
 type GateStats struct {
 	// Waiting is how many requests wait, without a connection, for a request with the same
 	// key: of this process (in Go), or holding a lease (for its answer); WaitingBytes what they
-	// hold (their bodies plus 4 KiB each, bounded by Options.MaxWaitingBytes).
+	// hold (their bodies plus 4 KiB each, bounded by Options.MaxWaitingBytes, or a Gate's
+	// GateOptions.MaxWaitingBytes).
 	Waiting, WaitingBytes int64
 	// LockWaits is how many claims wait on a key's row lock held by another process (bounded
-	// by Options.MaxWaitingClaims).
+	// by Options.MaxWaitingClaims, or a Gate's GateOptions.MaxWaitingClaims).
 	LockWaits int
 	// Coalesced counts the requests that found their key in flight in this process and
 	// waited; Refused those answered 409 without waiting on the database (their wait ran out,

@@ -42,6 +42,8 @@ type Health struct {
 
 // ReadHealth reads idem.idem_health() and idem.idem_replication() in one statement: through
 // indexes and the server's own views, cheap enough for a monitor that asks every few seconds.
+// The application role (idem_app) may, as the operator role may. Behind a lock on the key
+// table (VACUUM FULL, LOCK TABLE) it gives up after 2 s with ErrStoreBusy.
 func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	h, err := dbidem.ReadHealth(ctx, q)
 	return Health(h), err
@@ -61,7 +63,9 @@ type Summary struct {
 }
 
 // ReadSummary reads idem.idem_summary(): one row for all keys, or one per principal. It reads
-// the whole table (seconds on tens of millions of keys): for people, not for a monitor.
+// the whole table (seconds on tens of millions of keys): for people, not for a monitor. The
+// application role (idem_app) may, as the operator role may. Behind a lock on the key table
+// (VACUUM FULL, LOCK TABLE) it gives up after 2 s with ErrStoreBusy.
 func ReadSummary(ctx context.Context, q Querier, byPrincipal bool) ([]Summary, error) {
 	rows, err := dbidem.ReadSummary(ctx, q, byPrincipal)
 	out := make([]Summary, len(rows))
@@ -97,7 +101,9 @@ type KeyStory struct {
 	BodyBytes  int
 }
 
-// ReadKey reads one key's story; false when the key does not exist.
+// ReadKey reads one key's story; false when the key does not exist. The application role
+// (idem_app) may, as the operator role may. Behind a lock on the key table it gives up after
+// 2 s with ErrStoreBusy.
 func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, bool, error) {
 	k, ok, err := dbidem.ReadKey(ctx, q, principal, key)
 	return KeyStory(k), ok, err
@@ -122,7 +128,8 @@ type StuckClaim struct {
 
 // ReadStuck lists the lease claims in progress made at least olderThan ago, oldest first, at
 // most limit of them (0: 100; at most 10,000): where the release of a stuck claim starts.
-// Only the operator role may (ErrPermissionDenied otherwise).
+// Only the operator role may (ErrPermissionDenied otherwise). Behind a lock on the key table
+// it gives up after 2 s with ErrStoreBusy.
 func ReadStuck(ctx context.Context, q Querier, olderThan time.Duration, limit int) ([]StuckClaim, error) {
 	rows, err := dbidem.ReadStuck(ctx, q, olderThan, limit)
 	out := make([]StuckClaim, len(rows))

@@ -19,6 +19,12 @@ import (
 // RouteTemplate is the path template of gorilla/mux's current route
 // ("/v1/accounts/{id}/deposits"), or "" outside a gorilla route (idem then falls back to its
 // default): the function for idem.Options.RouteTemplate.
+//
+// The template is gorilla/mux's, a variable's pattern included: a route declared as
+// "/v1/accounts/{id:[0-9]+}/deposits" has the action "POST /v1/accounts/{id:[0-9]+}/deposits"
+// (a declaration made without the pattern still finds it). The action is part of what a repeat
+// must match, so a deploy that changes a pattern changes the route's action, and a retry across
+// it gets 422: give such a route an Action of its own (idem.Route.Action) to keep it.
 func RouteTemplate(r *http.Request) string {
 	if route := mux.CurrentRoute(r); route != nil {
 		if t, err := route.GetPathTemplate(); err == nil {

@@ -214,9 +214,10 @@ func ranBefore(job *rivertype.JobRow) bool {
 // snooze or a cancel of this job.
 //
 // fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
-// (cause idem.ErrLeaseLost); fn should stop then. fn's own writes to the database go in a
-// transaction of its own, idempotent themselves (keyed by claim.ProviderKey), because a
-// takeover runs fn again.
+// (cause idem.ErrLeaseLost); fn should stop then. A takeover runs fn again, so fn's own
+// writes to the database are either made in steps (idem.Step on fn's context, as under
+// DoLease: a step recorded by an earlier attempt is not run again) or go in a transaction of
+// their own, idempotent themselves (keyed by claim.ProviderKey).
 func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx context.Context, claim idem.LeaseClaim) error) error {
 	if o.DB == nil {
 		return errors.New("idemriver: Options.DB is nil")
