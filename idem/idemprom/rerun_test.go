@@ -55,11 +55,7 @@ func TestRerunWhoseClaimFailsCountsNoAcquired(t *testing.T) {
 				locked <- tx.Commit(ctx)
 			}()
 			pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'idem.idempotency_keys'::regclass`)
-			_, err := idem.TxFrom(r.Context()).Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
-			if err == nil {
-				t.Error("the deadlock was not raised")
-			}
-			w.WriteHeader(http.StatusInternalServerError)
+			failByDeadlock(t, w, r)
 			return
 		}
 		w.WriteHeader(http.StatusCreated)
@@ -115,8 +111,7 @@ func TestRerunThatWaitsPastAnOuterDeadlineIsBusy(t *testing.T) {
 		if runsA.Add(1) == 1 {
 			close(aClaimed)
 			<-bWaits
-			_, _ = idem.TxFrom(r.Context()).Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
-			w.WriteHeader(http.StatusInternalServerError)
+			failByDeadlock(t, w, r)
 			return
 		}
 		w.WriteHeader(http.StatusCreated)

@@ -224,11 +224,7 @@ func TestRerunAfterDeadlockCountsOneAcquired(t *testing.T) {
 		if runsA.Add(1) == 1 {
 			close(aClaimed)
 			<-bWaits // B's claim waits on the key's row, which A's first run holds
-			_, err := idem.TxFrom(r.Context()).Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
-			if err == nil {
-				t.Error("the deadlock was not raised")
-			}
-			w.WriteHeader(http.StatusInternalServerError)
+			failByDeadlock(t, w, r)
 			return
 		}
 		w.WriteHeader(http.StatusCreated)
@@ -313,4 +309,14 @@ func TestDurationLeavesOutTheUpload(t *testing.T) {
 	if n != 1 || sum >= 0.5 {
 		t.Fatalf("%d observations summing %.2fs for a request whose upload took a second and the rest milliseconds", n, sum)
 	}
+}
+
+// failByDeadlock ends a handler's run as a deadlock would: a statement of the request's
+// transaction fails with 40P01 (the unit of work runs again), and the handler answers 500.
+func failByDeadlock(t *testing.T, w http.ResponseWriter, r *http.Request) {
+	t.Helper()
+	if _, err := idem.TxFrom(r.Context()).Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`); err == nil {
+		t.Error("the deadlock was not raised")
+	}
+	w.WriteHeader(http.StatusInternalServerError)
 }

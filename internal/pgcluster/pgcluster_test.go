@@ -19,20 +19,8 @@ func TestStartExplainsAPortInUse(t *testing.T) {
 	}
 	defer ln.Close()
 	port := ln.Addr().(*net.TCPAddr).Port
-	dir, err := os.MkdirTemp("", "idem-pgcluster-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	if err := os.Chmod(dir, 0o755); err != nil { // the server may run as postgres
-		t.Fatal(err)
-	}
-	c := &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", Port: port}
+	c := initTemp(t, &Cluster{TCPAddr: "127.0.0.1", Port: port})
 	ctx := context.Background()
-	if err := c.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer c.Stop(ctx)
 	err = c.Start(ctx)
 	if err == nil || !strings.Contains(err.Error(), "port "+strconv.Itoa(port)+" is in use") || !strings.Contains(err.Error(), "IDEM_DATA_PORT") {
 		t.Fatalf("start on a taken port: %v", err)
@@ -97,20 +85,8 @@ func TestAnyPortChoosesAgain(t *testing.T) { // not parallel: it replaces choose
 		return p, err
 	}
 	defer func() { choosePort = FreePort }()
-	dir, err := os.MkdirTemp("", "idem-pgcluster-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	if err := os.Chmod(dir, 0o755); err != nil { // the server may run as postgres
-		t.Fatal(err)
-	}
-	c := &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", AnyPort: true}
+	c := initTemp(t, &Cluster{TCPAddr: "127.0.0.1", AnyPort: true})
 	ctx := context.Background()
-	if err := c.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer c.Stop(ctx)
 	if err := c.Start(ctx); err != nil {
 		t.Fatalf("start with the first choice taken: %v", err)
 	}
@@ -147,4 +123,24 @@ func TestFreePortIsBelowTheEphemeralRange(t *testing.T) {
 			t.Fatalf("FreePort chose %d, not in [%d, %d)", p, freePortFloor, low)
 		}
 	}
+}
+
+// initTemp initializes c in a temporary directory of its own (readable by the postgres user,
+// which the server may run as), stopped and removed when the test ends.
+func initTemp(t *testing.T, c *Cluster) *Cluster {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "idem-pgcluster-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c.Dir, c.SocketDir = filepath.Join(dir, "pg"), filepath.Join(dir, "pg")
+	if err := c.Init(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Stop(context.Background()) })
+	return c
 }
