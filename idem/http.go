@@ -25,6 +25,9 @@ type Options struct {
 	// DB is the pool the units of work run on. Required. Its role must be a member of the
 	// application role that Migrate granted the SQL API to (idem_app by default); it needs
 	// no other privilege on schema idem, and should not own it (docs/http.md, "Two roles").
+	// Give it a connect timeout (connect_timeout in its connection string): a database that
+	// stops answering while the pool opens a connection otherwise holds the request that asked
+	// for it until the operating system gives up on the connect, minutes later.
 	DB *pgxpool.Pool
 	// Principal returns who sent the request, or false for an anonymous request (whose
 	// Idempotency-Key is then ignored): your authentication, which must run before the
@@ -69,7 +72,8 @@ type Options struct {
 	// to MaxLockTimeout (PostgreSQL's largest lock_timeout, about 24 days).
 	LockTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on a transactional route, from
-	// its claim (the waits before it do not count) to its commit. The work does not end when
+	// its claim (the waits before it do not count) to its commit; a unit run again after a
+	// deadlock counts from its new claim. The work does not end when
 	// the client goes away (a disconnect, the client's own attempt timeout, a proxy's): it runs
 	// to its end and commits with its answer, which the client's retry gets (it waits for the
 	// work while it runs, and replays it after); it ends at this server-side deadline, and

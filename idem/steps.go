@@ -34,7 +34,9 @@ import (
 // is recorded. fn's transaction takes a connection of the pool when fn first sends a
 // statement through tx (or to record the step when fn sent none), and holds it from then until
 // the step ends: an outside call before fn's first statement holds none (a provider that
-// shares the pool cannot starve it of connections), one after it holds one. When fn fails,
+// shares the pool cannot starve it of connections), one after it holds one. tx.Conn() takes
+// it too, on fn's context: it is nil when that context ended first (a lost lease, Shutdown's
+// deadline), so fn's statements go through tx itself or check Conn for nil. When fn fails,
 // its transaction rolls back and Step returns fn's error; the step is not recorded, and runs
 // again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
 // in a new transaction, as Do does.

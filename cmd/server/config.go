@@ -140,7 +140,7 @@ commands:
   help                     print this text (also -h, --help)
 
 environment (docs/operations.md):
-  DATABASE_URL                    PostgreSQL connection string; unset: a private cluster under IDEM_DATA_DIR
+  DATABASE_URL                    PostgreSQL connection string (connect_timeout: 5 s unless given); unset: a private cluster under IDEM_DATA_DIR
   DATABASE_POOL_SIZE              most connections requests and cleanup use (twice the CPUs, at least 4; +2 for /healthz)
   LISTEN_ADDR                     HTTP address, host:port (127.0.0.1:8080)
   IDEM_DATA_DIR                   the private cluster's directory (.data)

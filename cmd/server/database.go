@@ -55,6 +55,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = int32(m.Config.PoolSize)
+	defaultConnectTimeout(cfg.ConnConfig)
 	if m.cluster == nil {
 		if err := m.statementCacheMode(ctx, cfg, url); err != nil {
 			return connectError(cfg.ConnConfig, err)
@@ -156,4 +157,17 @@ func (m *Main) statementCacheMode(ctx context.Context, cfg *pgxpool.Config, url 
 		return next(c, e)
 	}
 	return nil
+}
+
+// connectTimeout is a connection's connect timeout when DATABASE_URL gives none
+// (connect_timeout): without one, a database that stops answering while the pool opens a
+// connection (a failover, a network that drops packets) holds the request that asked for it
+// until the operating system gives up on the connect, minutes later, with no answer.
+const connectTimeout = 5 * time.Second
+
+// defaultConnectTimeout gives cfg connectTimeout unless DATABASE_URL chose one.
+func defaultConnectTimeout(cfg *pgx.ConnConfig) {
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = connectTimeout
+	}
 }

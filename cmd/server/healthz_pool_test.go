@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -52,6 +54,26 @@ func TestHealthWhileEveryRequestConnectionWaits(t *testing.T) {
 	for range 2 {
 		if r := <-done; r.status != 201 {
 			t.Errorf("a deposit that waited: %+v", r)
+		}
+	}
+}
+
+// TestConnectTimeoutDefault: a DATABASE_URL without connect_timeout gets 5 s (a database
+// silent at connect held the request that asked for a connection for minutes); one that
+// gives it keeps it.
+func TestConnectTimeoutDefault(t *testing.T) {
+	for url, want := range map[string]time.Duration{
+		"postgres://u@db.example:5432/d":                    connectTimeout,
+		"postgres://u@db.example:5432/d?connect_timeout=2":  2 * time.Second,
+		"host=db.example user=u dbname=d connect_timeout=9": 9 * time.Second,
+	} {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defaultConnectTimeout(cfg.ConnConfig)
+		if cfg.ConnConfig.ConnectTimeout != want {
+			t.Errorf("%s: connect timeout %v, want %v", url, cfg.ConnConfig.ConnectTimeout, want)
 		}
 	}
 }

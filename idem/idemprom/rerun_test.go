@@ -159,3 +159,130 @@ func TestRerunThatWaitsPastAnOuterDeadlineIsBusy(t *testing.T) {
 			"want 409 with Retry-After, counted busy only", got.st, got.body, acq, busy, storeErr)
 	}
 }
+
+// TestRerunsWaitIsNotOnTheWorkTimeoutClock: a route's WorkTimeout counts from the claim; the
+// waits before it do not. A claimed with a WorkTimeout of 1 s; its handler met a deadlock and
+// the unit ran again; meanwhile B (another process) claimed the key and kept working. A's rerun
+// waited for B on the key's row, on the clock A's first run had started, and at 1 s A was told
+// the store failed (503, store_error) with the database fine and the key held by B. Each run's
+// WorkTimeout starts at its own claim now.
+func TestRerunsWaitIsNotOnTheWorkTimeoutClock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 8)
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	principal := func(*http.Request) (string, bool) { return "alice", true }
+	regA := prometheus.NewRegistry()
+	a, err := idem.New(ctx, idem.Options{DB: pool, Principal: principal, Metrics: idemprom.NewObserver(regA), Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := idem.New(ctx, idem.Options{DB: pool, Principal: principal, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runsA atomic.Int32
+	aClaimed, bWaits, bRelease := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	srvA := httptest.NewServer(a.Route(idem.Route{Action: "POST /t", WorkTimeout: time.Second})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runsA.Add(1) == 1 {
+			close(aClaimed)
+			<-bWaits
+			_, _ = idem.TxFrom(r.Context()).Exec(r.Context(), `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
+			w.WriteHeader(http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srvA.Close()
+	srvB := httptest.NewServer(b.Route(idem.Route{Action: "POST /t"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-bRelease
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srvB.Close()
+	time.AfterFunc(4*time.Second, func() { close(bRelease) })
+
+	type answer struct {
+		st   int
+		hdr  http.Header
+		body string
+	}
+	ansA := make(chan answer, 1)
+	began := time.Now()
+	go func() {
+		st, hdr, body := pgtest.Send(t, ctx, "POST", srvA.URL+"/t", `{"n":1}`, "Idempotency-Key", "rerun-worktimeout")
+		ansA <- answer{st, hdr, body}
+	}()
+	<-aClaimed
+	go func() {
+		_, _, _ = pgtest.Send(t, ctx, "POST", srvB.URL+"/t", `{"n":1}`, "Idempotency-Key", "rerun-worktimeout")
+	}()
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+	close(bWaits)
+	got := <-ansA
+	storeErr := value(t, regA, "idempotency_requests_total", "state", "store_error")
+	busy := value(t, regA, "idempotency_requests_total", "state", "busy")
+	acq := value(t, regA, "idempotency_requests_total", "state", "acquired")
+	t.Logf("A after %v: %d (Retry-After %q) %s; runs %d; acquired %v busy %v store_error %v", time.Since(began).Round(time.Millisecond),
+		got.st, got.hdr.Get("Retry-After"), got.body, runsA.Load(), acq, busy, storeErr)
+	if storeErr != 0 || got.st == http.StatusServiceUnavailable {
+		t.Fatalf("A's rerun, waiting for B (the database fine), cut by the WorkTimeout its first run started: %d %s, "+
+			"counted acquired %v busy %v store_error %v; want no store error (a wait for B: 409/the wait, or B's answer)",
+			got.st, got.body, acq, busy, storeErr)
+	}
+}
+
+// TestCommitLockTimeoutIsTheWorks: a handler's write whose deferred foreign key is checked at
+// COMMIT against a parent row another transaction holds, with a lock_timeout in force (the
+// handler's SET LOCAL, or a role's). The COMMIT's 55P03 was taken for a key in progress, or for
+// a locked key table: the handler ran up to 20 times, or its client was told the table was
+// locked for maintenance. It is the work's failure now: run again as a statement's lock
+// timeout is (3 runs at most), then answered 503 with Retry-After, counted acquired only.
+func TestCommitLockTimeoutIsTheWorks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url := pgtest.NewPool(t, 8)
+	pgtest.Exec(t, pool, `CREATE TABLE parents (id int PRIMARY KEY)`)
+	pgtest.Exec(t, pool, `CREATE TABLE children (id serial PRIMARY KEY,
+		parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)`)
+	pgtest.Exec(t, pool, `INSERT INTO parents VALUES (1)`)
+	reg := prometheus.NewRegistry()
+	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
+		Metrics: idemprom.NewObserver(reg), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	srv := httptest.NewServer(m.Route(idem.Route{Action: "POST /t"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		// The application's guard rail on its own waits (as a role's lock_timeout would be).
+		if _, err := idem.TxFrom(r.Context()).Exec(r.Context(), `SET LOCAL lock_timeout = '100ms'`); err != nil {
+			t.Errorf("set: %v", err)
+		}
+		if _, err := idem.TxFrom(r.Context()).Exec(r.Context(), `INSERT INTO children (parent) VALUES (1)`); err != nil {
+			t.Errorf("insert: %v", err)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+
+	// Another transaction holds the parent row for 2 s (an UPDATE of its key, a SELECT ... FOR UPDATE).
+	locker := pgtest.Connect(t, url)
+	tx, err := locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(2*time.Second, func() { _ = tx.Commit(ctx) })
+
+	st, _, body := pgtest.Send(t, ctx, "POST", srv.URL+"/t", `{"n":1}`, "Idempotency-Key", "deferred-fk")
+	acq := value(t, reg, "idempotency_requests_total", "state", "acquired")
+	storeErr := value(t, reg, "idempotency_requests_total", "state", "store_error")
+	t.Logf("answer %d %s; handler runs %d; acquired %v store_error %v", st, body, runs.Load(), acq, storeErr)
+	if runs.Load() > 3 || storeErr != 0 || acq != 1 || st != http.StatusServiceUnavailable {
+		t.Fatalf("a lock timeout of the work's deferred constraint at COMMIT: the handler ran %d times (3 at most for the work's "+
+			"lock timeouts, docs/http.md), answered %d %s, counted store_error %v (the key table was never locked)",
+			runs.Load(), st, body, storeErr)
+	}
+}

@@ -186,7 +186,7 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			return nil, errBusyHere
 		case <-ctx.Done():
 			stopWaiting()
-			return nil, ctx.Err()
+			return nil, fmt.Errorf("%w: %w", errWaitEnded, ctx.Err())
 		}
 	}
 }
@@ -347,8 +347,12 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	claimCtx := func(parent context.Context, c Claim) (context.Context, context.CancelFunc) {
 		return context.WithTimeoutCause(parent, c.LockTimeout+ClaimReplyMargin, errNoReply)
 	}
+	// worked: the last run claimed and ran fn, so its error (fn's, or its COMMIT's: a deferred
+	// constraint's lock timeout) is the work's, never a probe's meeting a locked table.
+	var worked bool
 	unit := func(c Claim, waits bool) func(tx *Tx) error {
 		return func(tx *Tx) error {
+			worked = false
 			if start, _ := ctx.Value(attemptStartKey{}).(func()); start != nil {
 				start()
 			}
@@ -370,6 +374,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 					return err
 				}
 				claimed()
+				worked = true
 				return tx.work(fn, d)
 			}
 			// The claim statement waits on the key's row lock: that wait, like the one in Go,
@@ -411,8 +416,8 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 					done()
 					// unsent is told, not wrapped: its DeadlineExceeded is the cancel
 					// request's second, not the caller's deadline.
-					return fmt.Errorf("%w: the cancel request to stop the claim's wait was not confirmed (%v); the connection was closed",
-						wait.Err(), unsent)
+					return fmt.Errorf("%w: %w: the cancel request to stop the claim's wait was not confirmed (%v); the connection was closed",
+						errWaitEnded, wait.Err(), unsent)
 				}
 			}
 			if err != nil && context.Cause(cctx) == errNoReply {
@@ -421,7 +426,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			cancel()
 			if err != nil {
 				if wait.Err() != nil && ctx.Err() == nil {
-					return fmt.Errorf("%w: %w", wait.Err(), err)
+					return fmt.Errorf("%w: %w: %w", errWaitEnded, wait.Err(), err)
 				}
 				var pgErr *pgconn.PgError
 				if ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == "57014" {
@@ -435,6 +440,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				return err
 			}
 			claimed()
+			worked = true
 			return tx.work(fn, d)
 		}
 	}
@@ -454,7 +460,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	// a blip just as Shutdown began its drain (which ends wait) was told the table was locked,
 	// 503, where the drain serves fresh keys.
 	for _, pause := range tableBusyPauses {
-		if !isLockTimeout(err) || IsKeyWait(err) || isWork(err) {
+		if !isLockTimeout(err) || IsKeyWait(err) || isWork(err) || worked {
 			break
 		}
 		if !sleep(ctx, pause) {
@@ -462,7 +468,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		err = RunTx(ctx, db, opts, unit(first, false))
 	}
-	if isLockTimeout(err) && !IsKeyWait(err) && !isWork(err) {
+	if isLockTimeout(err) && !IsKeyWait(err) && !isWork(err) && !worked {
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
 		g.countRefused(ctx)
@@ -475,12 +481,12 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
-	if !IsKeyWait(err) || isWork(err) || lockTimeout <= Probe {
+	if !IsKeyWait(err) || isWork(err) || worked || lockTimeout <= Probe {
 		return err
 	}
 	if wait.Err() != nil {
 		// The caller stopped waiting during the probe: it does not wait on the key's row.
-		return fmt.Errorf("%w: %w", wait.Err(), err)
+		return fmt.Errorf("%w: %w: %w", errWaitEnded, wait.Err(), err)
 	}
 	rest := c
 	rest.LockTimeout = lockTimeout - Probe
@@ -505,6 +511,14 @@ type attemptStartKey struct{}
 func WithAttemptStart(work context.Context, start func()) context.Context {
 	return context.WithValue(work, attemptStartKey{}, start)
 }
+
+// errWaitEnded marks the end of a wait for another holder of the key by the wait's context
+// (RunDetached's wait: a client that went away, an outer deadline, Shutdown's drain).
+var errWaitEnded = errors.New("idem: the wait for another holder of the key ended")
+
+// IsWaitEnded tells whether err is a wait for another holder of the key that its wait context
+// ended (in Go, or on the key's row), not a failure of the store.
+func IsWaitEnded(err error) bool { return errors.Is(err, errWaitEnded) }
 
 // IsNoReply tells whether err is a claim's or a lease's statement given up because the
 // database did not answer within its bound (the connection taken for lost): the store's

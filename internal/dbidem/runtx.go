@@ -146,7 +146,7 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		// either stops it before it commits or finds it committed everywhere it will ever be
 		// (D108, D136). Sent from this goroutine, as any statement.
 		err = t.commit(ctx)
-		return IsRetryable(err), err
+		return IsRetryable(err) || IsCommitLockTimeout(err), err
 	}
 	// A COMMIT that may wait for a synchronous standby (or whose claim did not say) runs in a
 	// goroutine of its own, on a context that never ends, so that pgx never sends PostgreSQL a
@@ -163,7 +163,7 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	go func() { committed <- t.commit(context.WithoutCancel(ctx)) }()
 	select {
 	case err = <-committed:
-		return IsRetryable(err), err
+		return IsRetryable(err) || IsCommitLockTimeout(err), err
 	case <-ctx.Done():
 		rel := release
 		release = nil
@@ -217,6 +217,12 @@ func (t *Tx) commit(ctx context.Context) error {
 	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
 	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
 		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+			// The COMMIT's deferred checks of the work (the completion waits on nothing: the
+			// key's row is this transaction's own).
+			t.rollback(ctx)
+			return fmt.Errorf("%w: %w", errCommitLockTimeout, err)
+		}
 		if errors.As(err, &pgErr) && !fatal(pgErr) && !isCitusCommitFailure(pgErr) {
 			// A statement before COMMIT failed; the server skipped the COMMIT.
 			t.rollback(ctx)
@@ -265,6 +271,12 @@ func commitError(err error, open bool) error {
 		// worker's transaction may well have committed (D175). The error is the same.
 		return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
 	}
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+		// A lock timeout at COMMIT is the work's: a deferred constraint or trigger waited on a
+		// row another transaction holds (the key's row is this transaction's own). Not a key in
+		// progress, nor a locked key table; run again as a statement's lock timeout is.
+		return fmt.Errorf("%w: %w", errCommitLockTimeout, err)
+	}
 	if errors.As(err, &pgErr) && !fatal(pgErr) {
 		return classify(err)
 	}
@@ -278,6 +290,14 @@ func commitError(err error, open bool) error {
 	}
 	return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
 }
+
+// errCommitLockTimeout marks a COMMIT that failed on a lock timeout of the work's own (a
+// deferred constraint or trigger).
+var errCommitLockTimeout = errors.New("idem: the work's COMMIT waited too long for a lock (a deferred constraint or trigger)")
+
+// IsCommitLockTimeout tells whether err is a COMMIT that failed on a lock timeout of the work's
+// own deferred checks: the work's failure, retried as a statement's lock timeout is.
+func IsCommitLockTimeout(err error) bool { return errors.Is(err, errCommitLockTimeout) }
 
 // lostReply tells whether err may be a reply lost after a statement was sent: pgx reports the
 // connection it closed on a failed read as pgconn.ErrConnClosed, marked safe to retry (commitError).

@@ -20,30 +20,44 @@ func keylessSteps(ctx context.Context, db dbidem.Acquirer) context.Context {
 	return dbidem.WithSteps(ctx, dbidem.NewSteps(db, nil, dbidem.Decision{}, nil, dbidem.TxOptions{}))
 }
 
-// TestStepConnAfterContextEnded: pgx.Tx.Conn is never nil. The first build of the lazy
-// acquisition (D188) acquired on the step's context in Conn and returned nil once that context
-// had ended (a lease lost while fn called its provider, Shutdown's deadline): fn code such as
-// tx.Conn().PgConn(), valid against any pgx.Tx, dereferenced nil and panicked.
-func TestStepConnAfterContextEnded(t *testing.T) {
+// TestStepConnKeepsToTheStepsContext: a step's tx.Conn() takes its connection on the step's
+// context, as its statements do, and is nil when none could be had before that context ended.
+// The first build of the lazy acquisition (D188) returned nil once the context had ended even
+// with connections free; the second waited for one whatever the context, so a step whose
+// caller held the pool's only connection waited for it forever.
+func TestStepConnKeepsToTheStepsContext(t *testing.T) {
 	t.Parallel()
-	pool, _ := pgtest.NewPool(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
+	pool, _ := pgtest.NewPool(t, 1)
+	// With a connection free, Conn has one, whatever fn did before.
+	var free *pgx.Conn
+	if _, err := dbidem.Step(keylessSteps(context.Background(), pool), "free", func(ctx context.Context, tx pgx.Tx) (int, error) {
+		free = tx.Conn()
+		return 1, nil
+	}); err != nil || free == nil {
+		t.Fatalf("tx.Conn() with a connection free: %v, err %v", free, err)
+	}
+	// The pool's only connection is held by the step's caller, which waits for the step.
+	held, err := pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Release()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	var gotNil bool
-	var panicked any
-	func() {
-		defer func() { panicked = recover() }()
-		_, _ = dbidem.Step(keylessSteps(ctx, pool), "s", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			cancel() // the step's context ends while fn works outside the database
-			c := tx.Conn()
-			gotNil = c == nil
-			_ = c.PgConn().PID() // what any pgx.Tx user may do
+	done := make(chan *pgx.Conn, 1)
+	go func() {
+		_, _ = dbidem.Step(keylessSteps(ctx, pool), "busy", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			done <- tx.Conn()
 			return 1, nil
 		})
 	}()
-	if gotNil || panicked != nil {
-		t.Fatalf("a step's tx.Conn() after its context ended: nil %v, panic %v (pgx.Tx.Conn is never nil)",
-			gotNil, panicked)
+	select {
+	case c := <-done:
+		if c != nil {
+			t.Fatalf("tx.Conn() on a pool whose only connection is held: %v, want nil once the step's context ended", c)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("tx.Conn() still waited 5 s for a connection after the step's context ended at 200 ms")
 	}
 }
 

@@ -270,16 +270,12 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 }
 
 // Conn returns the transaction's connection. A step's transaction acquires it here if no
-// statement did yet, waiting for one even when the step's context has ended (the
-// connection's statements then fail on that context, as before the acquisition was lazy);
-// nil only when the pool is closed.
+// statement did yet, on the step's context as its statements do: nil when none could be had
+// (the step's context ended, the pool closed). Statements sent through it before the
+// transaction's first statement (BEGIN goes with that) run outside the transaction.
 func (t *Tx) Conn() *pgx.Conn {
-	if t.conn == nil {
-		c, err := t.pool.Acquire(context.WithoutCancel(t.poolCtx))
-		if err != nil {
-			return nil
-		}
-		t.pooled, t.conn = c, c.Conn()
+	if t.acquire() != nil {
+		return nil
 	}
 	return t.conn
 }

@@ -36,6 +36,19 @@ func (q *request) storeError(err error) State {
 	// Answered even when the request's context has ended: a client still connected (the
 	// context ended by an outer middleware's deadline) would get net/http's empty 200
 	// otherwise, and take it for the operation's success.
+	if dbidem.IsCommitLockTimeout(err) {
+		// The work's own deferred check waited too long for a row another transaction holds
+		// (as a lock timeout of its statements would): it rolled back. Not the store's failure;
+		// a retry may well pass.
+		if !gone {
+			q.m.o.Logger.Warn("idem: the unit of work's COMMIT met a lock timeout of its own deferred checks; rolled back", "error", err,
+				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+		}
+		q.w.Header().Set("Retry-After", "1")
+		q.m.problem(q.w, q.r, CodeStoreUnavailable, "the request's work waited too long for a lock when it committed; "+
+			"it rolled back, nothing was changed; retry with the same key", nil)
+		return StateAcquired
+	}
 	code, detail := errorProblem(err)
 	switch code {
 	case CodeInProgress:

@@ -284,8 +284,10 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 // workContext is the context of a keyed request's unit of work: the request's values without
 // its cancellation (the work outlives a client that goes away, so that its retry gets the
 // answer), ended by Shutdown; and the function that starts, on a transactional route, the
-// route's WorkTimeout once the key is claimed (the waits before the claim do not count).
-func (q *request) workContext(ctx context.Context) (wctx context.Context, claimed func(), end func()) {
+// route's WorkTimeout once the key is claimed (the waits before the claim do not count), and the
+// function that stops it before a run of the unit of work again (after a deadlock), whose wait
+// and claim start afresh.
+func (q *request) workContext(ctx context.Context) (wctx context.Context, claimed, unclaimed func(), end func()) {
 	base, done := q.m.work.context(context.WithoutCancel(ctx))
 	wctx, cancel := context.WithCancelCause(base)
 	var timer *time.Timer
@@ -299,7 +301,12 @@ func (q *request) workContext(ctx context.Context) (wctx context.Context, claime
 		}
 		timer = time.AfterFunc(timeout, func() { cancel(context.DeadlineExceeded) })
 	}
-	return wctx, claimed, func() {
+	unclaimed = func() {
+		if timer != nil && timer.Stop() {
+			timer = nil // it had not fired: the next claim starts it again
+		}
+	}
+	return wctx, claimed, unclaimed, func() {
 		if timer != nil {
 			timer.Stop()
 		}
@@ -336,7 +343,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		oversize bool
 		done     trace.Span // idem.complete, while the answer is recorded
 	)
-	wctx, claimed, end := q.workContext(ctx)
+	wctx, claimed, unclaimed, end := q.workContext(ctx)
 	defer end()
 	// The waits on the key end with the client, and when Shutdown starts.
 	waitCtx, stopWaiting := context.WithCancel(ctx)
@@ -355,6 +362,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	fresh := dbidem.WithAttemptStart(wctx, func() {
 		d, rec, oversize, acquired = dbidem.Decision{}, nil, false, false
 		q.claim = nil
+		unclaimed() // the WorkTimeout counts from this run's claim, not its wait
 	})
 	err := q.m.gate.RunDetached(waitCtx, fresh, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
@@ -414,7 +422,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		q.answer(rec)
 		return StateAcquired, nil
 	case err != nil && !acquired && q.r.Context().Err() != nil && !dbidem.IsNoReply(err) &&
-		(waitable(err) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)):
+		(waitable(err) || dbidem.IsWaitEnded(err) || errors.Is(err, context.Canceled)):
 		// The request's context ended while this request waited for another with its key:
 		// nothing was done. Usually the client went away, but an outer middleware's deadline
 		// ends it too, with the client still waiting: it is told to retry (written to a client
