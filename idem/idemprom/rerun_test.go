@@ -265,7 +265,7 @@ func TestCommitLockTimeoutIsTheWorks(t *testing.T) {
 	})))
 	defer srv.Close()
 
-	// Another transaction holds the parent row for 2 s (an UPDATE of its key, a SELECT ... FOR UPDATE).
+	// Another transaction holds the parent row while the request runs (an UPDATE of its key, a SELECT ... FOR UPDATE).
 	locker := pgtest.Connect(t, url)
 	tx, err := locker.Begin(ctx)
 	if err != nil {
@@ -274,7 +274,7 @@ func TestCommitLockTimeoutIsTheWorks(t *testing.T) {
 	if _, err := tx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
-	time.AfterFunc(2*time.Second, func() { _ = tx.Commit(ctx) })
+	defer func() { _ = tx.Commit(ctx) }() // held through every run of the handler
 
 	st, _, body := pgtest.Send(t, ctx, "POST", srv.URL+"/t", `{"n":1}`, "Idempotency-Key", "deferred-fk")
 	acq := value(t, reg, "idempotency_requests_total", "state", "acquired")

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -33,7 +32,7 @@ func TestDoCommitLockTimeoutIsTheWorks(t *testing.T) {
 	if _, err := ltx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
-	time.AfterFunc(2*time.Second, func() { _ = ltx.Commit(ctx) })
+	defer func() { _ = ltx.Commit(ctx) }() // held through every run of fn
 	var runs atomic.Int32
 	_, _, err = dbidem.Do(ctx, pool, dbidem.Job{Principal: "alice", Key: "deferred", Action: "insert"}, dbidem.TxOptions{},
 		func(ctx context.Context, tx pgx.Tx) (int, error) {
