@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	neturl "net/url"
+	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -55,7 +58,9 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = int32(m.Config.PoolSize)
-	defaultConnectTimeout(cfg.ConnConfig)
+	if !connectTimeoutGiven(url, os.Getenv) {
+		cfg.ConnConfig.ConnectTimeout = connectTimeout
+	}
 	if m.cluster == nil {
 		if err := m.statementCacheMode(ctx, cfg, url); err != nil {
 			return connectError(cfg.ConnConfig, err)
@@ -165,9 +170,19 @@ func (m *Main) statementCacheMode(ctx context.Context, cfg *pgxpool.Config, url 
 // until the operating system gives up on the connect, minutes later, with no answer.
 const connectTimeout = 5 * time.Second
 
-// defaultConnectTimeout gives cfg connectTimeout unless DATABASE_URL chose one.
-func defaultConnectTimeout(cfg *pgx.ConnConfig) {
-	if cfg.ConnectTimeout == 0 {
-		cfg.ConnectTimeout = connectTimeout
+// connectTimeoutGiven tells whether the connection string (URL or key/value) or the
+// environment (PGCONNECT_TIMEOUT) chose a connect timeout, 0 (wait as long as the operating
+// system does) included.
+func connectTimeoutGiven(url string, getenv func(string) string) bool {
+	if getenv("PGCONNECT_TIMEOUT") != "" {
+		return true
 	}
+	if strings.HasPrefix(url, "postgres://") || strings.HasPrefix(url, "postgresql://") {
+		u, err := neturl.Parse(url)
+		return err == nil && u.Query().Has("connect_timeout")
+	}
+	return connectTimeoutKey.MatchString(url)
 }
+
+// connectTimeoutKey finds connect_timeout among a key/value connection string's keys.
+var connectTimeoutKey = regexp.MustCompile(`(^|\s)connect_timeout\s*=`)

@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -59,21 +57,32 @@ func TestHealthWhileEveryRequestConnectionWaits(t *testing.T) {
 }
 
 // TestConnectTimeoutDefault: a DATABASE_URL without connect_timeout gets 5 s (a database
-// silent at connect held the request that asked for a connection for minutes); one that
-// gives it keeps it.
+// silent at connect held the request that asked for a connection for minutes); one that gives
+// it, 0 (no limit) included, or PGCONNECT_TIMEOUT, keeps it.
 func TestConnectTimeoutDefault(t *testing.T) {
-	for url, want := range map[string]time.Duration{
-		"postgres://u@db.example:5432/d":                    connectTimeout,
-		"postgres://u@db.example:5432/d?connect_timeout=2":  2 * time.Second,
-		"host=db.example user=u dbname=d connect_timeout=9": 9 * time.Second,
+	none := func(string) string { return "" }
+	for _, tc := range []struct {
+		url    string
+		getenv func(string) string
+		given  bool
+	}{
+		{"postgres://u@db.example:5432/d", none, false},
+		{"postgres://u@db.example:5432/d?sslmode=disable", none, false},
+		{"host=db.example user=u dbname=d", none, false},
+		{"postgres://u@db.example:5432/d?connect_timeout=2", none, true},
+		{"postgresql://u@db.example:5432/d?connect_timeout=0", none, true},
+		{"host=db.example user=u dbname=d connect_timeout=9", none, true},
+		{"connect_timeout = 0 host=db.example", none, true},
+		{"host=db.example application_name=my_connect_timeout=x", none, false},
+		{"postgres://u@db.example:5432/d", func(k string) string {
+			if k == "PGCONNECT_TIMEOUT" {
+				return "0"
+			}
+			return ""
+		}, true},
 	} {
-		cfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defaultConnectTimeout(cfg.ConnConfig)
-		if cfg.ConnConfig.ConnectTimeout != want {
-			t.Errorf("%s: connect timeout %v, want %v", url, cfg.ConnConfig.ConnectTimeout, want)
+		if got := connectTimeoutGiven(tc.url, tc.getenv); got != tc.given {
+			t.Errorf("%s: connect timeout given %v, want %v", tc.url, got, tc.given)
 		}
 	}
 }

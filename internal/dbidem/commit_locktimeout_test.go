@@ -44,7 +44,7 @@ func TestDoCommitLockTimeoutIsTheWorks(t *testing.T) {
 			return 1, err
 		})
 	t.Logf("Do: err %v; fn ran %d times", err, runs.Load())
-	if runs.Load() > dbidem.DefaultMaxAttempts || errors.Is(err, dbidem.ErrStoreBusy) || !dbidem.IsCommitLockTimeout(err) {
+	if runs.Load() > dbidem.DefaultMaxAttempts || errors.Is(err, dbidem.ErrStoreBusy) || !dbidem.IsWorkLockTimeout(err) {
 		t.Fatalf("a lock timeout of fn's deferred constraint at COMMIT: fn ran %d times, Do returned %v; "+
 			"want at most %d runs and no ErrStoreBusy (the key table was never locked)", runs.Load(), err, dbidem.DefaultMaxAttempts)
 	}

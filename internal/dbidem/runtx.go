@@ -120,6 +120,9 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		// A statement hit a serialization failure, a deadlock or a lock timeout; whatever fn
 		// made of it (a 500, an error of its own), the transaction is lost: run fn again.
 		ferr = t.retry
+		if isLockTimeout(ferr) {
+			ferr = fmt.Errorf("%w: %w", errWorkLockTimeout, ferr)
+		}
 	}
 	switch {
 	case t.tx == nil:
@@ -146,7 +149,7 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		// either stops it before it commits or finds it committed everywhere it will ever be
 		// (D108, D136). Sent from this goroutine, as any statement.
 		err = t.commit(ctx)
-		return IsRetryable(err) || IsCommitLockTimeout(err), err
+		return IsRetryable(err) || IsWorkLockTimeout(err), err
 	}
 	// A COMMIT that may wait for a synchronous standby (or whose claim did not say) runs in a
 	// goroutine of its own, on a context that never ends, so that pgx never sends PostgreSQL a
@@ -163,7 +166,7 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	go func() { committed <- t.commit(context.WithoutCancel(ctx)) }()
 	select {
 	case err = <-committed:
-		return IsRetryable(err) || IsCommitLockTimeout(err), err
+		return IsRetryable(err) || IsWorkLockTimeout(err), err
 	case <-ctx.Done():
 		rel := release
 		release = nil
@@ -188,7 +191,18 @@ func (t *Tx) commit(ctx context.Context) error {
 	// connection lost during the exchange (commitError).
 	open := !t.tx.Conn().IsClosed()
 	if t.end == nil {
-		return uncompletedCommitError(t.tx.Commit(ctx), open, t.attempt != 0 && t.claim.Lease == 0)
+		err := uncompletedCommitError(t.tx.Commit(ctx), open, t.attempt != 0 && t.claim.Lease == 0)
+		if t.leaseUnit && IsWorkLockTimeout(err) {
+			// A lease claim's own transaction, the claim and its COMMIT: no work ran in it, so
+			// its deferred checks (an application's deferrable key on the key table, waiting on
+			// a principal's row another transaction holds) are the claim's. Not a key in
+			// progress (claiming again would meet them again): read as a claim's INSERT that
+			// meets such a lock is, a busy store (D151).
+			var pgErr *pgconn.PgError
+			errors.As(err, &pgErr)
+			return fmt.Errorf("%w: %w", ErrStoreBusy, pgErr)
+		}
+		return err
 	}
 	b := &pgx.Batch{}
 	if t.final {
@@ -221,7 +235,7 @@ func (t *Tx) commit(ctx context.Context) error {
 			// The COMMIT's deferred checks of the work (the completion waits on nothing: the
 			// key's row is this transaction's own).
 			t.rollback(ctx)
-			return fmt.Errorf("%w: %w", errCommitLockTimeout, err)
+			return fmt.Errorf("%w: %w", errWorkLockTimeout, err)
 		}
 		if errors.As(err, &pgErr) && !fatal(pgErr) && !isCitusCommitFailure(pgErr) {
 			// A statement before COMMIT failed; the server skipped the COMMIT.
@@ -275,7 +289,7 @@ func commitError(err error, open bool) error {
 		// A lock timeout at COMMIT is the work's: a deferred constraint or trigger waited on a
 		// row another transaction holds (the key's row is this transaction's own). Not a key in
 		// progress, nor a locked key table; run again as a statement's lock timeout is.
-		return fmt.Errorf("%w: %w", errCommitLockTimeout, err)
+		return fmt.Errorf("%w: %w", errWorkLockTimeout, err)
 	}
 	if errors.As(err, &pgErr) && !fatal(pgErr) {
 		return classify(err)
@@ -291,13 +305,14 @@ func commitError(err error, open bool) error {
 	return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
 }
 
-// errCommitLockTimeout marks a COMMIT that failed on a lock timeout of the work's own (a
-// deferred constraint or trigger).
-var errCommitLockTimeout = errors.New("idem: the work's COMMIT waited too long for a lock (a deferred constraint or trigger)")
+// errWorkLockTimeout marks a unit of work that failed on a lock timeout of its own: a statement
+// of the work (after its runs again), or its COMMIT's deferred constraints or triggers.
+var errWorkLockTimeout = errors.New("idem: the work waited too long for a lock (its statements, or its COMMIT's deferred checks)")
 
-// IsCommitLockTimeout tells whether err is a COMMIT that failed on a lock timeout of the work's
-// own deferred checks: the work's failure, retried as a statement's lock timeout is.
-func IsCommitLockTimeout(err error) bool { return errors.Is(err, errCommitLockTimeout) }
+// IsWorkLockTimeout tells whether err is a unit of work's own lock timeout, in its statements
+// or its COMMIT's deferred checks: the work's failure, not the store's, run again up to the
+// unit's attempts.
+func IsWorkLockTimeout(err error) bool { return errors.Is(err, errWorkLockTimeout) }
 
 // lostReply tells whether err may be a reply lost after a statement was sent: pgx reports the
 // connection it closed on a failed read as pgconn.ErrConnClosed, marked safe to retry (commitError).

@@ -36,20 +36,21 @@ func (q *request) storeError(err error) State {
 	// Answered even when the request's context has ended: a client still connected (the
 	// context ended by an outer middleware's deadline) would get net/http's empty 200
 	// otherwise, and take it for the operation's success.
-	if dbidem.IsCommitLockTimeout(err) {
-		// The work's own deferred check waited too long for a row another transaction holds
-		// (as a lock timeout of its statements would): it rolled back. Not the store's failure;
-		// a retry may well pass.
+	if dbidem.IsWorkLockTimeout(err) {
+		// The work's own statements, or its COMMIT's deferred checks, waited too long for a row
+		// another transaction holds, run after run: it rolled back. Not the store's failure; a
+		// retry may well pass.
 		if !gone {
-			q.m.o.Logger.Warn("idem: the unit of work's COMMIT met a lock timeout of its own deferred checks; rolled back", "error", err,
+			q.m.o.Logger.Warn("idem: the unit of work met lock timeouts of its own; rolled back", "error", err,
 				"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 		}
 		q.w.Header().Set("Retry-After", "1")
-		q.m.problem(q.w, q.r, CodeStoreUnavailable, "the request's work waited too long for a lock when it committed; "+
-			"it rolled back, nothing was changed; retry with the same key", nil)
+		q.m.problem(q.w, q.r, CodeStoreUnavailable, q.retryHint("the request's work waited too long for a lock; "+
+			"it rolled back, nothing was changed; retry with the same key"), nil)
 		return StateAcquired
 	}
 	code, detail := errorProblem(err)
+	detail = q.retryHint(detail)
 	switch code {
 	case CodeInProgress:
 		q.inProgress(0)
@@ -79,6 +80,15 @@ func (q *request) storeError(err error) State {
 	}
 	q.m.problem(q.w, q.r, code, detail, nil)
 	return StateStoreError
+}
+
+// retryHint is detail for this request: one sent without a key is told to retry, not to
+// retry "with the same key".
+func (q *request) retryHint(detail string) string {
+	if q.noKey {
+		return strings.ReplaceAll(detail, " with the same key", "")
+	}
+	return detail
 }
 
 // inProgress answers 409 request_in_progress with Retry-After: after, or the lock timeout.

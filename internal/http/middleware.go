@@ -197,6 +197,7 @@ type request struct {
 	rawHashed bool
 	action    string
 	keyHash   string     // the key's hash, for traces (keyed requests with tracing on)
+	noKey     bool       // a request without a key (unkeyed): its answers do not speak of one
 	claim     *ClaimInfo // the claim the handler works under (keyed requests)
 	// providerKey is the provider key of a request without a key on a lease route.
 	providerKey string

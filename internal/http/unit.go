@@ -72,6 +72,7 @@ var errRollBack = errors.New("idem: roll back")
 // unkeyed runs a declared route without idempotency: the same transaction for the handler,
 // committed only for a 2xx.
 func (q *request) unkeyed() {
+	q.noKey = true
 	if q.rt.Lease > 0 {
 		// Work outside the database without a key: no claim, no retry safety (the client
 		// chose), but a provider key of its own, so that no provider merges it with another.
