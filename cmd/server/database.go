@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	neturl "net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -58,7 +57,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = int32(m.Config.PoolSize)
-	if !connectTimeoutGiven(url, os.Getenv) {
+	if !connectTimeoutGiven(url, cfg.ConnConfig.ConnectTimeout, os.Getenv) {
 		cfg.ConnConfig.ConnectTimeout = connectTimeout
 	}
 	if m.cluster == nil {
@@ -170,19 +169,16 @@ func (m *Main) statementCacheMode(ctx context.Context, cfg *pgxpool.Config, url 
 // until the operating system gives up on the connect, minutes later, with no answer.
 const connectTimeout = 5 * time.Second
 
-// connectTimeoutGiven tells whether the connection string (URL or key/value) or the
-// environment (PGCONNECT_TIMEOUT) chose a connect timeout, 0 (wait as long as the operating
-// system does) included.
-func connectTimeoutGiven(url string, getenv func(string) string) bool {
-	if getenv("PGCONNECT_TIMEOUT") != "" {
-		return true
-	}
-	if strings.HasPrefix(url, "postgres://") || strings.HasPrefix(url, "postgresql://") {
-		u, err := neturl.Parse(url)
-		return err == nil && u.Query().Has("connect_timeout")
-	}
-	return connectTimeoutKey.MatchString(url)
+// connectTimeoutGiven tells whether the connection's connect timeout may have been chosen:
+// pgx parsed one (cfgTimeout), the connection string mentions connect_timeout or names a
+// service (whose file may set it, 0 for no limit included), or the environment does
+// (PGCONNECT_TIMEOUT, PGSERVICE). In doubt (a quoted value that mentions connect_timeout, say)
+// it says yes: the default is applied only where nothing could have chosen a timeout.
+func connectTimeoutGiven(url string, cfgTimeout time.Duration, getenv func(string) string) bool {
+	return cfgTimeout != 0 || getenv("PGCONNECT_TIMEOUT") != "" || getenv("PGSERVICE") != "" ||
+		strings.Contains(url, "connect_timeout") || serviceKey.MatchString(url)
 }
 
-// connectTimeoutKey finds connect_timeout among a key/value connection string's keys.
-var connectTimeoutKey = regexp.MustCompile(`(^|\s)connect_timeout\s*=`)
+// serviceKey finds a service named in a connection string: service=... among the keys of a
+// key/value string or the parameters of a URL.
+var serviceKey = regexp.MustCompile(`(^|[\s?&])service\s*=`)

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
@@ -56,32 +58,48 @@ func TestHealthWhileEveryRequestConnectionWaits(t *testing.T) {
 	}
 }
 
-// TestConnectTimeoutDefault: a DATABASE_URL without connect_timeout gets 5 s (a database
-// silent at connect held the request that asked for a connection for minutes); one that gives
-// it, 0 (no limit) included, or PGCONNECT_TIMEOUT, keeps it.
+// TestConnectTimeoutDefault: a DATABASE_URL that chooses no connect timeout gets 5 s (a
+// database silent at connect held the request that asked for a connection for minutes); one
+// that may have chosen one keeps what pgx made of it: connect_timeout in the string (0, no
+// limit, included; in doubt, within a quoted value), a service (whose file may set it),
+// PGCONNECT_TIMEOUT or PGSERVICE.
 func TestConnectTimeoutDefault(t *testing.T) {
 	none := func(string) string { return "" }
+	env := func(name string) func(string) string {
+		return func(k string) string {
+			if k == name {
+				return "x"
+			}
+			return ""
+		}
+	}
 	for _, tc := range []struct {
 		url    string
 		getenv func(string) string
 		given  bool
 	}{
 		{"postgres://u@db.example:5432/d", none, false},
-		{"postgres://u@db.example:5432/d?sslmode=disable", none, false},
+		{"postgres://u@db.service.consul:5432/d?sslmode=disable", none, false},
 		{"host=db.example user=u dbname=d", none, false},
 		{"postgres://u@db.example:5432/d?connect_timeout=2", none, true},
 		{"postgresql://u@db.example:5432/d?connect_timeout=0", none, true},
 		{"host=db.example user=u dbname=d connect_timeout=9", none, true},
 		{"connect_timeout = 0 host=db.example", none, true},
-		{"host=db.example application_name=my_connect_timeout=x", none, false},
-		{"postgres://u@db.example:5432/d", func(k string) string {
-			if k == "PGCONNECT_TIMEOUT" {
-				return "0"
-			}
-			return ""
-		}, true},
+		{"host=db.example application_name='x connect_timeout=1'", none, true},
+		{"service=ledger", none, true},
+		{"postgres:///d?service=ledger", none, true},
+		{"postgres://u@db.example:5432/d", env("PGCONNECT_TIMEOUT"), true},
+		{"postgres://u@db.example:5432/d", env("PGSERVICE"), true},
 	} {
-		if got := connectTimeoutGiven(tc.url, tc.getenv); got != tc.given {
+		cfg, err := pgx.ParseConfig(tc.url)
+		if err != nil && !strings.Contains(tc.url, "service") {
+			t.Fatalf("%s: %v", tc.url, err)
+		}
+		var parsed time.Duration
+		if cfg != nil {
+			parsed = cfg.ConnectTimeout
+		}
+		if got := connectTimeoutGiven(tc.url, parsed, tc.getenv); got != tc.given {
 			t.Errorf("%s: connect timeout given %v, want %v", tc.url, got, tc.given)
 		}
 	}

@@ -1,9 +1,11 @@
 package idemprom_test
 
 import (
+	"bufio"
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -189,5 +191,48 @@ func TestLeaseClaimCommitLockTimeoutIsABusyStore(t *testing.T) {
 		runs.Load() != 0 || acq != 1 || storeErr != 1 {
 		t.Fatalf("a lease claim whose own COMMIT met a lock timeout (no work ran): %d %s after %d handler runs, "+
 			"counted acquired %v store_error %v; want 503 for a busy store, one claim counted", st, body, runs.Load(), acq, storeErr)
+	}
+}
+
+// TestNoKeyIsNotToldOfOneElsewhere: the first mend of "retry with the same key" for a request
+// without a key covered the store's failures only; the same request was told of a key it never
+// sent when its handler panicked and when its body was cut short.
+func TestNoKeyIsNotToldOfOneElsewhere(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 4)
+	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(m.Route(idem.Route{Action: "POST /p"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = idem.TxFrom(r.Context()).Exec(r.Context(), `SELECT 1`)
+		panic("boom")
+	})))
+	defer srv.Close()
+	st, _, body := pgtest.Send(t, ctx, "POST", srv.URL+"/p", `{"n":1}`)
+	t.Logf("panic, no key: %d %s", st, body)
+	if st != http.StatusInternalServerError || strings.Contains(body, "same key") {
+		t.Errorf("a request sent without a key whose handler panicked: %d %s", st, body)
+	}
+
+	// A body cut short: Content-Length 100, 10 bytes sent, the write side closed.
+	c, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, _ = io.WriteString(c, "POST /p HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"n\":1,   ")
+	_ = c.(*net.TCPConn).CloseWrite()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("read: %v", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	t.Logf("cut body, no key: %d %s", resp.StatusCode, b)
+	if resp.StatusCode != http.StatusRequestTimeout || strings.Contains(string(b), "same key") {
+		t.Errorf("a request sent without a key whose body was cut short: %d %s", resp.StatusCode, b)
 	}
 }

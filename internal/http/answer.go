@@ -17,7 +17,7 @@ import (
 // answer sends the handler's response, or 500 for a panic.
 func (q *request) answer(rec *recorder) {
 	if rec == nil {
-		q.m.problem(q.w, q.r, CodeInternalError, "the request failed; nothing was changed; retrying with the same key is safe", nil)
+		q.m.problem(q.w, q.r, CodeInternalError, q.retryHint("the request failed; nothing was changed; retrying with the same key is safe"), nil)
 		return
 	}
 	rec.sendTo(q.w)
