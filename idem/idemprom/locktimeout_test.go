@@ -28,11 +28,7 @@ import (
 func TestStatementLockTimeoutIsTheWorksToo(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, url := pgtest.NewPool(t, 8)
-	pgtest.Exec(t, pool, `CREATE TABLE parents (id int PRIMARY KEY)`)
-	pgtest.Exec(t, pool, `CREATE TABLE children (id serial PRIMARY KEY,
-		parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)`)
-	pgtest.Exec(t, pool, `INSERT INTO parents VALUES (1)`)
+	pool, url := parentAndChildren(t)
 	type result struct {
 		st       int
 		retry    string
@@ -61,15 +57,7 @@ func TestStatementLockTimeoutIsTheWorksToo(t *testing.T) {
 			w.WriteHeader(http.StatusCreated)
 		})))
 		defer srv.Close()
-		locker := pgtest.Connect(t, url)
-		tx, err := locker.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = tx.Rollback(ctx) }()
+		defer holdRow(t, url, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`)()
 		st, hdr, body := pgtest.Send(t, ctx, "POST", srv.URL+"/"+name, `{"n":1}`, "Idempotency-Key", name)
 		return result{st, hdr.Get("Retry-After"), body, runs.Load(),
 			value(t, reg, "idempotency_requests_total", "state", "acquired"),
@@ -97,11 +85,7 @@ func TestStatementLockTimeoutIsTheWorksToo(t *testing.T) {
 func TestRequestWithoutAKeyIsNotToldOfOne(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, url := pgtest.NewPool(t, 8)
-	pgtest.Exec(t, pool, `CREATE TABLE parents (id int PRIMARY KEY)`)
-	pgtest.Exec(t, pool, `CREATE TABLE children (id serial PRIMARY KEY,
-		parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)`)
-	pgtest.Exec(t, pool, `INSERT INTO parents VALUES (1)`)
+	pool, url := parentAndChildren(t)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
@@ -121,15 +105,7 @@ func TestRequestWithoutAKeyIsNotToldOfOne(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})))
 	defer srv.Close()
-	locker := pgtest.Connect(t, url)
-	tx, err := locker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	defer holdRow(t, url, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`)()
 	st, hdr, body := pgtest.Send(t, ctx, "POST", srv.URL+"/u", `{"n":1}`)
 	t.Logf("no key: %d Retry-After %q runs %d: %s", st, hdr.Get("Retry-After"), runs.Load(), body)
 	if st != http.StatusServiceUnavailable || strings.Contains(body, "same key") {
@@ -174,15 +150,7 @@ func TestLeaseClaimCommitLockTimeoutIsABusyStore(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})))
 	defer srv.Close()
-	locker := pgtest.Connect(t, url)
-	tx, err := locker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, `SELECT * FROM app_principals WHERE id = 'alice' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	defer holdRow(t, url, `SELECT * FROM app_principals WHERE id = 'alice' FOR UPDATE`)()
 	st, hdr, body := pgtest.Send(t, ctx, "POST", srv.URL+"/l", `{"n":1}`, "Idempotency-Key", "lease-fk")
 	acq := value(t, reg, "idempotency_requests_total", "state", "acquired")
 	storeErr := value(t, reg, "idempotency_requests_total", "state", "store_error")
@@ -235,4 +203,31 @@ func TestNoKeyIsNotToldOfOneElsewhere(t *testing.T) {
 	if resp.StatusCode != http.StatusRequestTimeout || strings.Contains(string(b), "same key") {
 		t.Errorf("a request sent without a key whose body was cut short: %d %s", resp.StatusCode, b)
 	}
+}
+
+// parentAndChildren is a pool on a fresh database with a table of parents (one row, id 1) and
+// one of children whose foreign key to them is checked at COMMIT (deferred).
+func parentAndChildren(t *testing.T) (*pgxpool.Pool, string) {
+	t.Helper()
+	pool, url := pgtest.NewPool(t, 8)
+	pgtest.Exec(t, pool, `CREATE TABLE parents (id int PRIMARY KEY)`)
+	pgtest.Exec(t, pool, `CREATE TABLE children (id serial PRIMARY KEY,
+		parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)`)
+	pgtest.Exec(t, pool, `INSERT INTO parents VALUES (1)`)
+	return pool, url
+}
+
+// holdRow runs lock (a SELECT ... FOR UPDATE) in a transaction of another session of url, and
+// returns the function that ends it.
+func holdRow(t *testing.T, url, lock string) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pgtest.Connect(t, url).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, lock); err != nil {
+		t.Fatal(err)
+	}
+	return func() { _ = tx.Rollback(ctx) }
 }

@@ -240,11 +240,7 @@ func TestRerunsWaitIsNotOnTheWorkTimeoutClock(t *testing.T) {
 func TestCommitLockTimeoutIsTheWorks(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, url := pgtest.NewPool(t, 8)
-	pgtest.Exec(t, pool, `CREATE TABLE parents (id int PRIMARY KEY)`)
-	pgtest.Exec(t, pool, `CREATE TABLE children (id serial PRIMARY KEY,
-		parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)`)
-	pgtest.Exec(t, pool, `INSERT INTO parents VALUES (1)`)
+	pool, url := parentAndChildren(t)
 	reg := prometheus.NewRegistry()
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
 		Metrics: idemprom.NewObserver(reg), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -266,15 +262,7 @@ func TestCommitLockTimeoutIsTheWorks(t *testing.T) {
 	defer srv.Close()
 
 	// Another transaction holds the parent row while the request runs (an UPDATE of its key, a SELECT ... FOR UPDATE).
-	locker := pgtest.Connect(t, url)
-	tx, err := locker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Commit(ctx) }() // held through every run of the handler
+	defer holdRow(t, url, `SELECT * FROM parents WHERE id = 1 FOR UPDATE`)() // held through every run of the handler
 
 	st, _, body := pgtest.Send(t, ctx, "POST", srv.URL+"/t", `{"n":1}`, "Idempotency-Key", "deferred-fk")
 	acq := value(t, reg, "idempotency_requests_total", "state", "acquired")
