@@ -16,7 +16,11 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+func TestMain(m *testing.M) {
+	code := pgtest.Main(m)
+	removeServerBinary()
+	os.Exit(code)
+}
 
 func TestParseFlagsRejectsBadValues(t *testing.T) {
 	for _, tc := range []struct{ name, value string }{
