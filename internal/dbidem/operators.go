@@ -2,12 +2,10 @@ package dbidem
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // The operators' view of the keys (idem_summary, idem_health, idem_key) and their lever
@@ -222,8 +220,7 @@ func ReadStuck(ctx context.Context, q interface {
 // behind a lock on the key table itself (a VACUUM FULL, a LOCK TABLE), never behind a claim
 // in progress, so a 55P03 is ErrStoreBusy.
 func classifyRead(err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+	if isLockTimeout(err) {
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
 	}
 	return classify(err)

@@ -99,14 +99,10 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	// A connection whose rollback failed is closed by pgx, not reused: the pool checks the
 	// transaction status when the connection comes back. A COMMIT still running when ctx
 	// ends keeps it (commit) and releases it when the COMMIT returns.
-	release := func() {
-		if t.pooled != nil {
-			t.pooled.Release()
-		}
-	}
+	handedOff := false // the connection goes back with a COMMIT still running (below)
 	defer func() {
-		if release != nil {
-			release()
+		if !handedOff && t.pooled != nil {
+			t.pooled.Release()
 		}
 	}()
 	defer func() {
@@ -168,11 +164,10 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	case err = <-committed:
 		return IsRetryable(err) || IsWorkLockTimeout(err), err
 	case <-ctx.Done():
-		rel := release
-		release = nil
+		handedOff = true
 		go func() {
 			<-committed
-			rel()
+			t.pooled.Release()
 		}()
 		return false, fmt.Errorf("%w: the context ended while COMMIT ran; it goes on, unseen, until PostgreSQL answers it: %w",
 			ErrCommitUnknown, context.Cause(ctx))
@@ -231,7 +226,7 @@ func (t *Tx) commit(ctx context.Context) error {
 	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
 	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+		if isLockTimeout(err) {
 			// The COMMIT's deferred checks of the work (the completion waits on nothing: the
 			// key's row is this transaction's own).
 			t.rollback(ctx)
@@ -285,7 +280,7 @@ func commitError(err error, open bool) error {
 		// worker's transaction may well have committed (D175). The error is the same.
 		return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
 	}
-	if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+	if isLockTimeout(err) {
 		// A lock timeout at COMMIT is the work's: a deferred constraint or trigger waited on a
 		// row another transaction holds (the key's row is this transaction's own). Not a key in
 		// progress, nor a locked key table; run again as a statement's lock timeout is.

@@ -86,10 +86,13 @@ func (q *request) storeError(err error) State {
 // retry "with the same key".
 func (q *request) retryHint(detail string) string {
 	if q.noKey {
-		return strings.ReplaceAll(detail, " with the same key", "")
+		return withoutKey(detail)
 	}
 	return detail
 }
+
+// withoutKey is a problem's detail for a request that sent no key.
+func withoutKey(detail string) string { return strings.ReplaceAll(detail, " with the same key", "") }
 
 // inProgress answers 409 request_in_progress with Retry-After: after, or the lock timeout.
 func (q *request) inProgress(after time.Duration) {

@@ -290,7 +290,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	if err != nil {
 		code, detail := bodyProblem(err)
 		if !keyed {
-			detail = strings.ReplaceAll(detail, " with the same key", "") // it sent none
+			detail = withoutKey(detail)
 		}
 		m.problem(w, r, code, detail, nil)
 		return
