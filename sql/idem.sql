@@ -1246,7 +1246,7 @@ DECLARE
     v_token   bigint;
     v_action  bigint;
     v_fields  bytea;
-    v_ok      boolean;
+    v_size    bigint;
     v_gen     bigint;
     -- The key's row as last read (include/read_key.sql). A record, not scalars: a read that
     -- finds no row sets a record to NULL at once, where each scalar target would be cast from
@@ -1386,11 +1386,11 @@ IF v_problem IS NOT NULL THEN
         END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea), ''::bytea),
-                   bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
-              INTO v_fields, v_ok
-              FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
-            IF NOT coalesce(v_ok AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
+            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || '\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
+                   sum(octet_length(convert_to(f, 'UTF8')) + 9)
+              INTO v_fields, v_size
+              FROM jsonb_object_keys(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
+            IF NOT coalesce(octet_length(v_fields) = v_size AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_begin: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';
@@ -1828,7 +1828,7 @@ DECLARE
     v_expires timestamptz;
     v_action  bigint;
     v_fields  bytea;
-    v_ok      boolean;
+    v_size    bigint;
     v_token   bigint;
     v_since   timestamptz;
 BEGIN
@@ -1896,11 +1896,11 @@ IF p_ttl IS NOT NULL THEN
     END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value, 16), 'hex'), ''::bytea), ''::bytea),
-                   bool_and(octet_length(decode(left(f.value, 16), 'hex')) = 8)
-              INTO v_fields, v_ok
-              FROM jsonb_each_text(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
-            IF NOT coalesce(v_ok AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
+            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || '\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
+                   sum(octet_length(convert_to(f, 'UTF8')) + 9)
+              INTO v_fields, v_size
+              FROM jsonb_object_keys(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
+            IF NOT coalesce(octet_length(v_fields) = v_size AND NOT p_request_fields @? '$.* ? (@.type() != "string")', jsonb_typeof(p_request_fields) = 'object') THEN
 IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     RAISE EXCEPTION 'idem_save_final: p_request_fields must be a JSON object, got %', jsonb_typeof(p_request_fields)
                         USING ERRCODE = '22023';

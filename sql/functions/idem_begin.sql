@@ -36,7 +36,7 @@ DECLARE
     v_token   bigint;
     v_action  bigint;
     v_fields  bytea;
-    v_ok      boolean;
+    v_size    bigint;
     v_gen     bigint;
     -- The key's row as last read (include/read_key.sql). A record, not scalars: a read that
     -- finds no row sets a record to NULL at once, where each scalar target would be cast from

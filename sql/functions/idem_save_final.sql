@@ -28,7 +28,7 @@ DECLARE
     v_expires timestamptz;
     v_action  bigint;
     v_fields  bytea;
-    v_ok      boolean;
+    v_size    bigint;
     v_token   bigint;
     v_since   timestamptz;
 BEGIN

@@ -3,7 +3,7 @@
 -- pgtap extension; `make test` does both).
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(55);
+SELECT plan(57);
 
 SELECT pg_temp.b('alice', 'k1', 'POST /v1/transfers', sha256('body-1'),
                  jsonb_build_object('amount', pg_temp.h('1'), 'to', pg_temp.h('t1')));
@@ -150,6 +150,19 @@ SELECT is(string_agg(outcome || coalesce(':' || array_to_string(changed_fields, 
 SELECT is((SELECT last_value FROM idem.token_seq), :seq_before::bigint, 'drew no fencing token');
 SELECT throws_ok($$SELECT idem.idem_begin('alice', 'rep', 'POST /v1/transfers', sha256('rep-1'), p_request_fields => '{"amount": 1}')$$,
     '22023', NULL, 'a repeat with malformed field hashes is refused as a fresh request is');
+
+-- The stored form of the field hashes: each name in UTF-8, a NUL byte and the first 8 bytes of
+-- its hash, in jsonb's order of the names, byte for byte as every release stored it (a stored
+-- key is compared with a later request's fields by these bytes), whatever builds it.
+SELECT pg_temp.b('alice', 'form', 'POST /v1/transfers', sha256('form'),
+                 jsonb_build_object('é', pg_temp.h('1'), 'b', pg_temp.h('2'), 'aa', pg_temp.h('3'), 'zz', upper(pg_temp.h('4'))));
+SELECT is((SELECT request_fields FROM idem.idempotency_keys WHERE key = 'form'),
+          (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea)
+             FROM jsonb_each(jsonb_build_object('é', pg_temp.h('1'), 'b', pg_temp.h('2'), 'aa', pg_temp.h('3'), 'zz', upper(pg_temp.h('4')))) AS f),
+          'the field hashes are stored in the form every release stored them');
+SELECT pg_temp.b('alice', 'empty', 'POST /v1/transfers', sha256('empty'), '{}');
+SELECT is((SELECT request_fields FROM idem.idempotency_keys WHERE key = 'empty'), ''::bytea,
+          'an empty object is stored as known and empty');
 
 SELECT * FROM finish();
 ROLLBACK;
