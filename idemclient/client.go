@@ -4,14 +4,19 @@
 // Every logical operation gets one key, made before the first attempt (NewKey, a time-ordered
 // UUIDv7, unless the caller gives one), and every retry of it carries that key and the same
 // body. It retries, with jittered exponential backoff, when the outcome is unknown or
-// temporary: a network error or timeout, a 5xx (except 501, 505 and 500
-// idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress, honouring Retry-After
+// temporary: a network error or timeout (a 101 Switching Protocols to a request that asked
+// for no upgrade included: no answer), a 5xx (except 501, 505 and 500
+// idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress (or a 409
+// whose body is in a Content-Encoding Code cannot read: the retry of a stored 409 gets it
+// replayed, final), honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
 // answer marked Idempotent-Replayed: true is stored, whatever its status) ends the operation:
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
-// certificate, TLS to a plain server, a redirect that the HTTP client's CheckRedirect refuses,
-// ten of them in a row by default: the server answered), and a request that net/http would
+// certificate, TLS to a plain server before the request was written, a redirect that the HTTP
+// client's CheckRedirect refuses, ten of them in a row by default, or one net/http cannot
+// follow: a Location it cannot parse, a URL that is not http or https; the server answered),
+// and a request that net/http would
 // refuse to send (a URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
 // value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
@@ -94,7 +99,10 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // operation; a key given here replaces every key header req carries. Result.Key tells which.
 // ctx, not req's context, bounds the operation, the body's reading included; a ctx that has
 // ended already sends nothing (Attempts 0). A request refused before sending has its body
-// closed, as net/http does. The response body is read whole into Result.Body.
+// closed, as net/http does. A request with trailers (req.Trailer) is sent chunked, its
+// trailers after the body, as net/http sends one of unknown length; their values are read when
+// the body has been read, before the first attempt. The response body is read whole into
+// Result.Body.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	r, err := (*client.Client)(c).Do(ctx, req, key)
 	return Result(r), err

@@ -95,8 +95,22 @@ func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 // sent with Content-Encoding gzip or deflate (net/http leaves it so when the caller set
 // Accept-Encoding itself) is read decompressed, up to maxProblemBytes.
 func (r Result) Code() string {
+	code, _ := r.problemCode()
+	return code
+}
+
+// problemCode is Code, and whether the body could be read: false for a Content-Encoding other
+// than gzip, deflate or identity (several codings included), or a compressed body that does
+// not decompress.
+func (r Result) problemCode() (string, bool) {
 	body := r.Body
-	if enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc == "gzip" || enc == "x-gzip" || enc == "deflate" {
+	enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding")))
+	switch enc {
+	case "", "identity", "gzip", "x-gzip", "deflate":
+	default:
+		return "", false
+	}
+	if enc == "gzip" || enc == "x-gzip" || enc == "deflate" {
 		var zr io.ReadCloser
 		var err error
 		if enc == "deflate" {
@@ -108,19 +122,19 @@ func (r Result) Code() string {
 			zr, err = gzip.NewReader(bytes.NewReader(r.Body))
 		}
 		if err != nil {
-			return ""
+			return "", false
 		}
 		body, err = io.ReadAll(io.LimitReader(zr, maxProblemBytes))
 		zr.Close()
 		if err != nil {
-			return ""
+			return "", false
 		}
 	}
 	var p struct {
 		Code string `json:"code"`
 	}
 	_ = json.Unmarshal(body, &p)
-	return p.Code
+	return p.Code, true
 }
 
 // maxProblemBytes bounds what Code decompresses of a compressed answer.
@@ -239,7 +253,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	res := Result{Key: key}
 	attempt := 0
 	for try := 1; ; try++ {
-		r, sent, err := c.once(ctx, req, key, payload)
+		r, sent, wrote, err := c.once(ctx, req, key, payload)
 		attempt += sent
 		wait := jitter(doubled(backoff, try-1, maxBackoff))
 		switch {
@@ -260,7 +274,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			if ctx.Err() != nil {
 				return res, ctx.Err()
 			}
-			if permanent(err) {
+			if permanent(err, wrote) {
 				return res, fmt.Errorf("idemclient: %w", err) // no retry can mend it
 			}
 		}
@@ -406,18 +420,32 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 // counts when the request is written to the connection's buffer: one whose flush then fails
 // (the connection found closed with nothing sent) counts too, so the count may be one more
 // than the requests the server saw, never fewer.
+//
+// It also keeps the last answer when it was a redirect, until the transport is asked for the
+// next request: an error of net/http with no request sent after that answer is net/http's
+// own, about the redirect (a Location it cannot parse), and the server has answered. A
+// redirect to a URL that is not http or https is refused here, as an answer no retry mends,
+// before the transport reports it as a failed request.
 type firstTrip struct {
-	rt      http.RoundTripper
-	started atomic.Bool
-	wrote   atomic.Int32
+	rt       http.RoundTripper
+	started  atomic.Bool
+	wrote    atomic.Int32
+	redirect atomic.Pointer[http.Response]
 }
 
 func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 	if f.started.CompareAndSwap(false, true) {
 		req = req.WithContext(httptrace.WithClientTrace(req.Context(),
 			&httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { f.wrote.Add(1) }}))
+	} else if req.URL.Scheme != "http" && req.URL.Scheme != "https" {
+		return nil, fmt.Errorf("a redirect to %q, which is not http or https, cannot be followed", req.URL.Redacted())
 	}
-	return f.rt.RoundTrip(req)
+	f.redirect.Store(nil)
+	resp, err := f.rt.RoundTrip(req)
+	if err == nil && resp.StatusCode >= 300 && resp.StatusCode < 400 && resp.Header.Get("Location") != "" {
+		f.redirect.Store(resp)
+	}
+	return resp, err
 }
 
 // isCTL tells whether r is an ASCII control character (net/http refuses them in a request's URL).
@@ -443,7 +471,8 @@ func (c *Client) keyHeader() string {
 }
 
 // redirectRefused is an error of the HTTP client's CheckRedirect (too many redirects, or a
-// redirect its policy refuses): the server answered, with a redirect not followed.
+// redirect its policy refuses), or of a redirect net/http cannot follow (a Location it cannot
+// parse, a URL that is not http or https): the server answered, with a redirect not followed.
 type redirectRefused struct{ err error }
 
 func (e *redirectRefused) Error() string { return e.err.Error() }
@@ -451,34 +480,48 @@ func (e *redirectRefused) Unwrap() error { return e.err }
 
 // permanent tells whether a transport error is one that every retry would meet again: a
 // certificate the client does not trust, TLS spoken to a server that does not speak it
-// (which net/http reports as ErrSchemeMismatch), or a redirect that CheckRedirect refused (the
-// server answered it). Network errors, timeouts and lost answers are not: their outcome is
-// unknown.
-func permanent(err error) bool {
+// (which net/http reports as ErrSchemeMismatch, or crypto/tls as a bad record header) before
+// the request was written, or a redirect not followed (the server answered it). Network
+// errors, timeouts and lost answers are not: their outcome is unknown. Nor are bytes that are
+// not TLS on a connection that carried the request (wrote): the handshake succeeded, so the
+// server speaks TLS, and what came back was damaged on the way (a middlebox, a front end that
+// crashed writing plain text); the request may have taken effect and a retry mends it.
+func permanent(err error, wrote bool) bool {
 	var redirect *redirectRefused
-	if errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &redirect) {
+	if errors.As(err, &redirect) {
 		return true
 	}
 	var verify *tls.CertificateVerificationError
 	var unknownAuthority x509.UnknownAuthorityError
 	var hostname x509.HostnameError
 	var invalid x509.CertificateInvalidError
+	if errors.As(err, &verify) || errors.As(err, &unknownAuthority) || errors.As(err, &hostname) || errors.As(err, &invalid) {
+		return true
+	}
 	var record tls.RecordHeaderError
-	return errors.As(err, &verify) || errors.As(err, &unknownAuthority) || errors.As(err, &hostname) ||
-		errors.As(err, &invalid) || errors.As(err, &record)
+	return !wrote && (errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &record))
 }
+
+// errSwitchedProtocols is an attempt's error when the server answered 101 Switching Protocols
+// (net/http hands the connection over as the body, and no longer ends it with the request's
+// context): no answer, its outcome unknown.
+var errSwitchedProtocols = errors.New("the server answered 101 Switching Protocols to a request that is not an upgrade: no answer, its outcome is unknown")
 
 // once sends one attempt. sent is how many requests it took: 1, or more when net/http wrote
 // the request again on its own (it does so for a request that carries an Idempotency-Key when
-// a kept-alive connection closes before any answer).
-func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (r Result, sent int, err error) {
+// a kept-alive connection closes before any answer). wrote tells whether the request was
+// written at all.
+func (c *Client) once(ctx context.Context, orig *http.Request, key string, payload []byte) (r Result, sent int, wrote bool, err error) {
 	if c.AttemptTimeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.AttemptTimeout)
 		defer cancel()
 	}
 	counted := &firstTrip{}
-	defer func() { sent = max(1, int(counted.wrote.Load())) }()
+	defer func() {
+		sent = max(1, int(counted.wrote.Load()))
+		wrote = counted.wrote.Load() > 0
+	}()
 	req := orig.Clone(ctx)
 	if req.Header == nil {
 		req.Header = make(http.Header, 1)
@@ -488,6 +531,9 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		req.Body = io.NopCloser(bytes.NewReader(payload))
 		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(payload)), nil }
 		req.ContentLength = int64(len(payload))
+		if len(req.Trailer) > 0 {
+			req.ContentLength = -1 // chunked: trailers go after the last chunk, never with a Content-Length
+		}
 	}
 	for name := range req.Header { // one key header on the wire, whatever spellings req had
 		if strings.EqualFold(name, c.keyHeader()) {
@@ -507,21 +553,27 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	resp, err := hc.Do(req)
 	if err != nil {
 		if resp != nil { // net/http: only when CheckRedirect refused a redirect (its body is closed)
-			return Result{Status: resp.StatusCode, Header: resp.Header}, 0, &redirectRefused{err}
+			return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, &redirectRefused{err}
 		}
-		return Result{}, 0, err
+		if last := counted.redirect.Load(); last != nil && ctx.Err() == nil {
+			return Result{Status: last.StatusCode, Header: last.Header}, 0, false, &redirectRefused{err}
+		}
+		return Result{}, 0, false, err
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusSwitchingProtocols {
+		return Result{}, 0, false, errSwitchedProtocols // the deferred Close closes the connection
+	}
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return Result{}, 0, err // the answer was lost on the way: its outcome is unknown
+		return Result{}, 0, false, err // the answer was lost on the way: its outcome is unknown
 	}
 	replayed := c.ReplayedHeader
 	if replayed == "" {
 		replayed = "Idempotent-Replayed"
 	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b,
-		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, 0, nil
+		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, 0, false, nil
 }
 
 // Ledger is a client for the reference ledger API (cmd/server): one server, one bearer token,
@@ -571,9 +623,12 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 // retryable tells whether an answer leaves the operation's outcome open: 5xx (but 501 Not
 // Implemented, 505 HTTP Version Not Supported and 500 idempotency_misconfigured, which no
 // retry changes: the server's configuration refuses the request), 408, 425, 429, or 409
-// request_in_progress. Every other answer is final, and so is every replay: a stored answer
-// comes back the same to every retry, whatever its status (a handler's own 409
-// request_in_progress, stored as its answer, was retried until ErrGaveUp).
+// request_in_progress, or a 409 whose body Code cannot read (a Content-Encoding it does not
+// decode, which a caller's own Accept-Encoding may bring): it may be request_in_progress, and
+// if it is the handler's own 409, the retry gets it replayed, final. Every other answer is
+// final, and so is every replay: a stored answer comes back the same to every retry, whatever
+// its status (a handler's own 409 request_in_progress, stored as its answer, was retried until
+// ErrGaveUp).
 func retryable(r Result) bool {
 	switch {
 	case r.Replayed:
@@ -586,7 +641,8 @@ func retryable(r Result) bool {
 		r.Status == http.StatusTooEarly: // RFC 8470: the request may be sent again
 		return true
 	case r.Status == http.StatusConflict:
-		return r.Code() == "request_in_progress"
+		code, read := r.problemCode()
+		return code == "request_in_progress" || !read
 	}
 	return false
 }
