@@ -11,9 +11,13 @@
 -- It does what `server migrate` and idemsql.Migrate do for schema idem, and keeps the same
 -- version table (tern's idem.schema_version, one row), so they can be mixed: in one transaction,
 -- under tern's advisory lock, each migration the database lacks runs and sets the version
--- (schema version 7 is the last), then the functions are installed.
+-- (schema version 7 is the last), then the functions are installed. It pins this session's
+-- search_path to PostgreSQL's own schema (and the temporary one, last): its statements run as
+-- the owner, and a schema that the database's or the role's search_path names could hold a
+-- function that matches one of their calls more exactly than PostgreSQL's own does.
 
 \set ON_ERROR_STOP on
+SET search_path = pg_catalog, pg_temp;
 
 -- ---------------------------------------------------------------------------------------
 -- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
@@ -264,7 +268,7 @@ BEGIN
     IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 7)
        OR EXISTS (SELECT FROM pg_catalog.pg_attribute
                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
@@ -380,8 +384,10 @@ CREATE INDEX idempotency_keys_expires_at_idx ON idem.idempotency_keys (expires_a
 COMMENT ON TABLE idem.idempotency_keys IS
     'Idempotency keys and their stored responses. Private: use the idem.idem_* functions.';
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 1;
 \endif
 
@@ -415,8 +421,10 @@ REVOKE ALL ON SCHEMA idem FROM PUBLIC;
 GRANT USAGE ON SCHEMA idem TO "idem_app";
 REVOKE ALL ON ALL TABLES IN SCHEMA idem FROM PUBLIC;
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 2;
 \endif
 
@@ -801,8 +809,10 @@ COMMENT ON COLUMN idem.idempotency_keys.claimed_at IS
 COMMENT ON COLUMN idem.idempotency_keys.generation IS
     'The token of the first claim of the key''s current generation, once a lease was taken over; NULL: attempt is the generation.';
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 3;
 \endif
 
@@ -842,8 +852,10 @@ BEGIN
 END
 $$;
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 4;
 \endif
 
@@ -875,8 +887,10 @@ $$;
 
 GRANT USAGE ON SCHEMA idem TO "idem_operator";
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 5;
 \endif
 
@@ -958,8 +972,10 @@ BEGIN
 END
 $$;
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 6;
 \endif
 
@@ -1000,7 +1016,7 @@ BEGIN
     IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 7)
        OR EXISTS (SELECT FROM pg_catalog.pg_attribute
                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
@@ -1029,8 +1045,10 @@ BEGIN
 END
 $idem_007$;
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 7;
 \endif
 
@@ -3665,6 +3683,7 @@ DECLARE
     v_seqs  text[];
     v_older text[];
     v_until timestamptz;
+    v_grantee oid;
 BEGIN
     IF p_wait IS NULL THEN
         RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
@@ -3681,6 +3700,10 @@ BEGIN
     -- transaction that began between the two runs' commits (it planned this secret, not that
     -- one, and takes no lock that would make it plan again) would hand its claims the key of
     -- this secret once this run moved the sequence.
+    -- A migrate (idemmigrate.Migrate, server migrate, sql/idem.sql) writes the lists of secrets
+    -- and the functions too: tern's advisory lock, which every migrate takes first, makes the
+    -- two take turns (they would otherwise fail with "tuple concurrently updated").
+    PERFORM pg_catalog.pg_advisory_xact_lock(9628173550095224);
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s),
                        coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0)) + 4294967296;
@@ -3694,6 +3717,17 @@ BEGIN
         PERFORM pg_catalog.setval(v_seq::regclass,
             ('x' || pg_catalog.encode(pg_catalog.substr(v_bytes, 8 * j - 7, 8), 'hex'))::bit(64)::bigint, true);
         v_seqs := v_seqs || v_seq;
+        -- The owner's alone: what the owner's default privileges give other roles on a new
+        -- sequence is taken back (install.sql does the same for the schema's other objects).
+        FOR v_grantee IN
+            SELECT DISTINCT x.grantee
+              FROM pg_catalog.pg_class AS c
+             CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS x
+             WHERE c.oid = v_seq::regclass AND x.grantee <> c.relowner
+        LOOP
+            EXECUTE pg_catalog.format('REVOKE ALL ON SEQUENCE %s FROM %s', v_seq,
+                CASE WHEN v_grantee = 0 THEN 'PUBLIC' ELSE v_grantee::regrole::text END);
+        END LOOP;
     END LOOP;
     INSERT INTO idem.installation_secrets (from_token, secret_seqs) VALUES (v_from, v_seqs);
 EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
@@ -3787,6 +3821,50 @@ END
 $$;
 
 GRANT USAGE ON SCHEMA idem TO "idem_app", "idem_operator";
+
+-- What the owner's default privileges (ALTER DEFAULT PRIVILEGES, for every schema or for
+-- idem) gave other roles on what the migrations and this install created, taken back: the
+-- tables and sequences of schema idem (the keys, their bodies, the installation's secrets) are
+-- the owner's alone, whoever was granted what on them; EXECUTE that the default privileges
+-- give on every function and procedure is revoked from those roles (the grants below give
+-- the API to the roles it is for); and no role but the owner may create objects in schema idem
+-- (one could shadow a function that the API calls). A service's own login that the owner's
+-- default privileges serve (its tables) would otherwise read every stored body and the
+-- installation's secret.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT CASE WHEN c.relkind = 'S' THEN 'SEQUENCES' ELSE 'TABLES' END AS kind, x.grantee
+          FROM pg_catalog.pg_class AS c
+         CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS x
+         WHERE c.relnamespace = 'idem'::regnamespace AND x.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON ALL %s IN SCHEMA idem FROM %s', r.kind,
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+    FOR r IN
+        SELECT DISTINCT x.grantee
+          FROM pg_catalog.pg_default_acl AS d
+         CROSS JOIN LATERAL pg_catalog.aclexplode(d.defaclacl) AS x
+         WHERE d.defaclrole = current_user::regrole AND d.defaclnamespace IN (0, 'idem'::regnamespace)
+           AND d.defaclobjtype = 'f' AND x.grantee <> d.defaclrole
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM %1$s; REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM %1$s',
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+    FOR r IN
+        SELECT x.grantee
+          FROM pg_catalog.pg_namespace AS n
+         CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS x
+         WHERE n.nspname = 'idem' AND x.privilege_type = 'CREATE' AND x.grantee <> n.nspowner
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE CREATE ON SCHEMA idem FROM %s',
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+END
+$$;
 
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;

@@ -94,9 +94,21 @@ func withHint(err error) error {
 	return err
 }
 
-func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) error {
+func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) (err error) {
 	data, err := TemplateData(opts)
 	if err != nil {
+		return err
+	}
+	restore, err := pinSearchPath(ctx, conn)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if rerr := restore(); err == nil {
+			err = rerr
+		}
+	}()
+	if err := refuseNewer(ctx, conn); err != nil {
 		return err
 	}
 	if err := RebuildOnline(ctx, conn, data, DefaultRebuildBatch); err != nil {
@@ -113,6 +125,7 @@ func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	if err != nil {
 		return fmt.Errorf("idem migrate: render functions: %w", err)
 	}
+	install = pinLocal + install
 
 	// A migration that locks the key table asks for its locks with a short lock timeout, and
 	// keeps it: a later step that would wait long while the key table is locked fails instead
@@ -169,8 +182,19 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 		if DisablesTx(mig) {
 			return fmt.Errorf("idem migrate: migration %s disables its transaction, which Migrate does not support", mig.Name)
 		}
+		// tern runs RESET ALL after each migration, which puts back the session's search_path
+		// (the database's or the role's, whatever it names): each migration pins its own.
+		mig.UpSQL = pinLocal + mig.UpSQL
 	}
 	if err := m.Migrate(ctx); err != nil {
+		// tern took its advisory lock for the session and releases it in this transaction,
+		// which the error aborted: the release failed, and the lock would outlive the
+		// migrate, holding every later one of this connection's pool or process. The
+		// transaction is rolled back first, then the lock released (at most the one tern took).
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		_, _ = conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.pg_advisory_unlock($1) FROM pg_catalog.pg_locks"+
+			" WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted"+
+			" AND classid = ($1 >> 32)::oid AND objid = ($1 & 4294967295)::oid AND objsubid = 1 LIMIT 1", TernLock)
 		return fmt.Errorf("idem migrate: %w", err)
 	}
 	if _, err := tx.Exec(ctx, install); err != nil {
@@ -178,6 +202,62 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("idem migrate: commit: %w", err)
+	}
+	return nil
+}
+
+// pinLocal pins the search_path of a migration's or the install's transaction: PostgreSQL's
+// own schema, then nothing but the session's temporary one (searched last), whatever the
+// database's or the role's setting names. The SQL of the migrations and the install runs as
+// the schema's owner, with calls such as convert_to(text, 'UTF8'): a schema searched before
+// pg_catalog's, or even after it, may hold a function that matches such a call more exactly
+// (convert_to(text, text)), and it would run as the owner, with the owner's rights and
+// arguments (the installation's secret among them).
+const pinLocal = "SET LOCAL search_path = pg_catalog, pg_temp;\n"
+
+// pinSearchPath pins the session's search_path (as pinLocal does a transaction's) for the
+// statements a migrate sends outside its transaction (the online parts, tern's own), and
+// returns the function that puts the session's value back.
+func pinSearchPath(ctx context.Context, conn *pgx.Conn) (restore func() error, err error) {
+	var old string
+	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path')").Scan(&old); err != nil {
+		return nil, fmt.Errorf("idem migrate: read search_path: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)"); err != nil {
+		return nil, fmt.Errorf("idem migrate: pin search_path: %w", err)
+	}
+	return func() error {
+		if conn.IsClosed() {
+			return nil
+		}
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.set_config('search_path', $1, false)", old); err != nil {
+			return fmt.Errorf("idem migrate: restore search_path: %w", err)
+		}
+		return nil
+	}, nil
+}
+
+// refuseNewer refuses a database whose schema version is above this release's, before
+// anything is changed: a later release's migrate belongs to it.
+func refuseNewer(ctx context.Context, conn *pgx.Conn) error {
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT pg_catalog.to_regclass('idem.schema_version') IS NOT NULL").Scan(&exists); err != nil || !exists {
+		if err != nil {
+			return fmt.Errorf("idem migrate: read the version: %w", err)
+		}
+		return nil
+	}
+	var version int
+	err := conn.QueryRow(ctx, "SELECT v.version FROM idem.schema_version AS v LIMIT 1").Scan(&version)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("idem migrate: read the version: %w", err)
+	}
+	if version > Version() {
+		return fmt.Errorf("idem migrate: the database is at schema version %d, newer than this release's %d: "+
+			"run the migrate of the release that made it (or a later one); nothing was changed", version, Version())
 	}
 	return nil
 }

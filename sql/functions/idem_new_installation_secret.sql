@@ -30,6 +30,7 @@ DECLARE
     v_seqs  text[];
     v_older text[];
     v_until timestamptz;
+    v_grantee oid;
 BEGIN
     IF p_wait IS NULL THEN
         RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
@@ -46,6 +47,10 @@ BEGIN
     -- transaction that began between the two runs' commits (it planned this secret, not that
     -- one, and takes no lock that would make it plan again) would hand its claims the key of
     -- this secret once this run moved the sequence.
+    -- A migrate (idemmigrate.Migrate, server migrate, sql/idem.sql) writes the lists of secrets
+    -- and the functions too: tern's advisory lock, which every migrate takes first, makes the
+    -- two take turns (they would otherwise fail with "tuple concurrently updated").
+    PERFORM pg_catalog.pg_advisory_xact_lock({{ .tern_lock }});
     LOCK TABLE idem.installation_secrets IN SHARE ROW EXCLUSIVE MODE;
     v_from := greatest((SELECT s.last_value FROM idem.token_seq AS s),
                        coalesce((SELECT pg_catalog.max(x.from_token) FROM idem.installation_secrets AS x), 0)) + 4294967296;
@@ -59,6 +64,17 @@ BEGIN
         PERFORM pg_catalog.setval(v_seq::regclass,
             ('x' || pg_catalog.encode(pg_catalog.substr(v_bytes, 8 * j - 7, 8), 'hex'))::bit(64)::bigint, true);
         v_seqs := v_seqs || v_seq;
+        -- The owner's alone: what the owner's default privileges give other roles on a new
+        -- sequence is taken back (install.sql does the same for the schema's other objects).
+        FOR v_grantee IN
+            SELECT DISTINCT x.grantee
+              FROM pg_catalog.pg_class AS c
+             CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS x
+             WHERE c.oid = v_seq::regclass AND x.grantee <> c.relowner
+        LOOP
+            EXECUTE pg_catalog.format('REVOKE ALL ON SEQUENCE %s FROM %s', v_seq,
+                CASE WHEN v_grantee = 0 THEN 'PUBLIC' ELSE v_grantee::regrole::text END);
+        END LOOP;
     END LOOP;
     INSERT INTO idem.installation_secrets (from_token, secret_seqs) VALUES (v_from, v_seqs);
 {{ template "include/publish_secrets.sql" . }}

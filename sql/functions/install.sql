@@ -127,6 +127,50 @@ COMMENT ON FUNCTION idem.provider_key_prefixes() IS
 {{ template "include/ensure_role.sql" .operator_role }}
 GRANT USAGE ON SCHEMA idem TO "{{.app_role}}", "{{.operator_role}}";
 
+-- What the owner's default privileges (ALTER DEFAULT PRIVILEGES, for every schema or for
+-- idem) gave other roles on what the migrations and this install created, taken back: the
+-- tables and sequences of schema idem (the keys, their bodies, the installation's secrets) are
+-- the owner's alone, whoever was granted what on them; EXECUTE that the default privileges
+-- give on every function and procedure is revoked from those roles (the grants below give
+-- the API to the roles it is for); and no role but the owner may create objects in schema idem
+-- (one could shadow a function that the API calls). A service's own login that the owner's
+-- default privileges serve (its tables) would otherwise read every stored body and the
+-- installation's secret.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT CASE WHEN c.relkind = 'S' THEN 'SEQUENCES' ELSE 'TABLES' END AS kind, x.grantee
+          FROM pg_catalog.pg_class AS c
+         CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS x
+         WHERE c.relnamespace = 'idem'::regnamespace AND x.grantee <> c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON ALL %s IN SCHEMA idem FROM %s', r.kind,
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+    FOR r IN
+        SELECT DISTINCT x.grantee
+          FROM pg_catalog.pg_default_acl AS d
+         CROSS JOIN LATERAL pg_catalog.aclexplode(d.defaclacl) AS x
+         WHERE d.defaclrole = current_user::regrole AND d.defaclnamespace IN (0, 'idem'::regnamespace)
+           AND d.defaclobjtype = 'f' AND x.grantee <> d.defaclrole
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM %1$s; REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM %1$s',
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+    FOR r IN
+        SELECT x.grantee
+          FROM pg_catalog.pg_namespace AS n
+         CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS x
+         WHERE n.nspname = 'idem' AND x.privilege_type = 'CREATE' AND x.grantee <> n.nspowner
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE CREATE ON SCHEMA idem FROM %s',
+            CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
+    END LOOP;
+END
+$$;
+
 -- Nothing is granted to PUBLIC; the application role may call the API.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;

@@ -124,9 +124,13 @@ func Render() (string, error) {
 -- It does what `+"`server migrate`"+` and idemsql.Migrate do for schema idem, and keeps the same
 -- version table (tern's %s, one row), so they can be mixed: in one transaction,
 -- under tern's advisory lock, each migration the database lacks runs and sets the version
--- (schema version %d is the last), then the functions are installed.
+-- (schema version %d is the last), then the functions are installed. It pins this session's
+-- search_path to PostgreSQL's own schema (and the temporary one, last): its statements run as
+-- the owner, and a schema that the database's or the role's search_path names could hold a
+-- function that matches one of their calls more exactly than PostgreSQL's own does.
 
 \set ON_ERROR_STOP on
+SET search_path = pg_catalog, pg_temp;
 
 -- ---------------------------------------------------------------------------------------
 -- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
@@ -196,8 +200,10 @@ SELECT version < %d AS %s FROM %s \gset
 \if :%s
 %s
 
--- As tern does after each migration: back to the session's settings, then the version.
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
 RESET ALL;
+SET search_path = pg_catalog, pg_temp;
 UPDATE %s SET version = %d;
 \endif
 `, mig.Sequence, mig.Name, mig.Sequence, mig.Sequence, psqlVar, table, psqlVar, up, table, mig.Sequence)

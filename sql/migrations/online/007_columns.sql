@@ -5,8 +5,9 @@
    through the functions' install. It is asked for with a 20 ms lock timeout, again after a
    pause until it is had (a claim of the previous release gives up on a locked table after
    about 70 ms and answers 503). It does nothing on a database without the lean key table
-   (schema version below 3: migration 003 builds it, under its own lock) or that has the
-   columns. It runs again safely. */ -}}
+   (schema version below 3: migration 003 builds it, under its own lock), on one of a later
+   schema version than this release's (which the migrate then refuses, changing nothing), or
+   on one that has the columns. It runs again safely. */ -}}
 DO $idem_007$
 DECLARE
     v_tries integer := 0;
@@ -15,7 +16,7 @@ BEGIN
     IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version >= 3)
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND {{ .schema_version }})
        OR EXISTS (SELECT FROM pg_catalog.pg_attribute
                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
