@@ -213,8 +213,15 @@ func ranBefore(job *rivertype.JobRow) bool {
 // idem.ErrMismatch of an idem.Do inside fn is fn's failure, retried by River's policy, not a
 // snooze or a cancel of this job.
 //
+// Inside a run of Middleware (or of an outer Work) that holds the same principal and key, Work
+// runs fn at once under that run's claim: the job is claimed once, however many layers call
+// Work (a Middleware in river.Config.Middleware and a worker that calls Work itself).
+//
 // fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
-// (cause idem.ErrLeaseLost); fn should stop then. A takeover runs fn again, so fn's own
+// (cause idem.ErrLeaseLost); fn should stop then. Under Middleware, River's job timeout ends
+// the worker's context but not the lease's (River applies it below the middleware): a worker
+// that hangs past it keeps its key, extended, until Options.Timeout; set Options.Timeout to
+// the job timeout where that matters. A takeover runs fn again, so fn's own
 // writes to the database are either made in steps (idem.Step on fn's context, as under
 // DoLease: a step recorded by an earlier attempt is not run again) or go in a transaction of
 // their own, idempotent themselves (keyed by claim.ProviderKey).
@@ -229,6 +236,11 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	}
 	if o.Key != nil {
 		key = o.Key(job)
+	}
+	if held, ok := ctx.Value(claimKey{}).(idem.LeaseClaim); ok && held.Principal == principal && held.Key == key {
+		// An outer layer (Middleware) holds this job's key: claiming it again would find the
+		// outer claim in progress and snooze the job, every time.
+		return fn(ctx, held)
 	}
 	// The first run of the job claimed its key no earlier than the job was created, and every
 	// later run's claim kept it at least the TTL past that claim: while the job is younger
@@ -248,7 +260,7 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
-			err := fn(ctx, claim)
+			err := fn(context.WithValue(ctx, claimKey{}, claim), claim)
 			fnFailed = err != nil
 			return struct{}{}, err
 		})
@@ -281,8 +293,8 @@ const storeBusySnooze = 5 * time.Second
 // claimKey is the context key of ClaimOf.
 type claimKey struct{}
 
-// ClaimOf returns the claim of the job that the worker middleware (Middleware) runs, or false
-// outside it. Hand an outside provider its ProviderKey.
+// ClaimOf returns the claim of the job that the worker middleware (Middleware) or Work runs,
+// or false outside them. Hand an outside provider its ProviderKey.
 func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
 	c, ok := ctx.Value(claimKey{}).(idem.LeaseClaim)
 	return c, ok
@@ -294,8 +306,8 @@ func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
 // river.WorkerDefaults and return it), or for every job in river.Config.Middleware.
 func Middleware(o Options) rivertype.WorkerMiddleware {
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(ctx context.Context) error) error {
-		return Work(ctx, job, o, func(ctx context.Context, claim idem.LeaseClaim) error {
-			return doInner(context.WithValue(ctx, claimKey{}, claim))
+		return Work(ctx, job, o, func(ctx context.Context, _ idem.LeaseClaim) error {
+			return doInner(ctx) // ctx carries the claim (ClaimOf)
 		})
 	})
 }
