@@ -16,8 +16,8 @@
 // certificate, TLS to a plain server before the request was written, a redirect that the HTTP
 // client's CheckRedirect refuses, ten of them in a row by default, or one net/http cannot
 // follow: a Location it cannot parse, a URL that is not http or https; the server answered),
-// and a request that net/http would
-// refuse to send (a URL that is not http or https or has no host, a port out of range, a method
+// and a request that net/http would refuse to send (a ContentLength above 0 without a body, a
+// URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
 // value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
 // headers), which Do refuses before sending anything. A nil Header is sent as an empty one. The context

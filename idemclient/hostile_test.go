@@ -261,3 +261,24 @@ func TestBodiesClosedAndGetBodyReadOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestContentLengthWithoutABody: a request whose ContentLength is above 0 and which has no body
+// is one net/http refuses to send. Do sent it with an empty body under the key, so the server
+// stored an answer for a request the caller never built; Do refuses it before sending.
+func TestContentLengthWithoutABody(t *testing.T) {
+	var hits atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.WriteHeader(201)
+	}))
+	defer srv.Close()
+	for _, body := range []io.ReadCloser{nil, http.NoBody} {
+		req, _ := http.NewRequest("POST", srv.URL+"/x", nil)
+		req.Body, req.ContentLength = body, 5
+		res, err := (&idemclient.Client{}).Do(context.Background(), req, "")
+		if err == nil || res.Attempts != 0 || hits.Load() != 0 {
+			t.Fatalf("body %v with ContentLength 5: status %d, %d attempts, %d requests, err %v; want it refused before sending",
+				body, res.Status, res.Attempts, hits.Load(), err)
+		}
+	}
+}

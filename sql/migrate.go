@@ -253,6 +253,11 @@ func refuseNewer(ctx context.Context, conn *pgx.Conn) error {
 		return nil
 	}
 	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+			return fmt.Errorf("idem migrate: read the version: %w: run the migrate as the role that owns schema idem "+
+				"(not the role the services log in as)", err)
+		}
 		return fmt.Errorf("idem migrate: read the version: %w", err)
 	}
 	if version > Version() {

@@ -359,7 +359,8 @@ func (c *Client) maxAttempts() int {
 }
 
 // checkRequest refuses, before anything is sent, a request that net/http would refuse at every
-// attempt: a URL that is not http or https or has no host or a port out of range, a method
+// attempt: a ContentLength above 0 without a body, a URL that is not http or https or has no
+// host or a port out of range, a method
 // or header or trailer name that is not a token, a header or trailer value with a control
 // character (a tab aside), a RequestURI (a server's request, handed on as it came); and a key
 // that no header may carry. The outcome of such an operation is known: nothing was sent. A
@@ -367,6 +368,9 @@ func (c *Client) maxAttempts() int {
 func (c *Client) checkRequest(req *http.Request, key string) error {
 	if !httpsyntax.IsToken(c.keyHeader()) {
 		return fmt.Errorf("idemclient: Client.KeyHeader %q is not a header name", c.keyHeader())
+	}
+	if (req.Body == nil || req.Body == http.NoBody) && req.ContentLength > 0 {
+		return fmt.Errorf("idemclient: the request's ContentLength is %d and it has no body, which net/http refuses to send", req.ContentLength)
 	}
 	if req.RequestURI != "" {
 		return errors.New("idemclient: the request's RequestURI is set (a server's request): clear it, as net/http sends no request that has one")
