@@ -196,8 +196,20 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	case "keys":
 		n := len(m.Args)
 		stuck := n >= 1 && m.Args[0] == "stuck"
-		if (stuck && n > 2) || (!stuck && (n == 3 || (n == 1 && m.Args[0] != "by-principal") || (n >= 4 && m.Args[0] != "release"))) {
+		if (stuck && n > 2) || (!stuck && (n == 3 || (n == 1 && m.Args[0] != "by-principal") || (n >= 4 && m.Args[0] != "release"))) ||
+			(n == 2 && m.Args[0] == "by-principal") {
 			return fmt.Errorf("keys: want `keys`, `keys by-principal`, `keys stuck [AGE]`, `keys PRINCIPAL KEY` or `keys release PRINCIPAL KEY TOKEN [REASON]`\n\n%s", usage)
+		}
+		// AGE and TOKEN are read here, before any database work, as every other argument.
+		if stuck && n == 2 {
+			if _, err := stuckAge(m.Args[1]); err != nil {
+				return fmt.Errorf("%w\n\n%s", err, usage)
+			}
+		}
+		if n >= 4 {
+			if _, err := releaseToken(m.Args[3]); err != nil {
+				return fmt.Errorf("%w\n\n%s", err, usage)
+			}
 		}
 	case "principal":
 		if len(m.Args) != 2 || m.Args[0] != "create" {
@@ -221,6 +233,10 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		// name the system knows), not first by net.Listen after the database was opened.
 		if _, port, err := net.SplitHostPort(v); err != nil {
 			p.fail("LISTEN_ADDR", v, "want host:port, for example 127.0.0.1:8080")
+		} else if port == "" {
+			// net.LookupPort takes "" for 0: the server would listen on a port nobody knows
+			// (LISTEN_ADDR=0.0.0.0:$PORT with PORT unset). 0 written out still asks for one.
+			p.fail("LISTEN_ADDR", v, "want a port after the colon, for example 127.0.0.1:8080 (0 for any free port)")
 		} else if _, err := net.LookupPort("tcp", port); err != nil {
 			p.fail("LISTEN_ADDR", v, "want a port from 0 to 65535, for example 127.0.0.1:8080")
 		}
@@ -263,11 +279,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 			fmt.Sprintf("want at least MAX_BODY_BYTES + 4096 (%d): room for one duplicate with the largest body", c.MaxBodyBytes+4096))
 	}
 	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 0, 1<<30)
-	if v := getenv("CLEANUP_INTERVAL"); v == "0" {
-		c.CleanupInterval = 0
-	} else {
-		p.duration("CLEANUP_INTERVAL", &c.CleanupInterval, time.Second)
-	}
+	p.durationOrOff("CLEANUP_INTERVAL", &c.CleanupInterval, time.Second, "disable the in-process cleanup")
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	if v := strings.TrimSpace(getenv("CLEANUP_DUTY")); v != "" {
 		d, err := strconv.ParseFloat(v, 64)
@@ -280,11 +292,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.duration("SHUTDOWN_TIMEOUT", &c.ShutdownTimeout, time.Millisecond)
 	p.boolean("CLEANUP_VACUUM", &c.CleanupVacuum)
 	p.duration("PAYOUTS_LEASE", &c.PayoutsLease, time.Second)
-	if v := strings.TrimSpace(getenv("PAYOUT_PROVIDER_DELAY")); v == "0" {
-		c.PayoutProviderDelay = 0
-	} else {
-		p.duration("PAYOUT_PROVIDER_DELAY", &c.PayoutProviderDelay, time.Millisecond)
-	}
+	p.durationOrOff("PAYOUT_PROVIDER_DELAY", &c.PayoutProviderDelay, time.Millisecond, "answer at once")
 	if v := strings.TrimSpace(getenv("RECEIPT_URL")); v != "" {
 		if u, err := url.Parse(v); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			p.fail("RECEIPT_URL", v, "want an http or https URL, such as http://127.0.0.1:9000/receipts")
@@ -297,9 +305,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	if c.ReceiptRescueAfter <= c.ReceiptTimeout {
 		p.fail("RECEIPT_RESCUE_AFTER", c.ReceiptRescueAfter.String(), fmt.Sprintf("want more than RECEIPT_TIMEOUT (%s): River rescues only a job past its timeout", c.ReceiptTimeout))
 	}
-	if v := strings.TrimSpace(getenv("PAYOUT_STEP_PAUSE")); v != "" && v != "0" {
-		p.duration("PAYOUT_STEP_PAUSE", &c.PayoutStepPause, time.Millisecond)
-	}
+	p.durationOrOff("PAYOUT_STEP_PAUSE", &c.PayoutStepPause, time.Millisecond, "pause not at all")
 	p.boolean("TRANSFERS_REQUIRE_KEY", &c.TransfersRequireKey)
 	if v := strings.TrimSpace(getenv("LOG_LEVEL")); v != "" {
 		switch strings.ToLower(v) {
@@ -387,6 +393,21 @@ func (p *envParser) duration(name string, dst *time.Duration, min time.Duration)
 	d, err := time.ParseDuration(v)
 	if err != nil || d < min || d > maxDuration {
 		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (the SQL API's 10 years), such as 30s or 5m", min, maxDuration))
+		return
+	}
+	*dst = d
+}
+
+// durationOrOff is duration for a setting whose zero turns something off: 0, written as 0 or as
+// a duration (0s, 0ms), is taken as it is; any other value from min.
+func (p *envParser) durationOrOff(name string, dst *time.Duration, min time.Duration, off string) {
+	v := strings.TrimSpace(p.getenv(name))
+	if v == "" {
+		return
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || (d != 0 && (d < min || d > maxDuration)) {
+		p.fail(name, v, fmt.Sprintf("want 0 to %s, or a duration from %s to %s (the SQL API's 10 years), such as 30s or 5m", off, min, maxDuration))
 		return
 	}
 	*dst = d

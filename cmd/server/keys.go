@@ -74,8 +74,8 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		var age time.Duration
 		if len(args) == 2 {
 			var err error
-			if age, err = time.ParseDuration(args[1]); err != nil || age < 0 {
-				return fmt.Errorf("keys stuck: AGE must be a duration such as 5m, got %q", args[1])
+			if age, err = stuckAge(args[1]); err != nil {
+				return err
 			}
 		}
 		claims, err := idem.ReadStuck(ctx, pool, age, maxStuckListed+1)
@@ -145,9 +145,9 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		line("body_bytes", orNone(k.BodyBytes, answered && k.Withheld == ""))
 		return nil
 	case len(args) >= 4 && args[0] == "release":
-		token, err := strconv.ParseInt(args[3], 10, 64)
+		token, err := releaseToken(args[3])
 		if err != nil {
-			return fmt.Errorf("keys release: TOKEN must be the key's attempt (an integer), got %q", args[3])
+			return err
 		}
 		reason := strings.Join(args[4:], " ")
 		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, reason); err != nil {
@@ -178,4 +178,22 @@ func printable(v string) string {
 		}
 	}
 	return v
+}
+
+// stuckAge reads the AGE of `keys stuck AGE`: a duration, not negative.
+func stuckAge(v string) (time.Duration, error) {
+	age, err := time.ParseDuration(v)
+	if err != nil || age < 0 {
+		return 0, fmt.Errorf("keys stuck: AGE must be a duration such as 5m, got %q", v)
+	}
+	return age, nil
+}
+
+// releaseToken reads the TOKEN of `keys release PRINCIPAL KEY TOKEN`: the key's attempt.
+func releaseToken(v string) (int64, error) {
+	token, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("keys release: TOKEN must be the key's attempt (an integer), got %q", v)
+	}
+	return token, nil
 }
