@@ -79,6 +79,8 @@ type Gate struct{ g *dbidem.Gate }
 type GateOptions struct {
 	// MaxWaitingClaims bounds the claims that wait on a key's row lock (held by another
 	// process) at once; one that finds them all taken gets ErrInProgress at once. Default 0: 4.
+	// The bound is this Gate's: behind PgBouncer in transaction mode every process's waiting
+	// claims hold server connections of the one PgBouncer pool (docs/operations.md sizes it).
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in Go hold at once (their inputs
 	// plus 4 KiB each). Default 0: 64 MiB.

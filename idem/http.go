@@ -99,7 +99,9 @@ type Options struct {
 	// requests for other keys always find a connection. It also bounds the statements lease
 	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
 	// that a locked key table cannot make them hold the pool. Default 0: a quarter of DB's
-	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns.
+	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns. The bound is
+	// this process's: behind PgBouncer in transaction mode every process's waiting claims hold
+	// server connections of the one PgBouncer pool (docs/operations.md sizes it for them).
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
 	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass
