@@ -234,12 +234,12 @@ func TestNestedMiddlewareAndWork(t *testing.T) {
 // stepWorker does two steps under the middleware, failing after the first on its first run.
 type stepWorker struct {
 	river.WorkerDefaults[ReceiptArgs]
-	pool      *pgxpool.Pool
-	aRuns     atomic.Int32
-	bRuns     atomic.Int32
-	runs      atomic.Int32
-	rps       []string
-	mu        sync.Mutex
+	pool  *pgxpool.Pool
+	aRuns atomic.Int32
+	bRuns atomic.Int32
+	runs  atomic.Int32
+	rps   []string
+	mu    sync.Mutex
 }
 
 func (w *stepWorker) Work(ctx context.Context, job *river.Job[ReceiptArgs]) error {
