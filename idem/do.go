@@ -25,7 +25,11 @@ type Job struct {
 	// string in it that is not valid UTF-8 is ErrInvalidArgument before anything runs:
 	// encoding/json writes such bytes as the escape \ufffd (lowercase; an input whose JSON
 	// holds that escape otherwise, from a json.RawMessage, is refused too), so
-	// two inputs would fingerprint alike; encode bytes (base64, hex).
+	// two inputs would fingerprint alike; encode bytes (base64, hex). Only what its JSON
+	// holds tells two inputs apart: fields that are not exported (or tagged "-") are not part
+	// of it, and an Input whose JSON is {} although its value is not its type's zero value
+	// (a struct that exports none of its fields) is ErrInvalidArgument. An Input that JSON
+	// cannot encode (a channel, NaN) is ErrInvalidArgument too.
 	Input any
 	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults. A negative
 	// one is ErrInvalidArgument.
@@ -37,8 +41,8 @@ type Job struct {
 	// extension. Required by DoLease, from a second to 10 years (any other is
 	// ErrInvalidArgument, which idemriver cancels the job for); Do ignores it.
 	Lease time.Duration
-	// Timeout bounds a DoLease job's work (its context ends then). Default 0:
-	// DefaultLeaseTimeout.
+	// Timeout bounds a DoLease job's work (its context ends then). Default 0 (or a negative
+	// value): DefaultLeaseTimeout.
 	Timeout time.Duration
 }
 
@@ -113,14 +117,24 @@ func checkOnce(ctx context.Context, db Pool) error {
 	return nil
 }
 
-// Do runs fn at most once for job.Key, in the same transaction as the key's claim, and
-// stores its result as JSON with it; a repeat returns the stored result with replayed true.
+// Do runs fn for job.Key in the same transaction as the key's claim, and stores its result as
+// JSON with it, so that its effect on the database commits at most once; a repeat returns the
+// stored result with replayed true. fn runs again when that transaction is: after a
+// serialization failure or a deadlock (TxOptions), so what fn does outside the transaction
+// may happen more than once.
 // Another Input under the key is ErrMismatch, and so is a key whose work DoLease began for the
 // same job and recorded steps for before its lease ran out (Do would do their writes again:
 // continue it with DoLease); a run still in progress past the lock timeout, ErrInProgress. A
 // result holding a string that is not UTF-8 (or the escape \ufffd) is ErrInvalidArgument, and
 // the transaction rolls back: a replay would decode another value (encoding/json writes each
-// bad byte as \ufffd); return such bytes encoded (base64, hex). DoLease refuses it alike. The first Do on a pool checks its schema (CheckSchema). When fn fails the
+// bad byte as \ufffd); return such bytes encoded (base64, hex). So is a result that JSON
+// cannot encode, or that would not come back the same from its JSON into T (a type whose
+// UnmarshalJSON refuses its own JSON, an error in an interface field, an integer above 2^53 in
+// an interface, which decodes as a float64, a struct that exports none of its fields): nothing
+// is committed, where such a result would have committed with the work and then failed, or
+// changed, every replay. DoLease refuses them alike. A statement that fn sends through tx and
+// that ends the transaction (COMMIT or ROLLBACK as SQL) makes every later statement, and Do,
+// return ErrTxOwned. The first Do on a pool checks its schema (CheckSchema). When fn fails the
 // transaction rolls back, nothing is stored, and a later Do runs fn again. ctx bounds the
 // whole unit of work, as Go callers expect: when it ends first, the transaction rolls back
 // (unlike the HTTP middleware, whose work outlives a client that goes away; an HTTP client's
@@ -200,4 +214,10 @@ var (
 	// (ReadHealth, ReadSummary, ReadKey, ReadStuck) return it too, after waiting 2 s for
 	// such a lock.
 	ErrStoreBusy = dbidem.ErrStoreBusy
+	// ErrTxOwned: the transaction of a unit of work is its runner's (RunTx, Do, the
+	// middleware): its Commit and Rollback are refused, and so is every statement after a
+	// statement sent through it ended it (COMMIT, ROLLBACK, END or ABORT as SQL): they would
+	// run outside the claim's transaction, each committed at once. Return from the function
+	// instead; nothing of the unit of work is committed.
+	ErrTxOwned = dbidem.ErrTxOwned
 )

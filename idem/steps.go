@@ -63,7 +63,10 @@ import (
 // writes as the escape \ufffd, so the attempt after a takeover would get another value; the
 // escape itself, which encoding/json never writes for valid text, is refused too), is
 // ErrInvalidArgument after fn ran, and its transaction rolls back: save such a value encoded
-// (base64, hex). A request without a key saves nothing, and none of this applies to it.
+// (base64, hex). So is a value that JSON cannot encode, or that would not come back the same
+// from its JSON into T (as for Do's result): recorded, it would stop every later attempt of
+// the generation at this step. A request without a key saves nothing; the check of the
+// value's round trip applies to it too.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)
 }

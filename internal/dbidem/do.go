@@ -101,7 +101,13 @@ func (job Job) claim(lease time.Duration) (Claim, []byte, error) {
 	if job.Input != nil {
 		var err error
 		if input, err = json.Marshal(job.Input); err != nil {
-			return Claim{}, nil, fmt.Errorf("idem: encode input: %w", err)
+			return Claim{}, nil, fmt.Errorf("%w: idem: encode input: %w", ErrInvalidArgument, err)
+		}
+		if dropsEverything(job.Input, input) {
+			// Every value of its type would be one request: another input would replay this
+			// one's result instead of ErrMismatch.
+			return Claim{}, nil, fmt.Errorf("%w: the job's Input (%T) encodes as {}: none of its fields is exported, "+
+				"so every input of its type would be the same request", ErrInvalidArgument, job.Input)
 		}
 		// encoding/json writes each byte of a string that is not UTF-8 as the escape \ufffd
 		// (and a U+FFFD of valid text as itself): two such inputs would be one request.
@@ -265,13 +271,24 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	// without an extension landing (the database unreachable, the key's row locked) while no
 	// other attempt took the key over. The recording is fenced by the token: it lands only
 	// then, and fails with ErrClaimLost (ErrLeaseLost below) once another attempt holds it.
-	body, err := encodeResult(result)
-	if err != nil {
+	giveUp := func() {
 		if !lost {
 			yield()
 		} else {
 			giveUpRanOut()
 		}
+	}
+	body, err := func() (body []byte, err error) {
+		defer func() {
+			if p := recover(); p != nil { // a MarshalJSON that panics: given up as fn's panic is
+				giveUp()
+				panic(p)
+			}
+		}()
+		return encodeResult(result)
+	}()
+	if err != nil {
+		giveUp()
 		return result, false, err
 	}
 	// The answer is recorded until the lease's end by this process's clock and at least one
@@ -294,19 +311,24 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	return result, false, err
 }
 
-// encodeResult is the JSON of a Do or DoLease result, to store. A string that is not UTF-8
-// would be stored as encoding/json writes it, each bad byte as the escape \ufffd, and every
-// replay would get another value than the first call: ErrInvalidArgument (D178), as for Input
-// and a step's value. So is the escape itself, which encoding/json never writes for a U+FFFD of
-// valid text (it writes the character), only a json.RawMessage or a MarshalJSON method does.
-func encodeResult(result any) ([]byte, error) {
+// encodeResult is the JSON of a Do or DoLease result, to store. A result that JSON cannot
+// hold is ErrInvalidArgument (no retry makes it encode), and so is one that would not come
+// back the same on a replay (roundTrips), before anything commits (D195). A string that is not
+// UTF-8 would be stored as encoding/json writes it, each bad byte as the escape \ufffd, and
+// every replay would get another value than the first call (D178), as for Input and a step's
+// value. So is the escape itself, which encoding/json never writes for a U+FFFD of valid text
+// (it writes the character), only a json.RawMessage or a MarshalJSON method does.
+func encodeResult[T any](result T) ([]byte, error) {
 	body, err := json.Marshal(result)
 	if err != nil {
-		return nil, fmt.Errorf("idem: encode result: %w", err)
+		return nil, fmt.Errorf("%w: idem: encode result: %w", ErrInvalidArgument, err)
 	}
 	if holdsEscape(body, `\ufffd`) {
 		return nil, fmt.Errorf("%w: the result holds a string that is not UTF-8 (or the escape \\ufffd): "+
 			"a replay would decode another value; return such bytes encoded (base64, hex)", ErrInvalidArgument)
+	}
+	if err := roundTrips(result, body); err != nil {
+		return nil, fmt.Errorf("%w: the result %w", ErrInvalidArgument, err)
 	}
 	return body, nil
 }

@@ -260,10 +260,11 @@ func (g *Gate) Unhold(held int64) {
 func IsFull(err error) bool { return errors.Is(err, errFull) }
 
 // LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0; a
-// negative one is ErrInvalidArgument.
+// negative one, or one above MaxLockTimeout, is ErrInvalidArgument, whether or not the claim
+// would wait (the SQL API refuses it only when it is sent, on a wait).
 func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Duration, error) {
-	if c.LockTimeout < 0 { // the SQL API refuses it (22023); the Gate's statements never send it
-		return 0, fmt.Errorf("%w: LockTimeout must be positive, got %s", ErrInvalidArgument, c.LockTimeout)
+	if c.LockTimeout < 0 || c.LockTimeout > MaxLockTimeout { // the SQL API refuses it (22023)
+		return 0, fmt.Errorf("%w: LockTimeout must be positive and at most %s, got %s", ErrInvalidArgument, MaxLockTimeout, c.LockTimeout)
 	}
 	if c.LockTimeout > 0 {
 		return c.LockTimeout, nil

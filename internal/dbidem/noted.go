@@ -52,6 +52,9 @@ func (n *nestedTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns [
 func execNoted(ctx context.Context, q pgx.Tx, owner *Tx, sql string, args []any) (pgconn.CommandTag, error) {
 	tag, err := q.Exec(ctx, sql, args...)
 	owner.note(err)
+	if err == nil {
+		err = owner.ended() // this statement ended the transaction
+	}
 	return tag, err
 }
 

@@ -120,6 +120,9 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 			ferr = fmt.Errorf("%w: %w", errWorkLockTimeout, ferr)
 		}
 	}
+	if ferr == nil {
+		ferr = t.ended() // the work ended the transaction itself: nothing to commit or answer
+	}
 	switch {
 	case t.tx == nil:
 		return false, ferr // nothing was sent
@@ -200,6 +203,14 @@ func (t *Tx) commit(ctx context.Context) error {
 		return err
 	}
 	b := &pgx.Batch{}
+	if !t.final && t.tx.Conn().PgConn().TxStatus() == 'E' {
+		// A statement of the work failed and the work returned nil all the same: the
+		// transaction is aborted, and its COMMIT would roll back. Not sent with the completion,
+		// whose preparation the aborted transaction would refuse (25P02, a raw error): nothing
+		// is committed, as a COMMIT that rolls back says.
+		t.rollback(ctx)
+		return pgx.ErrTxCommitRollback
+	}
 	if t.final {
 		if t.tx.Conn().PgConn().TxStatus() == 'E' {
 			// A statement of the work failed (a unique violation answered 409, say): the

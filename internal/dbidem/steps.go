@@ -177,7 +177,11 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			return err
 		}
 		if raw, err = json.Marshal(result); err != nil {
-			return fmt.Errorf("idem: step %s: encode its saved value: %w", name, err)
+			return fmt.Errorf("%w: idem: step %s: encode its saved value: %w", ErrInvalidArgument, name, err)
+		}
+		if err := roundTrips(result, raw); err != nil {
+			// Recorded, it would stop every later attempt of the generation at this step.
+			return fmt.Errorf("%w: step %s: its value %w", ErrInvalidArgument, name, err)
 		}
 		if s.claim == nil {
 			return nil // a request without a key: nothing is saved

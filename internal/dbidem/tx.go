@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -77,10 +78,11 @@ func (t *Tx) acquire() error {
 	return nil
 }
 
-// begin sends BEGIN unless it was sent.
+// begin sends BEGIN unless it was sent. Once sent, it refuses every further statement of a
+// transaction that a statement sent through it ended (ended).
 func (t *Tx) begin(ctx context.Context) error {
 	if t.tx != nil {
-		return nil
+		return t.ended()
 	}
 	if err := t.acquire(); err != nil {
 		return err
@@ -90,6 +92,20 @@ func (t *Tx) begin(ctx context.Context) error {
 		return err
 	}
 	t.tx = tx
+	return nil
+}
+
+// ended is ErrTxOwned when the connection has left the transaction: a COMMIT, ROLLBACK, END or
+// ABORT sent through it as SQL (pgx's Tx does not see it; its own Commit and Rollback are
+// refused, ErrTxOwned). A statement after it would run outside the claim's transaction, each
+// one committed at once, and the claim gone with its transaction (a COMMIT of a transactional
+// claim without its answer is refused and rolls back): RunTx's retry would do the work again
+// beside the first's committed statements.
+func (t *Tx) ended() error {
+	if t.tx != nil && t.conn.PgConn().TxStatus() == 'I' {
+		return fmt.Errorf("%w: a statement sent through it ended the transaction (COMMIT, ROLLBACK, END or ABORT as SQL); "+
+			"nothing more is sent in it", ErrTxOwned)
+	}
 	return nil
 }
 
