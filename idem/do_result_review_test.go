@@ -69,7 +69,9 @@ func TestDoResultThatDoesNotDecodeIsRefused(t *testing.T) {
 	}
 	t.Run("UnmarshalJSON fails", func(t *testing.T) {
 		_, _, err := idem.Do(ctx, pool, idem.Job{Principal: "alice", Key: "oneway", Action: "a"}, idem.TxOptions{},
-			func(ctx context.Context, tx pgx.Tx) (oneWay, error) { return oneWay{7}, insertEffect(ctx, tx, "oneway") })
+			func(ctx context.Context, tx pgx.Tx) (oneWay, error) {
+				return oneWay{7}, insertEffect(ctx, tx, "oneway")
+			})
 		refused(t, "oneway", err)
 	})
 	t.Run("error in an interface field", func(t *testing.T) {
@@ -82,7 +84,9 @@ func TestDoResultThatDoesNotDecodeIsRefused(t *testing.T) {
 	t.Run("unexported fields", func(t *testing.T) {
 		type receipt struct{ id, amount int64 } // JSON writes {}
 		_, _, err := idem.Do(ctx, pool, idem.Job{Principal: "alice", Key: "lossy", Action: "a"}, idem.TxOptions{},
-			func(ctx context.Context, tx pgx.Tx) (receipt, error) { return receipt{41, 700}, insertEffect(ctx, tx, "lossy") })
+			func(ctx context.Context, tx pgx.Tx) (receipt, error) {
+				return receipt{41, 700}, insertEffect(ctx, tx, "lossy")
+			})
 		refused(t, "lossy", err)
 	})
 	t.Run("a 64-bit integer in an interface", func(t *testing.T) {
