@@ -33,6 +33,7 @@ type Main struct {
 	stdout, stderr io.Writer
 	log            *slog.Logger
 	cluster        *pgcluster.Cluster
+	ownsCluster    bool // a serve that started the private cluster, or took it over: it stops it on exit
 	pool           *pgxpool.Pool
 	probe          *pgxpool.Pool // serve's pool for /healthz and the key gauges (openProbePool), or nil
 	registry       *prometheus.Registry
@@ -98,7 +99,7 @@ func (m *Main) Run(ctx context.Context) error {
 // stopped at once (an immediate shutdown: the next start recovers from the WAL); nothing else
 // is waited for.
 func (m *Main) Abort() {
-	if m.cluster != nil && m.cluster.Started() {
+	if m.cluster != nil && (m.cluster.Started() || m.ownsCluster) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		if err := m.cluster.Crash(ctx); err != nil {
@@ -110,8 +111,9 @@ func (m *Main) Abort() {
 // poolCloseWait bounds how long Close waits for the pool's connections to come back.
 const poolCloseWait = 5 * time.Second
 
-// Close closes the pool and stops the private cluster if this process started it (a
-// `principal create` next to a running `make run` leaves that server's cluster alone).
+// Close closes the pool and stops the private cluster if this process started it, or is a
+// serve that took it over from a server that is gone (a `principal create` next to a running
+// `make run` leaves that server's cluster alone).
 func (m *Main) Close() error {
 	if m.riverPool != nil {
 		m.riverPool.Close()
@@ -138,7 +140,8 @@ func (m *Main) Close() error {
 			}
 		}
 	}
-	if m.cluster != nil && m.cluster.Started() {
+	if m.cluster != nil && (m.cluster.Started() || m.ownsCluster) {
+		m.releaseCluster()
 		return m.cluster.Stop(context.Background())
 	}
 	return nil

@@ -7,8 +7,10 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -46,9 +48,23 @@ func (m *Main) openDatabase(ctx context.Context) error {
 			return err
 		}
 		if m.cluster.Started() {
-			m.log.Info("started the private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+			m.log.Info("started the private PostgreSQL cluster", "dir", dir, "port", m.cluster.Port)
+			if m.Command == "serve" {
+				m.takeCluster(dir)
+			}
 		} else {
-			m.log.Info("reusing the running private PostgreSQL cluster", "dir", dir, "port", m.Config.DataPort)
+			attrs := []any{"dir", dir, "port", m.cluster.Port}
+			if m.cluster.Port != m.Config.DataPort {
+				// The cluster of dir is the one: a command connects to it where it listens.
+				attrs = append(attrs, "IDEM_DATA_PORT", m.Config.DataPort)
+			}
+			m.log.Info("reusing the running private PostgreSQL cluster", attrs...)
+			if m.Command == "serve" && !clusterServerAlive(dir) {
+				// The server that started it is gone (killed): this one stops it on exit, as
+				// the one that started it would have.
+				m.takeCluster(dir)
+				m.log.Info("the server that started the private cluster is gone: this server stops it on exit", "dir", dir)
+			}
 		}
 		url = m.cluster.ConnString("postgres")
 	}
@@ -182,3 +198,43 @@ func connectTimeoutGiven(url string, cfgTimeout time.Duration, getenv func(strin
 // serviceKey finds a service named in a connection string: service=... among the keys of a
 // key/value string or the parameters of a URL.
 var serviceKey = regexp.MustCompile(`(^|[\s?&])service\s*=`)
+
+// clusterServerFile names, in the private cluster's directory, the serving process that stops
+// the cluster on exit: the one that started it, or the one that took it over from a server
+// that is gone.
+const clusterServerFile = "server.pid"
+
+// takeCluster makes this process the private cluster's server: it stops the cluster on exit.
+func (m *Main) takeCluster(dir string) {
+	m.ownsCluster = true
+	if err := os.WriteFile(filepath.Join(dir, clusterServerFile), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		m.log.Warn("could not record this server as the private cluster's", "err", err)
+	}
+}
+
+// releaseCluster removes this process's record as the private cluster's server.
+func (m *Main) releaseCluster() {
+	if m.cluster == nil || !m.ownsCluster {
+		return
+	}
+	path := filepath.Join(m.cluster.Dir, clusterServerFile)
+	if b, err := os.ReadFile(path); err == nil && strings.TrimSpace(string(b)) == strconv.Itoa(os.Getpid()) {
+		_ = os.Remove(path)
+	}
+}
+
+// clusterServerAlive tells whether the server recorded as the private cluster's still runs.
+// No record (a cluster started by another command, or by a release without the record) is
+// a server that is gone.
+func clusterServerAlive(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, clusterServerFile))
+	if err != nil {
+		return false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		return false
+	}
+	err = syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
+}

@@ -58,7 +58,12 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	m.logReplication(ctx)
 	m.log.Info("serving", "addr", addr, "version", Version)
 	if m.cluster != nil {
-		m.log.Info("quickstart: create a principal with `go run ./cmd/server principal create alice` " +
+		// The commands find the running cluster of their IDEM_DATA_DIR, wherever it listens.
+		env := ""
+		if m.Config.DataDir != defaultConfig().DataDir {
+			env = "IDEM_DATA_DIR=" + m.Config.DataDir + " "
+		}
+		m.log.Info("quickstart: create a principal with `" + env + "go run ./cmd/server principal create alice` " +
 			"(PostgreSQL at " + m.cluster.ConnString("postgres") + "), then: curl -s http://" + addr +
 			"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'")
 	}

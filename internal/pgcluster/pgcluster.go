@@ -201,13 +201,18 @@ func (c *Cluster) Init(ctx context.Context) error {
 }
 
 // Start starts the server and waits until it accepts connections. A server that is already
-// running in Dir is left running, and Started reports false.
+// running in Dir is left running, and Started reports false; Port is then the port it
+// listens on (from its postmaster.pid), whatever Port said: a client connects to the
+// cluster of Dir, not to whatever listens on the port it was given.
 func (c *Cluster) Start(ctx context.Context) error {
 	if err := c.prepare(); err != nil {
 		return err
 	}
 	c.started = false
 	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") == nil {
+		if port, ok := c.runningPort(); ok {
+			c.Port = port
+		}
 		return nil
 	}
 	if !c.AnyPort || c.Port != 0 {
@@ -308,6 +313,24 @@ func quoteAll(args []string) []string {
 
 // Started tells whether the last Start started the server (rather than finding it running).
 func (c *Cluster) Started() bool { return c.started }
+
+// runningPort is the port of the server running in Dir: the fourth line of its
+// postmaster.pid.
+func (c *Cluster) runningPort() (int, bool) {
+	b, err := os.ReadFile(filepath.Join(c.dataDir(), "postmaster.pid"))
+	if err != nil {
+		return 0, false
+	}
+	lines := strings.Split(string(b), "\n")
+	if len(lines) < 4 {
+		return 0, false
+	}
+	port, err := strconv.Atoi(strings.TrimSpace(lines[3]))
+	if err != nil || port < 1 || port > 65535 {
+		return 0, false
+	}
+	return port, true
+}
 
 // Stop stops the server (fast shutdown: open transactions roll back).
 func (c *Cluster) Stop(ctx context.Context) error {
