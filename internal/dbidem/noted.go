@@ -138,6 +138,9 @@ func (b *notedBatch) QueryRow() pgx.Row {
 func (b *notedBatch) Close() error {
 	err := b.BatchResults.Close()
 	b.owner.note(err)
+	if err == nil {
+		err = b.owner.ended() // a statement of the batch ended the transaction
+	}
 	return err
 }
 

@@ -101,6 +101,7 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	// ends keeps it (commit) and releases it when the COMMIT returns.
 	handedOff := false // the connection goes back with a COMMIT still running (below)
 	defer func() {
+		t.over.Store(true) // before the connection goes back: a kept Tx sends nothing on it
 		if !handedOff && t.pooled != nil {
 			t.pooled.Release()
 		}
@@ -246,7 +247,14 @@ func (t *Tx) commit(ctx context.Context) error {
 		if errors.As(err, &pgErr) && !fatal(pgErr) && !isCitusCommitFailure(pgErr) {
 			// A statement before COMMIT failed; the server skipped the COMMIT.
 			t.rollback(ctx)
-			return classify(err)
+			cerr := classify(err)
+			if t.claim != nil && t.claim.Lease == 0 && errors.Is(cerr, ErrClaimLost) {
+				// A transactional claim is this transaction's own row, which nothing else can
+				// change: the work ended the transaction and went on in a new one (ROLLBACK AND
+				// CHAIN as SQL), and the claim rolled back with the first.
+				return fmt.Errorf("%w: the claim's transaction ended before its answer (the work sent ROLLBACK AND CHAIN?): %w", ErrTxOwned, err)
+			}
+			return cerr
 		}
 		return commitError(err, open)
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -61,12 +62,19 @@ type Tx struct {
 	// idle (leaseClaimIdleSQL). A lease claim in a caller's transaction (Tx.Claim in RunTx,
 	// with the caller's statements around it) is not: its idle time is the caller's.
 	leaseUnit bool
+	// over: the unit of work has ended (committed or rolled back, its connection given back);
+	// a Tx kept past it (a goroutine of the handler's) refuses every statement, and Conn is nil.
+	over atomic.Bool
 }
 
 var _ pgx.Tx = (*Tx)(nil)
 
-// acquire takes the transaction's connection from the pool unless it has one.
+// acquire takes the transaction's connection from the pool unless it has one, until the unit
+// of work is over (pgx.ErrTxClosed).
 func (t *Tx) acquire() error {
+	if t.over.Load() {
+		return pgx.ErrTxClosed
+	}
 	if t.conn != nil {
 		return nil
 	}
@@ -102,6 +110,9 @@ func (t *Tx) begin(ctx context.Context) error {
 // claim without its answer is refused and rolls back): RunTx's retry would do the work again
 // beside the first's committed statements.
 func (t *Tx) ended() error {
+	if t.over.Load() {
+		return pgx.ErrTxClosed // the unit of work is over: its connection may be another's now
+	}
 	if t.tx != nil && t.conn.PgConn().TxStatus() == 'I' {
 		return fmt.Errorf("%w: a statement sent through it ended the transaction (COMMIT, ROLLBACK, END or ABORT as SQL); "+
 			"nothing more is sent in it", ErrTxOwned)
@@ -266,7 +277,8 @@ func (t *Tx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []strin
 	return n, err
 }
 
-// Prepare prepares a statement on the transaction's connection.
+// Prepare prepares a statement on the transaction's connection (pgx.ErrTxClosed once the unit
+// of work is over).
 func (t *Tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	if err := t.acquire(); err != nil {
 		return nil, err
@@ -287,8 +299,9 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 
 // Conn returns the transaction's connection. A step's transaction acquires it here if no
 // statement did yet, on the step's context as its statements do: nil when none could be had
-// (the step's context ended, the pool closed). Statements sent through it before the
-// transaction's first statement (BEGIN goes with that) run outside the transaction.
+// (the step's context ended, the pool closed), and once the unit of work is over. Statements
+// sent through it before the transaction's first statement (BEGIN goes with that) run outside
+// the transaction.
 func (t *Tx) Conn() *pgx.Conn {
 	if t.acquire() != nil {
 		return nil

@@ -133,6 +133,10 @@ func errorProblem(err error) (code, detail string) {
 		return CodeMisconfigured, "the server's database role may not call the idempotency store: a server configuration problem; nothing was changed"
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		return CodeInternalError, "the request's work left its transaction failed; it rolled back, nothing was changed"
+	case errors.Is(err, dbidem.ErrTxOwned):
+		// The handler ended the claim's transaction itself (COMMIT or ROLLBACK as SQL): its own
+		// failure, met again by a retry, not the store's.
+		return CodeInternalError, "the request's work ended its own transaction; its claim rolled back with it"
 	case handlerSQLError(err):
 		return CodeInternalError, "the request's work failed in the database; nothing was changed"
 	}
