@@ -54,7 +54,8 @@ type Options struct {
 	// header name.
 	ReplayHeader string
 	// CorrelationHeader names the request's correlation id, which problems carry and a replay
-	// keeps from the current request. Default "X-Request-Id"; a header name. The middleware
+	// keeps from the current request. Default "X-Request-Id"; a header name, not KeyHeader's
+	// (the correlation id is logged and sent as it is, which a key never is). The middleware
 	// reads it and makes none: put a request-id middleware in front of it (the reference
 	// server's gives every request one). Without the header, problems leave correlation_id
 	// out and log lines carry request_id "".
@@ -99,7 +100,9 @@ type Options struct {
 	// requests for other keys always find a connection. It also bounds the statements lease
 	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
 	// that a locked key table cannot make them hold the pool. Default 0: a quarter of DB's
-	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns. The bound is
+	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns. A pool of one
+	// connection keeps none for other keys: while a claim waits on a key's row lock, every
+	// other request waits for the connection, up to the lock timeout. The bound is
 	// this process's: behind PgBouncer in transaction mode every process's waiting claims hold
 	// server connections of the one PgBouncer pool (docs/operations.md sizes it for them).
 	MaxWaitingClaims int
@@ -272,7 +275,9 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 }
 
 // Declare declares the route with this method and path template for Handler. Not safe to
-// call once requests are being served. It panics on a declaration that cannot work.
+// call once requests are being served. It panics on a declaration that cannot work: one that
+// Route would refuse, a method that is not an HTTP token ("" or "POST /v1/orders"), a
+// template that does not start with "/".
 func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
 	m.m.Declare(method, pathTemplate, rt.internal())
 	m.declared[strings.ToUpper(method)+" "+pathTemplate] = rt

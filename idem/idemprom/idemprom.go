@@ -131,7 +131,11 @@ func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
 
 // RegisterGate registers the figures of m's duplicates with reg, read at scrape time:
 // idempotency_waiting_duplicates and idempotency_waiting_duplicate_bytes (gauges),
-// idempotency_coalesced_total and idempotency_refused_total (counters).
+// idempotency_coalesced_total and idempotency_refused_total (counters). The names carry no
+// label that tells two middlewares apart, so it panics when reg has them already (a second
+// middleware, on another database): register each with its own constant label,
+// RegisterGate(prometheus.WrapRegistererWith(prometheus.Labels{"db": "orders"}, reg), m),
+// every one of them (Prometheus refuses one name with and without a label).
 func RegisterGate(reg prometheus.Registerer, m *idem.Middleware) {
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_waiting_duplicates",
@@ -162,7 +166,10 @@ type CleanupObserver struct {
 var _ idem.CleanupObserver = (*CleanupObserver)(nil)
 
 // NewCleanupObserver registers the cleaner's metrics with reg and returns the observer to put
-// in idem.CleanerOptions.Metrics.
+// in idem.CleanerOptions.Metrics. It panics when reg already has them: share one observer
+// between cleaners, or give each cleaner (one per database) reg wrapped with a constant label
+// of its own (prometheus.WrapRegistererWith), all of them, since Prometheus refuses one name
+// with and without a label.
 func NewCleanupObserver(reg prometheus.Registerer) *CleanupObserver {
 	c := &CleanupObserver{
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",

@@ -79,6 +79,7 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 // Declare declares the route with this method and path template for Handler. Not safe to
 // call once requests are being served.
 func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
+	checkDeclared(method, pathTemplate)
 	rt.check()
 	m.declared[declaredKey(method, pathTemplate)] = rt
 }

@@ -22,6 +22,7 @@
 package idemhttp
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -252,6 +253,13 @@ func (o Options) check() error {
 			return fmt.Errorf("idem: Options.%s %q is not a header name", name, h)
 		}
 	}
+	key, correlation := cmp.Or(o.KeyHeader, "Idempotency-Key"), cmp.Or(o.CorrelationHeader, "X-Request-Id")
+	if strings.EqualFold(key, correlation) {
+		// The correlation id is logged and sent in every problem as it is: the keys would be
+		// too, where only their hash may be.
+		return fmt.Errorf("idem: Options.KeyHeader and Options.CorrelationHeader are both %q: the correlation id is logged "+
+			"and sent in problems as it is, and a key never is; set CorrelationHeader to another header", key)
+	}
 	for _, h := range o.StoredHeaders {
 		if !httpsyntax.IsToken(h) {
 			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
@@ -279,6 +287,15 @@ const MaxActionLength = 1000
 
 // check panics on a declaration that cannot work, as http.Handle does on a bad pattern: it is
 // a programming error, found when the routes are declared.
+// checkDeclared panics on a Declare that no request can match: a method that is not an HTTP
+// token (empty, or a "METHOD /path" pattern), a template that does not start with "/".
+func checkDeclared(method, template string) {
+	if !httpsyntax.IsToken(method) || !strings.HasPrefix(template, "/") {
+		panic(fmt.Sprintf("idem: Declare(%q, %q): want a method (such as POST) and a path template that starts with / "+
+			"(such as /v1/orders/{id}): no request can match this declaration", method, template))
+	}
+}
+
 func (rt Route) check() {
 	if rt.Lease < 0 || (rt.Lease > 0 && rt.Lease < time.Second) || rt.Lease > dbidem.MaxInterval || rt.LeaseTimeout < 0 || rt.WorkTimeout < 0 {
 		panic(fmt.Sprintf("idem: Route.Lease must be 0 (a transactional route) or from a second to 10 years, and LeaseTimeout and WorkTimeout not negative: got %s, %s, %s",

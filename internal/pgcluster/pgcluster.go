@@ -438,7 +438,12 @@ func StartTemp(ctx context.Context, prefix string, settings map[string]string) (
 		return nil, nil, err
 	}
 	c = &Cluster{Dir: filepath.Join(dir, "pg"), SocketDir: filepath.Join(dir, "pg"), TCPAddr: "127.0.0.1", AnyPort: true, Settings: settings}
+	var watchdog *exec.Cmd
 	stop = func() {
+		if watchdog != nil {
+			_ = watchdog.Process.Kill()
+			_ = watchdog.Wait()
+		}
 		_ = c.Stop(context.Background())
 		_ = os.RemoveAll(dir)
 	}
@@ -450,8 +455,32 @@ func StartTemp(ctx context.Context, prefix string, settings map[string]string) (
 		stop()
 		return nil, nil, fmt.Errorf("%w (server log: %s)", err, c.LogFile())
 	}
+	watchdog = c.watchdog(dir)
 	return c, stop, nil
 }
+
+// watchdog starts a process of its own session that stops the cluster (immediate shutdown)
+// and removes dir once this process is gone without calling stop: a test binary that panics,
+// that go test kills at its -timeout, a package whose tests never run pgtest.Main. pg_ctl
+// starts the server in a session of its own, so nothing else would stop it. It looks for this
+// process every second; nil when it could not be started (the cluster is then left as before).
+func (c *Cluster) watchdog(dir string) *exec.Cmd {
+	pgctl := shellQuote(filepath.Join(c.binDir, "pg_ctl"))
+	if c.cred != nil {
+		pgctl = "runuser -u postgres -- " + pgctl
+	}
+	script := fmt.Sprintf("while [ -d /proc/%d ]; do sleep 1; done; %s -D %s -m immediate stop >/dev/null 2>&1; rm -rf %s",
+		os.Getpid(), pgctl, shellQuote(c.dataDir()), shellQuote(dir))
+	cmd := exec.Command("sh", "-c", script)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if cmd.Start() != nil {
+		return nil
+	}
+	return cmd
+}
+
+// shellQuote quotes s for sh.
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // InitStandby creates the cluster as a streaming standby of primary (which must be running
 // and reachable over its Unix socket or TCP): pg_basebackup with -R, so the copy starts in

@@ -3,7 +3,9 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -33,14 +35,25 @@ func LoginRole(t testing.TB, db, group string) string {
 	return AsRole(t, db, name, "app-secret")
 }
 
-// AsRole returns the connection string of db as role with this password.
+// AsRole returns the connection string of db as role with this password: db's own string,
+// its other settings kept (TLS, connect_timeout, application_name), with the user and the
+// password replaced.
 func AsRole(t testing.TB, db, role, password string) string {
 	t.Helper()
-	cfg, err := pgx.ParseConfig(db)
-	if err != nil {
+	if _, err := pgx.ParseConfig(db); err != nil {
 		t.Fatal(err)
 	}
-	return fmt.Sprintf("host=%s port=%d dbname=%s user=%s password=%s sslmode=disable", cfg.Host, cfg.Port, cfg.Database, role, password)
+	if strings.HasPrefix(db, "postgres://") || strings.HasPrefix(db, "postgresql://") {
+		u, err := url.Parse(db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.UserPassword(role, password)
+		return u.String()
+	}
+	// Keyword/value: a keyword given again takes the last value.
+	quote := func(v string) string { return "'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v) + "'" }
+	return db + " user=" + quote(role) + " password=" + quote(password)
 }
 
 // OwnerRole creates a login role that owns db and is nothing more (not a superuser, no
