@@ -475,48 +475,15 @@ func TestBouncerWaitingClaimsWithinTheSizing(t *testing.T) {
 	gateC := idem.NewGate(idem.GateOptions{MaxWaitingClaims: 1})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	job := func(key string, g *idem.Gate) idem.Job {
-		return idem.Job{Principal: "p", Key: key, Action: "bouncer", Gate: g}
-	}
-	release := make(chan struct{})
-	var wg sync.WaitGroup
-	for _, k := range []string{"k1", "k2"} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, _, err := idem.Do(ctx, procA, job(k, gateA), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
-				<-release // slow work in the request's transaction
-				return "done", nil
-			})
-			if err != nil {
-				t.Errorf("holder %s: %v", k, err)
-			}
-		}()
-	}
-	defer func() { close(release); wg.Wait() }()
-	// Both claims made: two transactions idle after the claim's savepoint.
-	pgtest.WaitFor(t, direct, `SELECT count(*) - 1 FROM pg_stat_activity WHERE datname = current_database()
-		AND state = 'idle in transaction' AND query LIKE 'SAVEPOINT idem_claim%'`)
-	for _, dup := range []struct {
-		key  string
-		pool *pgxpool.Pool
-		gate *idem.Gate
-	}{{"k1", procB, gateB}, {"k2", procC, gateC}} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, _, _ = idem.Do(ctx, dup.pool, job(dup.key, dup.gate), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
-				return "dup", nil
-			})
-		}()
-	}
+	stop := slowHoldersAndWaiters(t, ctx, direct, [3]*pgxpool.Pool{procA, procB, procC}, [3]*idem.Gate{gateA, gateB, gateC}, false)
+	defer stop()
 	// Both duplicates wait on their key's row (two backends wait on a lock, past their 5 ms
 	// probe: the claim that took the process's wait slot).
 	pgtest.WaitFor(t, direct, `SELECT count(*) - 1 FROM pg_stat_activity WHERE datname = current_database()
 		AND wait_event_type = 'Lock' AND clock_timestamp() - query_start > interval '200 ms'`)
 	servers := pgtest.PgBouncerServers(t, b, dbName(t, url))
 	start := time.Now()
-	r, _, err := idem.Do(ctx, procB, job("k3", gateB), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
+	r, _, err := idem.Do(ctx, procB, bouncerJob("k3", gateB), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
 		return "fresh", nil
 	})
 	took := time.Since(start)
@@ -573,9 +540,6 @@ func leaseBesideWaiters(t *testing.T, via string) {
 	gateC := idem.NewGate(idem.GateOptions{MaxWaitingClaims: 1})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	job := func(key string, g *idem.Gate) idem.Job {
-		return idem.Job{Principal: "p", Key: key, Action: "bouncer", Gate: g}
-	}
 
 	started := make(chan struct{})
 	type leaseResult struct {
@@ -597,46 +561,64 @@ func leaseBesideWaiters(t *testing.T, via string) {
 	}()
 	<-started
 
+	stop := slowHoldersAndWaiters(t, ctx, direct, [3]*pgxpool.Pool{procA, procB, procC}, [3]*idem.Gate{gateA, gateB, gateC}, true)
+	defer stop()
+	lr := <-leaseDone
+	t.Logf("DoLease of the untouched key L: %q %v", lr.r, lr.err)
+	if lr.err != nil {
+		t.Fatalf("DoLease of a key no other attempt touched failed: %v (its heartbeats waited for a PgBouncer server connection behind the duplicates' waits)", lr.err)
+	}
+}
+
+// bouncerJob is the job of key in the sizing tests, through gate g.
+func bouncerJob(key string, g *idem.Gate) idem.Job {
+	return idem.Job{Principal: "p", Key: key, Action: "bouncer", Gate: g}
+}
+
+// slowHoldersAndWaiters starts, in process procs[0], two units of work on keys k1 and k2 that
+// stay in their transactions until stop, and once both have claimed, a duplicate of k1 in
+// procs[1] and one of k2 in procs[2], which wait on the keys' rows; with again, each claims again
+// after every lock timeout (as the middleware's duplicates do until DuplicateWait) until stop.
+// stop ends the holders and waits for every goroutine.
+func slowHoldersAndWaiters(t *testing.T, ctx context.Context, direct *pgx.Conn, procs [3]*pgxpool.Pool, gates [3]*idem.Gate, again bool) (stop func()) {
+	t.Helper()
 	release := make(chan struct{})
 	var wg sync.WaitGroup
 	for _, k := range []string{"k1", "k2"} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_, _, _ = idem.Do(ctx, procA, job(k, gateA), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
-				<-release
+			_, _, err := idem.Do(ctx, procs[0], bouncerJob(k, gates[0]), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
+				<-release // slow work in the request's transaction
 				return "done", nil
 			})
+			if err != nil {
+				t.Errorf("holder %s: %v", k, err)
+			}
 		}()
 	}
-	defer func() { close(release); wg.Wait() }()
+	stop = func() { close(release); wg.Wait() }
+	// Both claims made: two transactions idle after the claim's savepoint.
 	pgtest.WaitFor(t, direct, `SELECT count(*) - 1 FROM pg_stat_activity WHERE datname = current_database()
 		AND state = 'idle in transaction' AND query LIKE 'SAVEPOINT idem_claim%'`)
-	for _, dup := range []struct {
-		key  string
-		pool *pgxpool.Pool
-		gate *idem.Gate
-	}{{"k1", procB, gateB}, {"k2", procC, gateC}} {
+	for i, key := range []string{"k1", "k2"} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// A duplicate that keeps waiting, as the middleware's does (it claims again after
-			// each lock timeout until DuplicateWait).
-			for ctx.Err() == nil {
+			for {
+				_, _, _ = idem.Do(ctx, procs[i+1], bouncerJob(key, gates[i+1]), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
+					return "dup", nil
+				})
 				select {
 				case <-release:
 					return
 				default:
 				}
-				_, _, _ = idem.Do(ctx, dup.pool, job(dup.key, dup.gate), idem.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (string, error) {
-					return "dup", nil
-				})
+				if !again || ctx.Err() != nil {
+					return
+				}
 			}
 		}()
 	}
-	lr := <-leaseDone
-	t.Logf("DoLease of the untouched key L: %q %v", lr.r, lr.err)
-	if lr.err != nil {
-		t.Fatalf("DoLease of a key no other attempt touched failed: %v (its heartbeats waited for a PgBouncer server connection behind the duplicates' waits)", lr.err)
-	}
+	return stop
 }
