@@ -8,7 +8,8 @@
 // for no upgrade included: no answer), a 5xx (except 501, 505 and 500
 // idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress (or a 409
 // whose body is in a Content-Encoding Code cannot read: the retry of a stored 409 gets it
-// replayed, final), honouring Retry-After
+// replayed, final; DefaultMaxAttempts of them in a row end the operation with ErrGaveUp,
+// whatever MaxAttempts), honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
 // answer marked Idempotent-Replayed: true is stored, whatever its status) ends the operation:
@@ -16,7 +17,8 @@
 // certificate, TLS to a plain server before the request was written, a redirect that the HTTP
 // client's CheckRedirect refuses, ten of them in a row by default, or one net/http cannot
 // follow: a Location it cannot parse, a URL that is not http or https; the server answered),
-// and a request that net/http would refuse to send (a ContentLength above 0 without a body, a
+// a request for a protocol upgrade (an Upgrade header, Connection: upgrade), and a request
+// that net/http would refuse to send (a ContentLength above 0 without a body, a
 // URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
 // value, the URL or the key, a RequestURI: a server's request handed on as it came; two key

@@ -252,6 +252,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	}
 	res := Result{Key: key}
 	attempt := 0
+	unreadable := 0 // 409s in a row whose body Code could not read
 	for try := 1; ; try++ {
 		r, sent, wrote, err := c.once(ctx, req, key, payload)
 		attempt += sent
@@ -266,6 +267,17 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			}
 			res = r
 			res.Attempts, res.Key = attempt, key
+			if _, read := r.problemCode(); r.Status == http.StatusConflict && !read {
+				// Retried in case it is request_in_progress; a server that answers it every
+				// time is not this middleware (its stored 409 comes back replayed, final):
+				// DefaultMaxAttempts of them in a row end the operation whatever MaxAttempts.
+				if unreadable++; unreadable >= DefaultMaxAttempts {
+					return res, fmt.Errorf("%w after %d answers 409 in an encoding Do cannot read (%q): last answer 409",
+						ErrGaveUp, unreadable, r.Header.Get("Content-Encoding"))
+				}
+			} else {
+				unreadable = 0
+			}
 		default:
 			// No answer this time: the result holds none (not an earlier attempt's), but the
 			// status and headers of a redirect that CheckRedirect refused.
@@ -341,6 +353,18 @@ func readBody(ctx context.Context, body io.ReadCloser) ([]byte, error) {
 	}
 }
 
+// connectionHas tells whether h's Connection header lists token (in any case).
+func connectionHas(h http.Header, token string) bool {
+	for _, v := range h.Values("Connection") {
+		for _, t := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(t), token) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // spentBody is the body Do leaves on a request whose body it could not read whole: every read
 // fails, so no later Do sends what is left of it.
 type spentBody struct{}
@@ -359,7 +383,7 @@ func (c *Client) maxAttempts() int {
 }
 
 // checkRequest refuses, before anything is sent, a request that net/http would refuse at every
-// attempt: a ContentLength above 0 without a body, a URL that is not http or https or has no
+// attempt: a protocol upgrade, a ContentLength above 0 without a body, a URL that is not http or https or has no
 // host or a port out of range, a method
 // or header or trailer name that is not a token, a header or trailer value with a control
 // character (a tab aside), a RequestURI (a server's request, handed on as it came); and a key
@@ -368,6 +392,10 @@ func (c *Client) maxAttempts() int {
 func (c *Client) checkRequest(req *http.Request, key string) error {
 	if !httpsyntax.IsToken(c.keyHeader()) {
 		return fmt.Errorf("idemclient: Client.KeyHeader %q is not a header name", c.keyHeader())
+	}
+	if req.Header.Get("Upgrade") != "" || connectionHas(req.Header, "upgrade") {
+		// A 101 would hand the connection over, an answer Do cannot read or retry.
+		return errors.New("idemclient: the request asks for a protocol upgrade (Upgrade, Connection: upgrade), which is not an operation Do sends")
 	}
 	if (req.Body == nil || req.Body == http.NoBody) && req.ContentLength > 0 {
 		return fmt.Errorf("idemclient: the request's ContentLength is %d and it has no body, which net/http refuses to send", req.ContentLength)

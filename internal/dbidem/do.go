@@ -106,7 +106,7 @@ func (job Job) claim(lease time.Duration) (Claim, []byte, error) {
 		if dropsEverything(job.Input, input) {
 			// Every value of its type would be one request: another input would replay this
 			// one's result instead of ErrMismatch.
-			return Claim{}, nil, fmt.Errorf("%w: the job's Input (%T) encodes as {}: none of its fields is exported, "+
+			return Claim{}, nil, fmt.Errorf("%w: the job's Input (%T) encodes as {}: it has no field JSON writes (none is exported), "+
 				"so every input of its type would be the same request", ErrInvalidArgument, job.Input)
 		}
 		// encoding/json writes each byte of a string that is not UTF-8 as the escape \ufffd

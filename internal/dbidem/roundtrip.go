@@ -18,7 +18,7 @@ import (
 // numbers as written (objects whose members come back in another order, as a map's do).
 func roundTrips[T any](v T, raw []byte) error {
 	if dropsEverything(v, raw) {
-		return fmt.Errorf("encodes as {} (%T exports none of its fields): a replay would give its zero value", v)
+		return fmt.Errorf("encodes as {} (%T has no field JSON writes: none is exported): a replay would give its zero value", v)
 	}
 	var back T
 	if err := json.Unmarshal(raw, &back); err != nil {
@@ -55,9 +55,11 @@ func decodeNumbers(b []byte) (any, error) {
 	return v, nil
 }
 
-// dropsEverything tells whether v, a struct with fields (or a pointer or interface to one)
-// that is not its zero value, encodes as {}: none of its fields is exported (or each is
-// tagged "-"), and its JSON says nothing of it.
+// dropsEverything tells whether v, a value of a struct type that JSON can say nothing of (no
+// exported field that encoding/json writes, none in an embedded struct, no MarshalJSON),
+// is not its zero value and encodes as {}: its JSON drops everything it holds. A struct with
+// fields JSON writes is never such, even when its JSON is {} (empty omitempty fields: the
+// replay decodes the same {} to the same JSON).
 func dropsEverything(v any, raw []byte) bool {
 	if string(raw) != "{}" {
 		return false
@@ -69,5 +71,32 @@ func dropsEverything(v any, raw []byte) bool {
 		}
 		r = r.Elem()
 	}
-	return r.IsValid() && r.Kind() == reflect.Struct && r.NumField() > 0 && !r.IsZero()
+	return r.IsValid() && r.Kind() == reflect.Struct && r.NumField() > 0 && !r.IsZero() && !jsonWrites(r.Type())
+}
+
+var marshalerType = reflect.TypeFor[json.Marshaler]()
+
+// jsonWrites tells whether encoding/json writes anything of struct type t: a MarshalJSON, or
+// an exported field not tagged "-", or one in an embedded struct.
+func jsonWrites(t reflect.Type) bool {
+	if t.Implements(marshalerType) || reflect.PointerTo(t).Implements(marshalerType) {
+		return true
+	}
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if f.Tag.Get("json") == "-" {
+			continue
+		}
+		if f.IsExported() {
+			return true
+		}
+		ft := f.Type
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		if f.Anonymous && ft.Kind() == reflect.Struct && jsonWrites(ft) {
+			return true
+		}
+	}
+	return false
 }
