@@ -27,8 +27,8 @@ type Job struct {
 	// holds that escape otherwise, from a json.RawMessage, is refused too), so
 	// two inputs would fingerprint alike; encode bytes (base64, hex). Only what its JSON
 	// holds tells two inputs apart: fields that are not exported (or tagged "-") are not part
-	// of it, and an Input whose JSON is {} although its value is not its type's zero value
-	// (a struct that exports none of its fields) is ErrInvalidArgument. An Input that JSON
+	// of it, and an Input of a struct type JSON writes nothing of (no exported field, no
+	// MarshalJSON) that is not its zero value is ErrInvalidArgument. An Input that JSON
 	// cannot encode (a channel, NaN) is ErrInvalidArgument too.
 	Input any
 	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults. A negative
