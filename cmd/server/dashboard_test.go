@@ -95,4 +95,23 @@ func TestDashboardAndAlertsNameServerMetrics(t *testing.T) {
 	if n < 5 {
 		t.Fatalf("only %d alert rules found", n)
 	}
+	// Every query of a promql block (the ratios worth a panel, and any other) too.
+	blocks := 0
+	for rest := string(ops); ; {
+		_, after, found := strings.Cut(rest, "```promql\n")
+		if !found {
+			break
+		}
+		block, tail, _ := strings.Cut(after, "```")
+		for _, line := range strings.Split(block, "\n") {
+			if q := strings.TrimSpace(line); q != "" && !strings.HasPrefix(q, "#") {
+				check("promql block", q)
+			}
+		}
+		blocks++
+		rest = tail
+	}
+	if blocks == 0 {
+		t.Fatal("docs/operations.md has no promql block")
+	}
 }
