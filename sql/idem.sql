@@ -1058,6 +1058,16 @@ UPDATE idem.schema_version SET version = 7;
 -- migrations in sql/migrations. Each function lives in its own file; include/ holds the
 -- fragments they share (validation, defaults, attributes).
 
+-- The routines of schema idem before this install (none on a first one), for the take-back
+-- of default privileges below: it reaches the routines this install creates, never the grants
+-- an earlier install made (an earlier application role's API).
+DO $$
+BEGIN
+    PERFORM pg_catalog.set_config('idem.routines_before', coalesce((SELECT pg_catalog.string_agg(p.oid::text, ',')
+        FROM pg_catalog.pg_proc AS p WHERE p.pronamespace = pg_catalog.to_regnamespace('idem')), ''), true);
+END
+$$;
+
 -- Signatures of earlier releases, gone (CHANGELOG.md): 0.1.0's attempt was an integer and
 -- idem_save_final had no p_withheld and p_resource_id.
 DO $$
@@ -3825,33 +3835,45 @@ GRANT USAGE ON SCHEMA idem TO "idem_app", "idem_operator";
 -- What the owner's default privileges (ALTER DEFAULT PRIVILEGES, for every schema or for
 -- idem) gave other roles on what the migrations and this install created, taken back: the
 -- tables and sequences of schema idem (the keys, their bodies, the installation's secrets) are
--- the owner's alone, whoever was granted what on them; EXECUTE that the default privileges
--- give on every function and procedure is revoked from those roles (the grants below give
--- the API to the roles it is for); and no role but the owner may create objects in schema idem
+-- the owner's alone, whoever was granted what on them (column grants and grants passed on
+-- included); EXECUTE that the default privileges give is revoked from those roles on every
+-- routine this install created (the grants below give the API to the roles it is for, and an
+-- earlier install's grants stay); and no role but the owner may create objects in schema idem
 -- (one could shadow a function that the API calls). A service's own login that the owner's
 -- default privileges serve (its tables) would otherwise read every stored body and the
 -- installation's secret.
 DO $$
 DECLARE
     r record;
+    v_before oid[] := pg_catalog.string_to_array(pg_catalog.current_setting('idem.routines_before', true), ',')::oid[];
 BEGIN
     FOR r IN
         SELECT DISTINCT CASE WHEN c.relkind = 'S' THEN 'SEQUENCES' ELSE 'TABLES' END AS kind, x.grantee
           FROM pg_catalog.pg_class AS c
          CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS x
          WHERE c.relnamespace = 'idem'::regnamespace AND x.grantee <> c.relowner
+        UNION
+        SELECT 'TABLES', x.grantee
+          FROM pg_catalog.pg_class AS c
+          JOIN pg_catalog.pg_attribute AS a ON a.attrelid = c.oid
+         CROSS JOIN LATERAL pg_catalog.aclexplode(a.attacl) AS x
+         WHERE c.relnamespace = 'idem'::regnamespace AND x.grantee <> c.relowner
     LOOP
-        EXECUTE pg_catalog.format('REVOKE ALL ON ALL %s IN SCHEMA idem FROM %s', r.kind,
+        -- A table's REVOKE takes its columns' grants too; CASCADE, the grants passed on.
+        EXECUTE pg_catalog.format('REVOKE ALL ON ALL %s IN SCHEMA idem FROM %s CASCADE', r.kind,
             CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
     END LOOP;
     FOR r IN
-        SELECT DISTINCT x.grantee
+        SELECT DISTINCT x.grantee, p.oid::regprocedure AS routine, p.prokind
           FROM pg_catalog.pg_default_acl AS d
          CROSS JOIN LATERAL pg_catalog.aclexplode(d.defaclacl) AS x
+          JOIN pg_catalog.pg_proc AS p ON p.pronamespace = 'idem'::regnamespace
          WHERE d.defaclrole = current_user::regrole AND d.defaclnamespace IN (0, 'idem'::regnamespace)
            AND d.defaclobjtype = 'f' AND x.grantee <> d.defaclrole
+           AND NOT p.oid = ANY (coalesce(v_before, '{}'))
     LOOP
-        EXECUTE pg_catalog.format('REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM %1$s; REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM %1$s',
+        EXECUTE pg_catalog.format('REVOKE ALL ON %s %s FROM %s CASCADE',
+            CASE WHEN r.prokind = 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, r.routine,
             CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
     END LOOP;
     FOR r IN
@@ -3860,7 +3882,7 @@ BEGIN
          CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS x
          WHERE n.nspname = 'idem' AND x.privilege_type = 'CREATE' AND x.grantee <> n.nspowner
     LOOP
-        EXECUTE pg_catalog.format('REVOKE CREATE ON SCHEMA idem FROM %s',
+        EXECUTE pg_catalog.format('REVOKE CREATE ON SCHEMA idem FROM %s CASCADE',
             CASE WHEN r.grantee = 0 THEN 'PUBLIC' ELSE r.grantee::regrole::text END);
     END LOOP;
 END

@@ -61,9 +61,18 @@ func (m *Main) openDatabase(ctx context.Context) error {
 			m.log.Info("reusing the running private PostgreSQL cluster", attrs...)
 			if m.Command == "serve" && !clusterServerAlive(dir) {
 				// The server that started it is gone (killed): this one stops it on exit, as
-				// the one that started it would have.
-				m.takeCluster(dir)
-				m.log.Info("the server that started the private cluster is gone: this server stops it on exit", "dir", dir)
+				// the one that started it would have; unless another process still uses it (a
+				// second serve beside the one killed), which its stop would cut off.
+				switch n, err := otherClients(ctx, m.cluster.ConnString("postgres")); {
+				case err != nil:
+					m.log.Warn("could not tell whether other clients use the private cluster: leaving it running on exit", "err", err)
+				case n > 0:
+					m.log.Info("the server that started the private cluster is gone, but other clients use it: this server leaves it running on exit",
+						"dir", dir, "clients", n)
+				default:
+					m.takeCluster(dir)
+					m.log.Info("the server that started the private cluster is gone: this server stops it on exit", "dir", dir)
+				}
 			}
 		}
 		url = m.cluster.ConnString("postgres")
@@ -237,4 +246,20 @@ func clusterServerAlive(dir string) bool {
 	}
 	err = syscall.Kill(pid, 0)
 	return err == nil || errors.Is(err, syscall.EPERM)
+}
+
+// otherClients counts the client connections to the cluster at url other than the one it
+// opens to ask.
+func otherClients(ctx context.Context, url string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_catalog.pg_stat_activity
+		WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid()`).Scan(&n)
+	return n, err
 }
