@@ -4,7 +4,6 @@ package idem_test
 // principal functions, key headers, Declare. Each test asserts a documented promise.
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -25,7 +24,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-func cfgQuiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 // cfgEnv: a pool with an effects table, a middleware and a server for one route.
 type cfgEnv struct {
@@ -63,7 +61,7 @@ func cfgNew(t *testing.T, conns int32, o idem.Options, rt idem.Route) *cfgEnv {
 		o.Principal = alice
 	}
 	if o.Logger == nil {
-		o.Logger = cfgQuiet()
+		o.Logger = quietLogger()
 	}
 	m, err := idem.New(context.Background(), o)
 	if err != nil {
@@ -81,30 +79,15 @@ func (e *cfgEnv) keys(t *testing.T) int {
 	return pgtest.Count(t, e.pool, `SELECT count(*) FROM idem.idempotency_keys`)
 }
 
-// cfgRaw sends a raw HTTP/1.1 request with header lines as written (names not canonicalized).
+// cfgRaw sends a raw HTTP/1.1 request with header lines as written (names as written, each value after its first colon).
 func cfgRaw(t *testing.T, srv *httptest.Server, body string, lines ...string) (int, string) {
 	t.Helper()
-	conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	var b strings.Builder
-	fmt.Fprintf(&b, "POST /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: %d\r\n", len(body))
+	headers := []string{"Content-Type", "application/json"}
 	for _, l := range lines {
-		b.WriteString(l + "\r\n")
+		name, value, _ := strings.Cut(l, ":")
+		headers = append(headers, name, strings.TrimPrefix(value, " "))
 	}
-	b.WriteString("\r\n" + body)
-	if _, err := conn.Write([]byte(b.String())); err != nil {
-		t.Fatal(err)
-	}
-	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer res.Body.Close()
-	rb, _ := io.ReadAll(res.Body)
-	return res.StatusCode, string(rb)
+	return routingRaw(t, srv, "POST", "/x", body, headers...)
 }
 
 // TestConfigBoundsWorkAtRequestTime: every option at the largest value New takes works at the
@@ -297,7 +280,7 @@ func TestConfigKeyHeaderVariants(t *testing.T) {
 // key or not, silently. Each of them panics now.
 func TestConfigDeclareThatCannotWorkPanics(t *testing.T) {
 	pool, _ := pgtest.NewPool(t, 4)
-	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: cfgQuiet()})
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

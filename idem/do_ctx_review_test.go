@@ -19,20 +19,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-func sizedPool(t *testing.T, url string, n int32) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = n
-	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Close)
-	return p
-}
 
 // holdKey claims job's key (Do's claim, by hand) in a transaction of another "process" and
 // keeps it open until release is called; the claim is then rolled back.
@@ -180,7 +166,7 @@ func TestDoManyGoroutinesOneJob(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			key := fmt.Sprintf("many-%d", ci)
 			const n = 12
-			pools := []*pgxpool.Pool{pool, sizedPool(t, url, 4), sizedPool(t, url, 4)}
+			pools := []*pgxpool.Pool{pool, reviewPool(t, url, 4), reviewPool(t, url, 4)}
 			var wg sync.WaitGroup
 			var runs atomic.Int32
 			results := make([]int64, n)
