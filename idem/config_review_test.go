@@ -24,7 +24,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-
 // cfgEnv: a pool with an effects table, a middleware and a server for one route.
 type cfgEnv struct {
 	pool *pgxpool.Pool

@@ -19,7 +19,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-
 // holdKey claims job's key (Do's claim, by hand) in a transaction of another "process" and
 // keeps it open until release is called; the claim is then rolled back.
 func holdKey(t *testing.T, url string, job idem.Job) (release func()) {
