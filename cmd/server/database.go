@@ -249,7 +249,9 @@ func clusterServerAlive(dir string) bool {
 }
 
 // otherClients counts the client connections to the cluster at url other than the one it
-// opens to ask.
+// opens to ask. The backends of a process that was just killed (the server whose cluster this
+// one takes over) end when they find their socket closed, which takes a moment: the count is
+// asked again for up to two seconds until it is 0.
 func otherClients(ctx context.Context, url string) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
@@ -259,7 +261,12 @@ func otherClients(ctx context.Context, url string) (int, error) {
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var n int
-	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_catalog.pg_stat_activity
-		WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid()`).Scan(&n)
-	return n, err
+	for try := 0; ; try++ {
+		err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_catalog.pg_stat_activity
+			WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid()`).Scan(&n)
+		if err != nil || n == 0 || try == 20 {
+			return n, err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
