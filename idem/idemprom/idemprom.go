@@ -34,6 +34,11 @@ import (
 // but a route whose action comes from the URL path (a router whose template the middleware
 // is not given) makes one per path; past MaxActions distinct actions, the others are counted
 // under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
+//
+// An action's idempotency_requests_total series start together, every state at 0, when its
+// first request is counted, and idempotency_request_duration_seconds has every state from
+// NewObserver on: the first store_error of an action is an increase that rate() sees, not a
+// new series it cannot.
 type Observer struct {
 	requests   *prometheus.CounterVec
 	duration   *prometheus.HistogramVec
@@ -43,6 +48,7 @@ type Observer struct {
 
 	mu      sync.RWMutex
 	actions map[string]string // the label of each action seen, at most MaxActions
+	started map[string]bool   // the labels whose every requests series exists
 }
 
 // MaxActions is the most distinct values of the action label an Observer exports; past it,
@@ -63,10 +69,17 @@ func (o *Observer) label(action string) string {
 		return l
 	}
 	if len(o.actions) >= MaxActions {
-		return "other"
+		l = "other"
+	} else {
+		l = strings.ToValidUTF8(action, "\uFFFD")
+		o.actions[action] = l
 	}
-	l = strings.ToValidUTF8(action, "\uFFFD")
-	o.actions[action] = l
+	if !o.started[l] {
+		o.started[l] = true
+		for _, s := range idem.States() {
+			o.requests.WithLabelValues(l, string(s)) // every state's series at 0
+		}
+	}
 	return l
 }
 
@@ -99,6 +112,10 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
 		}, []string{"action"}),
 		actions: map[string]string{},
+		started: map[string]bool{},
+	}
+	for _, s := range idem.States() {
+		o.duration.WithLabelValues(string(s)) // every state's series from the start
 	}
 	reg.MustRegister(o.requests, o.duration, o.extensions, o.lost, o.work)
 	return o

@@ -84,12 +84,65 @@ func TestEveryMetricIsExported(t *testing.T) {
 	}
 	states := labels["idempotency_requests_total"]
 	slices.Sort(states)
-	if !slices.Equal(states, []string{"acquired", "replayed"}) {
-		t.Fatalf("states %v, want acquired and replayed", states)
+	if !slices.Equal(states, []string{"acquired", "busy", "key_reused", "oversize", "replayed", "store_error"}) {
+		t.Fatalf("states %v, want every state (exported at 0 from the action's first request)", states)
 	}
 	results := labels["idem_cleanup_passes_total"]
 	slices.Sort(results)
 	if !slices.Equal(results, []string{"done", "failed", "skipped", "stopped"}) {
 		t.Fatalf("pass results %v, want all four from the start", results)
+	}
+}
+
+// TestEveryStateStartsAtZero: an action's request series start together, every state at 0, so
+// the first store_error after its first acquired is an increase rate() sees (it was a new series
+// starting at 1, which rate() cannot tell from one that had always been 1); the duration
+// histogram has every state before any request.
+func TestEveryStateStartsAtZero(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	o := idemprom.NewObserver(reg)
+	series := func(name string) map[string]float64 {
+		t.Helper()
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]float64{}
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				key := ""
+				for _, lp := range m.GetLabel() {
+					key += lp.GetName() + "=" + lp.GetValue() + ","
+				}
+				if m.GetCounter() != nil {
+					got[key] = m.GetCounter().GetValue()
+				} else {
+					got[key] = float64(m.GetHistogram().GetSampleCount())
+				}
+			}
+		}
+		return got
+	}
+	durations := series("idempotency_request_duration_seconds")
+	if len(durations) != len(idem.States()) {
+		t.Fatalf("duration series before any request: %v, want one per state", durations)
+	}
+	o.Count("create-order", idem.StateAcquired)
+	got := series("idempotency_requests_total")
+	for _, s := range idem.States() {
+		v, ok := got["action=create-order,state="+string(s)+","]
+		want := 0.0
+		if s == idem.StateAcquired {
+			want = 1
+		}
+		if !ok || v != want {
+			t.Errorf("state %s: %v (exported %v), want %v", s, v, ok, want)
+		}
+	}
+	if len(got) != len(idem.States()) {
+		t.Errorf("series: %v, want one per state of the one action", got)
 	}
 }
