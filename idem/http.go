@@ -122,7 +122,8 @@ type Options struct {
 	// StoredHeaders is the allowlist of response headers stored and replayed (each a header
 	// name). Default nil: Content-Type, Location, ETag, Content-Location, Last-Modified. A
 	// stored body's Content-Encoding (a handler behind a compressing middleware) is stored
-	// with it whatever the list says: it is part of the body.
+	// with it whatever the list says: it is part of the body; so is a 206's or 416's
+	// Content-Range.
 	StoredHeaders []string
 	// FinalStatus tells which error statuses are final: rolled back, then stored and
 	// replayed. Default nil: DefaultFinalStatus (400, 403, 404, 409, 410, 412, 413, 415,

@@ -152,6 +152,12 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 			h[http.CanonicalHeaderKey(name)] = v
 		}
 	}
+	if v := sent.Values("Content-Range"); len(v) > 0 && (rec.code() == http.StatusPartialContent ||
+		rec.code() == http.StatusRequestedRangeNotSatisfiable) {
+		// A 206's body is the part its Content-Range names (a 416's says what the whole is):
+		// without it a replay is bytes whose place nothing tells, whatever the allowlist says.
+		h["Content-Range"] = v
+	}
 	if v := sent.Values("Content-Length"); len(v) > 0 && rec.head && rec.body.Len() == 0 {
 		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again.
 		h["Content-Length"] = v
