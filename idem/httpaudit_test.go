@@ -210,6 +210,39 @@ func TestReplayedPartialContentKeepsItsRange(t *testing.T) {
 	}
 }
 
+// TestLeaseAnswerKeptTheTTLAfterTheAnswer: docs/http.md, "How long a key lives": on a lease
+// route, "once the answer is stored, the key lives the TTL after the answer". A lease route with
+// a 1 s TTL and a 10 s lease kept its answer until the lease's end plus the TTL (11 s): another
+// request under the key got 422 for ten seconds more than the TTL (D200).
+func TestLeaseAnswerKeptTheTTLAfterTheAnswer(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 8)
+	var runs atomic.Int32
+	srv, _ := auditServer(t, idem.Options{DB: pool, TTL: time.Second}, idem.Route{Lease: 10 * time.Second},
+		func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(http.StatusCreated)
+		})
+	if s, _, b := auditPost(t, srv.URL, "lease-ttl", `{"amount":1}`); s != 201 {
+		t.Fatalf("first: %d %s", s, b)
+	}
+	var now time.Time
+	if err := pool.QueryRow(context.Background(), "SELECT clock_timestamp()").Scan(&now); err != nil {
+		t.Fatal(err)
+	}
+	story, ok, err := idem.ReadKey(context.Background(), pool, "alice", "lease-ttl")
+	if err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	if left := story.KeptUntil.Sub(now); left > 1500*time.Millisecond {
+		t.Errorf("the answer is kept %v more with a 1 s TTL (its claim's expiry %v more)", left, story.ExpiresAt.Sub(now))
+	}
+	time.Sleep(1300 * time.Millisecond)
+	if s, _, b := auditPost(t, srv.URL, "lease-ttl", `{"amount":2}`); s != 201 || runs.Load() != 2 {
+		t.Fatalf("another request 1.3 s after the answer (TTL 1 s): %d %s, %d runs", s, b, runs.Load())
+	}
+}
+
 // TestAuditLeaseAbortHandlerGivesTheLeaseUp: on a lease route, "the handler answers anything else
 // (5xx, 401, 429, a panic): gives the lease up at once without an answer ... the same request:
 // a fresh run at once, with the same provider key" (docs/http.md). net/http's own way for a

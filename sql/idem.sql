@@ -1462,9 +1462,13 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
     ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
           AND v_row.request_sha256 = p_request_sha256
-          AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
+          AND coalesce(v_row.lease_expires_at, v_row.expires_at) > clock_timestamp() THEN
         -- A repeat of a completed key: decided on the committed row the probe found, without
-        -- drawing a token or building the request's field hashes. The key and request
+        -- drawing a token or building the request's field hashes. A completed key lives the TTL
+        -- after its answer: lease_expires_at (NULL only in a row completed by release 0.1.0,
+        -- kept then until expires_at); expires_at, the claim's TTL, is not moved at completion
+        -- (an indexed column: the completion stays HOT), and for a lease claim answered before
+        -- its lease's end it is later than the answer's TTL (D200). The key and request
         -- arguments need no test on this path: a row is found only for a valid principal and
         -- key (idem_begin stores no other), and a replay only for the action and the 32-byte
         -- fingerprint stored.
@@ -1585,10 +1589,12 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at <= v_now
-                                 OR (v_row.lease_expires_at IS NULL AND v_row.state <> 'p'))) THEN
+        IF v_row.state = 'r' OR (v_row.state = 'c' AND coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now)
+           OR (v_row.expires_at <= v_now AND v_row.lease_expires_at <= v_now) THEN
             -- An expired key is absent, a released one free: claim it again, with a new
-            -- token, so that a holder of an older claim stays fenced off. A transactional
+            -- token, so that a holder of an older claim stays fenced off. A completed key
+            -- expires the TTL after its answer (above), a lease claim in progress once its
+            -- lease and the TTL after it have run out. A transactional
             -- claim in progress (state 'p' without a lease) never expires: it can only be this
             -- transaction's own (the commit guard keeps any other from being committed), and
             -- it holds the key until its transaction ends, whatever its age; claiming it again
@@ -1987,6 +1993,9 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
                generation = CASE WHEN k.uncompleted THEN k.generation END
          WHERE k.principal_id = p_principal AND k.key = p_key
            AND (k.state = 'r'
+                -- expired: a completed key the TTL after its answer (idem_begin, D200), any
+                -- other once its claim's TTL and its lease have run out
+                OR (k.state = 'c' AND coalesce(k.lease_expires_at, k.expires_at) <= v_now)
                 OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
                     AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
@@ -3231,7 +3240,8 @@ BEGIN
                    count(*) FILTER (WHERE k.state = 'p'),
                    count(*) FILTER (WHERE k.state = 'c'),
                    count(*) FILTER (WHERE k.state = 'r'),
-                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= $2
+                                               ELSE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2) END),
                    count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
                    min(k.claimed_at) FILTER (WHERE k.state = 'p'),
                    $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
@@ -3423,10 +3433,13 @@ IF v_problem IS NOT NULL THEN
         RETURN;
     END IF;
     state := CASE v_row.state WHEN 'p' THEN 'in_progress' WHEN 'c' THEN 'completed' ELSE 'released' END;
-    expired := v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now);
+    -- A completed key is expired the TTL after its answer (D200), any other once its claim's
+    -- TTL and its lease have run out.
+    expired := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now
+                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now) END;
     claimed_at := v_row.claimed_at;
     expires_at := v_row.expires_at;
-    kept_until := CASE WHEN v_row.state = 'c' THEN greatest(v_row.expires_at, v_row.lease_expires_at) END;
+    kept_until := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) END;
     lease_expires_at := CASE WHEN v_row.state = 'p' THEN v_row.lease_expires_at END;
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
@@ -3548,7 +3561,9 @@ IF v_problem IS NOT NULL THEN
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
-        SELECT k.state, k.attempt, k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+        SELECT k.state, k.attempt,
+               CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= v_now
+                    ELSE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now) END
           INTO v_state, v_attempt, v_expired
           FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,

@@ -132,9 +132,13 @@ BEGIN
 {{ template "include/read_key.sql" "" }}
     ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
           AND v_row.request_sha256 = p_request_sha256
-          AND greatest(v_row.expires_at, v_row.lease_expires_at) > clock_timestamp() THEN
+          AND coalesce(v_row.lease_expires_at, v_row.expires_at) > clock_timestamp() THEN
         -- A repeat of a completed key: decided on the committed row the probe found, without
-        -- drawing a token or building the request's field hashes. The key and request
+        -- drawing a token or building the request's field hashes. A completed key lives the TTL
+        -- after its answer: lease_expires_at (NULL only in a row completed by release 0.1.0,
+        -- kept then until expires_at); expires_at, the claim's TTL, is not moved at completion
+        -- (an indexed column: the completion stays HOT), and for a lease claim answered before
+        -- its lease's end it is later than the answer's TTL (D200). The key and request
         -- arguments need no test on this path: a row is found only for a valid principal and
         -- key (idem_begin stores no other), and a replay only for the action and the 32-byte
         -- fingerprint stored.
@@ -175,10 +179,12 @@ BEGIN
         END IF;
 
         v_now := clock_timestamp();
-        IF v_row.state = 'r' OR (v_row.expires_at <= v_now AND (v_row.lease_expires_at <= v_now
-                                 OR (v_row.lease_expires_at IS NULL AND v_row.state <> 'p'))) THEN
+        IF v_row.state = 'r' OR (v_row.state = 'c' AND coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now)
+           OR (v_row.expires_at <= v_now AND v_row.lease_expires_at <= v_now) THEN
             -- An expired key is absent, a released one free: claim it again, with a new
-            -- token, so that a holder of an older claim stays fenced off. A transactional
+            -- token, so that a holder of an older claim stays fenced off. A completed key
+            -- expires the TTL after its answer (above), a lease claim in progress once its
+            -- lease and the TTL after it have run out. A transactional
             -- claim in progress (state 'p' without a lease) never expires: it can only be this
             -- transaction's own (the commit guard keeps any other from being committed), and
             -- it holds the key until its transaction ends, whatever its age; claiming it again

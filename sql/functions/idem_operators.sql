@@ -51,7 +51,8 @@ BEGIN
                    count(*) FILTER (WHERE k.state = 'p'),
                    count(*) FILTER (WHERE k.state = 'c'),
                    count(*) FILTER (WHERE k.state = 'r'),
-                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= $2
+                                               ELSE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2) END),
                    count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
                    min(k.claimed_at) FILTER (WHERE k.state = 'p'),
                    $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
@@ -231,10 +232,13 @@ BEGIN
         RETURN;
     END IF;
     state := CASE v_row.state WHEN 'p' THEN 'in_progress' WHEN 'c' THEN 'completed' ELSE 'released' END;
-    expired := v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now);
+    -- A completed key is expired the TTL after its answer (D200), any other once its claim's
+    -- TTL and its lease have run out.
+    expired := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now
+                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now) END;
     claimed_at := v_row.claimed_at;
     expires_at := v_row.expires_at;
-    kept_until := CASE WHEN v_row.state = 'c' THEN greatest(v_row.expires_at, v_row.lease_expires_at) END;
+    kept_until := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) END;
     lease_expires_at := CASE WHEN v_row.state = 'p' THEN v_row.lease_expires_at END;
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
@@ -327,7 +331,9 @@ BEGIN
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
-        SELECT k.state, k.attempt, k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
+        SELECT k.state, k.attempt,
+               CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= v_now
+                    ELSE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now) END
           INTO v_state, v_attempt, v_expired
           FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,

@@ -92,6 +92,9 @@ BEGIN
                generation = CASE WHEN k.uncompleted THEN k.generation END
          WHERE k.principal_id = p_principal AND k.key = p_key
            AND (k.state = 'r'
+                -- expired: a completed key the TTL after its answer (idem_begin, D200), any
+                -- other once its claim's TTL and its lease have run out
+                OR (k.state = 'c' AND coalesce(k.lease_expires_at, k.expires_at) <= v_now)
                 OR (k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
                     AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));

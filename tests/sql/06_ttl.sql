@@ -2,7 +2,7 @@
 -- however long the work took; the completion changes no indexed column (it stays HOT).
 BEGIN;
 \ir lib/helpers.sql
-SELECT plan(13);
+SELECT plan(17);
 
 -- A transactional claim with a TTL of one hour, completed later in its transaction.
 SELECT pg_temp.b('ttl', 'tx', 'POST /t', sha256('tx'), p_ttl => '1 hour');
@@ -40,6 +40,19 @@ SELECT ok(lease_expires_at >= :'before_lease'::timestamptz + interval '1 hour'
           AND lease_expires_at < clock_timestamp() + interval '1 hour',
     'a lease''s answer is kept the TTL after it was given (not after the lease''s end)')
   FROM idem.idempotency_keys WHERE key = 'lease';
+-- Its answer's TTL has run out, its claim's (the lease's end plus the TTL) has not: the key is
+-- expired (D200; it replayed until the lease's end plus the TTL).
+UPDATE idem.idempotency_keys SET lease_expires_at = now() - interval '1 minute' WHERE key = 'lease';
+SELECT is((SELECT expired FROM idem.idem_key('ttl', 'lease')), true, 'idem_key says a lease''s answer past its TTL expired');
+SELECT pg_temp.b('ttl', 'lease', 'POST /t', sha256('lease'), p_lease => '2 hours', p_ttl => '1 hour');
+SELECT is(outcome, 'claimed', 'a lease''s answer past its TTL is absent, though its lease''s end plus the TTL is not past') FROM r;
+SELECT isnt(attempt, :lease::bigint, 'with a new token') FROM r;
+SELECT pg_temp.b('ttl', 'lease3', 'POST /t', sha256('lease3'), p_lease => '2 hours', p_ttl => '1 hour');
+SELECT attempt AS lease3 FROM r \gset
+SELECT idem.idem_complete('ttl', 'lease3', :lease3, 200, '{}', 'done');
+UPDATE idem.idempotency_keys SET lease_expires_at = now() - interval '1 minute' WHERE key = 'lease3';
+SELECT is(idem.idem_save_final('ttl', 'lease3', 'POST /t', sha256('other'), '1 hour', 422, '{}', 'no'), true,
+    'idem_save_final stores over a lease''s answer past its TTL');
 
 -- A lease taken over: the key lives the TTL past the new lease.
 SELECT pg_temp.b('ttl', 'lease2', 'POST /t', sha256('lease2'), p_lease => '1 minute', p_ttl => '1 hour');
