@@ -148,10 +148,17 @@ func checkMigrated(ctx context.Context, db idem.Querier) error {
 		return err
 	}
 	wantLedger := countMigrations(ledgerFS())
+	// Two statements: a statement that names the version table fails to parse (42P01) where it
+	// does not exist, whatever CASE would have skipped (a database with the idem API alone).
 	var have int32
-	if err := db.QueryRow(ctx, `SELECT CASE WHEN to_regclass('`+ledgerVersionTable+`') IS NULL THEN 0
-		ELSE (SELECT version FROM `+ledgerVersionTable+`) END`).Scan(&have); err != nil {
+	var exists bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass('`+ledgerVersionTable+`') IS NOT NULL`).Scan(&exists); err != nil {
 		return fmt.Errorf("check the migrations: %w", err)
+	}
+	if exists {
+		if err := db.QueryRow(ctx, `SELECT coalesce((SELECT version FROM `+ledgerVersionTable+`), 0)`).Scan(&have); err != nil {
+			return fmt.Errorf("check the migrations: %w", err)
+		}
 	}
 	switch {
 	case int(have) < wantLedger:
