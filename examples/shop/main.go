@@ -103,6 +103,11 @@ func newShop(ctx context.Context, pool *pgxpool.Pool) (*shop, error) {
 
 // createOrder writes through the request's transaction, which commits with the key.
 func createOrder(w http.ResponseWriter, r *http.Request) {
+	customer, ok := idem.ClaimOf(r.Context())
+	if !ok { // no customer: Required asks a key of a request with a principal only
+		http.Error(w, "say who you are (X-Customer)", http.StatusUnauthorized)
+		return
+	}
 	var o struct {
 		SKU string `json:"sku"`
 		Qty int    `json:"qty"`
@@ -115,7 +120,6 @@ func createOrder(w http.ResponseWriter, r *http.Request) {
 			"Invalid order", "sku and a positive qty are required", "") // 422: stored and replayed
 		return
 	}
-	customer, _ := idem.ClaimOf(r.Context())
 	var id int64
 	err := idem.TxFrom(r.Context()).QueryRow(r.Context(),
 		`INSERT INTO orders (customer, sku, qty) VALUES ($1, $2, $3) RETURNING id`, customer.Principal, o.SKU, o.Qty).Scan(&id)

@@ -72,6 +72,14 @@ func TestShop(t *testing.T) {
 	if res := post(`{"sku":"a1","qty":3}`); res.StatusCode != 422 {
 		t.Fatalf("another order under the key: %d", res.StatusCode)
 	}
+	// Without a customer the middleware asks no key and claims nothing: the handler refuses it.
+	anon, _ := http.NewRequest("POST", srv.URL+"/orders", strings.NewReader(`{"sku":"a1","qty":2}`))
+	anon.Header.Set("Idempotency-Key", "order-1")
+	if res, err := http.DefaultClient.Do(anon); err != nil || res.StatusCode != 401 {
+		t.Fatalf("an order without a customer: %v %v, want 401", res, err)
+	} else {
+		res.Body.Close()
+	}
 	var n int
 	if err := app.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&n); err != nil || n != 1 {
 		t.Fatalf("%d orders, %v; want 1", n, err)
