@@ -51,8 +51,7 @@ BEGIN
                    count(*) FILTER (WHERE k.state = 'p'),
                    count(*) FILTER (WHERE k.state = 'c'),
                    count(*) FILTER (WHERE k.state = 'r'),
-                   count(*) FILTER (WHERE CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= $2
-                                               ELSE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2) END),
+                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
                    count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
                    min(k.claimed_at) FILTER (WHERE k.state = 'p'),
                    $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
