@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -360,10 +359,9 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 // lost. A Complete whose reply never came (the connection broke after the statement was sent)
 // may have committed: the next try then finds the claim completed and fails with ErrClaimLost,
 // although the answer stored is this one. So when a try ended without the server's answer and
-// a later one says the claim is lost, PersistAnswer asks c again (idem_begin in a read-only
-// transaction on db, rolled back: it writes nothing, and a read-only transaction refuses any
-// claim): a replay with this attempt means the answer is stored, and PersistAnswer returns nil.
-// Any other finding keeps ErrClaimLost.
+// a later one says the claim is lost, PersistAnswer reads the key's row on db (idem_key, which
+// writes nothing): completed with this attempt means the answer is stored, and PersistAnswer
+// returns nil. Any other finding keeps ErrClaimLost.
 func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt int64, r Response) error {
 	unknown := false
 	err := Persist(ctx, func(ctx context.Context) error {
@@ -390,26 +388,18 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 	return err
 }
 
-// answeredLockTimeout is the lock timeout of answered's claim.
-const answeredLockTimeout = 100 * time.Millisecond
-
-// answered tells whether the answer of the claim c with this attempt is stored: c asked again in
-// a read-only transaction, rolled back, replays with this attempt.
+// answered tells whether the answer of the claim c with this attempt is stored: the key's row
+// is completed with this attempt (idem_key). A token is drawn for one claim only, and only that
+// claim's completion completes a row with it. Read from the row, not from a replay: a completed
+// key replays only until its answer's TTL has passed (D200), and a reply lost for longer than
+// a short TTL made an answer that landed look lost (the work then ran again, under a new
+// provider key).
 func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) bool {
 	conn, err := db.Acquire(ctx)
 	if err != nil {
 		return false
 	}
 	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
-	if err != nil {
-		return false
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// A replay waits for no row lock; any other path is a no. Where a read-only transaction
-	// might not refuse a claim (a Citus worker that runs the delegated call in a transaction
-	// of its own), the short lock timeout bounds what such a claim, rolled back, could wait for.
-	c.LockTimeout = answeredLockTimeout
-	d, err := Begin(ctx, tx, c)
-	return err == nil && d.Outcome == Replay && d.Attempt == attempt
+	k, ok, err := ReadKey(ctx, conn, c.Principal, c.Key)
+	return err == nil && ok && k.State == "completed" && k.Attempt == attempt
 }

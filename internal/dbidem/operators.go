@@ -101,8 +101,9 @@ func ReadSummary(ctx context.Context, q interface {
 
 // KeyStory is one key's story (idem.idem_key): never its body.
 type KeyStory struct {
-	// State is in_progress, completed or released; Expired tells whether it waits for
-	// cleanup.
+	// State is in_progress, completed or released; Expired tells whether the key expired: it
+	// is absent to the API (its next request claims it anew) and waits for cleanup, which
+	// deletes a lease claim's answer once its claim's TTL has passed too.
 	State   string
 	Expired bool
 	// ClaimedAt is when a lease claim was made (zero for a transactional claim).
