@@ -524,9 +524,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 // fingerprinted as canon.Compute does (the canonical form of a strictly valid JSON body, the
 // bytes of any other). It asks the key again with that fingerprint, in tx under a savepoint,
 // and returns that answer, with the claim under that fingerprint, when it is a replay, a lease
-// in progress (both read only), or, on a lease route, a claim (the takeover of a lease that
-// ran out: a deploy ended its process), which commits as the route's claim does; anything
-// else is undone, and the mismatch stands. No fingerprint of ComputeRaw equals one of
+// in progress (both read only), or, on a lease route, the takeover of a lease that ran out (a
+// deploy ended its process), which commits as the route's claim does; anything else, a fresh
+// claim of a key that became free since the mismatch included, is undone, and the mismatch
+// stands. No fingerprint of ComputeRaw equals one of
 // ComputeBefore178, so a key stored for a body hashed as its bytes never answers this way; a
 // key this release stored for a body sent as JSON with the same canonical form does (the row
 // does not say which release stored it: docs/http.md, D178).
@@ -541,9 +542,32 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 		return dbidem.Decision{}, claim, false
 	}
 	d, err := dbidem.Begin(ctx, tx, earlier)
-	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || (d.Outcome == dbidem.Claimed && claim.Lease > 0)) {
+	if err == nil && d.Outcome == dbidem.Claimed {
+		// Only the takeover of a lease stored under the earlier fingerprint may be claimed. A
+		// key that became free since the mismatch was read (its holder gave it up, or it
+		// expired) would be claimed afresh under it, and would answer every body of that
+		// canonical form until it expired (a text/plain 1.1 replaying 1.10's answer). A
+		// takeover keeps its generation: the same claim made again, the first undone, hands
+		// the same provider key; a fresh claim starts a new generation each time, with a new
+		// provider key. On a transactional route no claim under it is taken.
+		first := d.ProviderKey
+		err = errFreeUnderEarlier
+		if claim.Lease > 0 {
+			if _, err = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
+				d, err = dbidem.Begin(ctx, tx, earlier)
+			}
+			if err == nil && d.Outcome == dbidem.Claimed && d.ProviderKey != first {
+				err = errFreeUnderEarlier
+			}
+		}
+	}
+	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || d.Outcome == dbidem.Claimed) {
 		return d, earlier, true
 	}
 	_, _ = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release")
 	return dbidem.Decision{}, claim, false
 }
+
+// errFreeUnderEarlier is earlierReleaseDecision's refusal of a claim under the earlier
+// fingerprint that is not the takeover of a lease stored under it.
+var errFreeUnderEarlier = errors.New("idem: the key is free: not claimed under an earlier release's fingerprint")
