@@ -40,6 +40,31 @@ func fill(size int, open, closing string, item func(b *bytes.Buffer, i int)) []b
 	return b.Bytes()
 }
 
+// fields is a top-level object of exactly MaxFields members (one more and no field hash is
+// made), each an array of item's values, the whole about size bytes.
+func fields(size int, item func(b *bytes.Buffer, k int)) []byte {
+	per := size / MaxFields
+	var b bytes.Buffer
+	b.Grow(size + 256)
+	b.WriteByte('{')
+	for i := range MaxFields {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `"f%02d":[`, i)
+		start := b.Len()
+		for k := 0; b.Len()-start < per-16; k++ {
+			if k > 0 {
+				b.WriteByte(',')
+			}
+			item(&b, k)
+		}
+		b.WriteByte(']')
+	}
+	b.WriteByte('}')
+	return b.Bytes()
+}
+
 // name36 is i (below 36^width) as width base-36 digits, shuffled: distinct i give distinct
 // names, in no particular order.
 func name36(i, width int) string {
@@ -277,22 +302,12 @@ var shapes = []shape{
 	// The top-level object of MaxFields members, each a long array: every byte is hashed
 	// twice (the fingerprint and the member's field hash).
 	{"fields", false, func(size int) []byte {
-		per := size / MaxFields
-		return fill(size, "{", "}", func(b *bytes.Buffer, i int) {
-			if i >= MaxFields {
-				fmt.Fprintf(b, `"z%d":0`, i) // the body is full: one more member, no more fields
-				return
-			}
-			fmt.Fprintf(b, `"f%02d":[`, i)
-			start := b.Len()
-			for k := 0; b.Len()-start < per-16; k++ {
-				if k > 0 {
-					b.WriteByte(',')
-				}
-				fmt.Fprintf(b, "%d", k)
-			}
-			b.WriteByte(']')
-		})
+		return fields(size, func(b *bytes.Buffer, k int) { fmt.Fprintf(b, "%d", k) })
+	}},
+	// The same with numbers whose canonical form is five times as long as they are (1e20 is
+	// 100000000000000000000): the most canonical text per byte of body, written twice.
+	{"fields_growing_numbers", false, func(size int) []byte {
+		return fields(size, func(b *bytes.Buffer, k int) { fmt.Fprintf(b, "%de20", k%9+1) })
 	}},
 	// Arrays nested MaxDepth deep, one after the other: the most containers per byte, at
 	// every depth.
@@ -405,6 +420,8 @@ func TestAllocationsFlat(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds bodies of 512 KiB")
 	}
+	poolParsers = false // every call makes its own parser: its allocations are counted
+	defer func() { poolParsers = true }()
 	for _, s := range shapes {
 		small, large := s.gen(64<<10), s.gen(512<<10)
 		a := testing.AllocsPerRun(1, func() { Compute("POST", "/a", small) })
@@ -429,7 +446,8 @@ func TestArenaGrowsByDoubling(t *testing.T) {
 	}
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	tr, err := parse(body)
+	tr := new(parser) // a fresh one: a parser from the pool may have room already
+	err := tr.parse(body, false)
 	runtime.ReadMemStats(&after)
 	if err != nil {
 		t.Fatal(err)

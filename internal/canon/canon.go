@@ -29,7 +29,6 @@ package canon
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"strings"
 )
@@ -155,14 +154,11 @@ func computeRule(method, escapedPath string, body []byte, keep, before178 bool) 
 			case t.nul:
 				fp.Ambiguous = AmbiguousNUL
 			}
+			var out *bytes.Buffer // the canonical text, kept
+			var dst interface{ Write([]byte) (int, error) } = h
 			if keep {
-				var out bytes.Buffer
-				out.Grow(len(body))
-				write(&out, t, 0)
-				canonical = out.Bytes()
-				h.Write(canonical)
-			} else {
-				write(h, t, 0)
+				out = bytes.NewBuffer(make([]byte, 0, len(body)))
+				dst = out
 			}
 			n, names := 0, 0
 			for c := t.nodes[0].first(); t.nodes[0].kind == '{' && c >= 0 && n <= MaxFields && names <= MaxFieldNameBytes; c = t.nodes[c].next {
@@ -171,13 +167,14 @@ func computeRule(method, escapedPath string, body []byte, keep, before178 bool) 
 			}
 			if t.nodes[0].kind == '{' && n <= MaxFields && names <= MaxFieldNameBytes {
 				fp.Fields = make(map[string]string, n)
-				fh := sha256.New()
-				var sum [sha256.Size]byte
-				for c := t.nodes[0].first(); c >= 0; c = t.nodes[c].next { // c: a member's name
-					fh.Reset()
-					write(fh, t, c+1)
-					fp.Fields[string(t.bytes(t.nodes[c].text))] = hex.EncodeToString(fh.Sum(sum[:0]))
-				}
+				writeFields(dst, &t.tree, fp.Fields)
+			} else {
+				write(dst, &t.tree, 0)
+			}
+			t.release()
+			if keep {
+				canonical = out.Bytes()
+				h.Write(canonical)
 			}
 		} else {
 			h.Write(body)
@@ -209,7 +206,8 @@ func CanonicalizeAmbiguous(data []byte) (canonical []byte, ambiguous string, err
 	}
 	var out bytes.Buffer
 	out.Grow(len(data))
-	write(&out, t, 0)
+	write(&out, &t.tree, 0)
+	t.release()
 	return out.Bytes(), ambiguous, nil
 }
 

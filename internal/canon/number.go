@@ -107,6 +107,9 @@ func (p *parser) decimal(lit int, neg bool, intPart, fracPart []byte, exp int64)
 	return span{int32(-o - 1), int32(len(p.arena) - o)}
 }
 
+// zeros are the most zeros appendDecimal writes in a row (an integer of 21 digits).
+const zeros = "000000000000000000000"
+
 // appendDecimal appends the exact value ±(intPart.fracPart × 10^exp) in the ECMAScript
 // Number-to-String layout that RFC 8785 prescribes, using the literal's significant digits.
 func appendDecimal(b []byte, neg bool, intPart, fracPart []byte, exp int64) []byte {
@@ -157,18 +160,14 @@ func appendDecimal(b []byte, neg bool, intPart, fracPart []byte, exp int64) []by
 	switch {
 	case k <= n && n <= 21:
 		b = digits(b, 0, k)
-		for i := k; i < n; i++ {
-			b = append(b, '0')
-		}
+		b = append(b, zeros[:n-k]...)
 	case 0 < n && n <= 21:
 		b = digits(b, 0, n)
 		b = append(b, '.')
 		b = digits(b, n, k)
 	case -6 < n && n <= 0:
 		b = append(b, '0', '.')
-		for i := n; i < 0; i++ {
-			b = append(b, '0')
-		}
+		b = append(b, zeros[:-n]...)
 		b = digits(b, 0, k)
 	default:
 		b = append(b, digit(0))

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"sync"
+	"unsafe"
 )
 
 // The parser: a strictly valid JSON text into a flat tree (node), objects' members sorted
@@ -58,24 +60,68 @@ type parser struct {
 	before178 bool
 }
 
-// parse returns the tree of a strictly valid JSON text.
-func parse(data []byte) (*tree, error) { return parseRule(data, false) }
+// parse returns the tree of a strictly valid JSON text. Give it back with release when done
+// with it.
+func parse(data []byte) (*parser, error) { return parseRule(data, false) }
 
 // parseRule is parse, under the rule of the releases before D178 when before178 is set.
-func parseRule(data []byte, before178 bool) (*tree, error) {
-	if len(data) > math.MaxInt32/2 {
-		return nil, fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
+func parseRule(data []byte, before178 bool) (*parser, error) {
+	var p *parser
+	if poolParsers {
+		p = parsers.Get().(*parser)
+	} else {
+		p = new(parser)
 	}
-	p := parser{tree: tree{data: data, nodes: make([]node, 0, maxNodes(data))}, before178: before178}
+	if err := p.parse(data, before178); err != nil {
+		p.release()
+		return nil, err
+	}
+	return p, nil
+}
+
+// parsers keeps parsers, their nodes, arena and scratch, between calls: a fingerprint is
+// computed for every keyed request, and the nodes and arena of a large body were most of its
+// cost (allocated, cleared, and collected again).
+var parsers = sync.Pool{New: func() any { return new(parser) }}
+
+// poolParsers is false only in the tests that count a call's own allocations: the pool drops
+// a parser now and then (a quarter of them under the race detector), and its reuse would hide
+// the allocations a call makes.
+var poolParsers = true
+
+// maxPooledParser bounds the bytes of nodes and arena a parser keeps in the pool (what a body
+// of a few MiB needs): a larger one is left to the garbage collector.
+const maxPooledParser = 16 << 20
+
+// release gives p back to the pool; p and its tree must not be used after.
+func (p *parser) release() {
+	if !poolParsers || cap(p.nodes)*int(unsafe.Sizeof(node{}))+cap(p.arena) > maxPooledParser {
+		return
+	}
+	p.data = nil // the body is the caller's
+	parsers.Put(p)
+}
+
+// parse parses data into p's tree, reusing p's nodes, arena and scratch.
+func (p *parser) parse(data []byte, before178 bool) error {
+	if len(data) > math.MaxInt32/2 {
+		return fmt.Errorf("%w: larger than %d bytes", ErrNotCanonical, math.MaxInt32/2)
+	}
+	nodes := p.nodes[:0]
+	if n := maxNodes(data); cap(nodes) < n {
+		nodes = make([]node, 0, n)
+	}
+	*p = parser{tree: tree{data: data, nodes: nodes, arena: p.arena[:0]}, keys: p.keys, keysTmp: p.keysTmp,
+		fold: p.fold, before178: before178}
 	p.space()
 	if err := p.value(); err != nil {
-		return nil, err
+		return err
 	}
 	p.space()
 	if p.pos != len(p.data) {
-		return nil, p.fail("data after the top-level value")
+		return p.fail("data after the top-level value")
 	}
-	return &p.tree, nil
+	return nil
 }
 
 // maxNodes bounds the nodes of a JSON text, so that they are allocated once (growing them by

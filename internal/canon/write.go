@@ -1,6 +1,11 @@
 package canon
 
-import "sync"
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"hash"
+	"sync"
+)
 
 // blockSize is how much canonical text the writer gathers before it hands it to out.
 const blockSize = 4096
@@ -13,10 +18,12 @@ const maxPooled = 4 * blockSize
 // request, and a fresh block each time was most of the bytes the middleware allocated.
 var buffers = sync.Pool{New: func() any { b := make([]byte, 0, blockSize+64); return &b }}
 
-// writer appends the canonical text to a buffer and hands it to out in blocks.
+// writer appends the canonical text to a buffer and hands it to out in blocks, and to also
+// when it is set (a member's field hash, writeFields).
 type writer struct {
-	out interface{ Write([]byte) (int, error) }
-	buf []byte
+	out  interface{ Write([]byte) (int, error) }
+	also hash.Hash
+	buf  []byte
 }
 
 func (w *writer) flushIfFull() {
@@ -28,6 +35,9 @@ func (w *writer) flushIfFull() {
 func (w *writer) flush() {
 	if len(w.buf) > 0 {
 		w.out.Write(w.buf)
+		if w.also != nil {
+			w.also.Write(w.buf)
+		}
 		w.buf = w.buf[:0]
 	}
 }
@@ -79,6 +89,9 @@ func (w *writer) text(s []byte) {
 	}
 	w.flush()
 	w.out.Write(s)
+	if w.also != nil {
+		w.also.Write(s)
+	}
 }
 
 // value writes node i (a value) and everything in it, through a stack of the open arrays and
@@ -154,5 +167,37 @@ func write(out interface{ Write([]byte) (int, error) }, t *tree, i int32) {
 	if cap(w.buf) <= maxPooled {
 		*b = w.buf[:0]
 	} // else a long string grew the block: the pool keeps the old one, not a body-sized one
+	buffers.Put(b)
+}
+
+// writeFields is write of the top-level object t.nodes[0] to out, which also puts in fields
+// the SHA-256 of each member's canonical value, in hex, by the member's name: one pass over
+// the tree, each value's text handed to both hashes (a second pass for the field hashes wrote
+// every value's text again).
+func writeFields(out interface{ Write([]byte) (int, error) }, t *tree, fields map[string]string) {
+	b := buffers.Get().(*[]byte)
+	w := writer{out: out, buf: (*b)[:0]}
+	fh := sha256.New()
+	var sum [sha256.Size]byte
+	w.buf = append(w.buf, '{')
+	for c := t.nodes[0].first(); c >= 0; c = t.nodes[c].next { // c: a member's name
+		if c != t.nodes[0].first() {
+			w.buf = append(w.buf, ',')
+		}
+		w.string(t, t.nodes[c].text)
+		w.buf = append(w.buf, ':')
+		w.flush()
+		fh.Reset()
+		w.also = fh
+		w.value(t, c+1)
+		w.flush()
+		w.also = nil
+		fields[string(t.bytes(t.nodes[c].text))] = hex.EncodeToString(fh.Sum(sum[:0]))
+	}
+	w.buf = append(w.buf, '}')
+	w.flush()
+	if cap(w.buf) <= maxPooled {
+		*b = w.buf[:0]
+	}
 	buffers.Put(b)
 }
