@@ -37,7 +37,7 @@ func docSQL(t *testing.T, name string) string {
 //     (idemmigrate.Migrate) alike, with SQLSTATE 42501 and a hint that names the step, and
 //     leaves nothing behind;
 //   - after it, shop_owner installs through both; the login roles of the doc work: shop_app
-//     checks the schema and claims a key, alice lists the claims in progress, and neither may
+//     checks the schema and claims a key, ops_alice lists the claims in progress, and neither may
 //     do the other's part;
 //   - an owner with CREATEROLE instead installs under roles it creates itself.
 func TestInstallWithoutSuperuser(t *testing.T) {
@@ -100,15 +100,15 @@ func TestInstallWithoutSuperuser(t *testing.T) {
 		if err != nil || d.Outcome != idem.Claimed {
 			t.Fatalf("%s: a lease claim as shop_app: %+v %v", db, d, err)
 		}
-		ops := pgtest.Connect(t, as(db, "alice"))
+		ops := pgtest.Connect(t, as(db, "ops_alice"))
 		if stuck, err := idem.ReadStuck(ctx, ops, 0, 0); err != nil || len(stuck) != 1 || stuck[0].Attempt != d.Attempt {
-			t.Fatalf("%s: the claims in progress as alice: %+v %v", db, stuck, err)
+			t.Fatalf("%s: the claims in progress as ops_alice: %+v %v", db, stuck, err)
 		}
 		if _, err := idem.ReadStuck(ctx, app, 0, 0); !errors.Is(err, idem.ErrPermissionDenied) {
 			t.Fatalf("%s: shop_app listed the stuck claims: %v", db, err)
 		}
 		if _, err := idem.Begin(ctx, ops, idem.Claim{Principal: "p", Key: "k2", Action: "POST /x"}); !errors.Is(err, idem.ErrPermissionDenied) {
-			t.Fatalf("%s: alice claimed a key: %v", db, err)
+			t.Fatalf("%s: ops_alice claimed a key: %v", db, err)
 		}
 		if _, err := app.Exec(ctx, `SELECT * FROM idem.idempotency_keys`); err == nil {
 			t.Fatalf("%s: shop_app reads the key table", db)
