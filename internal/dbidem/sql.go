@@ -189,9 +189,11 @@ func decodeHeaderLine(line string) string {
 // (whatever the session's synchronous_commit, which the work may still change with SET LOCAL),
 // or Citus is loaded (its coordinator commits on workers whose settings it does not show). Only
 // such a COMMIT must never be canceled (D108); the others RunTx sends on the caller's context.
+// Citus is told by citus.version, which every role may read (citus.node_conninfo, read here
+// before, is a superuser's: every claim of the application role failed with 42501 on Citus).
 const standbyWaitColumn = `,
        current_setting('synchronous_standby_names') <> ''
-       OR current_setting('citus.node_conninfo', true) IS NOT NULL`
+       OR current_setting('citus.version', true) IS NOT NULL`
 
 // txBeginSQL and txBeginStepsSQL are BeginSQL and beginStepsSQL with standbyWaitColumn.
 var (
