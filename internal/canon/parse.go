@@ -89,13 +89,15 @@ var parsers = sync.Pool{New: func() any { return new(parser) }}
 // the allocations a call makes.
 var poolParsers = true
 
-// maxPooledParser bounds the bytes of nodes and arena a parser keeps in the pool (what a body
-// of a few MiB needs): a larger one is left to the garbage collector.
+// maxPooledParser bounds the bytes a parser keeps in the pool (its nodes, arena and scratch:
+// what a body of a few MiB needs): a larger one is left to the garbage collector.
 const maxPooledParser = 16 << 20
 
 // release gives p back to the pool; p and its tree must not be used after.
 func (p *parser) release() {
-	if !poolParsers || cap(p.nodes)*int(unsafe.Sizeof(node{}))+cap(p.arena) > maxPooledParser {
+	held := cap(p.nodes)*int(unsafe.Sizeof(node{})) + cap(p.arena) + cap(p.fold) +
+		(cap(p.keys)+cap(p.keysTmp))*int(unsafe.Sizeof(keyed{}))
+	if !poolParsers || held > maxPooledParser {
 		return
 	}
 	p.data = nil // the body is the caller's
