@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -87,9 +86,7 @@ func TestEarlierReleaseFallbackNeverClaimsAFreeKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	m, err := idem.New(context.Background(), idem.Options{DB: pool,
-		Principal: func(*http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.DiscardHandler)})
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -528,15 +528,18 @@ func TestDoLeasePanicGivesTheClaimUp(t *testing.T) {
 }
 
 // lostReply is a pool whose first idem_complete runs (and commits, or fails) and then reports a
-// broken connection, as when the server's answer is lost on its way back.
+// broken connection, as when the server's answer is lost on its way back; noticed after `after`
+// (a TCP timeout, a network outage), at once when it is 0.
 type lostReply struct {
 	*pgxpool.Pool
-	lost atomic.Bool
+	after time.Duration
+	lost  atomic.Bool
 }
 
 func (p *lostReply) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := p.Pool.Exec(ctx, sql, args...)
 	if sql == dbidem.CompleteSQL && p.lost.CompareAndSwap(false, true) {
+		time.Sleep(p.after)
 		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
 	}
 	return tag, err

@@ -2,36 +2,12 @@ package dbidem_test
 
 import (
 	"context"
-	"fmt"
-	"io"
-	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// slowLostReply is a pool whose first idem_complete runs and commits, and whose reply is then
-// lost, the broken connection noticed only after `after` (a TCP timeout, a network outage):
-// the answer is stored, the caller does not know it.
-type slowLostReply struct {
-	*pgxpool.Pool
-	after time.Duration
-	lost  atomic.Bool
-}
-
-func (p *slowLostReply) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := p.Pool.Exec(ctx, sql, args...)
-	if err == nil && sql == dbidem.CompleteSQL && p.lost.CompareAndSwap(false, true) {
-		time.Sleep(p.after)
-		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
-	}
-	return tag, err
-}
 
 // TestLostReplyOfAnAnswerPastItsTTL: PersistAnswer tells an answer that landed from one that
 // did not when the completion's reply was lost. It asked idem_begin for a replay with its
@@ -45,7 +21,7 @@ func TestLostReplyOfAnAnswerPastItsTTL(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	ctx := context.Background()
-	db := &slowLostReply{Pool: pool, after: 700 * time.Millisecond}
+	db := &lostReply{Pool: pool, after: 700 * time.Millisecond}
 	job := dbidem.Job{Principal: "p", Key: "d200-lost-reply", Action: "payout", Input: map[string]int{"amount": 5},
 		Lease: 30 * time.Second, TTL: 300 * time.Millisecond}
 	runs := 0
