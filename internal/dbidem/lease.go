@@ -372,8 +372,16 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 		}
 		return err
 	})
-	if errors.Is(err, ErrClaimLost) && unknown && answered(ctx, db, c, attempt) {
-		return nil
+	if errors.Is(err, ErrClaimLost) && unknown {
+		landed, rerr := answered(ctx, db, c, attempt)
+		if landed {
+			return nil
+		}
+		if rerr != nil {
+			// Nothing is known: not ErrClaimLost, which says another attempt holds the key
+			// (the work would run again, under a new provider key once the key expired).
+			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read: %w (before: %v)", rerr, err)
+		}
 	}
 	if err != nil && unknown && ctx.Err() != nil {
 		// The deadline came while a try's outcome was unknown (abandoned, or its reply lost):
@@ -381,7 +389,7 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 		// the deadline; an answer found is this one (D168).
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
-		if answered(actx, db, c, attempt) {
+		if landed, _ := answered(actx, db, c, attempt); landed {
 			return nil
 		}
 	}
@@ -393,13 +401,31 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 // claim's completion completes a row with it. Read from the row, not from a replay: a completed
 // key replays only until its answer's TTL has passed (D200), and a reply lost for longer than
 // a short TTL made an answer that landed look lost (the work then ran again, under a new
-// provider key).
-func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) bool {
-	conn, err := db.Acquire(ctx)
-	if err != nil {
-		return false
+// provider key). The read is tried again (Persist) until one gets an answer or ctx ends: a
+// backend killed under it, or a lock on the key table past idem_key's lock timeout, made it
+// "not stored" at its first failure. The error is the last try's when none got an answer.
+func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) (bool, error) {
+	landed := false
+	var denied error
+	err := Persist(ctx, func(ctx context.Context) error {
+		conn, err := db.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		k, ok, err := ReadKey(ctx, conn, c.Principal, c.Key)
+		if errors.Is(err, ErrPermissionDenied) {
+			denied = err // no try mends a missing grant
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		landed = ok && k.State == "completed" && k.Attempt == attempt
+		return nil
+	})
+	if err == nil {
+		err = denied
 	}
-	defer conn.Release()
-	k, ok, err := ReadKey(ctx, conn, c.Principal, c.Key)
-	return err == nil && ok && k.State == "completed" && k.Attempt == attempt
+	return landed && err == nil, err
 }
