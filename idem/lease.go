@@ -107,9 +107,10 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 // that landed from one that did not when a reply was lost: a Complete whose connection broke
 // after it was sent may have committed, and the next try then finds the claim completed and
 // fails with ErrClaimLost although the answer stored is this one. In that case PersistAnswer
-// reads the key's row (idem_key, which writes nothing) and returns nil when it is completed with
-// this attempt, whether or not its answer still replays (its TTL may have passed meanwhile). c
-// is the claim as it was made.
+// reads the key's row (idem_key, which writes nothing; again until a read answers, or ctx ends)
+// and returns nil when it is completed with this attempt, whether or not its answer still
+// replays (its TTL may have passed meanwhile); ErrClaimLost when it is not; and, when no read
+// answered, an error that says so (the outcome is unknown). c is the claim as it was made.
 func PersistAnswer(ctx context.Context, db Pool, c Claim, attempt int64, r Response) error {
 	return dbidem.PersistAnswer(ctx, db, db, dbidem.Claim(c), attempt, dbidem.Response(r))
 }
