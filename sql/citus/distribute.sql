@@ -1,7 +1,7 @@
 -- Distribute the idem SQL API over a Citus cluster, by principal.
 --
--- Run on the coordinator, as the role that owns schema idem (a superuser on a test cluster),
--- after the workers are added (citus_add_node) and the API is installed there (psql -f
+-- Run on the coordinator, as a superuser (replicate_reference_tables and the commands on the
+-- workers are a superuser's), after the workers are added (citus_add_node) and the API is installed there (psql -f
 -- sql/idem.sql, or server migrate):
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/citus/distribute.sql
@@ -59,6 +59,11 @@ BEGIN
     ELSIF (SELECT last_value FROM idem.attempt_seq) < v_start THEN
         EXECUTE format('ALTER SEQUENCE idem.attempt_seq MINVALUE %s RESTART %s', v_start, v_start);
     END IF;
+    -- The owner of schema idem owns it, whoever runs this script: the functions, SECURITY
+    -- DEFINER, draw from it as that owner (created by a superuser, it refused every claim of
+    -- the application role with 42501 where the owner is no superuser).
+    EXECUTE format('ALTER SEQUENCE idem.attempt_seq OWNER TO %I',
+                   (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'));
 END
 $do$
 $cmd$);
@@ -80,6 +85,8 @@ BEGIN
     ELSIF (SELECT last_value FROM idem.token_seq) < (v_group << 48) + 1 THEN
         EXECUTE format('ALTER SEQUENCE idem.token_seq MINVALUE %s RESTART %s', v_start, v_start);
     END IF;
+    EXECUTE format('ALTER SEQUENCE idem.token_seq OWNER TO %I',
+                   (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'));
 END
 $do$
 $cmd$);
@@ -96,7 +103,7 @@ SELECT w.result::bigint, (SELECT s.secret_seqs FROM idem.installation_secrets AS
                                  WHERE schemaname = 'idem' AND sequencename = 'token_seq'$$) AS w
  WHERE w.success AND w.result <> ''
 ON CONFLICT (from_token) DO NOTHING;
-SELECT run_command_on_workers(format($cmd$
+SELECT set_config('idem.publish_secrets', format($cmd$
 DO $do$
 BEGIN
     SET LOCAL citus.enable_ddl_propagation = off;
@@ -104,6 +111,11 @@ BEGIN
                FROM unnest(%1$L::text[]) AS u(q));
     PERFORM setval(u.q::regclass, u.v, true)
        FROM unnest(%1$L::text[], %2$L::bigint[]) AS u(q, v);
+    -- Owned by the owner of schema idem (which reads them, in its SECURITY DEFINER functions),
+    -- and readable by nobody else, as the install leaves them.
+    EXECUTE (SELECT coalesce(string_agg(format('ALTER SEQUENCE %%s OWNER TO %%I; REVOKE ALL ON SEQUENCE %%s FROM PUBLIC',
+                                               u.q, (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'), u.q), '; '), '')
+               FROM unnest(%1$L::text[]) AS u(q));
     EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]
         LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp AS %%L$fn$,
         format('SELECT %%L::bigint[]', (SELECT coalesce(array_agg(s.from_token ORDER BY s.from_token), '{}')
@@ -118,7 +130,17 @@ BEGIN
 END
 $do$
 $cmd$, (SELECT array_agg(q ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q),
-       (SELECT array_agg(pg_sequence_last_value(q::regclass) ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q)));
+       (SELECT array_agg(pg_sequence_last_value(q::regclass) ORDER BY q) FROM idem.installation_secrets AS s, unnest(s.secret_seqs) AS q)),
+       false) IS NOT NULL AS published \gset
+SELECT run_command_on_workers(current_setting('idem.publish_secrets'));
+-- And on the coordinator, whose idem_stuck computes the provider keys of the claims it lists:
+-- with the install's lists only, it took a worker's tokens for the previous release's and
+-- listed a provider key that no claim had handed out.
+DO $do$
+BEGIN
+    EXECUTE current_setting('idem.publish_secrets');
+END
+$do$;
 
 -- 5. The API: each claim, completion, final answer, release, lease extension, yield, step and
 --    read of the steps runs on the worker that holds p_principal's shard, in the caller's
