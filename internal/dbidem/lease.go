@@ -360,8 +360,9 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 // may have committed: the next try then finds the claim completed and fails with ErrClaimLost,
 // although the answer stored is this one. So when a try ended without the server's answer and
 // a later one says the claim is lost, PersistAnswer reads the key's row on db (idem_key, which
-// writes nothing): completed with this attempt means the answer is stored, and PersistAnswer
-// returns nil. Any other finding keeps ErrClaimLost.
+// writes nothing; again until a read answers): completed with this attempt means the answer is
+// stored, and PersistAnswer returns nil. Any other finding keeps ErrClaimLost; no answer to the
+// read is an error of its own (the outcome is unknown).
 func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt int64, r Response) error {
 	unknown := false
 	err := Persist(ctx, func(ctx context.Context) error {

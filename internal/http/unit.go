@@ -527,10 +527,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 // in progress (both read only), or, on a lease route, the takeover of a lease that ran out (a
 // deploy ended its process), which commits as the route's claim does; anything else, a fresh
 // claim of a key that became free since the mismatch included, is undone, and the mismatch
-// stands. No fingerprint of ComputeRaw equals one of
-// ComputeBefore178, so a key stored for a body hashed as its bytes never answers this way; a
-// key this release stored for a body sent as JSON with the same canonical form does (the row
-// does not say which release stored it: docs/http.md, D178).
+// stands. No fingerprint of ComputeRaw equals one of ComputeBefore178, so a key stored for a
+// body hashed as its bytes never answers this way; a key this release stored for a body sent
+// as JSON with the same canonical form does (the row does not say which release stored it:
+// docs/http.md, D178).
 func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim) (dbidem.Decision, dbidem.Claim, bool) {
 	fp := canon.ComputeBefore178(q.r.Method, q.r.URL.EscapedPath(), q.body)
 	if fp.Ambiguous != "" { // refused before any claim by those releases: never stored
