@@ -77,21 +77,24 @@ func citusOwnerDB(t *testing.T) (db, owner string) {
 	base := pgtest.CitusURL(t)
 	coordinator, workers := pgtest.CitusNodes(t)
 	nodes := append([]pgtest.CitusNode{coordinator}, workers...)
-	name := fmt.Sprintf("citus_owner_%d_%d", os.Getpid(), time.Now().UnixNano()%1000000)
+	// A name that SQL must quote (upper case, a hyphen): distribute.sql quoted the owner's name
+	// twice, and stopped on the workers with "role ... does not exist".
+	name := fmt.Sprintf("Citus-Owner_%d_%d", os.Getpid(), time.Now().UnixNano()%1000000)
+	quoted := pgx.Identifier{name}.Sanitize()
 	t.Cleanup(func() { // after the database is dropped (cleanups run last-registered first)
 		for _, n := range nodes {
 			c, err := pgx.Connect(context.Background(), pgtest.CitusNodeURL(t, base, n))
 			if err != nil {
 				continue
 			}
-			_, _ = c.Exec(context.Background(), `DROP ROLE IF EXISTS `+name)
+			_, _ = c.Exec(context.Background(), `DROP ROLE IF EXISTS `+quoted)
 			_ = c.Close(context.Background())
 		}
 	})
 	for _, n := range nodes {
 		c := pgtest.Connect(t, pgtest.CitusNodeURL(t, base, n))
 		pgtest.Exec(t, c, `SET citus.enable_ddl_propagation = off`)
-		pgtest.Exec(t, c, `CREATE ROLE `+name+` LOGIN PASSWORD 'owner-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE`)
+		pgtest.Exec(t, c, `CREATE ROLE `+quoted+` LOGIN PASSWORD 'owner-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE`)
 	}
 	db = pgtest.CitusDB(t)
 	dbName := db[strings.LastIndex(db, "/")+1:]
@@ -101,7 +104,7 @@ func citusOwnerDB(t *testing.T) (db, owner string) {
 	for _, n := range nodes {
 		c := pgtest.Connect(t, pgtest.CitusNodeURL(t, base, n))
 		pgtest.Exec(t, c, `SET citus.enable_ddl_propagation = off`)
-		pgtest.Exec(t, c, `ALTER DATABASE `+dbName+` OWNER TO `+name)
+		pgtest.Exec(t, c, `ALTER DATABASE `+dbName+` OWNER TO `+quoted)
 	}
 	return db, pgtest.AsRole(t, db, name, "owner-secret")
 }
@@ -134,7 +137,7 @@ func TestCitusOwnerInstallsAndTheApplicationClaims(t *testing.T) {
 	_, block := replaceBlock(t, string(raw), "<!-- citus-roles:begin", "<!-- citus-roles:end -->", "")
 	block = strings.TrimSpace(block)
 	block = strings.TrimSuffix(strings.TrimPrefix(block, "```sql"), "```")
-	if out, err := psqlOut(db, "-c", strings.ReplaceAll(block, "shop_owner", userOf(t, owner))); err != nil {
+	if out, err := psqlOut(db, "-c", strings.ReplaceAll(block, "shop_owner", pgx.Identifier{userOf(t, owner)}.Sanitize())); err != nil {
 		t.Fatalf("the doc's superuser step: %v\n%s", err, lastLines(out, 6))
 	}
 	if out, err := psqlOut(owner, "-f", "sql/idem.sql"); err != nil {

@@ -378,11 +378,12 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 		if landed {
 			return nil
 		}
-		if rerr != nil {
+		if rerr != nil && ctx.Err() == nil {
 			// Nothing is known: not ErrClaimLost, which says another attempt holds the key
 			// (the work would run again, under a new provider key once the key expired).
 			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read: %w (before: %v)", rerr, err)
 		}
+		// The deadline came first: the read below, allowed a moment past it, tells.
 	}
 	if err != nil && unknown && ctx.Err() != nil {
 		// The deadline came while a try's outcome was unknown (abandoned, or its reply lost):

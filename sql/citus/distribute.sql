@@ -62,7 +62,7 @@ BEGIN
     -- The owner of schema idem owns it, whoever runs this script: the functions, SECURITY
     -- DEFINER, draw from it as that owner (created by a superuser, it refused every claim of
     -- the application role with 42501 where the owner is no superuser).
-    EXECUTE format('ALTER SEQUENCE idem.attempt_seq OWNER TO %I',
+    EXECUTE format('ALTER SEQUENCE idem.attempt_seq OWNER TO %s', -- regrole's text is quoted already
                    (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'));
 END
 $do$
@@ -85,7 +85,7 @@ BEGIN
     ELSIF (SELECT last_value FROM idem.token_seq) < (v_group << 48) + 1 THEN
         EXECUTE format('ALTER SEQUENCE idem.token_seq MINVALUE %s RESTART %s', v_start, v_start);
     END IF;
-    EXECUTE format('ALTER SEQUENCE idem.token_seq OWNER TO %I',
+    EXECUTE format('ALTER SEQUENCE idem.token_seq OWNER TO %s',
                    (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'));
 END
 $do$
@@ -113,7 +113,7 @@ BEGIN
        FROM unnest(%1$L::text[], %2$L::bigint[]) AS u(q, v);
     -- Owned by the owner of schema idem (which reads them, in its SECURITY DEFINER functions),
     -- and readable by nobody else, as the install leaves them.
-    EXECUTE (SELECT coalesce(string_agg(format('ALTER SEQUENCE %%s OWNER TO %%I; REVOKE ALL ON SEQUENCE %%s FROM PUBLIC',
+    EXECUTE (SELECT coalesce(string_agg(format('ALTER SEQUENCE %%s OWNER TO %%s; REVOKE ALL ON SEQUENCE %%s FROM PUBLIC',
                                                u.q, (SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'idem'), u.q), '; '), '')
                FROM unnest(%1$L::text[]) AS u(q));
     EXECUTE format($fn$CREATE OR REPLACE FUNCTION idem.installation_secret_tokens() RETURNS bigint[]

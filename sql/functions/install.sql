@@ -173,7 +173,10 @@ BEGIN
           FROM pg_catalog.pg_default_acl AS d
          CROSS JOIN LATERAL pg_catalog.aclexplode(d.defaclacl) AS x
           JOIN pg_catalog.pg_proc AS p ON p.pronamespace = 'idem'::regnamespace
-         WHERE d.defaclrole = current_user::regrole AND d.defaclnamespace IN (0, 'idem'::regnamespace)
+         -- The installing role by its name, not current_user::regrole, which reads the name as
+         -- SQL would (an owner named Shop-Owner is not found that way).
+         WHERE d.defaclrole = (SELECT u.oid FROM pg_catalog.pg_roles AS u WHERE u.rolname = current_user)
+           AND d.defaclnamespace IN (0, 'idem'::regnamespace)
            AND d.defaclobjtype = 'f' AND x.grantee <> d.defaclrole
            AND NOT p.oid = ANY (coalesce(v_before, '{}'))
     LOOP
