@@ -2,45 +2,14 @@ package dbidem_test
 
 import (
 	"context"
-	"fmt"
-	"io"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// lateLostAtDeadline loses the reply of the first Complete (which commits); the second
-// Complete's 55000 (the claim is completed, by this very attempt) reaches PersistAnswer just as
-// its deadline passes.
-type lateLostAtDeadline struct {
-	*pgxpool.Pool
-	n        atomic.Int32
-	deadline time.Time
-}
-
-func (p *lateLostAtDeadline) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := p.Pool.Exec(ctx, sql, args...)
-	if sql != dbidem.CompleteSQL {
-		return tag, err
-	}
-	switch p.n.Add(1) {
-	case 1:
-		if err != nil {
-			return tag, err
-		}
-		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
-	case 2:
-		// the reply comes 2 ms before the answer's deadline
-		time.Sleep(time.Until(p.deadline.Add(-2 * time.Millisecond)))
-	}
-	return tag, err
-}
 
 // slowAcquire: a connection takes 20 ms to get (a new one dialled, TLS), longer than the 2 ms
 // left.
@@ -71,7 +40,9 @@ func TestAnsweredPastTheDeadline(t *testing.T) {
 	pctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
 	defer cancel()
 	deadline, _ := pctx.Deadline()
-	q := &lateLostAtDeadline{Pool: pool, deadline: deadline}
+	// The second idem_complete's 55000 (the claim is completed, by this very attempt) comes 2 ms
+	// before the answer's deadline.
+	q := &lostReply{Pool: pool, next: func() { time.Sleep(time.Until(deadline.Add(-2 * time.Millisecond))) }}
 	err = dbidem.PersistAnswer(pctx, q, slowAcquire{pool}, c, d.Attempt, dbidem.Response{Status: 201, Body: []byte(`{"paid":1}`)})
 	t.Logf("PersistAnswer: %v (pctx %v)", err, pctx.Err())
 	var state string

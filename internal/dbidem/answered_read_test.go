@@ -3,45 +3,13 @@ package dbidem_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"io"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// lostThenLocked loses the reply of the first Complete (which commits), and, once the next
-// Complete has said the claim is lost (55000: the row is completed, by this very attempt),
-// calls hold: the gap between PersistAnswer's last try and its read of the key's row
-// (answered, idem_key).
-type lostThenLocked struct {
-	*pgxpool.Pool
-	n    atomic.Int32
-	hold func()
-}
-
-func (p *lostThenLocked) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := p.Pool.Exec(ctx, sql, args...)
-	if sql != dbidem.CompleteSQL {
-		return tag, err
-	}
-	switch p.n.Add(1) {
-	case 1:
-		if err != nil {
-			return tag, err
-		}
-		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
-	case 2:
-		p.hold()
-	}
-	return tag, err
-}
 
 // TestPersistAnswerReadsALandedAnswerAgain: PersistAnswer tells an answer that landed from one
 // that did not when a reply was lost. The completion's reply is lost, the next try finds the
@@ -76,8 +44,8 @@ func TestPersistAnswerReadsALandedAnswerAgain(t *testing.T) {
 			}
 			var killed atomic.Bool
 			done := make(chan struct{})
-			q := &lostThenLocked{Pool: pool}
-			q.hold = func() {
+			q := &lostReply{Pool: pool}
+			q.next = func() {
 				// Maintenance (or a migration's swap) locks the key table just now.
 				pgtest.Exec(t, admin, `BEGIN`)
 				pgtest.Exec(t, admin, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)

@@ -529,18 +529,31 @@ func TestDoLeasePanicGivesTheClaimUp(t *testing.T) {
 
 // lostReply is a pool whose first idem_complete runs (and commits, or fails) and then reports a
 // broken connection, as when the server's answer is lost on its way back; noticed after `after`
-// (a TCP timeout, a network outage), at once when it is 0.
+// (a TCP timeout, a network outage), at once when it is 0. next, when set, runs once the second
+// idem_complete has run, before its answer is returned: the gap before PersistAnswer's read of
+// the key's row.
 type lostReply struct {
 	*pgxpool.Pool
 	after time.Duration
+	next  func()
 	lost  atomic.Bool
+	n     atomic.Int32 // idem_complete calls
 }
 
 func (p *lostReply) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := p.Pool.Exec(ctx, sql, args...)
-	if sql == dbidem.CompleteSQL && p.lost.CompareAndSwap(false, true) {
+	if sql != dbidem.CompleteSQL {
+		return tag, err
+	}
+	switch p.n.Add(1) {
+	case 1:
+		p.lost.Store(true)
 		time.Sleep(p.after)
 		return pgconn.CommandTag{}, fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF)
+	case 2:
+		if p.next != nil {
+			p.next()
+		}
 	}
 	return tag, err
 }
