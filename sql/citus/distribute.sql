@@ -141,6 +141,8 @@ BEGIN
     EXECUTE current_setting('idem.publish_secrets');
 END
 $do$;
+-- The command holds the secret's values: not left in the session.
+SELECT set_config('idem.publish_secrets', '', false) IS NOT NULL AS forgotten \gset
 
 -- 5. The API: each claim, completion, final answer, release, lease extension, yield, step and
 --    read of the steps runs on the worker that holds p_principal's shard, in the caller's
