@@ -19,9 +19,13 @@ import (
 // Step runs fn once per generation of the lease whose work ctx belongs to (a lease route's
 // handler context, DoLease's fn context): in a transaction on the middleware's (DoLease's)
 // pool, which commits fn's writes together with the recovery point of step name (idem_step,
-// fenced by the claim's token), and returns what fn returned. When this generation recorded
-// the step already (an earlier attempt did it, then crashed, lost its lease or failed after
-// it), Step returns the value fn returned then, JSON-decoded into T, without running fn.
+// fenced by the claim's token), and returns fn's value as the database saved it. When this
+// generation recorded the step already (an earlier attempt did it, then crashed, lost its
+// lease or failed after it), Step returns that saved value, without running fn. Every
+// attempt gets the same: the value goes through PostgreSQL's jsonb, which keeps the JSON value
+// and not its text (an object's members in jsonb's order, a space after each comma and colon,
+// numbers as PostgreSQL writes them: 1e+21 comes back as 1000000000000000000000), so a
+// json.RawMessage or a json.Number comes back in that form, also to the attempt that ran fn.
 //
 // fn's value is saved as JSON: an id, an amount, what later steps need (at most 8192 bytes for
 // every step of a generation, names included, counted as PostgreSQL writes them as text, which
@@ -65,7 +69,8 @@ import (
 // ErrInvalidArgument after fn ran, and its transaction rolls back: save such a value encoded
 // (base64, hex). So is a value that JSON cannot encode, or that would not come back the same
 // from its JSON into T (as for Do's result): recorded, it would stop every later attempt of
-// the generation at this step. A request without a key saves nothing; the check of the
+// the generation at this step. A request without a key saves nothing (Step returns fn's value
+// as it is); the check of the
 // value's round trip applies to it too.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)

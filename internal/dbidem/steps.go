@@ -48,6 +48,23 @@ func RecordStep(ctx context.Context, q Querier, principal, key string, attempt i
 	return classifyStep(err)
 }
 
+// storedStepSQL is stepSQL that also returns the value as the database stores it: jsonb's own
+// text (object members in jsonb's order, its spacing, numbers as numeric writes them), which
+// is what a takeover reads back (Decision.Steps, idem_recovery).
+const storedStepSQL = `SELECT idem.idem_step(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
+       p_step => $4::text, p_saved => $5::jsonb), $5::jsonb::text`
+
+// recordStepStored is RecordStep for Step: it returns the saved value as stored, so that the
+// attempt that records a step gets the value every later attempt of the generation gets.
+func recordStepStored(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) (json.RawMessage, error) {
+	var stored string
+	err := q.QueryRow(ctx, storedStepSQL, principal, key, attempt, name, string(saved)).Scan(nil, &stored)
+	if err != nil {
+		return nil, classifyStep(err)
+	}
+	return json.RawMessage(stored), nil
+}
+
 func classifyStep(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
@@ -195,7 +212,8 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			return fmt.Errorf("%w: step %s: its saved value holds a string that is not UTF-8 (or the escape \\ufffd), "+
 				"which would come back changed; save such bytes encoded (base64, hex)", ErrInvalidArgument, name)
 		}
-		return RecordStep(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw)
+		raw, err = recordStepStored(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw)
+		return err
 	})
 	switch {
 	case errors.Is(err, ErrClaimLost):
@@ -217,7 +235,17 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	s.done[name] = raw
 	delete(s.unsure, name)
 	s.mu.Unlock()
-	return result, nil
+	if s.claim == nil {
+		return result, nil // nothing saved: no other attempt reads it
+	}
+	// The value as stored, not as fn returned it: jsonb keeps the JSON value, not its text
+	// (a json.RawMessage's member order, a json.Number's exponent), and a takeover gets the
+	// stored form; so does this attempt, now and when it asks for the step again.
+	var v T
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return zero, fmt.Errorf("idem: step %s: decode its saved value: %w", name, err)
+	}
+	return v, nil
 }
 
 // recorded reads the value the step name saved in this claim's generation, nil when it is not
