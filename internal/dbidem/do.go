@@ -161,7 +161,8 @@ type Pool interface {
 // DoLease returns ErrLeaseLost and stores nothing. When fn returns a result all the same, it is
 // recorded, fenced by the claim's token, if no other attempt has taken the key over (the lease
 // ran out without an extension landing: the database could not be reached, or the key's row
-// was locked), and DoLease returns it; once another attempt holds the key, DoLease returns
+// was locked) and the key has not expired (its TTL past the lease's end), and DoLease returns
+// it; once another attempt holds the key, DoLease returns
 // ErrLeaseLost and stores nothing. So fn that stops because its context ended returns an
 // error (context.Cause(ctx)): a nil error makes its result the answer, whatever ended the
 // context (Timeout, ctx, a lost lease). The result is recorded through failures that pass (Persist) until the

@@ -23,7 +23,8 @@ import (
 // an extension succeeded (the database could not be reached), so another attempt may have
 // taken the key over. The work should stop. A result it still returns with a nil error
 // (DoLease), or a 2xx a lease route's handler still writes, is recorded only if the recording,
-// fenced by the token, succeeds: only while no other attempt has taken the key over.
+// fenced by the token, succeeds: only while no other attempt has taken the key over and the
+// key has not expired (its TTL past the lease's end).
 var ErrLeaseLost = errors.New("idem: lease lost")
 
 const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
@@ -232,7 +233,8 @@ func (l *Lease) AnswerDeadline() time.Time {
 
 // Lost tells whether the lease was lost: another attempt may hold the key. The work's answer
 // must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
-// succeeds, which it does only while no other attempt has taken the key over.
+// succeeds, which it does only while no other attempt has taken the key over and the key has
+// not expired (its TTL past the lease's end).
 func (l *Lease) Lost() bool { return l.lost.Load() }
 
 // TakenOver tells whether the lease was lost because the database said the claim is no longer

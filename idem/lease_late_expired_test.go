@@ -1,0 +1,62 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// TestLateResultPastTheKeysTTLIsNotRecorded: DoLease records a result fn returns after its
+// lease was lost while nobody took the key over and the key has not expired. Past the TTL
+// after the lease's end (the key's row locked so that no extension landed, and fn returning
+// 600 ms after the loss with a 300 ms TTL) the key is free: the result is not recorded,
+// DoLease says ErrLeaseLost, and the next DoLease of the job is a new generation, with a new
+// provider key, as the go doc says.
+func TestLateResultPastTheKeysTTLIsNotRecorded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url := pgtest.NewPool(t, 8)
+	job := idem.Job{Principal: "alice", Key: "late-expired", Action: "payout", Input: map[string]int{"amount": 5},
+		Lease: time.Second, TTL: 300 * time.Millisecond, LockTimeout: 100 * time.Millisecond}
+	locker := pgtest.Connect(t, url)
+	var firstKey string
+	n, _, err := idem.DoLease(ctx, pool, job, func(ctx context.Context, c idem.LeaseClaim) (int, error) {
+		firstKey = c.ProviderKey
+		tx, err := locker.Begin(context.Background())
+		if err != nil {
+			return 0, err
+		}
+		defer func() { _ = tx.Rollback(context.Background()) }()
+		if _, err := tx.Exec(context.Background(), `SELECT 1 FROM idem.idempotency_keys WHERE key = $1 FOR UPDATE`, job.Key); err != nil {
+			return 0, err
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Second):
+			return 0, errors.New("the lease was not lost while its row was locked")
+		}
+		time.Sleep(600 * time.Millisecond) // past the lease's end plus the TTL
+		if err := tx.Rollback(context.Background()); err != nil {
+			return 0, err
+		}
+		return 42, nil
+	})
+	if !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("DoLease whose late result came past the key's TTL: %d, %v; want ErrLeaseLost", n, err)
+	}
+	var secondKey string
+	n2, replayed, err := idem.DoLease(ctx, pool, job, func(ctx context.Context, c idem.LeaseClaim) (int, error) {
+		secondKey = c.ProviderKey
+		return 7, nil
+	})
+	if err != nil || n2 != 7 || replayed {
+		t.Fatalf("the next DoLease: %d, replayed %v, %v; want the work run (7)", n2, replayed, err)
+	}
+	if secondKey == "" || secondKey == firstKey {
+		t.Fatalf("the next DoLease ran under provider key %q, the expired generation's was %q: want a new one", secondKey, firstKey)
+	}
+}
