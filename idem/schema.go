@@ -44,8 +44,8 @@ var (
 	// with 503 store_unavailable, which a client retries against the servers of the new
 	// release.
 	ErrNotMigrated = dbidem.ErrNotMigrated
-	// ErrSchemaNewer: the database's schema idem was installed by a newer release: upgrade
-	// this module.
+	// ErrSchemaNewer: the database's schema idem was installed by a newer release that no
+	// longer serves this one's code (idem.idem_serves_version): upgrade this module.
 	ErrSchemaNewer = dbidem.ErrSchemaNewer
 	// ErrPermissionDenied: the role may not call a function of the SQL API (SQLSTATE 42501):
 	// it is not a member of the application role (idem_app), or, for the operators'
@@ -56,7 +56,9 @@ var (
 
 // CheckSchema tells whether the database behind q carries the schema this package needs, and
 // changes nothing (the application role may call it): nil when the schema and its functions
-// are at SchemaVersion; a *SchemaError when they are missing, older, newer or of two versions;
+// are at SchemaVersion, or at a newer release's version whose SQL API still serves this one
+// (idem.idem_serves_version: during a rolling upgrade, after the next release's migrate and
+// before this process is replaced, it starts and serves as before); a *SchemaError when they are missing, older, newer or of two versions;
 // an error wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role may not call
 // the SQL API; the database's error when it could not be asked (IsUnavailable tells). New,
 // StartCleaner and the first Do or DoLease on a pool run it.

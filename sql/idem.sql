@@ -3038,6 +3038,27 @@ $$;
 COMMENT ON FUNCTION idem.idem_version() IS
     'The schema version the installed functions belong to, and the version of the schema (idem.schema_version): equal after a complete install. See docs/sql-api.md.';
 
+-- idem_serves_version: whether code written for schema version p_version may call this
+-- database's SQL API. True from the oldest version this release keeps every function, column
+-- and behaviour for (release 0.2.0's, 5) up to its own: the code of the previous release keeps
+-- serving after this release's migrate (a rolling upgrade), and its start and health checks
+-- ask this instead of refusing every newer schema. A later release answers for itself: its
+-- install replaces this function, and it raises the oldest version only in a step that drops
+-- what that version's code calls. SECURITY INVOKER: it reads nothing.
+CREATE OR REPLACE FUNCTION idem.idem_serves_version(p_version integer)
+RETURNS boolean
+LANGUAGE sql
+STABLE
+PARALLEL SAFE
+SECURITY INVOKER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p_version BETWEEN 5 AND 7
+$$;
+
+COMMENT ON FUNCTION idem.idem_serves_version(integer) IS
+    'Whether code written for schema version p_version may call this SQL API: true from the oldest version this release still serves up to its own (a rolling upgrade). See docs/sql-api.md.';
+
 -- The figures of the keys that idem_health and idem_summary report, node by node: on plain
 -- PostgreSQL the key table's; on a Citus coordinator its own shards' (usually none) and every
 -- worker's, asked in one round (figures_on_workers) and added up by the caller. So the
@@ -3912,14 +3933,15 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
+    idem.idem_serves_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
 -- bodies and the lever for operators (docs/operations.md, "Operators").
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key TO "idem_app";
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key, idem.idem_key_body,
-    idem.idem_release_stuck, idem.idem_version
+    idem.idem_release_stuck, idem.idem_version, idem.idem_serves_version
 TO "idem_operator";
 -- The claims in progress with their keys and tokens: for operators only (docs/operations.md).
 GRANT EXECUTE ON FUNCTION idem.idem_stuck TO "idem_operator";

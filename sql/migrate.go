@@ -369,9 +369,16 @@ var disableTx = regexp.MustCompile(`(?m)^---- tern: disable-tx ----$`)
 // in one transaction.
 func DisablesTx(m *migrate.Migration) bool { return disableTx.MatchString(m.UpSQL) }
 
+// OldestServedVersion is the oldest schema version whose code this release's SQL API still
+// serves (idem.idem_serves_version): the code of release 0.2.0 (schema version 5) keeps
+// working after this release's migrate, as a rolling upgrade needs. A later release raises it
+// only when it drops what that code calls (a contract step).
+const OldestServedVersion = 5
+
 // TemplateData is the data the migrations and the functions are rendered with: the roles'
 // names (app_role, operator_role), the schema version the functions belong to
-// (schema_version, which idem.idem_version() reports) and tern's advisory lock (tern_lock).
+// (schema_version, which idem.idem_version() reports), the oldest version whose code they
+// serve (oldest_served) and tern's advisory lock (tern_lock).
 func TemplateData(opts Options) (map[string]any, error) {
 	app, operator := opts.AppRole, opts.OperatorRole
 	if app == "" {
@@ -388,5 +395,5 @@ func TemplateData(opts Options) (map[string]any, error) {
 	if app == operator {
 		return nil, fmt.Errorf("idem migrate: the application and operator roles must differ, both are %q", app)
 	}
-	return map[string]any{"app_role": app, "operator_role": operator, "schema_version": Version(), "tern_lock": TernLock}, nil
+	return map[string]any{"app_role": app, "operator_role": operator, "schema_version": Version(), "oldest_served": OldestServedVersion, "tern_lock": TernLock}, nil
 }

@@ -69,6 +69,9 @@ func (m *Main) migrate(ctx context.Context) error {
 	if err := migrateLedger(ctx, conn.Conn(), mig); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
+	if _, err := conn.Exec(ctx, ledgerServes(m.Config.AppRole)); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
 	// The ledger's grants to the application role again, on every migrate: the migrations
 	// give them once, to the role of the migrate that ran them, and IDEM_APP_ROLE may name
 	// another since (D152). The earlier role keeps its grants.
@@ -93,6 +96,25 @@ GRANT SELECT, INSERT, UPDATE ON ledger.payouts, ledger.payout_reservations, prov
 GRANT SELECT ON ledger.schema_version TO ` + r + `;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA ledger TO ` + r + `;
 GRANT USAGE ON SEQUENCE provider.payout_ref_seq TO ` + r + `;`
+}
+
+// ledgerOldestServed is the oldest ledger version whose server this release's ledger still
+// serves: 0.2.0's (5 migrations) keeps working after this release's migrate, as a rolling
+// upgrade needs (TestUpgradeMixedServers). Raise it only with a migration that drops what that
+// server uses.
+const ledgerOldestServed = 5
+
+// ledgerServes is ledger.serves_version, written on every migrate: whether a server whose
+// ledger has p_version migrations may run on this database (checkMigrated of an older server
+// asks it of a newer ledger). Granted to the application role, which the servers log in as.
+func ledgerServes(role string) string {
+	return fmt.Sprintf(`CREATE OR REPLACE FUNCTION ledger.serves_version(p_version integer) RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE SET search_path = pg_catalog, pg_temp
+AS $$ SELECT p_version BETWEEN %d AND %d $$;
+COMMENT ON FUNCTION ledger.serves_version(integer) IS 'Whether a server whose ledger has p_version migrations may run on this database.';
+REVOKE ALL ON FUNCTION ledger.serves_version(integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION ledger.serves_version(integer) TO %s;`,
+		ledgerOldestServed, countMigrations(ledgerFS()), pgx.Identifier{role}.Sanitize())
 }
 
 // ledgerLockTimeout bounds each lock wait of a ledger migration, ledgerTries its runs.
@@ -164,9 +186,35 @@ func checkMigrated(ctx context.Context, db idem.Querier) error {
 	case int(have) < wantLedger:
 		return fmt.Errorf("%w (%s is at version %d, this server needs %d)", errNotMigrated, ledgerVersionTable, have, wantLedger)
 	case int(have) > wantLedger:
-		return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
+		// A newer release's migrate: it says whether this server may still run on it (a
+		// rolling upgrade), as idem.CheckSchema asks the SQL API.
+		var serves bool
+		err := db.QueryRow(ctx, `SELECT ledger.serves_version($1)`, int32(wantLedger)).Scan(&serves)
+		var pgErr *pgconn.PgError
+		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == "42883") {
+			return fmt.Errorf("check the migrations: %w", err)
+		}
+		if !serves {
+			return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
+		}
 	}
 	return nil
+}
+
+// newerNote says, when checkMigrated passed on a database that a newer release migrated (which
+// still serves this server: a rolling upgrade under way), that this server is due to be
+// replaced; "" otherwise, and when it cannot be read.
+func newerNote(ctx context.Context, db idem.Querier) string {
+	var schema, ledger int32
+	if err := db.QueryRow(ctx, `SELECT (SELECT schema_version FROM idem.idem_version()),
+		coalesce((SELECT version FROM `+ledgerVersionTable+`), 0)`).Scan(&schema, &ledger); err != nil {
+		return ""
+	}
+	if int(schema) <= idem.SchemaVersion() && int(ledger) <= countMigrations(ledgerFS()) {
+		return ""
+	}
+	return fmt.Sprintf("the database was migrated by a newer release (idem schema version %d, ledger %d; this server knows %d and %d), "+
+		"which still serves this one: replace this server with the newer release", schema, ledger, idem.SchemaVersion(), countMigrations(ledgerFS()))
 }
 
 // checkIdemMigrated is checkMigrated's half for schema idem (what `server keys` needs): the

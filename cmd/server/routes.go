@@ -166,8 +166,9 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// healthz answers 200 when the database answers and is migrated for this version, else 503
-// with the reason.
+// healthz answers 200 when the database answers and is migrated for this version (or by a
+// newer release that still serves this one: a rolling upgrade under way, said in "note"),
+// else 503 with the reason.
 func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
@@ -179,7 +180,11 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable", "reason": reason})
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	answer := map[string]string{"status": "ok"}
+	if note := newerNote(ctx, s.probe); note != "" {
+		answer["note"] = note
+	}
+	writeJSON(w, http.StatusOK, answer)
 }
 
 // ledger is the reference API: a deliberately small money API whose handlers write through

@@ -57,6 +57,9 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	addr := ln.Addr().String()
 	m.logReplication(ctx)
 	m.log.Info("serving", "addr", addr, "version", Version)
+	if note := newerNote(ctx, m.pool); note != "" {
+		m.log.Warn(note)
+	}
 	if m.cluster != nil {
 		// The commands find the running cluster of their IDEM_DATA_DIR, wherever it listens.
 		env := ""

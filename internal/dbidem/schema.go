@@ -17,7 +17,8 @@ const MaxInterval = 120 * 30 * 24 * time.Hour
 const MaxLockTimeout = (1<<31 - 1) * time.Millisecond
 
 // ErrSchemaNewer: the database's schema idem was installed by a newer release than the code
-// that calls it: upgrade the code.
+// that calls it, which does not serve this code's version (idem.idem_serves_version): upgrade
+// the code.
 var ErrSchemaNewer = errors.New("idem: database schema newer than this code")
 
 // ErrPermissionDenied: the role may not call a function of the SQL API (42501): it is not a
@@ -65,7 +66,9 @@ func (e *SchemaError) Unwrap() error {
 }
 
 // CheckSchema reads idem.idem_version() and returns nil when both the schema and its
-// functions are at version want; a *SchemaError when they are not (missing, older, newer, or
+// functions are at version want, or at a newer release's version whose SQL API still serves
+// code of version want (idem.idem_serves_version: the previous release during a rolling
+// upgrade); a *SchemaError when they are not (missing, older, newer and not serving it, or
 // functions of another version beside the schema); an error wrapping ErrPermissionDenied
 // when the role may not call the API, naming the grant it lacks; the database's error when
 // it cannot be asked (IsUnavailable tells). It changes nothing: the application role may call
@@ -89,6 +92,19 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 		return fmt.Errorf("idem: check the schema version: %w", err)
 	case int(schema) == want && int(functions) == want:
 		return nil
+	case int(schema) > want && int(functions) == int(schema):
+		// A newer release's migrate (a rolling upgrade: this code still serves until it is
+		// replaced). That release says whether it keeps what this code calls.
+		var serves bool
+		err := q.QueryRow(ctx, `SELECT idem.idem_serves_version($1)`, int32(want)).Scan(&serves)
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "42883":
+			// A release that does not answer (none does yet without it) serves no older code.
+		case err != nil:
+			return fmt.Errorf("idem: check the schema version: %w", err)
+		case serves:
+			return nil
+		}
 	}
 	return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions)}
 }

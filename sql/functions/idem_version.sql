@@ -17,3 +17,24 @@ $$;
 
 COMMENT ON FUNCTION idem.idem_version() IS
     'The schema version the installed functions belong to, and the version of the schema (idem.schema_version): equal after a complete install. See docs/sql-api.md.';
+
+-- idem_serves_version: whether code written for schema version p_version may call this
+-- database's SQL API. True from the oldest version this release keeps every function, column
+-- and behaviour for (release 0.2.0's, 5) up to its own: the code of the previous release keeps
+-- serving after this release's migrate (a rolling upgrade), and its start and health checks
+-- ask this instead of refusing every newer schema. A later release answers for itself: its
+-- install replaces this function, and it raises the oldest version only in a step that drops
+-- what that version's code calls. SECURITY INVOKER: it reads nothing.
+CREATE OR REPLACE FUNCTION idem.idem_serves_version(p_version integer)
+RETURNS boolean
+LANGUAGE sql
+STABLE
+PARALLEL SAFE
+SECURITY INVOKER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p_version BETWEEN {{ .oldest_served }} AND {{ .schema_version }}
+$$;
+
+COMMENT ON FUNCTION idem.idem_serves_version(integer) IS
+    'Whether code written for schema version p_version may call this SQL API: true from the oldest version this release still serves up to its own (a rolling upgrade). See docs/sql-api.md.';

@@ -201,14 +201,15 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version
+    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
+    idem.idem_serves_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";
 -- The view of the keys, without bodies, for the application (its gauges, `server keys`); the
 -- bodies and the lever for operators (docs/operations.md, "Operators").
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key TO "{{.app_role}}";
 GRANT EXECUTE ON FUNCTION idem.idem_summary, idem.idem_health, idem.idem_replication, idem.idem_key, idem.idem_key_body,
-    idem.idem_release_stuck, idem.idem_version
+    idem.idem_release_stuck, idem.idem_version, idem.idem_serves_version
 TO "{{.operator_role}}";
 -- The claims in progress with their keys and tokens: for operators only (docs/operations.md).
 GRANT EXECUTE ON FUNCTION idem.idem_stuck TO "{{.operator_role}}";
