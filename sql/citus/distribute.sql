@@ -186,7 +186,8 @@ BEGIN
     SET LOCAL citus.enable_ddl_propagation = off;
     GRANT USAGE ON SCHEMA idem TO %1$I;
     GRANT EXECUTE ON FUNCTION idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release,
-        idem.idem_extend, idem.idem_yield, idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version TO %1$I;
+        idem.idem_extend, idem.idem_yield, idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
+        idem.idem_serves_version TO %1$I;
     GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO %1$I;
 END
 $do$
@@ -211,6 +212,7 @@ SELECT create_distributed_function(f::regprocedure)
                     'idem.key_figures(regclass[],boolean)', 'idem.figures_on_workers(boolean)',
                     'idem.cluster_figures(boolean)',
                     'idem.idem_cleanup_all(integer,bigint)', 'idem.idem_defaults()', 'idem.idem_version()',
+                    'idem.idem_serves_version(integer)',
                     'idem.answer_expires_at(timestamptz,timestamptz,timestamptz)']) AS f;
 
 -- 7. Citus 13.2.1 and 13.2.2 leak the cached plans of statements that a delegated function
