@@ -82,6 +82,20 @@ func upMigrate(t *testing.T, url string) {
 	}
 }
 
+// upCatalog is installed's listing without what differs by design after an upgrade from 0.2.0:
+// token_seq starts 2^32 above 0.2.0's tokens (D99), and the reference server's ledger adds a
+// foreign key to its principals (docs/operations.md).
+func upCatalog(s string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.HasPrefix(l, "sequence idem.token_seq ") || strings.Contains(l, "idempotency_keys_principal_fkey") {
+			continue
+		}
+		out = append(out, l)
+	}
+	return strings.Join(out, "\n")
+}
+
 // TestUpgrade020CatalogMatchesFresh: a database installed by 0.2.0 and migrated by this
 // tree has the catalog of schema idem a fresh install has: the same functions (no 0.2.0
 // function left over with its old body), attributes and grants; the roles can call
@@ -94,19 +108,7 @@ func TestUpgrade020CatalogMatchesFresh(t *testing.T) {
 	if err := idemsql.Migrate(context.Background(), fresh, idemsql.Options{}); err != nil {
 		t.Fatal(err)
 	}
-	// token_seq starts 2^32 above 0.2.0's tokens on an upgrade (D99): not a difference.
-	filter := func(s string) string {
-		var out []string
-		for _, l := range strings.Split(s, "\n") {
-			// The reference server's ledger adds a foreign key to its principals (docs/operations.md).
-			if strings.HasPrefix(l, "sequence idem.token_seq ") || strings.Contains(l, "idempotency_keys_principal_fkey") {
-				continue
-			}
-			out = append(out, l)
-		}
-		return strings.Join(out, "\n")
-	}
-	got, want := filter(installed(t, conn)), filter(installed(t, fresh))
+	got, want := upCatalog(installed(t, conn)), upCatalog(installed(t, fresh))
 	if got != want {
 		g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
 		gs, ws := map[string]bool{}, map[string]bool{}
@@ -490,17 +492,7 @@ func TestUpgrade020BySQLBundle(t *testing.T) {
 	if err := idemsql.Migrate(context.Background(), fresh, idemsql.Options{}); err != nil {
 		t.Fatal(err)
 	}
-	filter := func(s string) string {
-		var out []string
-		for _, l := range strings.Split(s, "\n") {
-			if strings.HasPrefix(l, "sequence idem.token_seq ") || strings.Contains(l, "idempotency_keys_principal_fkey") {
-				continue
-			}
-			out = append(out, l)
-		}
-		return strings.Join(out, "\n")
-	}
-	sameCatalog(t, "0.2.0 upgraded by sql/idem.sql", filter(installed(t, conn)), filter(installed(t, fresh)))
+	sameCatalog(t, "0.2.0 upgraded by sql/idem.sql", upCatalog(installed(t, conn)), upCatalog(installed(t, fresh)))
 	if got := upCallBegin(t, conn, "p_a", "tx-done", "POST /t", "tx-done", nil, nil, nil); !reflect.DeepEqual(got, before) {
 		t.Errorf("0.2.0's key after sql/idem.sql: %+v, want %+v", got, before)
 	}
