@@ -69,8 +69,9 @@ import (
 // ErrInvalidArgument after fn ran, and its transaction rolls back: save such a value encoded
 // (base64, hex). So is a value that JSON cannot encode, or that would not come back the same
 // from its JSON into T (as for Do's result): recorded, it would stop every later attempt of
-// the generation at this step. A request without a key saves nothing (Step returns fn's value
-// as it is); the check of the
+// the generation at this step, and so is one whose stored form (above) does not decode into T.
+// A request without a key saves nothing (Step returns fn's value through its JSON, the same
+// for a second call with the name); the check of the
 // value's round trip applies to it too.
 func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	return dbidem.Step(ctx, name, fn)

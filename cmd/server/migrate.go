@@ -188,17 +188,42 @@ func checkMigrated(ctx context.Context, db idem.Querier) error {
 	case int(have) > wantLedger:
 		// A newer release's migrate: it says whether this server may still run on it (a
 		// rolling upgrade), as idem.CheckSchema asks the SQL API.
-		var serves bool
-		err := db.QueryRow(ctx, `SELECT ledger.serves_version($1)`, int32(wantLedger)).Scan(&serves)
-		var pgErr *pgconn.PgError
-		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == "42883") {
+		serves, why, err := ledgerServesVersion(ctx, db, wantLedger, int(have))
+		if err != nil {
 			return fmt.Errorf("check the migrations: %w", err)
 		}
 		if !serves {
-			return fmt.Errorf("%w (%s is at version %d, this server knows %d)", errNewer, ledgerVersionTable, have, wantLedger)
+			return fmt.Errorf("%w (%s is at version %d, this server knows %d%s)", errNewer, ledgerVersionTable, have, wantLedger, why)
 		}
 	}
 	return nil
+}
+
+// ledgerServesVersion asks ledger.serves_version whether the ledger at version have serves a
+// server of version want, as idem's servesVersion does: the answer counts only when the
+// function serves have too (this release's, left in place by a newer migrate that stopped
+// before writing its own, answers no), and a missing function, one the role may not call or
+// a NULL answer serve nothing (why says which). No statement that can fail on them.
+func ledgerServesVersion(ctx context.Context, db idem.Querier, want, have int) (serves bool, why string, err error) {
+	var exists, may bool
+	if err := db.QueryRow(ctx, `SELECT p IS NOT NULL, p IS NOT NULL AND has_function_privilege(p, 'EXECUTE')
+		FROM (SELECT to_regprocedure('ledger.serves_version(integer)') AS p) AS f`).Scan(&exists, &may); err != nil {
+		return false, "", err
+	}
+	switch {
+	case !exists:
+		return false, "; it has no ledger.serves_version", nil
+	case !may:
+		return false, "; this role may not call ledger.serves_version", nil
+	}
+	if err := db.QueryRow(ctx, `SELECT coalesce(ledger.serves_version($1) AND ledger.serves_version($2), false)`,
+		int32(want), int32(have)).Scan(&serves); err != nil {
+		return false, "", err
+	}
+	if !serves {
+		return false, "; ledger.serves_version says it does not serve this server", nil
+	}
+	return true, "", nil
 }
 
 // newerNote says, when checkMigrated passed on a database that a newer release migrated (which

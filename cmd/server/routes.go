@@ -174,7 +174,7 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	if err := checkMigrated(ctx, s.probe); err != nil {
 		reason := "the database does not answer"
-		if errors.Is(err, errNotMigrated) || errors.Is(err, errNewer) {
+		if errors.Is(err, errNotMigrated) || errors.Is(err, errNewer) || errors.Is(err, idem.ErrPermissionDenied) {
 			reason = err.Error()
 		}
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable", "reason": reason})

@@ -97,7 +97,12 @@ type Options struct {
 	// every run and retry of the job and different for every other job. A function of the
 	// job's arguments instead (an order id) makes two jobs with the same key one unit of work:
 	// the second replays the first's result without running, and one with other arguments is
-	// cancelled (idem.ErrMismatch).
+	// cancelled (idem.ErrMismatch), while the key lives: the TTL after the first's result.
+	// A job that shares a key counts its TTL from that result, which may be earlier than the
+	// job itself, so keep the TTL longer than the time from the first job under a key to the
+	// last run of any job under it (the ErrKeyExpired guard counts from each job's own
+	// creation: past the first's result plus the TTL, a later job runs again, under a new
+	// provider key).
 	Key func(job *rivertype.JobRow) string
 	// Lease is the lease of a run: extended every third of it while the work runs, and how
 	// long a worker that died keeps its key before a later run takes over. Default 0:
@@ -257,16 +262,21 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	// wraps (an inner idem.Do's ErrInProgress or ErrMismatch is fn's failure, not this job's
 	// key's). DoLease returns once fn has returned.
 	var fnFailed bool
+	var fnErr error
 	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
 			err := fn(context.WithValue(ctx, claimKey{}, claim), claim)
-			fnFailed = err != nil
+			fnFailed, fnErr = err != nil, err
 			return struct{}{}, err
 		})
 	switch {
 	case err == nil:
 		return nil
+	case fnFailed && err == fnErr:
+		// fn's own error, as it is, whatever it wraps (an inner DoLease's ErrLeaseLost is not
+		// this job's lease): DoLease returns ErrLeaseLost itself when this job's lease was lost.
+		return err
 	case errors.Is(err, idem.ErrLeaseLost):
 		return fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err)
 	case fnFailed:

@@ -95,16 +95,44 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 	case int(schema) > want && int(functions) == int(schema):
 		// A newer release's migrate (a rolling upgrade: this code still serves until it is
 		// replaced). That release says whether it keeps what this code calls.
-		var serves bool
-		err := q.QueryRow(ctx, `SELECT idem.idem_serves_version($1)`, int32(want)).Scan(&serves)
+		serves, err := servesVersion(ctx, q, want, int(schema))
 		switch {
-		case errors.As(err, &pgErr) && pgErr.Code == "42883":
-			// A release that does not answer (none does yet without it) serves no older code.
 		case err != nil:
-			return fmt.Errorf("idem: check the schema version: %w", err)
+			return err
 		case serves:
 			return nil
 		}
 	}
 	return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions)}
+}
+
+// servesVersion asks idem.idem_serves_version whether the installed release serves code of
+// version want. Its answer counts only when it also serves its own version (installed): the
+// function of an older release left in place (none is ever dropped) answers no for it. A
+// function that is missing, or answers NULL, serves nothing. Without a statement that can
+// fail on a missing function or privilege: CheckSchema may run in the caller's transaction,
+// which it leaves as it was.
+func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, error) {
+	var exists, may bool
+	err := q.QueryRow(ctx, `SELECT p IS NOT NULL, p IS NOT NULL AND has_function_privilege(p, 'EXECUTE')
+		FROM (SELECT to_regprocedure('idem.idem_serves_version(integer)') AS p) AS f`).Scan(&exists, &may)
+	switch {
+	case err != nil:
+		return false, fmt.Errorf("idem: check the schema version: %w", err)
+	case !exists:
+		return false, nil
+	case !may:
+		var user string
+		_ = q.QueryRow(ctx, `SELECT current_user`).Scan(&user)
+		return false, fmt.Errorf("%w: the role %q may not call idem.idem_serves_version, which the migrate of the schema's newer "+
+			"release (version %d) grants to the application and operator roles (idem_app, idem_operator): make the role a member of one",
+			ErrPermissionDenied, user, installed)
+	}
+	var serves bool
+	err = q.QueryRow(ctx, `SELECT coalesce(idem.idem_serves_version($1) AND idem.idem_serves_version($2), false)`,
+		int32(want), int32(installed)).Scan(&serves)
+	if err != nil {
+		return false, fmt.Errorf("idem: check the schema version: %w", err)
+	}
+	return serves, nil
 }

@@ -212,8 +212,17 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			return fmt.Errorf("%w: step %s: its saved value holds a string that is not UTF-8 (or the escape \\ufffd), "+
 				"which would come back changed; save such bytes encoded (base64, hex)", ErrInvalidArgument, name)
 		}
-		raw, err = recordStepStored(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw)
-		return err
+		if raw, err = recordStepStored(ctx, tx, s.claim.Principal, s.claim.Key, s.claim.Attempt, name, raw); err != nil {
+			return err
+		}
+		// Every attempt gets the stored form (below): one that T cannot decode (an
+		// UnmarshalJSON that wants the text as fn's JSON wrote it) would stop each of them at
+		// this step, this one included, so it is refused before the step commits.
+		if err := json.Unmarshal(raw, new(T)); err != nil {
+			return fmt.Errorf("%w: step %s: its value as PostgreSQL's jsonb stores it (%.64s) does not decode into %T: %w",
+				ErrInvalidArgument, name, raw, result, err)
+		}
+		return nil
 	})
 	switch {
 	case errors.Is(err, ErrClaimLost):
@@ -235,12 +244,10 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	s.done[name] = raw
 	delete(s.unsure, name)
 	s.mu.Unlock()
-	if s.claim == nil {
-		return result, nil // nothing saved: no other attempt reads it
-	}
 	// The value as stored, not as fn returned it: jsonb keeps the JSON value, not its text
 	// (a json.RawMessage's member order, a json.Number's exponent), and a takeover gets the
-	// stored form; so does this attempt, now and when it asks for the step again.
+	// stored form; so does this attempt, now and when it asks for the step again. A request
+	// without a key saves nothing, and gets fn's value through its JSON, as again later.
 	var v T
 	if err := json.Unmarshal(raw, &v); err != nil {
 		return zero, fmt.Errorf("idem: step %s: decode its saved value: %w", name, err)
