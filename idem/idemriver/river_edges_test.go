@@ -468,7 +468,15 @@ func TestRiverExtensionBlockedNoTakeoverStores(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = locker.Rollback(ctx) }()
+	released := make(chan struct{})
+	var releasing atomic.Bool
+	defer func() {
+		if releasing.Load() {
+			<-released // fn's goroutine rolls the lock back
+			return
+		}
+		_ = locker.Rollback(ctx)
+	}()
 	runs := 0
 	var cause error
 	err = idemriver.Work(ctx, job, opts, func(ctx context.Context, _ idem.LeaseClaim) error {
@@ -478,7 +486,12 @@ func TestRiverExtensionBlockedNoTakeoverStores(t *testing.T) {
 		}
 		<-ctx.Done() // the lease is lost: no extension can land
 		cause = context.Cause(ctx)
-		go func() { time.Sleep(300 * time.Millisecond); _ = locker.Rollback(context.Background()) }()
+		releasing.Store(true)
+		go func() {
+			time.Sleep(300 * time.Millisecond)
+			_ = locker.Rollback(context.Background())
+			close(released)
+		}()
 		return nil // the work was done all the same
 	})
 	if !errors.Is(cause, idem.ErrLeaseLost) {
