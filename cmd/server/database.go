@@ -99,7 +99,13 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		return connectError(cfg.ConnConfig, err)
 	}
 	if m.cluster != nil && m.Command != "migrate" {
-		return m.migrate(ctx) // the embedded default is always up to date
+		// The embedded default is always up to date, unless a newer release migrated it and
+		// serves this one (D204): then this release's migrate would refuse it, and the
+		// command's own check lets it run.
+		if newerNote(ctx, pool) != "" && checkMigrated(ctx, pool) == nil {
+			return nil
+		}
+		return m.migrate(ctx)
 	}
 	return nil
 }

@@ -58,6 +58,26 @@ func (m *Main) migrate(ctx context.Context) error {
 		END $$`); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
+	// What this release's ledger serves, written before its migrations: they commit one by one
+	// (retried behind the running release's locks), and a server of the previous release that
+	// saw a newer ledger version beside the previous release's answer would refuse it (D204).
+	// Not over a newer release's ledger, which keeps its own answer (its migrations refuse
+	// this release below).
+	var have int32
+	var exists bool
+	if err := conn.QueryRow(ctx, `SELECT to_regclass('`+ledgerVersionTable+`') IS NOT NULL`).Scan(&exists); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	if exists {
+		if err := conn.QueryRow(ctx, `SELECT coalesce((SELECT version FROM `+ledgerVersionTable+`), 0)`).Scan(&have); err != nil {
+			return fmt.Errorf("ledger migrate: %w", err)
+		}
+	}
+	if int(have) <= countMigrations(ledgerFS()) {
+		if _, err := conn.Exec(ctx, ledgerServes(m.Config.AppRole)); err != nil {
+			return fmt.Errorf("ledger migrate: %w", err)
+		}
+	}
 	mig, err := migrate.NewMigrator(ctx, conn.Conn(), ledgerVersionTable)
 	if err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
@@ -67,9 +87,6 @@ func (m *Main) migrate(ctx context.Context) error {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
 	if err := migrateLedger(ctx, conn.Conn(), mig); err != nil {
-		return fmt.Errorf("ledger migrate: %w", err)
-	}
-	if _, err := conn.Exec(ctx, ledgerServes(m.Config.AppRole)); err != nil {
 		return fmt.Errorf("ledger migrate: %w", err)
 	}
 	// The ledger's grants to the application role again, on every migrate: the migrations
@@ -216,8 +233,13 @@ func ledgerServesVersion(ctx context.Context, db idem.Querier, want, have int) (
 	case !may:
 		return false, "; this role may not call ledger.serves_version", nil
 	}
-	if err := db.QueryRow(ctx, `SELECT coalesce(ledger.serves_version($1) AND ledger.serves_version($2), false)`,
-		int32(want), int32(have)).Scan(&serves); err != nil {
+	err = db.QueryRow(ctx, `SELECT coalesce(ledger.serves_version($1) AND ledger.serves_version($2), false)`,
+		int32(want), int32(have)).Scan(&serves)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr):
+		return false, "; ledger.serves_version failed: " + pgErr.Message, nil
+	case err != nil:
 		return false, "", err
 	}
 	if !serves {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"testing"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -37,5 +38,46 @@ func TestOlderMigrateOnANewerLedgerKeepsItsAnswer(t *testing.T) {
 	}
 	if err := checkMigrated(ctx, s.pool); err == nil {
 		t.Errorf("after this release's migrate ran on it, checkMigrated accepts a ledger whose release serves this one no more (ledger.serves_version rewritten by the older release)")
+	}
+}
+
+// TestMigrateWritesWhatTheLedgerServesBeforeItsMigrations: `server migrate` wrote
+// ledger.serves_version after the ledger's migrations, which commit one by one and wait behind
+// the running release's locks (retried for seconds): in between, the previous release's servers
+// saw a newer ledger beside the previous answer and answered /healthz 503. It is written first
+// now: with the ledger's version table locked (the migrations wait), the function is there.
+func TestMigrateWritesWhatTheLedgerServesBeforeItsMigrations(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, db)
+	pgtest.Exec(t, conn, `CREATE SCHEMA ledger; CREATE TABLE ledger.schema_version (version int4 NOT NULL); INSERT INTO ledger.schema_version VALUES (0)`)
+	holder := pgtest.Connect(t, db)
+	tx, err := holder.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, tx, `LOCK TABLE ledger.schema_version IN EXCLUSIVE MODE`) // writes wait, reads do not
+	m := NewMain(io.Discard, io.Discard)
+	if err := m.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx); _ = m.Close() }()
+	pgtest.WaitFor(t, conn, `SELECT count(*) FROM pg_proc WHERE proname = 'serves_version' AND pronamespace = 'ledger'::regnamespace`)
+	select {
+	case err := <-done:
+		t.Fatalf("the migrate ended while the ledger's version table was locked: %v", err)
+	default:
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the migrate after the lock: %v", err)
+	}
+	var serves bool
+	if err := conn.QueryRow(ctx, `SELECT ledger.serves_version($1)`, countMigrations(ledgerFS())).Scan(&serves); err != nil || !serves {
+		t.Fatalf("ledger.serves_version(%d) after the migrate: %v %v", countMigrations(ledgerFS()), serves, err)
 	}
 }

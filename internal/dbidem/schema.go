@@ -131,7 +131,11 @@ func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, e
 	var serves bool
 	err = q.QueryRow(ctx, `SELECT coalesce(idem.idem_serves_version($1) AND idem.idem_serves_version($2), false)`,
 		int32(want), int32(installed)).Scan(&serves)
-	if err != nil {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr):
+		return false, nil // it raised: the database answered, and not yes
+	case err != nil:
 		return false, fmt.Errorf("idem: check the schema version: %w", err)
 	}
 	return serves, nil

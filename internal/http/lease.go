@@ -133,6 +133,15 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	if ended {
 		v = rollBack
 	}
+	if q.earlierTakeover && v == final {
+		// A body of another type than JSON took over, under the earlier release's
+		// fingerprint, a lease that may be a JSON request's of this release (the row does not
+		// say which, D178), and its handler refused it (415 for a type it does not read):
+		// stored, that refusal would be the final answer of work the JSON request may have
+		// half done (steps recorded, a provider paid). It is sent as it is, not stored, and
+		// the lease given up: the request the key was claimed for takes it over at once (D205).
+		v = rollBack
+	}
 	_, done := q.startSpan(context.WithoutCancel(ctx), "idem.complete")
 	// The heartbeat stops before the answer is recorded (an extension after it would find the
 	// claim completed and report the lease lost). The recording (or the release) is tried,

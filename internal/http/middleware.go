@@ -196,10 +196,13 @@ type request struct {
 	// rawHashed: the body, declared as another type than JSON, was hashed as its bytes; the
 	// releases before D178 hashed its canonical form when it was strictly valid JSON.
 	rawHashed bool
-	action    string
-	keyHash   string     // the key's hash, for traces (keyed requests with tracing on)
-	noKey     bool       // a request without a key (unkeyed): its answers do not speak of one
-	claim     *ClaimInfo // the claim the handler works under (keyed requests)
+	// earlierTakeover: this request took a lease over under the fingerprint of a release
+	// before D178 (earlierReleaseDecision); only a 2xx of its handler is stored (lease).
+	earlierTakeover bool
+	action          string
+	keyHash         string     // the key's hash, for traces (keyed requests with tracing on)
+	noKey           bool       // a request without a key (unkeyed): its answers do not speak of one
+	claim           *ClaimInfo // the claim the handler works under (keyed requests)
 	// providerKey is the provider key of a request without a key on a lease route.
 	providerKey string
 	// shutDown: Shutdown's deadline ended the request's claim under way, and it was refused

@@ -368,7 +368,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	// committed meanwhile, or fail to claim, and its claim was rolled back with the run before.
 	fresh := dbidem.WithAttemptStart(wctx, func() {
 		d, rec, oversize, acquired = dbidem.Decision{}, nil, false, false
-		q.claim = nil
+		q.claim, q.earlierTakeover = nil, false
 		unclaimed() // the WorkTimeout counts from this run's claim, not its wait
 	})
 	err := q.m.gate.RunDetached(waitCtx, fresh, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
@@ -376,6 +376,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		if d.Outcome == dbidem.Mismatch && q.rawHashed {
 			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
 				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
+				q.earlierTakeover = d.Outcome == dbidem.Claimed
 			}
 		}
 		endSpan(claimSpan, string(d.Outcome), nil) // a unit of work run again keeps the first
