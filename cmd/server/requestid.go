@@ -7,6 +7,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"strings"
 	"time"
 )
 
@@ -44,7 +45,7 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 			// the same), and no 200 was sent, whatever net/http would have defaulted to.
 			status = statusClientGone
 		}
-		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", r.URL.Path, "status", status,
+		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", loggedPath(r), "status", status,
 			"replayed", sw.Header().Get("Idempotent-Replayed") == "true", "duration_ms", time.Since(start).Milliseconds())
 	})
 }
@@ -92,3 +93,16 @@ func (w *statusWriter) WriteHeader(code int) {
 	w.status = code
 	w.ResponseWriter.WriteHeader(code)
 }
+
+// loggedPath is the path a request is logged under: as it came, but for the simulated provider's
+// lookup, whose last segment is a provider key (the idempotency key an outside receiver
+// deduplicates by), logged as the route's template: keys are never logged.
+func loggedPath(r *http.Request) string {
+	if strings.HasPrefix(r.URL.Path, providerCallsPrefix) {
+		return providerCallsPrefix + "{key}"
+	}
+	return r.URL.Path
+}
+
+// providerCallsPrefix is the simulated provider's lookup route before its key (routes.go).
+const providerCallsPrefix = "/v1/provider/calls/"

@@ -132,7 +132,7 @@ func ledgerRoutes(s *ledger, transfersRequireKey bool) []route {
 		{http.MethodPost, "/v1/payouts", s.createPayout, &idem.Route{Action: "POST /v1/payouts", Required: true, Lease: s.payoutLease}},
 		{http.MethodGet, "/v1/payouts/{id}", s.getPayout, nil},
 		{http.MethodPost, "/v1/stepped-payouts", s.createSteppedPayout, &idem.Route{Action: "POST /v1/stepped-payouts", Required: true, Lease: s.payoutLease}},
-		{http.MethodGet, "/v1/provider/calls/{key}", s.providerCalls, nil},
+		{http.MethodGet, providerCallsPrefix + "{key}", s.providerCalls, nil},
 	}
 }
 

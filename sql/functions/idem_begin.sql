@@ -159,7 +159,14 @@ BEGIN
         IF NOT FOUND THEN
             -- idem_cleanup deleted the (expired) row since it was read: probe and insert again.
             v_tries := coalesce(v_tries, 0) + 1;
-            EXIT WHEN v_tries >= 8;
+            IF v_tries >= 8 THEN
+                -- Under READ COMMITTED each try reads what was committed since the last, so the
+                -- loop ends once a claim holds the key long enough to be read: no 40001 there,
+                -- as documented (a statement_timeout still bounds it). A snapshot of REPEATABLE
+                -- READ or SERIALIZABLE would read the same vanished row again: retry the
+                -- transaction.
+                EXIT WHEN current_setting('transaction_isolation') <> 'read committed';
+            END IF;
             v_lock := false;
 {{ template "include/read_key.sql" "" }}
             IF NOT FOUND THEN
