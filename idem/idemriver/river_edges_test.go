@@ -25,30 +25,6 @@ import (
 	"github.com/pgidem/pgidem/idem/idemtest"
 )
 
-// edgeClient is a started River client on pool (stopped with StopAndCancel at the test's end).
-func edgeClient(t *testing.T, pool *pgxpool.Pool, workers *river.Workers, mod func(*river.Config)) *river.Client[pgx.Tx] {
-	t.Helper()
-	cfg := &river.Config{Logger: quietLog, Workers: workers, RetryPolicy: fastRetry{},
-		FetchCooldown: 5 * time.Millisecond, FetchPollInterval: 50 * time.Millisecond,
-		Queues: map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 4}}}
-	if mod != nil {
-		mod(cfg)
-	}
-	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := client.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = client.StopAndCancel(ctx)
-	})
-	return client
-}
-
 // edgeJob reads a job's state, attempt, number of errors and snoozes.
 func edgeJob(t *testing.T, pool *pgxpool.Pool, id int64) (state string, attempt, errs, snoozes int) {
 	t.Helper()
@@ -133,7 +109,7 @@ func TestRiverCompletionLostAfterTheAnswerReplays(t *testing.T) {
 	_ = c1.StopAndCancel(sctx) // the process goes away; its completion never lands (attempt 1 is refused)
 	cancel()
 	time.Sleep(2 * time.Second) // past RescueStuckJobsAfter
-	edgeClient(t, pool, workers, fast)
+	startedClient(t, pool, workers, 4, fast)
 	var state string
 	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		state, _, _, _ = edgeJob(t, pool, res.Job.ID)
@@ -170,7 +146,7 @@ func TestRiverTwoJobsOneKeyAtOnce(t *testing.T) {
 	}
 	workers := river.NewWorkers()
 	river.AddWorker(workers, w)
-	client := edgeClient(t, pool, workers, nil)
+	client := startedClient(t, pool, workers, 4, nil)
 	res, err := client.InsertMany(ctx, []river.InsertManyParams{{Args: ReceiptArgs{Order: 5}}, {Args: ReceiptArgs{Order: 5}}})
 	if err != nil {
 		t.Fatal(err)
@@ -246,7 +222,7 @@ func TestRiverStopAndCancelYieldsAtOnce(t *testing.T) {
 	cancel()
 	t.Logf("the stopped run's Work returned: %v", w.last.Load())
 	began := time.Now()
-	edgeClient(t, pool, workers, nil)
+	startedClient(t, pool, workers, 4, nil)
 	got := waitState(t, pool, res.Job.ID, "completed", 25*time.Second)
 	took := time.Since(began)
 	_, attempt, errs, snoozes := edgeJob(t, pool, res.Job.ID)
@@ -367,7 +343,7 @@ func TestRiverPanicGivesTheKeyUp(t *testing.T) {
 	w := &edgePanicWorker{}
 	workers := river.NewWorkers()
 	river.AddWorker(workers, w)
-	client := edgeClient(t, pool, workers, func(c *river.Config) {
+	client := startedClient(t, pool, workers, 4, func(c *river.Config) {
 		c.Middleware = []rivertype.Middleware{idemriver.Middleware(idemriver.Options{DB: pool, Lease: 30 * time.Second})}
 	})
 	began := time.Now()
