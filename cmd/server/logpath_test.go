@@ -18,6 +18,7 @@ func TestProviderKeyNotInTheRequestLog(t *testing.T) {
 	_, token := s.principal("logpath")
 	const key = "4f1e7ac0ffee5eed"
 	r := logged.call("GET", providerCallsPrefix+key, token, "", "")
+	logged.call("GET", "/v1//provider/calls/"+key, token, "", "") // 404, logged too
 	if err := logged.shutdown(); err != nil {
 		t.Fatal(err)
 	}

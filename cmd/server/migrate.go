@@ -237,7 +237,7 @@ func ledgerServesVersion(ctx context.Context, db idem.Querier, want, have int) (
 		int32(want), int32(have)).Scan(&serves)
 	var pgErr *pgconn.PgError
 	switch {
-	case errors.As(err, &pgErr):
+	case functionRaised(err) && errors.As(err, &pgErr):
 		return false, "; ledger.serves_version failed: " + pgErr.Message, nil
 	case err != nil:
 		return false, "", err
@@ -290,4 +290,20 @@ func checkIdemMigrated(ctx context.Context, db idem.Querier) error {
 func countMigrations(fsys fs.FS) int {
 	paths, _ := migrate.FindMigrations(fsys)
 	return len(paths)
+}
+
+// functionRaised tells whether err is an error a function raised of its own (the database
+// answered), not the connection's or the session's: unavailability, a cancel or a statement
+// timeout (57), a serialization failure or deadlock (40), a lock timeout (55P03), too little
+// of a resource (53). As the library's schema check reads a serves function's error.
+func functionRaised(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || idem.IsUnavailable(err) || pgErr.Code == "55P03" {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "08", "40", "53", "57":
+		return false
+	}
+	return true
 }

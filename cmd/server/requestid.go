@@ -7,6 +7,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"path"
 	"strings"
 	"time"
 )
@@ -98,7 +99,8 @@ func (w *statusWriter) WriteHeader(code int) {
 // lookup, whose last segment is a provider key (the idempotency key an outside receiver
 // deduplicates by), logged as the route's template: keys are never logged.
 func loggedPath(r *http.Request) string {
-	if strings.HasPrefix(r.URL.Path, providerCallsPrefix) {
+	// Cleaned first: /v1//provider/calls/{key} is answered 404, and logged all the same.
+	if strings.HasPrefix(path.Clean(r.URL.Path), providerCallsPrefix) {
 		return providerCallsPrefix + "{key}"
 	}
 	return r.URL.Path

@@ -131,12 +131,27 @@ func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, e
 	var serves bool
 	err = q.QueryRow(ctx, `SELECT coalesce(idem.idem_serves_version($1) AND idem.idem_serves_version($2), false)`,
 		int32(want), int32(installed)).Scan(&serves)
-	var pgErr *pgconn.PgError
 	switch {
-	case errors.As(err, &pgErr):
+	case functionRaised(err):
 		return false, nil // it raised: the database answered, and not yes
 	case err != nil:
 		return false, fmt.Errorf("idem: check the schema version: %w", err)
 	}
 	return serves, nil
+}
+
+// functionRaised tells whether err is an error a function raised of its own (the database
+// answered), not the connection's or the session's: unavailability (IsUnavailable), a cancel
+// or a statement timeout (57), a serialization failure or deadlock (40), a lock timeout
+// (55P03), too little of a resource (53). Those ask the question again later.
+func functionRaised(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || IsUnavailable(err) || pgErr.Code == "55P03" {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "08", "40", "53", "57":
+		return false
+	}
+	return true
 }
