@@ -44,29 +44,32 @@ func TestLedgerNewerWithoutItsOwnServesIsRefused(t *testing.T) {
 }
 
 // TestHealthzReasonWhenServesAnswersNothing: /healthz "answers 503 with the reason"
-// (docs/operations.md). A newer ledger whose serves_version answers NULL, or that the role may
-// not call, is refused (good) but /healthz says "the database does not answer", and serve's
-// start returns a wrapped database error rather than errNewer.
+// (docs/operations.md). A newer release whose serves function (idem's or the ledger's) answers
+// NULL, raises, or may not be called by the role was refused, but /healthz said "the database
+// does not answer", and serve's start returned a database error rather than errNewer.
 func TestHealthzReasonWhenServesAnswersNothing(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
 	appURL := pgtest.LoginRole(t, s.db, "idem_app")
 	var log bytes.Buffer
 	old := serveWith(t, appURL, s.db, nil, &log)
-	next := countMigrations(ledgerFS()) + 1
-	pgtest.Exec(t, s.pool, fmt.Sprintf(`UPDATE ledger.schema_version SET version = %d;
-		CREATE OR REPLACE FUNCTION ledger.serves_version(p_version integer) RETURNS boolean
-			LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$ SELECT NULL::boolean $$`, next))
-	h := old.call("GET", "/healthz", "", "", "")
-	if h.status != 503 || !strings.Contains(h.body, "newer than this server") {
-		t.Errorf("/healthz on a newer ledger whose serves_version answers NULL: %d %s; want 503 saying the database is newer", h.status, h.body)
-	}
-	pgtest.Exec(t, s.pool, `CREATE OR REPLACE FUNCTION ledger.serves_version(p_version integer) RETURNS boolean
-			LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$ SELECT true $$;
-		REVOKE EXECUTE ON FUNCTION ledger.serves_version(integer) FROM idem_app`)
-	h = old.call("GET", "/healthz", "", "", "")
-	if h.status != 503 || strings.Contains(h.body, "does not answer") {
-		t.Errorf("/healthz as a role that may not call ledger.serves_version: %d %s; want 503 naming the privilege, not \"does not answer\"", h.status, h.body)
+	const raises = `LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$ BEGIN RAISE EXCEPTION 'broken'; END $$`
+	for _, c := range []struct{ name, fn, body string }{
+		{"the ledger's answers NULL", "ledger.serves_version",
+			`LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$ SELECT NULL::boolean $$`},
+		{"the ledger's may not be called", "ledger.serves_version",
+			`LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$ SELECT true $$;
+			REVOKE EXECUTE ON FUNCTION ledger.serves_version(integer) FROM idem_app`},
+		{"the ledger's raises", "ledger.serves_version", raises},
+		{"idem's raises", "idem.idem_serves_version", raises},
+	} {
+		asNextRelease(t, s, idem.SchemaVersion(), countMigrations(ledgerFS()))
+		pgtest.Exec(t, s.pool, `CREATE OR REPLACE FUNCTION `+c.fn+`(p_version integer) RETURNS boolean `+c.body)
+		h := old.call("GET", "/healthz", "", "", "")
+		if h.status != 503 || !strings.Contains(h.body, "newer than this server") {
+			t.Errorf("/healthz on a newer release whose %s: %d %s; want 503 saying the database is newer", c.name, h.status, h.body)
+		}
+		pgtest.Exec(t, s.pool, `GRANT EXECUTE ON FUNCTION ledger.serves_version(integer) TO idem_app`)
 	}
 }
 
