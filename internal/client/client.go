@@ -194,6 +194,7 @@ func NewKey() string {
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	if key == "" {
 		if v := c.keyValues(req.Header); len(v) > 1 {
+			closeBody(req)
 			return Result{Key: v[0]}, fmt.Errorf("idemclient: the request carries %d %s headers; an operation has one key", len(v), c.keyHeader())
 		} else if len(v) == 1 {
 			key = v[0]
@@ -216,8 +217,8 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		if req.GetBody != nil {
 			req.Body.Close() // what is sent comes from GetBody; net/http closes the body too
 			var err error
-			if body, err = req.GetBody(); err != nil {
-				return Result{Key: key}, fmt.Errorf("idemclient: read body: %w", err)
+			if body, err = getBody(ctx, req.GetBody); err != nil {
+				return Result{Key: key}, err
 			}
 		}
 		var err error
@@ -324,6 +325,34 @@ func doubled(backoff time.Duration, n int, maxBackoff time.Duration) time.Durati
 func closeBody(req *http.Request) {
 	if req.Body != nil {
 		req.Body.Close()
+	}
+}
+
+// getBody calls getBody (a request's GetBody) within ctx: one that blocks is abandoned when ctx
+// ends, and the body it returns later is closed.
+func getBody(ctx context.Context, getBody func() (io.ReadCloser, error)) (io.ReadCloser, error) {
+	type got struct {
+		body io.ReadCloser
+		err  error
+	}
+	done := make(chan got, 1)
+	go func() {
+		b, err := getBody()
+		done <- got{b, err}
+	}()
+	select {
+	case g := <-done:
+		if g.err != nil {
+			return nil, fmt.Errorf("idemclient: read body: %w", g.err)
+		}
+		return g.body, nil
+	case <-ctx.Done():
+		go func() {
+			if g := <-done; g.body != nil {
+				g.body.Close()
+			}
+		}()
+		return nil, ctx.Err() // nothing was sent
 	}
 }
 
@@ -669,7 +698,7 @@ func retryable(r Result) bool {
 		return false
 	case r.Status == http.StatusInternalServerError && r.Code() == "idempotency_misconfigured":
 		return false
-	case r.Status >= 500, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests,
+	case r.Status >= 500 && r.Status <= 599, r.Status == http.StatusRequestTimeout, r.Status == http.StatusTooManyRequests,
 		r.Status == http.StatusTooEarly: // RFC 8470: the request may be sent again
 		return true
 	case r.Status == http.StatusConflict:
