@@ -121,7 +121,7 @@ func TestImpatientClientAcrossProcesses(t *testing.T) {
 					select {
 					case <-time.After(slow):
 					case <-r.Context().Done():
-						http.Error(w, "ended", 503)
+						http.Error(w, "ended", http.StatusServiceUnavailable)
 						return
 					}
 					var id int
