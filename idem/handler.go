@@ -41,8 +41,9 @@ type ClaimInfo struct {
 // stop. A 2xx the handler still writes, or a result DoLease's fn still returns with a nil
 // error, is recorded, fenced by the claim's token, only while no other attempt has taken the
 // key over (the lease ran out without an extension landing) and the key has not expired (its
-// TTL past the lease's end: an expired key is free for the next request); otherwise it is neither recorded
-// nor sent. A handler that returns without writing, or an error, records nothing.
+// TTL past the lease's end: an expired key is free for the next request); otherwise it is
+// neither recorded nor sent. A handler that returns without writing, or an error, records
+// nothing.
 var ErrLeaseLost = idemhttp.ErrLeaseLost
 
 // ErrShutdown is the cause (context.Cause) of a keyed request's work context (and of a lease

@@ -58,8 +58,9 @@ var (
 // changes nothing (the application role may call it): nil when the schema and its functions
 // are at SchemaVersion, or at a newer release's version whose SQL API still serves this one
 // (idem.idem_serves_version: during a rolling upgrade, after the next release's migrate and
-// before this process is replaced, it starts and serves as before); a *SchemaError when they are missing, older, newer or of two versions;
-// an error wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role may not call
+// before this process is replaced, it starts and serves as before); a *SchemaError when they
+// are missing, older, newer and not serving this version, or of two versions; an error
+// wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role may not call
 // the SQL API; the database's error when it could not be asked (IsUnavailable tells). New,
 // StartCleaner and the first Do or DoLease on a pool run it.
 func CheckSchema(ctx context.Context, q Querier) error {

@@ -13,8 +13,8 @@ import (
 
 // TestCheckSchemaServesCallKilledIsUnavailable: CheckSchema's doc (idem/schema.go): "the
 // database's error when it could not be asked (IsUnavailable tells)". Any *pgconn.PgError of
-// the idem_serves_version call was read as "it raised: the database answered, and not yes". A backend terminated while that call runs
-// (57P01 admin_shutdown: a restart, a failover, an operator's pg_terminate_backend during the
+// the idem_serves_version call was read as "it raised: the database answered, and not yes". A
+// backend terminated while that call runs (57P01 admin_shutdown: a restart, a failover, an operator's pg_terminate_backend during the
 // rolling upgrade) is a database that could not be asked, not a newer release that refuses
 // this code: CheckSchema had turned it into a *SchemaError wrapping ErrSchemaNewer ("upgrade this
 // module"), and idem.New refuses to start on it.

@@ -202,8 +202,9 @@ func ranBefore(job *rivertype.JobRow) bool {
 //     lease, whose key another run may have taken over; fn returned an error, or another run
 //     holds the key: nothing of this run is stored, and River's retry finds the other run's
 //     result, or the key; when fn returned nil, no other run had taken the key over and the
-//     key had not expired (its TTL past the lease's end), the result is stored all the same and the job completes), or when its result could not
-//     be stored by the lease's AnswerDeadline (an error wrapping context.DeadlineExceeded: the
+//     key had not expired (its TTL past the lease's end), the result is stored all the same
+//     and the job completes), or when its result could not be stored by the lease's
+//     AnswerDeadline (an error wrapping context.DeadlineExceeded: the
 //     database was unreachable that long; the key stays in progress until its lease runs
 //     out, and River's retry then takes it over with the same provider key);
 //   - river.JobCancel of an error wrapping idem.ErrMismatch when the key was used with other

@@ -26,9 +26,10 @@ import (
 //   - when the lease is lost (taken over, or not extended in time), the handler's context ends
 //     with cause ErrLeaseLost. A 2xx answer the handler still gives is recorded, fenced by the
 //     token, and sent if no other attempt has taken the key over (the lease ran out without an
-//     extension landing, D149) and the key has not expired (its TTL past the lease's end); any other answer, or a 2xx once another attempt holds the key,
-//     is neither recorded nor sent: the client gets 409 request_in_progress, and its retry
-//     gets the answer of the attempt that holds the key;
+//     extension landing, D149) and the key has not expired (its TTL past the lease's end); any
+//     other answer, or a 2xx once another attempt holds the key, is neither recorded nor sent:
+//     the client gets 409 request_in_progress, and its retry gets the answer of the attempt
+//     that holds the key;
 //   - the handler's steps (Step) commit with their recovery points; a takeover skips those
 //     its generation recorded, and a step that finds the claim taken over loses the lease;
 //   - a 2xx or a final error is stored; anything else ends the lease at once without an
