@@ -3051,16 +3051,23 @@ COMMENT ON FUNCTION idem.idem_version() IS
 -- serving after this release's migrate (a rolling upgrade), and its start and health checks
 -- ask this instead of refusing every newer schema. A later release answers for itself: its
 -- install replaces this function, and it raises the oldest version only in a step that drops
--- what that version's code calls. SECURITY INVOKER: it reads nothing.
+-- what that version's code calls. SECURITY INVOKER: it reads nothing. A NULL version raises
+-- 22004, as every required argument of the API does: a NULL answer would read as "not false".
 CREATE OR REPLACE FUNCTION idem.idem_serves_version(p_version integer)
 RETURNS boolean
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 PARALLEL SAFE
 SECURITY INVOKER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT p_version BETWEEN 5 AND 7
+BEGIN
+    IF p_version IS NULL THEN
+        RAISE EXCEPTION 'idem_serves_version: p_version must not be NULL'
+            USING ERRCODE = '22004';
+    END IF;
+    RETURN p_version BETWEEN 5 AND 7;
+END
 $$;
 
 COMMENT ON FUNCTION idem.idem_serves_version(integer) IS

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // MaxInterval is the longest TTL or lease the SQL API takes: interval '10 years', which
@@ -109,9 +111,10 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 // servesVersion asks idem.idem_serves_version whether the installed release serves code of
 // version want. Its answer counts only when it also serves its own version (installed): the
 // function of an older release left in place (none is ever dropped) answers no for it. A
-// function that is missing, or answers NULL, serves nothing. Without a statement that can
-// fail on a missing function or privilege: CheckSchema may run in the caller's transaction,
-// which it leaves as it was.
+// function that is missing, or answers NULL, serves nothing. CheckSchema may run in the
+// caller's transaction, which it leaves as it was: the function and the privilege are looked
+// up before the call, and in a transaction the call runs under a savepoint, rolled back to when
+// the newer release's function raises.
 func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, error) {
 	var exists, may bool
 	err := q.QueryRow(ctx, `SELECT p IS NOT NULL, p IS NOT NULL AND has_function_privilege(p, 'EXECUTE')
@@ -128,9 +131,34 @@ func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, e
 			"release (version %d) grants to the application and operator roles (idem_app, idem_operator): make the role a member of one",
 			ErrPermissionDenied, user, installed)
 	}
+	block, known := inTransaction(q)
+	if block || !known {
+		// Where q does not say, the savepoint asks: outside a transaction block it fails
+		// (25P01) and changes nothing.
+		_, err := q.Exec(ctx, `SAVEPOINT idem_check_schema`)
+		var pgErr *pgconn.PgError
+		switch {
+		case err == nil:
+			block = true
+		case !known && errors.As(err, &pgErr) && pgErr.Code == "25P01":
+		default:
+			return false, fmt.Errorf("idem: check the schema version: %w", err)
+		}
+	}
 	var serves bool
 	err = q.QueryRow(ctx, `SELECT coalesce(idem.idem_serves_version($1) AND idem.idem_serves_version($2), false)`,
 		int32(want), int32(installed)).Scan(&serves)
+	if block {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			if _, rerr := q.Exec(ctx, `ROLLBACK TO SAVEPOINT idem_check_schema`); rerr != nil {
+				return false, fmt.Errorf("idem: check the schema version: %w", errors.Join(err, rerr))
+			}
+		}
+		if _, rerr := q.Exec(ctx, `RELEASE SAVEPOINT idem_check_schema`); rerr != nil && err == nil {
+			return false, fmt.Errorf("idem: check the schema version: %w", rerr)
+		}
+	}
 	switch {
 	case functionRaised(err):
 		return false, nil // it raised: the database answered, and not yes
@@ -154,4 +182,24 @@ func functionRaised(err error) bool {
 		return false
 	}
 	return true
+}
+
+// inTransaction tells whether q's statements run in an open transaction block, where q says
+// (known): by its connection's state (pgx.Tx, *pgx.Conn, *pgxpool.Conn); a *pgxpool.Pool runs
+// each statement on its own.
+func inTransaction(q Querier) (block, known bool) {
+	var conn *pgconn.PgConn
+	switch c := q.(type) {
+	case *pgxpool.Pool:
+		return false, true
+	case pgx.Tx:
+		conn = c.Conn().PgConn()
+	case *pgx.Conn:
+		conn = c.PgConn()
+	case *pgxpool.Conn:
+		conn = c.Conn().PgConn()
+	default:
+		return false, false
+	}
+	return conn.TxStatus() != 'I', true
 }
