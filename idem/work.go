@@ -227,6 +227,9 @@ type Decision struct {
 	// digits, the same for every attempt of the request (retries, takeovers of its lease after
 	// a crash), different for every other request, including a later one under the same key
 	// after this one expired or was released, and for every other principal.
+	// A transactional claim commits with the work or not at all: when its transaction rolls
+	// back, so does its generation, and the next attempt's claim has a new ProviderKey (work
+	// outside the database takes a lease).
 	ProviderKey string
 	// Sent is this process's clock just before the claim was sent. A lease claimed by it runs
 	// at least until Sent plus the lease by this process's clock: pass it as

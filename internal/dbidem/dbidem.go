@@ -128,6 +128,9 @@ type Decision struct {
 	// a crash), different for every other request, including a later one under the same key
 	// after this one expired or was released, and for every other principal. It follows the
 	// key's generation, not the client's key (docs/sql-api.md, "Generations and provider keys").
+	// A transactional claim commits with the work or not at all: when its transaction rolls
+	// back, so does its generation, and the next attempt's claim has a new ProviderKey (work
+	// outside the database takes a lease).
 	ProviderKey string
 	// RecoveryPoint is the last step that the key's current generation recorded (RecordStep,
 	// Step), told to a takeover of its lease (Claimed) so that it goes on after it; "" when
