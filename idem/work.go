@@ -157,7 +157,8 @@ type Claim struct {
 	// (Fingerprint.Fields); nil when unknown. They let a mismatch name what changed.
 	Fields map[string]string
 	// TTL is how long the key's answer stays replayable after it is stored. Default 0: the
-	// SQL API's default (24 hours). At most 10 years; sent with microsecond precision.
+	// SQL API's default (24 hours). At most 10 years; sent in whole microseconds, rounded up
+	// (as Lease and LockTimeout are).
 	TTL time.Duration
 	// Lease makes a lease claim that is committed on its own, for work outside the database.
 	// Default 0: a transactional claim, completed in the same transaction. At most 10 years.

@@ -81,8 +81,7 @@ type Claim struct {
 	// mismatch name what changed.
 	Fields map[string]string
 	// TTL is how long the key's answer stays replayable after it is stored. 0: the SQL default
-	// (24 hours).
-	// Sent with microsecond precision.
+	// (24 hours). Sent in whole microseconds, rounded up (as Lease and LockTimeout are).
 	TTL time.Duration
 	// Lease makes a lease claim that may be committed on its own, for work outside the
 	// database; at most TTL. 0: a transactional claim, completed in the same transaction.

@@ -74,12 +74,18 @@ const (
   FROM idem.idem_defaults()`
 )
 
-// interval is a duration as an interval parameter; 0 is NULL, the function's default.
+// interval is a duration as an interval parameter; 0 is NULL, the function's default. It is
+// sent in whole microseconds, a positive one rounded up: below a microsecond it stays
+// positive (truncated, it was 0, which the functions refuse).
 func interval(d time.Duration) *string {
 	if d == 0 {
 		return nil
 	}
-	s := fmt.Sprintf("%d microseconds", d.Microseconds())
+	us := d.Microseconds()
+	if d%time.Microsecond > 0 {
+		us++
+	}
+	s := fmt.Sprintf("%d microseconds", us)
 	return &s
 }
 
