@@ -137,6 +137,9 @@ func StartCleaner(ctx context.Context, db Querier, o CleanerOptions) (*Cleaner, 
 	if err := CheckSchema(ctx, db); err != nil {
 		return nil, err
 	}
+	if err := dbidem.CheckCall(ctx, db, dbidem.CleanupWorkersSignature); err != nil {
+		return nil, err
+	}
 	if err := c.Start(ctx); err != nil {
 		return nil, err
 	}

@@ -113,6 +113,9 @@ func checkOnce(ctx context.Context, db Pool) error {
 	if err := CheckSchema(ctx, db); err != nil {
 		return err
 	}
+	if err := dbidem.CheckCall(ctx, db, dbidem.BeginSignature); err != nil {
+		return err
+	}
 	checked.Store(db, struct{}{})
 	return nil
 }

@@ -218,6 +218,9 @@ func New(ctx context.Context, o Options) (*Middleware, error) {
 	if err := CheckSchema(ctx, o.DB); err != nil {
 		return nil, err
 	}
+	if err := dbidem.CheckCall(ctx, o.DB, dbidem.BeginSignature); err != nil {
+		return nil, err
+	}
 	io := im.Options()
 	o.KeyHeader, o.ReplayHeader, o.CorrelationHeader = io.KeyHeader, io.ReplayHeader, io.CorrelationHeader
 	o.MaxWaitingBytes, o.MaxBodyBytes, o.MaxStoredBodyBytes = io.MaxWaitingBytes, io.MaxBodyBytes, io.MaxStoredBodyBytes

@@ -60,9 +60,12 @@ var (
 // (idem.idem_serves_version: during a rolling upgrade, after the next release's migrate and
 // before this process is replaced, it starts and serves as before); a *SchemaError when they
 // are missing, older, newer and not serving this version, or of two versions; an error
-// wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role may not call
-// the SQL API; the database's error when it could not be asked (IsUnavailable tells). New,
-// StartCleaner and the first Do or DoLease on a pool run it.
+// wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role is in neither role
+// of the SQL API (idem_version is granted to both); the database's error when it could not be
+// asked (IsUnavailable tells). New, StartCleaner and the first Do or DoLease on a pool run it,
+// and then check that the role may call the application's functions (idem_begin; the
+// cleaner's idem_cleanup_workers): a member of idem_operator alone is ErrPermissionDenied
+// there.
 func CheckSchema(ctx context.Context, q Querier) error {
 	err := dbidem.CheckSchema(ctx, q, SchemaVersion())
 	var se *dbidem.SchemaError

@@ -38,7 +38,8 @@ type Pool interface {
 // TxOptions configure RunTx. The zero value is READ COMMITTED, 3 attempts, 10ms backoff.
 type TxOptions struct {
 	// TxOptions are pgx's: isolation level, access mode. Default READ COMMITTED, the level
-	// the SQL API is designed for (it never raises 40001 there).
+	// the SQL API is designed for (it never raises 40001 there), whatever the role's or the
+	// database's default_transaction_isolation.
 	pgx.TxOptions
 	// MaxAttempts is how many times the unit of work runs when it keeps failing with a
 	// serialization failure (40001), a deadlock (40P01) or a lock timeout of its own

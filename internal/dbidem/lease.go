@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -338,7 +339,7 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 			return err
 		}
 		defer conn.Release()
-		tx, err := conn.Begin(ctx)
+		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 		if err != nil {
 			return err
 		}

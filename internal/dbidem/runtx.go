@@ -15,7 +15,8 @@ import (
 // TxOptions configure RunTx. The zero value is READ COMMITTED, 3 attempts, 10ms backoff.
 type TxOptions struct {
 	// TxOptions are pgx's: isolation level, access mode. Default READ COMMITTED, the level
-	// the SQL API is designed for (it never raises 40001 there).
+	// the SQL API is designed for (it never raises 40001 there), whatever the role's or the
+	// database's default_transaction_isolation.
 	pgx.TxOptions
 	// MaxAttempts is how many times the unit of work runs when it keeps failing with a
 	// serialization failure (40001) or a deadlock (40P01). 0: 3 (DefaultMaxAttempts); 1
@@ -86,6 +87,10 @@ func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Du
 // runOnce runs fn in one transaction; again tells whether the unit of work may run again (a
 // statement of the work or the commit failed in a way a new transaction may not).
 func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound time.Duration, lazy bool, fn func(tx *Tx) error) (again bool, err error) {
+	if txOpts.IsoLevel == "" {
+		// Said, not left to the role's or the database's default_transaction_isolation.
+		txOpts.IsoLevel = pgx.ReadCommitted
+	}
 	t := &Tx{opts: txOpts, pool: db, poolCtx: ctx}
 	if !lazy {
 		if err := t.acquire(); err != nil {

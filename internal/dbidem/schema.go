@@ -108,6 +108,33 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 	return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions)}
 }
 
+// The functions New, StartCleaner and Do check that their role may call (CheckCall).
+const (
+	BeginSignature          = "idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)"
+	CleanupWorkersSignature = "idem.idem_cleanup_workers(integer,double precision,interval)"
+)
+
+// CheckCall tells whether q's role may call the SQL API's function fn (a signature, as
+// to_regprocedure reads it): nil when it may, or when there is no such function (CheckSchema
+// tells that); an error wrapping ErrPermissionDenied, naming the grant, when it may not. A
+// member of the operator role alone passes CheckSchema (idem_version is granted to both
+// roles) and may call none of the application's functions. It changes nothing.
+func CheckCall(ctx context.Context, q Querier, fn string) error {
+	var may *bool
+	var user string
+	err := q.QueryRow(ctx, `SELECT has_function_privilege(f.p, 'EXECUTE'), current_user::text
+		FROM (SELECT to_regprocedure($1) AS p) AS f`, fn).Scan(&may, &user)
+	switch {
+	case err != nil:
+		return fmt.Errorf("idem: check the role's privileges: %w", err)
+	case may != nil && !*may:
+		return fmt.Errorf("%w: the role %q may not call %s (a member of idem_operator alone may call only the operators' functions): "+
+			"have a superuser (or a role with ADMIN OPTION on idem_app, or CREATEROLE) run GRANT idem_app TO %q "+
+			"(idem_app: the application role Migrate granted the API to)", ErrPermissionDenied, user, fn, user)
+	}
+	return nil
+}
+
 // servesVersion asks idem.idem_serves_version whether the installed release serves code of
 // version want. Its answer counts only when it also serves its own version (installed): the
 // function of an older release left in place (none is ever dropped) answers no for it. A

@@ -456,7 +456,8 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 -- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
 -- cannot commit; it calls only the schema-qualified idem_cleanup_workers and idem_cleanup,
--- which run as the owner.
+-- which run as the owner, and names every other function, operator and type with its schema
+-- (pg_catalog): the caller's search_path picks none of them.
 CREATE OR REPLACE PROCEDURE idem.idem_cleanup_all(
     p_batch_size integer DEFAULT {{ template "default_batch_size" }},
     INOUT p_deleted bigint DEFAULT NULL)
@@ -466,15 +467,18 @@ DECLARE
     v_n       integer;
     v_deleted bigint;
     v_done    boolean;
-    v_problem text;
+    v_problem pg_catalog.text;
 BEGIN
     v_problem := CASE
         WHEN p_batch_size IS NULL
             THEN '22004 p_batch_size must not be NULL'
-        WHEN p_batch_size < 1
-            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+        WHEN p_batch_size OPERATOR(pg_catalog.<) 1
+            THEN pg_catalog.format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
     END;
-{{ template "include/raise.sql" "idem_cleanup_all" }}
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_cleanup_all: %', pg_catalog.substr(v_problem, 7)
+            USING ERRCODE = pg_catalog.left(v_problem, 5);
+    END IF;
     p_deleted := 0;
     LOOP
         -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
@@ -484,7 +488,7 @@ BEGIN
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
-        p_deleted := p_deleted + v_deleted;
+        p_deleted := p_deleted OPERATOR(pg_catalog.+) v_deleted;
         COMMIT;
         IF v_done THEN
             RETURN;
@@ -496,9 +500,9 @@ BEGIN
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
-        p_deleted := p_deleted + v_n;
+        p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
         COMMIT;
-        EXIT WHEN v_n < p_batch_size;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) p_batch_size;
     END LOOP;
 END
 $$;
