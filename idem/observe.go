@@ -102,7 +102,8 @@ type Observer interface {
 	LeaseExtended(action string)
 	// LeaseEnded is called once the work of a lease route has ended and its answer is
 	// recorded (or not), or when the lease ran out before the work could start (lost, and the
-	// request counted busy too): lost tells whether the lease was lost, worked is how long the
+	// request counted busy too); not for a claim given up at a shutdown before its work
+	// started. lost tells whether the lease was lost, worked is how long the
 	// handler and the recording took. An answer that could not be recorded (503
 	// outcome_unknown) is counted store_error, on top of acquired; a lease that could not be
 	// given up after a failed handler is logged at error level only (the client got the

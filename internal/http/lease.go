@@ -67,7 +67,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			// The claim stands until its lease runs out: a retry before that would get 409.
 			retry = strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1))
 		}
-		q.m.o.Metrics.LeaseEnded(q.action, false, time.Since(start))
+		// No LeaseEnded: the work did not run.
 		q.w.Header().Set("Retry-After", retry)
 		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start: retry with the same key", nil)
 		return StateAcquired
