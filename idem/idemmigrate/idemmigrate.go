@@ -43,7 +43,11 @@ type Options struct {
 }
 
 // Migrate applies every pending migration and then (re)installs the SQL API's functions, all
-// in one transaction: an interruption leaves the database as it was. It is safe to run any
+// in one transaction: an interruption leaves the version and the functions as they were. The
+// online steps that come before that transaction, so that a running earlier release never
+// waits on them, commit on their own and stay (from 0.2.0 the key table's new nullable
+// columns; from 0.1.0 the new key table beside the old one and the trigger that fills it:
+// docs/operations.md, "Upgrades"); the next run goes on from them. It is safe to run any
 // number of times and from several processes at once (they take turns on tern's advisory
 // lock). conn's role becomes the owner of what it creates, and the SECURITY DEFINER functions
 // run with its rights: run it as the role that should own schema idem (not a superuser in
