@@ -142,7 +142,8 @@ func TestFailedMigrateLeavesVersionAndFunctions(t *testing.T) {
 // TestCancelledMigrateRunsAgain: a Migrate of a fresh database whose context ends at
 // several points, then a Migrate to completion: the second succeeds, the schema is complete,
 // and the connection of the cut one holds no advisory lock (when it is still open) nor keeps
-// a changed search_path. Pins "an interruption leaves the database as it was ... safe to run
+// a changed search_path. Pins "an interruption leaves the version and the functions as they
+// were ... safe to run
 // any number of times".
 func TestCancelledMigrateRunsAgain(t *testing.T) {
 	t.Parallel()
@@ -183,7 +184,7 @@ func TestCancelledMigrateRunsAgain(t *testing.T) {
 	}
 }
 
-// TestConcurrentMigratesWithCustomRoles: two Migrates at once, as a non-superuser
+// TestConcurrentMigratesAsOwner: two Migrates at once, as a non-superuser
 // owner, on a fresh database, both with the same custom AppRole/OperatorRole (created by a
 // superuser first): both succeed, and the custom app role may call the API.
 func TestConcurrentMigratesAsOwner(t *testing.T) {
