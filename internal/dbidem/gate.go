@@ -78,7 +78,8 @@ type GateOptions struct {
 // one per pool.
 type Gate struct {
 	mu       sync.Mutex
-	flights  map[flightKey]chan struct{}
+	flights  map[flightKey]*flight
+	open     map[flightKey]*openKey
 	slots    chan struct{}
 	maxBytes int64
 	lock     atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
@@ -91,6 +92,20 @@ type Gate struct {
 
 type flightKey struct{ principal, key string }
 
+// flight is the one request of this process that works on a key: done is closed when it
+// leaves, and answered, set before, tells the requests that waited for it that the key has an
+// answer (the flight replayed it, or committed it with the claim).
+type flight struct {
+	done     chan struct{}
+	answered bool
+}
+
+// openKey is a key with an answer whose requests claim without the flight, each at once: the
+// requests that waited for the flight that answered it, and those that come while any of them
+// still runs. running counts them; the key leaves Gate.open when none runs, or when one did not
+// find the answer (the key expired, was released: one flight at a time again).
+type openKey struct{ running int }
+
 // NewGate returns a Gate with these options.
 func NewGate(o GateOptions) *Gate {
 	if o.MaxWaitingClaims <= 0 {
@@ -99,7 +114,7 @@ func NewGate(o GateOptions) *Gate {
 	if o.MaxWaitingBytes <= 0 {
 		o.MaxWaitingBytes = DefaultMaxWaitingBytes
 	}
-	return &Gate{flights: map[flightKey]chan struct{}{}, slots: make(chan struct{}, o.MaxWaitingClaims),
+	return &Gate{flights: map[flightKey]*flight{}, open: map[flightKey]*openKey{}, slots: make(chan struct{}, o.MaxWaitingClaims),
 		maxBytes: o.MaxWaitingBytes}
 }
 
@@ -130,6 +145,10 @@ var (
 	errNoSlot   = fmt.Errorf("%w: every wait slot is taken", ErrInProgress)
 )
 
+// IsNoSlot tells whether err is the ErrInProgress of a claim that found the key's row held by
+// another process and every wait slot taken: waiting would hold a connection more.
+func IsNoSlot(err error) bool { return errors.Is(err, errNoSlot) }
+
 // IsRefusedByGate tells whether err is an ErrInProgress that a Gate gave without asking the
 // database.
 func IsRefusedByGate(err error) bool {
@@ -138,8 +157,11 @@ func IsRefusedByGate(err error) bool {
 
 // enter makes the caller the one request of this process that works on (principal, key),
 // waiting at most bound for another to leave. While it waits it counts held + WaitOverhead
-// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait.
-func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (leave func(), err error) {
+// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. leave tells
+// whether the key has an answer: the requests that waited then go on at once, all of them,
+// without the key (their claims read the answer; one at a time, the last of a storm of
+// hundreds read it past its wait, D211), where otherwise one of them takes the key next.
+func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (leave func(answered bool), err error) {
 	id := flightKey{principal, key}
 	var deadline <-chan time.Time
 	weight := held + WaitOverhead
@@ -149,21 +171,30 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	}
 	for {
 		g.mu.Lock()
-		done, busy := g.flights[id]
+		if o, ok := g.open[id]; ok && g.flights[id] == nil {
+			leave := g.joinOpen(id, o)
+			g.mu.Unlock()
+			if deadline != nil {
+				stopWaiting()
+			}
+			return leave, nil
+		}
+		f, busy := g.flights[id]
 		if !busy {
-			done = make(chan struct{})
-			g.flights[id] = done
+			f = &flight{done: make(chan struct{})}
+			g.flights[id] = f
 		}
 		g.mu.Unlock()
 		if !busy {
 			if deadline != nil {
 				stopWaiting()
 			}
-			return func() {
+			return func(answered bool) {
 				g.mu.Lock()
 				delete(g.flights, id)
+				f.answered = answered
 				g.mu.Unlock()
-				close(done)
+				close(f.done)
 			}, nil
 		}
 		if deadline == nil {
@@ -179,7 +210,24 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			deadline = timer.C
 		}
 		select {
-		case <-done:
+		case <-f.done:
+			if f.answered {
+				g.mu.Lock()
+				o, ok := g.open[id]
+				if !ok && g.flights[id] == nil {
+					o = &openKey{}
+					g.open[id] = o
+				}
+				var leave func(bool)
+				if o != nil {
+					leave = g.joinOpen(id, o)
+				}
+				g.mu.Unlock()
+				if leave != nil {
+					stopWaiting()
+					return leave, nil
+				}
+			}
 		case <-deadline:
 			stopWaiting()
 			g.countRefused(ctx)
@@ -187,6 +235,20 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		case <-ctx.Done():
 			stopWaiting()
 			return nil, fmt.Errorf("%w: %w", errWaitEnded, ctx.Err())
+		}
+	}
+}
+
+// joinOpen counts one more request that claims o's key without the flight, and returns what it
+// calls when its claim ended (answered: it found the answer). g.mu is held.
+func (g *Gate) joinOpen(id flightKey, o *openKey) func(answered bool) {
+	o.running++
+	return func(answered bool) {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		o.running--
+		if g.open[id] == o && (o.running == 0 || !answered) {
+			delete(g.open, id)
 		}
 	}
 }
@@ -321,11 +383,18 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	if err != nil {
 		return err
 	}
+	// The decision of the last run, and so whether the key has an answer when the unit ends
+	// without an error: a replay, or a transactional claim committed with its answer.
+	var last Decision
+	work0 := fn
+	fn = func(tx *Tx, d Decision) error { last = d; return work0(tx, d) }
 	leave, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer func() {
+		leave(err == nil && (last.Outcome == Replay || (last.Outcome == Claimed && c.Lease == 0)))
+	}()
 	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
 	claimed := func() {}
 	if c.Lease != 0 {

@@ -30,8 +30,8 @@ type busy struct {
 	rest       time.Duration // the rest of the holder's lease, when known
 	err        error         // the ErrInProgress of a transactional claim
 	claimedAt  time.Time     // when the holder claimed, when the watch saw it
-	quick      bool          // the claim came back without waiting (no wait slot): pause before the next
-	refused    bool          // the wait could not start: the duplicates waiting here hold MaxWaitingBytes
+	quick      bool          // the claim came back without waiting: pause before the next
+	refused    bool          // the wait could not start: no wait slot, or the duplicates waiting here hold MaxWaitingBytes
 	retryAfter time.Duration // set by the wait: the Retry-After of the final 409
 }
 
@@ -207,7 +207,7 @@ func (m *Middleware) lookAtKeys(ctx context.Context, ids []watchKey) (map[watchK
 func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, until time.Time) bool {
 	b.retryAfter = q.estimate(b)
 	left := time.Until(until)
-	if left <= 0 || ctx.Err() != nil || q.m.work.draining.Err() != nil {
+	if b.refused || left <= 0 || ctx.Err() != nil || q.m.work.draining.Err() != nil {
 		return false
 	}
 	// The wait ends at until, when the client goes away, and when Shutdown starts.

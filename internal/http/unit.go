@@ -459,7 +459,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return "", nil
 	case err != nil && waitable(err):
 		endSpan(done, "in_progress", err)
-		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll}
+		// Without a wait slot the duplicate is answered at once: a pause and a claim again,
+		// every DefaultAnswerPoll, held a connection a twentieth of the time for each such
+		// duplicate, uncounted by MaxWaitingBytes (D211).
+		return "", &busy{err: err, quick: time.Since(started) < DefaultAnswerPoll, refused: dbidem.IsNoSlot(err)}
 	case err != nil && acquired && ended && !errors.Is(err, dbidem.ErrCommitUnknown) &&
 		!errors.Is(err, dbidem.ErrStoreBusy):
 		// Shutdown ended the unit of work before it committed: it rolled back. The client
