@@ -1,6 +1,5 @@
 package idemmux_test
 
-
 import (
 	"net/http"
 	"net/http/httptest"

@@ -1,6 +1,5 @@
 package idemtest_test
 
-
 import (
 	"context"
 	"fmt"

@@ -587,7 +587,9 @@ func TestWaitShutdownWhileDuplicatesWait(t *testing.T) {
 			const body = `{"amount":1}`
 			key := "down" + path[1:]
 			firstc := make(chan stormReply, 1)
-			go func() { firstc <- stormSend(t, context.Background(), srv, path, key, body, "X-Hold", "1", "X-Quiet", "1") }()
+			go func() {
+				firstc <- stormSend(t, context.Background(), srv, path, key, body, "X-Hold", "1", "X-Quiet", "1")
+			}()
 			<-w.started
 			const n = 100
 			replies := make([]stormReply, n)
