@@ -24,12 +24,13 @@ COMMENT ON FUNCTION idem.idem_version() IS
 -- serving after this release's migrate (a rolling upgrade), and its start and health checks
 -- ask this instead of refusing every newer schema. A later release answers for itself: its
 -- install replaces this function, and it raises the oldest version only in a step that drops
--- what that version's code calls. SECURITY INVOKER: it reads nothing. A NULL version raises
+-- what that version's code calls. SECURITY INVOKER and IMMUTABLE: it reads nothing (a later
+-- release's install replaces it, which invalidates every plan that folded it). A NULL version raises
 -- 22004, as every required argument of the API does: a NULL answer would read as "not false".
 CREATE OR REPLACE FUNCTION idem.idem_serves_version(p_version integer)
 RETURNS boolean
 LANGUAGE plpgsql
-STABLE
+IMMUTABLE
 PARALLEL SAFE
 SECURITY INVOKER
 SET search_path = pg_catalog, pg_temp
