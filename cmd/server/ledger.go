@@ -240,17 +240,31 @@ func (s *ledger) createDeposit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	amt, kind := amount(*in.Amount)
-	switch kind {
-	case amountInvalid:
+	if kind == amountInvalid {
 		invalidAmount(w, r)
-		return
-	case amountTooLarge:
-		balanceLimit(w, r)
 		return
 	}
 	id, ok := pathID(r, "id")
 	principal, _ := principalOf(ctx)
 	tx := idem.TxFrom(ctx)
+	if kind == amountTooLarge {
+		// No balance could take it, but a balance there must be: an account that is missing or
+		// another principal's is account_not_found, as for any amount.
+		var there bool
+		if ok {
+			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM ledger.accounts WHERE id = $1 AND principal_id = $2)`,
+				id, principal).Scan(&there); err != nil {
+				s.serverError(w, r, err)
+				return
+			}
+		}
+		if !there {
+			accountNotFound(w, r)
+			return
+		}
+		balanceLimit(w, r)
+		return
+	}
 	var out deposit
 	err := pgx.ErrNoRows
 	if ok {

@@ -15,7 +15,6 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
-	"github.com/riverqueue/river/rivertype"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/idem/idemriver"
@@ -43,13 +42,12 @@ type receiptArgs struct {
 
 func (receiptArgs) Kind() string { return "receipt" }
 
-// receiptPrincipal is the principal of a receipt's key: the transfer's (the key table's
-// principal_id refers to the ledger's principals, and a principal's keys go with it).
-func receiptPrincipal(job *rivertype.JobRow) string {
-	var a receiptArgs
-	_ = json.Unmarshal(job.EncodedArgs, &a)
-	return a.Principal
-}
+// receiptsPrincipal owns the keys of the receipts: the server's own principal, a row of
+// ledger.principals (the key table's principal_id refers to it) that no client authenticates
+// as. Under a client's principal a receipt's key ("receipt/<job id>") shared the key space of
+// that client's Idempotency-Keys: a client's "receipt/1" took a receipt's key (the job was
+// cancelled), or the receipt took the client's (422).
+const receiptsPrincipal = "server:receipts"
 
 // receiptWorker sends a receipt to the receiver.
 type receiptWorker struct {
@@ -138,9 +136,20 @@ func (m *Main) startReceipts(ctx context.Context) (*river.Client[pgx.Tx], error)
 		return nil, err
 	}
 	m.riverPool = pool
+	// The receipts' principal, written once (read first: a server that starts on a database
+	// that takes no writes at the moment still starts once it is there).
+	var there bool
+	err = pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM ledger.principals WHERE id = $1)`, receiptsPrincipal).Scan(&there)
+	if err == nil && !there {
+		_, err = pool.Exec(ctx, `INSERT INTO ledger.principals (id, name) VALUES ($1, 'the server''s receipts')
+			ON CONFLICT (id) DO NOTHING`, receiptsPrincipal)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("the receipts' principal %s: %w", receiptsPrincipal, err)
+	}
 	workers := river.NewWorkers()
 	river.AddWorker(workers, &receiptWorker{url: m.Config.ReceiptURL, http: &http.Client{}, timeout: m.Config.ReceiptTimeout,
-		opts: idemriver.Options{DB: pool, Lease: m.Config.ReceiptLease, PrincipalOf: receiptPrincipal}})
+		opts: idemriver.Options{DB: pool, Lease: m.Config.ReceiptLease, Principal: receiptsPrincipal}})
 	return river.NewClient(riverpgxv5.New(pool), &river.Config{
 		Schema:               riverSchema,
 		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 2}},

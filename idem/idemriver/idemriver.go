@@ -92,6 +92,10 @@ type Options struct {
 	// PrincipalOf, when set, names each job's principal instead of Principal: the customer
 	// the job works for, read from its arguments (a key table whose principal_id has a
 	// foreign key to the application's principals needs one of them). Default nil: Principal.
+	// A principal whose clients send their own Idempotency-Keys shares the key space with
+	// them: a client's "receipt/42" would take the job's key (the job is then cancelled,
+	// ErrMismatch) or meet it (422). Give jobs a principal no client authenticates as (a row
+	// of the principals table of its own), or a Key the API cannot be sent.
 	PrincipalOf func(job *rivertype.JobRow) string
 	// Key names a job's key. Default nil: the job's kind and id, "receipt/42": the same for
 	// every run and retry of the job and different for every other job. A function of the
