@@ -108,7 +108,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		}, []string{"action"}),
 		work: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idempotency_lease_work_seconds",
-			Help:    "How long the work of lease routes ran, its answer recorded (a lost lease's work is not timed).",
+			Help:    "How long the work of lease routes ran to its answer, recorded or given up (a lost lease's work is not timed).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16),
 		}, []string{"action"}),
 		actions: map[string]string{},
@@ -142,7 +142,7 @@ func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
 	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
 	if lost {
 		c.Inc()
-		return // its answer was not recorded: not timed as work done
+		return // counted lost, not timed
 	}
 	o.work.WithLabelValues(action).Observe(worked.Seconds())
 }

@@ -157,11 +157,14 @@ func IsRefusedByGate(err error) bool {
 
 // enter makes the caller the one request of this process that works on (principal, key),
 // waiting at most bound for another to leave. While it waits it counts held + WaitOverhead
-// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. leave tells
-// whether the key has an answer: the requests that waited then go on at once, all of them,
-// without the key (their claims read the answer; one at a time, the last of a storm of
-// hundreds read it past its wait, D211), where otherwise one of them takes the key next.
-func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (leave func(answered bool), err error) {
+// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. The pass's
+// leave tells whether the key has an answer: the requests that waited then go on at once, all
+// of them, without the flight (their claims read the answer; one at a time, the last of a storm
+// of hundreds read it past its wait, D211), and so do those that come while any of them still
+// runs; otherwise one of them takes the flight next. One of those that claims the key afresh
+// instead (it expired or was released meanwhile) takes the flight at once (pass.claimed), so
+// that the requests after it wait for its work in Go again.
+func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (*pass, error) {
 	id := flightKey{principal, key}
 	var deadline <-chan time.Time
 	weight := held + WaitOverhead
@@ -172,12 +175,12 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	for {
 		g.mu.Lock()
 		if o, ok := g.open[id]; ok && g.flights[id] == nil {
-			leave := g.joinOpen(id, o)
+			p := g.joinOpen(id, o)
 			g.mu.Unlock()
 			if deadline != nil {
 				stopWaiting()
 			}
-			return leave, nil
+			return p, nil
 		}
 		f, busy := g.flights[id]
 		if !busy {
@@ -189,13 +192,7 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			if deadline != nil {
 				stopWaiting()
 			}
-			return func(answered bool) {
-				g.mu.Lock()
-				delete(g.flights, id)
-				f.answered = answered
-				g.mu.Unlock()
-				close(f.done)
-			}, nil
+			return &pass{g: g, id: id, f: f}, nil
 		}
 		if deadline == nil {
 			if g.waitingBytes.Add(weight) > g.maxBytes {
@@ -218,14 +215,14 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 					o = &openKey{}
 					g.open[id] = o
 				}
-				var leave func(bool)
+				var p *pass
 				if o != nil {
-					leave = g.joinOpen(id, o)
+					p = g.joinOpen(id, o)
 				}
 				g.mu.Unlock()
-				if leave != nil {
+				if p != nil {
 					stopWaiting()
-					return leave, nil
+					return p, nil
 				}
 			}
 		case <-deadline:
@@ -239,17 +236,58 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	}
 }
 
-// joinOpen counts one more request that claims o's key without the flight, and returns what it
-// calls when its claim ended (answered: it found the answer). g.mu is held.
-func (g *Gate) joinOpen(id flightKey, o *openKey) func(answered bool) {
+// pass is a request's way through the Gate: the flight of its key (f), or a claim beside the
+// others on a key with an answer (o).
+type pass struct {
+	g  *Gate
+	id flightKey
+	f  *flight
+	o  *openKey
+}
+
+// joinOpen counts one more request that claims o's key without the flight. g.mu is held.
+func (g *Gate) joinOpen(id flightKey, o *openKey) *pass {
 	o.running++
-	return func(answered bool) {
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		o.running--
-		if g.open[id] == o && (o.running == 0 || !answered) {
-			delete(g.open, id)
+	return &pass{g: g, id: id, o: o}
+}
+
+// claimed is called when the request's claim took the key (a fresh claim, or a takeover): one
+// that claimed beside the others closes the key and takes its flight, so that requests that
+// come after it wait for its work in Go. A flight's holder has it already.
+func (p *pass) claimed() {
+	if p.f != nil || p.o == nil {
+		return
+	}
+	g := p.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open[p.id] == p.o {
+		delete(g.open, p.id)
+	}
+	if g.flights[p.id] == nil {
+		p.f = &flight{done: make(chan struct{})}
+		g.flights[p.id] = p.f
+	}
+}
+
+// leave ends the pass: answered tells whether the key has its answer now.
+func (p *pass) leave(answered bool) {
+	g := p.g
+	g.mu.Lock()
+	if p.o != nil {
+		p.o.running--
+		if g.open[p.id] == p.o && (p.o.running == 0 || !answered) {
+			delete(g.open, p.id)
 		}
+	}
+	f := p.f
+	if f != nil {
+		delete(g.flights, p.id)
+		f.answered = answered
+	}
+	g.mu.Unlock()
+	if f != nil {
+		close(f.done)
 	}
 }
 
@@ -385,15 +423,21 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	}
 	// The decision of the last run, and so whether the key has an answer when the unit ends
 	// without an error: a replay, or a transactional claim committed with its answer.
-	var last Decision
-	work0 := fn
-	fn = func(tx *Tx, d Decision) error { last = d; return work0(tx, d) }
-	leave, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
+	p, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}
+	var last Decision
+	work0 := fn
+	fn = func(tx *Tx, d Decision) error {
+		last = d
+		if d.Outcome == Claimed {
+			p.claimed()
+		}
+		return work0(tx, d)
+	}
 	defer func() {
-		leave(err == nil && (last.Outcome == Replay || (last.Outcome == Claimed && c.Lease == 0)))
+		p.leave(err == nil && (last.Outcome == Replay || (last.Outcome == Claimed && c.Lease == 0)))
 	}()
 	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
 	claimed := func() {}
