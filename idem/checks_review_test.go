@@ -17,7 +17,7 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// TestCheckSchemaKeepsCallersSameNameSavepoint (D207, a pin): CheckSchema "changes
+// TestCheckSchemaKeepsCallersSameNameSavepoint (D207): CheckSchema "changes
 // nothing" and leaves a caller's transaction as it was. A caller whose transaction already has
 // a savepoint named idem_check_schema (the name D207's savepoint uses) rolls back to its own
 // savepoint after CheckSchema, both when the newer release's idem_serves_version raises and
@@ -74,7 +74,7 @@ func TestCheckSchemaKeepsCallersSameNameSavepoint(t *testing.T) {
 // poolWrapper hides a *pgxpool.Pool behind idem.Querier, as a tracing wrapper would.
 type poolWrapper struct{ idem.Querier }
 
-// TestCheckSchemaWrappedPoolLeavesNothingOpen (D207, a pin): behind a wrapper that hides
+// TestCheckSchemaWrappedPoolLeavesNothingOpen (D207): behind a wrapper that hides
 // a pool, CheckSchema's savepoint asks (25P01 outside a block) and changes nothing: the answer
 // is the serves function's, and no connection of the pool is left in a transaction.
 func TestCheckSchemaWrappedPoolLeavesNothingOpen(t *testing.T) {
@@ -100,7 +100,7 @@ func TestCheckSchemaWrappedPoolLeavesNothingOpen(t *testing.T) {
 	}
 }
 
-// TestStartChecksCustomAppRole (D209, a pin): the start checks ask has_function_privilege,
+// TestStartChecksCustomAppRole (D209): the start checks ask has_function_privilege,
 // not the role's name: a database migrated with a custom AppRole (idemmigrate.Options.AppRole)
 // serves a member of that role through New, StartCleaner and Do, and still refuses a member of
 // the operator role alone.
@@ -142,7 +142,7 @@ func TestStartChecksCustomAppRole(t *testing.T) {
 	}
 }
 
-// TestSerializableStillHonoured (D210, a pin): RunTx and Do begin READ COMMITTED only
+// TestSerializableStillHonoured (D210): RunTx and Do begin READ COMMITTED only
 // when TxOptions name no level: TxOptions{IsoLevel: Serializable} still runs SERIALIZABLE,
 // under a role whose default is REPEATABLE READ.
 func TestSerializableStillHonoured(t *testing.T) {

@@ -7,15 +7,6 @@ import (
 	"time"
 )
 
-func newLedgerAccount(t *testing.T, s *testServer, token, cur string) int {
-	t.Helper()
-	r := s.call("POST", "/v1/accounts", token, "", `{"name":"acct","currency":"`+cur+`"}`)
-	if r.status != 201 {
-		t.Fatalf("create account: %+v", r)
-	}
-	return int(r.json(t)["id"].(float64))
-}
-
 // TestLedgerReceiptKeyTakesAClientsKey: a receipt's key (`receipt/<job id>`) is the server's
 // principal's, not the transfer's (D212): once a receipt was sent, the principal's first request
 // under its own key "receipt/<that job>" runs (201). It was refused 422 idempotency_key_reuse:
@@ -92,8 +83,8 @@ func TestLedgerDepositToNoAccountIsNotBalanceLimit(t *testing.T) {
 	s := startServer(t, nil)
 	_, alice := s.principal("alice")
 	_, bob := s.principal("bob")
-	foreign := newLedgerAccount(t, s, bob, "EUR")
-	own := newLedgerAccount(t, s, alice, "EUR")
+	foreign := reviewAccount(t, s, bob, "EUR")
+	own := reviewAccount(t, s, alice, "EUR")
 	for _, id := range []int{987654, foreign} {
 		for _, amt := range []string{"9223372036854775808", "1e25"} {
 			r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", id), alice, fmt.Sprintf("d-%d-%s", id, amt), `{"amount":`+amt+`}`)
@@ -113,7 +104,7 @@ func TestLedgerDepositToNoAccountIsNotBalanceLimit(t *testing.T) {
 // pins (checked, correct; not pinned elsewhere)
 // ---------------------------------------------------------------------------------------
 
-// TestLedgerSteppedInsufficientIsStored (pin): docs/ledger.md: stepped payouts' final errors
+// TestLedgerSteppedInsufficientIsStored: docs/ledger.md: stepped payouts' final errors
 // include "422 (insufficient_funds)", and "### insufficient_funds ... Stored: a retry with the
 // same key gets the same answer even if money arrived meanwhile". The refused reservation
 // leaves no reservation, no provider call, no version change.
@@ -121,7 +112,7 @@ func TestLedgerSteppedInsufficientIsStored(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
 	_, tok := s.principal("p")
-	a := newLedgerAccount(t, s, tok, "EUR")
+	a := reviewAccount(t, s, tok, "EUR")
 	reviewDeposit(t, s, tok, a, 10)
 	body := fmt.Sprintf(`{"account":%d,"amount":50}`, a)
 	first := s.call("POST", "/v1/stepped-payouts", tok, "sp", body)
@@ -141,14 +132,14 @@ func TestLedgerSteppedInsufficientIsStored(t *testing.T) {
 	}
 }
 
-// TestLedgerSteppedReservationMovesTheETag (pin): docs/ledger.md: "An account's ETag is its
+// TestLedgerSteppedReservationMovesTheETag: docs/ledger.md: "An account's ETag is its
 // version, which every deposit, transfer and stepped payout's reservation increments"; a plain
 // payout "does not change balances" (nor the version).
 func TestLedgerSteppedReservationMovesTheETag(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
 	_, tok := s.principal("p")
-	a := newLedgerAccount(t, s, tok, "EUR")
+	a := reviewAccount(t, s, tok, "EUR")
 	reviewDeposit(t, s, tok, a, 100) // version 2
 	path := fmt.Sprintf("/v1/accounts/%d", a)
 	if r := s.call("POST", "/v1/payouts", tok, "po", fmt.Sprintf(`{"account":%d,"amount":30}`, a)); r.status != 201 {
@@ -166,7 +157,7 @@ func TestLedgerSteppedReservationMovesTheETag(t *testing.T) {
 	}
 }
 
-// TestLedgerForeignTransfersAndPayoutsAre404 (pin): "a principal sees only its own accounts"
+// TestLedgerForeignTransfersAndPayoutsAre404: "a principal sees only its own accounts"
 // (docs/ledger.md); GET /v1/transfers/{id} and GET /v1/payouts/{id} (plain and stepped) of
 // another principal are 404 transfer_not_found / payout_not_found, as an id never used, for GET
 // and HEAD alike.
@@ -175,7 +166,7 @@ func TestLedgerForeignTransfersAndPayoutsAre404(t *testing.T) {
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
 	_, alice := s.principal("alice")
 	_, bob := s.principal("bob")
-	a, b := newLedgerAccount(t, s, alice, "EUR"), newLedgerAccount(t, s, alice, "EUR")
+	a, b := reviewAccount(t, s, alice, "EUR"), reviewAccount(t, s, alice, "EUR")
 	reviewDeposit(t, s, alice, a, 100)
 	locs := []string{}
 	for _, c := range []struct{ path, body string }{
@@ -204,7 +195,7 @@ func TestLedgerForeignTransfersAndPayoutsAre404(t *testing.T) {
 	}
 }
 
-// TestLedgerConcurrentPayoutDuplicatesPayOnce (pin): six copies of one payout under one key,
+// TestLedgerConcurrentPayoutDuplicatesPayOnce: six copies of one payout under one key,
 // sent at once through two server processes while the provider takes 400 ms: every answer is the
 // one 201 (duplicates wait, docs/http.md), the provider acted on one call and answered no repeat
 // (GET /v1/provider/calls/{key}: calls 1, repeats 0), one ledger payout.
@@ -214,7 +205,7 @@ func TestLedgerConcurrentPayoutDuplicatesPayOnce(t *testing.T) {
 	s := startServer(t, env)
 	s2 := serveOn(t, s.db, env)
 	_, tok := s.principal("p")
-	a := newLedgerAccount(t, s, tok, "EUR")
+	a := reviewAccount(t, s, tok, "EUR")
 	body := fmt.Sprintf(`{"account":%d,"amount":9}`, a)
 	out := make([]resp, 6)
 	done := make(chan int)

@@ -211,65 +211,41 @@ func stormOf(t *testing.T, w *waitEnv, path, key string, first *httptest.Server,
 	return r, replies, released
 }
 
-// TestWaitTxStormLatency (passes; a pin with a behaviour bound of 1 s): 200 duplicates of a transactional request of this process wait in
-// Go; once the first commits, each must have the answer "within half a second of the answer
-// being stored" (docs/http.md, the table: "repeat while the first still runs ... then answers
-// as the first did, within half a second of the answer being stored").
-func TestWaitTxStormLatency(t *testing.T) {
-	w := newWaitEnv(t)
-	m, srv := w.server(t, 20, nil)
-	const n = 200
-	first, replies, released := stormOf(t, w, "/tx", "storm-tx", srv, []*httptest.Server{srv}, n,
-		func() bool { return m.GateStats().Waiting == n })
-	if first.status != http.StatusCreated {
-		t.Fatalf("the first: %d %s", first.status, first.body)
-	}
-	var lat []time.Duration
-	for i, r := range replies {
-		if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || r.body != first.body {
-			t.Errorf("duplicate %d: %d %s (replayed %q), want the first's 201 %s", i, r.status, r.body,
-				r.header.Get("Idempotent-Replayed"), first.body)
-		}
-		lat = append(lat, r.at.Sub(first.at))
-	}
-	t.Logf("first answered %v after release; duplicates after the first's answer: %s", first.at.Sub(released).Round(time.Millisecond), latencyDist(lat))
-	if got := w.runs.Load(); got != 1 {
-		t.Errorf("the handler ran %d times, want 1", got)
-	}
-	// A behaviour check (0.5 s against seconds): the measured tail is logged, the test fails
-	// at twice the budget. The tail grows with the number of duplicates (each replays in turn).
-	if worst := slices.Max(lat); worst > time.Second {
-		t.Errorf("the slowest of %d duplicates got the answer %v after the first's answer (budget 0.5 s)", n, worst)
-	}
-}
-
-// TestWaitLeaseStormLatency (passes; a pin with a behaviour bound of 1 s): the same on a lease route (the duplicates wait on the key's
-// watch, woken by the holder of this process).
-func TestWaitLeaseStormLatency(t *testing.T) {
-	w := newWaitEnv(t)
-	m, srv := w.server(t, 20, nil)
-	const n = 200
-	first, replies, released := stormOf(t, w, "/lease", "storm-lease", srv, []*httptest.Server{srv}, n,
-		func() bool { return m.GateStats().Waiting == n })
-	if first.status != http.StatusCreated {
-		t.Fatalf("the first: %d %s", first.status, first.body)
-	}
-	var lat []time.Duration
-	for i, r := range replies {
-		if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || r.body != first.body {
-			t.Errorf("duplicate %d: %d %s (replayed %q), want the first's 201 %s", i, r.status, r.body,
-				r.header.Get("Idempotent-Replayed"), first.body)
-		}
-		lat = append(lat, r.at.Sub(first.at))
-	}
-	t.Logf("first answered %v after release; duplicates after the first's answer: %s", first.at.Sub(released).Round(time.Millisecond), latencyDist(lat))
-	if got := w.runs.Load(); got != 1 {
-		t.Errorf("the handler ran %d times, want 1", got)
-	}
-	// A behaviour check (0.5 s against seconds): the measured tail is logged, the test fails
-	// at twice the budget. The tail grows with the number of duplicates (each replays in turn).
-	if worst := slices.Max(lat); worst > time.Second {
-		t.Errorf("the slowest of %d duplicates got the answer %v after the first's answer (budget 0.5 s)", n, worst)
+// TestWaitStormLatency: 200 duplicates of a request of this process wait (on a transactional
+// route in Go, on a lease route on the key's watch, woken by the holder of this process); once
+// the first has its answer, each must have it "within half a second of the answer being stored"
+// (docs/http.md, the table: "repeat while the first still runs ... then answers as the first
+// did, within half a second of the answer being stored").
+func TestWaitStormLatency(t *testing.T) {
+	for _, path := range []string{"/tx", "/lease"} {
+		t.Run(path[1:], func(t *testing.T) {
+			w := newWaitEnv(t)
+			m, srv := w.server(t, 20, nil)
+			const n = 200
+			first, replies, released := stormOf(t, w, path, "storm-"+path[1:], srv, []*httptest.Server{srv}, n,
+				func() bool { return m.GateStats().Waiting == n })
+			if first.status != http.StatusCreated {
+				t.Fatalf("the first: %d %s", first.status, first.body)
+			}
+			var lat []time.Duration
+			for i, r := range replies {
+				if r.status != http.StatusCreated || r.header.Get("Idempotent-Replayed") != "true" || r.body != first.body {
+					t.Errorf("duplicate %d: %d %s (replayed %q), want the first's 201 %s", i, r.status, r.body,
+						r.header.Get("Idempotent-Replayed"), first.body)
+				}
+				lat = append(lat, r.at.Sub(first.at))
+			}
+			t.Logf("first answered %v after release; duplicates after the first's answer: %s",
+				first.at.Sub(released).Round(time.Millisecond), latencyDist(lat))
+			if got := w.runs.Load(); got != 1 {
+				t.Errorf("the handler ran %d times, want 1", got)
+			}
+			// A behaviour check (0.5 s against seconds): the measured tail is logged, the test
+			// fails at twice the budget.
+			if worst := slices.Max(lat); worst > time.Second {
+				t.Errorf("the slowest of %d duplicates got the answer %v after the first's answer (budget 0.5 s)", n, worst)
+			}
+		})
 	}
 }
 
@@ -313,7 +289,7 @@ func goroutinesSettle(t *testing.T, before int) {
 	}
 }
 
-// TestWaitBytesLimitExactCounts (passes, a pin): with room for exactly 10 waiting duplicates
+// TestWaitBytesLimitExactCounts: with room for exactly 10 waiting duplicates
 // (MaxWaitingBytes = 10 * (body + 4 KiB)), 60 duplicates: 50 get 409 request_in_progress with
 // Retry-After at once, 10 wait and get the replay; nothing stays waiting, no goroutine stays.
 // docs/http.md "Retry storms": "a duplicate that would pass the bound gets 409
@@ -377,7 +353,7 @@ func TestWaitBytesLimitExactCounts(t *testing.T) {
 	}
 }
 
-// TestWaitFirstFailsOneRerun (passes, a pin): the first request answers 500 (not stored) while 100
+// TestWaitFirstFailsOneRerun: the first request answers 500 (not stored) while 100
 // duplicates wait: the work runs again for one of them only (it answers 201 fresh), and every
 // other duplicate gets that answer replayed. docs/http.md: 5xx "effect rolled back, no
 // stored"; "repeat while the first still runs: waits ... then answers as the first did".
@@ -424,7 +400,7 @@ func TestWaitFirstFailsOneRerun(t *testing.T) {
 	}
 }
 
-// TestWaitFirstFinal422 (passes, a pin): the first answers 422 (final, stored by idem_save_final) while 100
+// TestWaitFirstFinal422: the first answers 422 (final, stored by idem_save_final) while 100
 // duplicates wait: they all get that 422 replayed; the handler ran once.
 func TestWaitFirstFinal422(t *testing.T) {
 	for _, path := range []string{"/tx", "/lease"} {
@@ -467,7 +443,7 @@ func TestWaitFirstFinal422(t *testing.T) {
 	}
 }
 
-// TestWaitFirstClientGone (passes, a pin): the first's client goes away while its work runs and 100
+// TestWaitFirstClientGone: the first's client goes away while its work runs and 100
 // duplicates wait: the work commits with its answer, the duplicates get it.
 func TestWaitFirstClientGone(t *testing.T) {
 	for _, path := range []string{"/tx", "/lease"} {
@@ -507,7 +483,7 @@ func TestWaitFirstClientGone(t *testing.T) {
 	}
 }
 
-// TestWaitDuplicateWaitEdges (passes, a pin): DuplicateWait 1 s. The answer stored 0.8 s after the duplicate
+// TestWaitDuplicateWaitEdges: DuplicateWait 1 s. The answer stored 0.8 s after the duplicate
 // arrived: the duplicate gets it (replayed). Stored 1.3 s after: the duplicate gets 409
 // request_in_progress with Retry-After at its DuplicateWait (about 1 s, not a lock timeout
 // later), and its retry then gets the replay. Both routes, 40 duplicates each.
@@ -570,7 +546,7 @@ func TestWaitDuplicateWaitEdges(t *testing.T) {
 	}
 }
 
-// TestWaitShutdownWhileDuplicatesWait (passes, a pin): the first runs (its handler stops only when its
+// TestWaitShutdownWhileDuplicatesWait: the first runs (its handler stops only when its
 // context ends, writing nothing), 100 duplicates wait; Shutdown with a 1 s deadline. Promised
 // (Middleware.Shutdown, docs/http.md): the duplicates stop waiting at once (409
 // request_in_progress); at the deadline the work's context ends with ErrShutdown, it rolls
@@ -646,7 +622,7 @@ func TestWaitShutdownWhileDuplicatesWait(t *testing.T) {
 	}
 }
 
-// TestWaitTwoProcessesLatency (passes; a pin with a behaviour bound of 1 s; logs the
+// TestWaitTwoProcessesLatency (a behaviour bound of 1 s; logs the
 // distributions): two Middlewares (two processes) on one database. The first
 // request runs in A; duplicates wait in B. docs/http.md: "a duplicate ... gets it soon after it
 // is stored (budget: half a second)"; on a lease route B looks at the key every 100 ms. Rounds
@@ -896,7 +872,7 @@ func TestWaitNoSlotBytesBound(t *testing.T) {
 	}
 }
 
-// TestWaitShutdownOtherProcessDuplicates (passes, a pin): the first runs in A; 100 duplicates wait in B (on
+// TestWaitShutdownOtherProcessDuplicates: the first runs in A; 100 duplicates wait in B (on
 // a transactional route one on A's row lock, the others in Go; on a lease route on the watch).
 // B shuts down (deadline 3 s): its duplicates stop waiting at once with 409 request_in_progress,
 // no backend of B stays blocked on the key's row, and Shutdown returns nil at once (B has no
