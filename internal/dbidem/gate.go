@@ -270,20 +270,25 @@ func (p *pass) claimed() {
 	}
 }
 
-// leave ends the pass: answered tells whether the key has its answer now.
-func (p *pass) leave(answered bool) {
+// leave ends the pass. returned: the unit of work returned without an error (not a panic);
+// outcome: the decision of its last run. A flight leaves the key answered when it replayed, or
+// committed a transactional claim with its answer. A claim beside the others closes the key
+// when the key is in progress again (another holder claimed it afresh); a mismatch found an
+// answer (another request's) and keeps it open, as does a claim that failed: what became of
+// the key is for the next claim to read.
+func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
 	g := p.g
 	g.mu.Lock()
 	if p.o != nil {
 		p.o.running--
-		if g.open[p.id] == p.o && (p.o.running == 0 || !answered) {
+		if g.open[p.id] == p.o && (p.o.running == 0 || (returned && outcome == InProgress)) {
 			delete(g.open, p.id)
 		}
 	}
 	f := p.f
 	if f != nil {
 		delete(g.flights, p.id)
-		f.answered = answered
+		f.answered = returned && (outcome == Replay || (outcome == Claimed && !lease))
 	}
 	g.mu.Unlock()
 	if f != nil {
@@ -421,13 +426,14 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	if err != nil {
 		return err
 	}
-	// The decision of the last run, and so whether the key has an answer when the unit ends
-	// without an error: a replay, or a transactional claim committed with its answer.
 	p, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}
+	// The decision of the last run tells the pass what became of the key (pass.leave); only a
+	// unit that returned counts (one whose fn panicked answered nothing).
 	var last Decision
+	returned := false
 	work0 := fn
 	fn = func(tx *Tx, d Decision) error {
 		last = d
@@ -436,9 +442,16 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		return work0(tx, d)
 	}
-	defer func() {
-		p.leave(err == nil && (last.Outcome == Replay || (last.Outcome == Claimed && c.Lease == 0)))
-	}()
+	defer func() { p.leave(returned && err == nil, last.Outcome, c.Lease != 0) }()
+	err = g.runGated(wait, work, ctx, db, opts, c, lockTimeout, fn)
+	returned = true
+	return err
+}
+
+// runGated is RunDetached's unit of work, once the request has its pass through the Gate: the
+// probe, and the claim that waits on the key's row with a wait slot.
+func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOptions, c Claim, lockTimeout time.Duration,
+	fn func(tx *Tx, d Decision) error) (err error) {
 	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
 	claimed := func() {}
 	if c.Lease != 0 {
@@ -460,6 +473,25 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	// claimCtx bounds one claim statement: the lock timeout it may wait, and the margin.
 	claimCtx := func(parent context.Context, c Claim) (context.Context, context.CancelFunc) {
 		return context.WithTimeoutCause(parent, c.LockTimeout+ClaimReplyMargin, errNoReply)
+	}
+	// A wait slot is held for the claim statement that waits on the key's row, not for the
+	// work after it (a handler, a COMMIT): taken before RunTx (no slot, no connection), freed
+	// as the claim returns, taken again by a run after a serialization failure.
+	slotHeld := false
+	takeSlot := func() bool {
+		select {
+		case g.slots <- struct{}{}:
+			slotHeld = true
+			return true
+		default:
+			return false
+		}
+	}
+	freeSlot := func() {
+		if slotHeld {
+			slotHeld = false
+			<-g.slots
+		}
 	}
 	// worked: the last run claimed and ran fn, so its error (fn's, or its COMMIT's: a deferred
 	// constraint's lock timeout) is the work's, never a probe's meeting a locked table.
@@ -494,6 +526,11 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 			// The claim statement waits on the key's row lock: that wait, like the one in Go,
 			// ends with wait (a caller whose client went away, a shutdown); the work after
 			// the claim does not.
+			if !slotHeld && !takeSlot() {
+				g.countRefused(ctx)
+				return errNoSlot
+			}
+			defer freeSlot()
 			cctx, cancel := claimCtx(ctx, c)
 			sent := make(chan struct{})
 			var unsent error
@@ -513,6 +550,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 				cancel()
 			})
 			d, err := tx.Claim(cctx, c)
+			freeSlot() // the wait on the key's row is over: the work after it holds no slot
 			if !stop() {
 				// The cancel request is under way. The server acts on it whenever it
 				// arrives, so the connection runs nothing more until the server has it
@@ -604,13 +642,11 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	}
 	rest := c
 	rest.LockTimeout = lockTimeout - Probe
-	select {
-	case g.slots <- struct{}{}:
-	default:
+	if !takeSlot() {
 		g.countRefused(ctx)
 		return errNoSlot
 	}
-	defer func() { <-g.slots }()
+	defer freeSlot()
 	return RunTx(ctx, db, opts, unit(rest, true))
 }
 
