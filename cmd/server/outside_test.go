@@ -13,15 +13,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-func outsideAccount(t *testing.T, s *testServer, token, cur string) int {
-	t.Helper()
-	r := s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"`+cur+`"}`, "Content-Type", "application/json")
-	if r.status != 201 {
-		t.Fatalf("account: %+v", r)
-	}
-	return int(r.json(t)["id"].(float64))
-}
-
 func outsideCode(r resp) string {
 	var p struct {
 		Code string `json:"code"`
@@ -39,7 +30,7 @@ func TestOutsideServerErrorNotStored(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
 	pid, token := s.principal("fivexx")
-	acc := outsideAccount(t, s, token, "EUR")
+	acc := reviewAccount(t, s, token, "EUR")
 	ctx := context.Background()
 	pgtest.Exec(t, s.pool, `ALTER TABLE ledger.deposits ADD CONSTRAINT no_13 CHECK (amount <> 13)`)
 	path := fmt.Sprintf("/v1/accounts/%d/deposits", acc)
@@ -73,8 +64,8 @@ func TestOutsideLedgerFinalErrors(t *testing.T) {
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
 	_, token := s.principal("finals")
 	_, other := s.principal("other")
-	eur, eur2, usd := outsideAccount(t, s, token, "EUR"), outsideAccount(t, s, token, "EUR"), outsideAccount(t, s, token, "USD")
-	foreign := outsideAccount(t, s, other, "EUR")
+	eur, eur2, usd := reviewAccount(t, s, token, "EUR"), reviewAccount(t, s, token, "EUR"), reviewAccount(t, s, token, "USD")
+	foreign := reviewAccount(t, s, other, "EUR")
 	r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", eur), token, "", `{"amount":100}`, "Content-Type", "application/json")
 	if r.status != 201 {
 		t.Fatal(r)
@@ -132,7 +123,7 @@ func TestOutsideGetRoutes(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, map[string]string{"PAYOUT_PROVIDER_DELAY": "0"})
 	_, token := s.principal("gets")
-	a, b := outsideAccount(t, s, token, "EUR"), outsideAccount(t, s, token, "EUR")
+	a, b := reviewAccount(t, s, token, "EUR"), reviewAccount(t, s, token, "EUR")
 	dep := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "gd", `{"amount":100}`, "Content-Type", "application/json")
 	depAgain := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "gd", `{"amount":100}`, "Content-Type", "application/json")
 	tr := s.call("POST", "/v1/transfers", token, "gt", fmt.Sprintf(`{"from":%d,"to":%d,"amount":10}`, a, b), "Content-Type", "application/json")
@@ -216,7 +207,7 @@ func TestOutsideNotModifiedCarriesETag(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
 	_, token := s.principal("etag")
-	a := outsideAccount(t, s, token, "EUR")
+	a := reviewAccount(t, s, token, "EUR")
 	path := fmt.Sprintf("/v1/accounts/%d", a)
 	g := s.call("GET", path, token, "", "")
 	etag := g.header.Get("ETag")
