@@ -253,7 +253,10 @@ func (g *Gate) joinOpen(id flightKey, o *openKey) *pass {
 
 // claimed is called when the request's claim took the key (a fresh claim, or a takeover): one
 // that claimed beside the others closes the key and takes its flight, so that requests that
-// come after it wait for its work in Go. A flight's holder has it already.
+// come after it wait for its work in Go. A flight's holder has it already. The flight of
+// another request of the key (one that claimed beside it first and now waits on this one's
+// row, after a serialization failure) is this one's from now on: that request leaves it be,
+// and the requests that waited for it wait for this one's work instead.
 func (p *pass) claimed() {
 	if p.f != nil || p.o == nil {
 		return
@@ -264,10 +267,8 @@ func (p *pass) claimed() {
 	if g.open[p.id] == p.o {
 		delete(g.open, p.id)
 	}
-	if g.flights[p.id] == nil {
-		p.f = &flight{done: make(chan struct{})}
-		g.flights[p.id] = p.f
-	}
+	p.f = &flight{done: make(chan struct{})}
+	g.flights[p.id] = p.f
 }
 
 // leave ends the pass. returned: the unit of work returned without an error (not a panic);
@@ -287,7 +288,9 @@ func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
 	}
 	f := p.f
 	if f != nil {
-		delete(g.flights, p.id)
+		if g.flights[p.id] == f {
+			delete(g.flights, p.id)
+		}
 		f.answered = returned && (outcome == Replay || (outcome == Claimed && !lease))
 	}
 	g.mu.Unlock()
@@ -527,8 +530,23 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			// ends with wait (a caller whose client went away, a shutdown); the work after
 			// the claim does not.
 			if !slotHeld && !takeSlot() {
-				g.countRefused(ctx)
-				return errNoSlot
+				// A run again (after a serialization failure) finds every slot taken: it
+				// claims as a probe does, and is refused only when it would have to wait.
+				pc := c
+				pc.LockTimeout = min(Probe, c.LockTimeout)
+				pctx, done := claimCtx(ctx, pc)
+				d, err := tx.Claim(pctx, pc)
+				done()
+				switch {
+				case err != nil && isLockTimeout(err) && IsKeyWait(err):
+					g.countRefused(ctx)
+					return errNoSlot
+				case err != nil:
+					return err
+				}
+				claimed()
+				worked = true
+				return tx.work(fn, d)
 			}
 			defer freeSlot()
 			cctx, cancel := claimCtx(ctx, c)
