@@ -79,7 +79,6 @@ type GateOptions struct {
 type Gate struct {
 	mu       sync.Mutex
 	flights  map[flightKey]*flight
-	open     map[flightKey]*openKey
 	slots    chan struct{}
 	maxBytes int64
 	lock     atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
@@ -93,18 +92,16 @@ type Gate struct {
 type flightKey struct{ principal, key string }
 
 // flight is the one request of this process that works on a key: done is closed when it
-// leaves, and answered, set before, tells the requests that waited for it that the key has an
-// answer (the flight replayed it, or committed it with the claim).
+// leaves, and answered, set before, tells the requests that waited for it that the key has its
+// answer (the flight replayed it, or committed it with its claim); claimed is closed when the
+// flight's claim takes the key (its work runs).
 type flight struct {
 	done     chan struct{}
 	answered bool
+	claimed  chan struct{}
 }
 
-// openKey is a key with an answer whose requests claim without the flight, each at once: the
-// requests that waited for the flight that answered it, and those that come while any of them
-// still runs. running counts them; the key leaves Gate.open when none runs, or when one did not
-// find the answer (the key expired, was released: one flight at a time again).
-type openKey struct{ running int }
+func newFlight() *flight { return &flight{done: make(chan struct{}), claimed: make(chan struct{})} }
 
 // NewGate returns a Gate with these options.
 func NewGate(o GateOptions) *Gate {
@@ -114,7 +111,7 @@ func NewGate(o GateOptions) *Gate {
 	if o.MaxWaitingBytes <= 0 {
 		o.MaxWaitingBytes = DefaultMaxWaitingBytes
 	}
-	return &Gate{flights: map[flightKey]*flight{}, open: map[flightKey]*openKey{}, slots: make(chan struct{}, o.MaxWaitingClaims),
+	return &Gate{flights: map[flightKey]*flight{}, slots: make(chan struct{}, o.MaxWaitingClaims),
 		maxBytes: o.MaxWaitingBytes}
 }
 
@@ -157,13 +154,12 @@ func IsRefusedByGate(err error) bool {
 
 // enter makes the caller the one request of this process that works on (principal, key),
 // waiting at most bound for another to leave. While it waits it counts held + WaitOverhead
-// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. The pass's
-// leave tells whether the key has an answer: the requests that waited then go on at once, all
-// of them, without the flight (their claims read the answer; one at a time, the last of a storm
-// of hundreds read it past its wait, D211), and so do those that come while any of them still
-// runs; otherwise one of them takes the flight next. One of those that claims the key afresh
-// instead (it expired or was released meanwhile) takes the flight at once (pass.claimed), so
-// that the requests after it wait for its work in Go again.
+// bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. Once a flight
+// it waited for left the key with its answer, the bound no longer ends its wait while the
+// request ahead of it only reads that answer: it reads it next (one replay after another, the
+// last of a storm of a hundred ran out of its wait in that line, D211); only a request ahead
+// that claims the key afresh (it expired or was released meanwhile: flight.claimed) ends the
+// wait at the bound.
 func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (*pass, error) {
 	id := flightKey{principal, key}
 	var deadline <-chan time.Time
@@ -172,29 +168,22 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		g.waiting.Add(-1)
 		g.waitingBytes.Add(-weight)
 	}
+	answered, over := false, false
 	for {
 		g.mu.Lock()
-		if o, ok := g.open[id]; ok && g.flights[id] == nil {
-			p := g.joinOpen(id, o)
-			g.mu.Unlock()
-			if deadline != nil {
-				stopWaiting()
-			}
-			return p, nil
-		}
 		f, busy := g.flights[id]
 		if !busy {
-			f = &flight{done: make(chan struct{})}
+			f = newFlight()
 			g.flights[id] = f
 		}
 		g.mu.Unlock()
 		if !busy {
-			if deadline != nil {
+			if deadline != nil || over {
 				stopWaiting()
 			}
 			return &pass{g: g, id: id, f: f}, nil
 		}
-		if deadline == nil {
+		if deadline == nil && !over {
 			if g.waitingBytes.Add(weight) > g.maxBytes {
 				g.waitingBytes.Add(-weight)
 				g.countRefused(ctx)
@@ -206,26 +195,28 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			defer timer.Stop()
 			deadline = timer.C
 		}
+		// Past the bound, the wait goes on only while the request ahead reads the answer.
+		var claimed <-chan struct{}
+		if over {
+			claimed = f.claimed
+		}
 		select {
 		case <-f.done:
-			if f.answered {
-				g.mu.Lock()
-				o, ok := g.open[id]
-				if !ok && g.flights[id] == nil {
-					o = &openKey{}
-					g.open[id] = o
-				}
-				var p *pass
-				if o != nil {
-					p = g.joinOpen(id, o)
-				}
-				g.mu.Unlock()
-				if p != nil {
-					stopWaiting()
-					return p, nil
+			answered = answered || f.answered
+		case <-claimed:
+			stopWaiting()
+			g.countRefused(ctx)
+			return nil, errBusyHere
+		case <-deadline:
+			deadline = nil
+			select {
+			case <-f.claimed:
+			default:
+				if answered {
+					over = true
+					continue
 				}
 			}
-		case <-deadline:
 			stopWaiting()
 			g.countRefused(ctx)
 			return nil, errBusyHere
@@ -236,67 +227,33 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 	}
 }
 
-// pass is a request's way through the Gate: the flight of its key (f), or a claim beside the
-// others on a key with an answer (o).
+// pass is a request's way through the Gate: the flight of its key.
 type pass struct {
 	g  *Gate
 	id flightKey
 	f  *flight
-	o  *openKey
 }
 
-// joinOpen counts one more request that claims o's key without the flight. g.mu is held.
-func (g *Gate) joinOpen(id flightKey, o *openKey) *pass {
-	o.running++
-	return &pass{g: g, id: id, o: o}
-}
-
-// claimed is called when the request's claim took the key (a fresh claim, or a takeover): one
-// that claimed beside the others closes the key and takes its flight, so that requests that
-// come after it wait for its work in Go. A flight's holder has it already. The flight of
-// another request of the key (one that claimed beside it first and now waits on this one's
-// row, after a serialization failure) is this one's from now on: that request leaves it be,
-// and the requests that waited for it wait for this one's work instead.
+// claimed is called when the request's claim took the key (a fresh claim, or a takeover): the
+// requests that wait for it past their bound stop waiting (its work may take long).
 func (p *pass) claimed() {
-	if p.f != nil || p.o == nil {
-		return
+	select {
+	case <-p.f.claimed:
+	default:
+		close(p.f.claimed)
 	}
-	g := p.g
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.open[p.id] == p.o {
-		delete(g.open, p.id)
-	}
-	p.f = &flight{done: make(chan struct{})}
-	g.flights[p.id] = p.f
 }
 
 // leave ends the pass. returned: the unit of work returned without an error (not a panic);
-// outcome: the decision of its last run. A flight leaves the key answered when it replayed, or
-// committed a transactional claim with its answer. A claim beside the others closes the key
-// when the key is in progress again (another holder claimed it afresh); a mismatch found an
-// answer (another request's) and keeps it open, as does a claim that failed: what became of
-// the key is for the next claim to read.
+// outcome: the decision of its last run. The key has its answer when the flight replayed it,
+// or committed a transactional claim with it.
 func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
 	g := p.g
 	g.mu.Lock()
-	if p.o != nil {
-		p.o.running--
-		if g.open[p.id] == p.o && (p.o.running == 0 || (returned && outcome == InProgress)) {
-			delete(g.open, p.id)
-		}
-	}
-	f := p.f
-	if f != nil {
-		if g.flights[p.id] == f {
-			delete(g.flights, p.id)
-		}
-		f.answered = returned && (outcome == Replay || (outcome == Claimed && !lease))
-	}
+	delete(g.flights, p.id)
+	p.f.answered = returned && (outcome == Replay || (outcome == Claimed && !lease))
 	g.mu.Unlock()
-	if f != nil {
-		close(f.done)
-	}
+	close(p.f.done)
 }
 
 // Tally is what a Gate did for one request over several runs (a caller that claims again

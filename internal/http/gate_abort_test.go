@@ -22,9 +22,9 @@ import (
 // the first's answer, without a connection, up to Options.DuplicateWait"; "Retry storms": "a
 // request whose (principal, key) another request of the same process is working on waits in Go
 // until that one is done". After the abort, one duplicate claims the key afresh and runs the
-// handler; the other duplicates of this process must wait in Go for it and replay its answer,
-// not claim side by side as after an answer (a wait slot on the key's row, and the ones without
-// a slot 409 at once).
+// handler; the other duplicates of this process wait in Go for it and replay its answer. A build
+// of D211 read the abort as an answer and let them claim side by side (a wait slot on the key's
+// row, and the ones without a slot 409 at once).
 func TestGateAbortedHandlerIsNoAnswer(t *testing.T) {
 	pool, _ := pgtest.NewPool(t, 12)
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id serial PRIMARY KEY, amount int)`)

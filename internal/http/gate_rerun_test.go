@@ -23,7 +23,7 @@ import (
 // (bounded)". A request whose claim waited on another process's uncommitted claim (with the
 // process's one wait slot) takes the key when that process rolls back; its handler hits 40001.
 // Meanwhile another key's duplicate took the one slot. The rerun finds the key free and runs
-// (201). In D211's second build it was refused for want of a slot (taken again by a rerun): 409
+// (201). In a build of D211 it was refused for want of a slot (taken again by a rerun): 409
 // request_in_progress, at once, for a key nobody held, and the handler never ran again.
 func TestGateRerunAfter40001IsNot409(t *testing.T) {
 	pool, url := pgtest.NewPool(t, 10)
