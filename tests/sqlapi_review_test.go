@@ -652,7 +652,8 @@ func TestCleanupConcurrentCallers(t *testing.T) {
 
 // TestGenerationsAndProviderKeys: the table of docs/sql-api.md, "Generations and provider
 // keys", as the app role over the simple protocol; and a rotation of the installation's secret
-// by the owner, seen from a session whose plans predate it.
+// by the owner, seen from a session whose plans predate it. (Its leases last 500 ms: with 50 ms
+// a loaded CI machine let one run out before the duplicate came.)
 func TestGenerationsAndProviderKeys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -663,7 +664,7 @@ func TestGenerationsAndProviderKeys(t *testing.T) {
 		}
 		return *a.ProviderKey
 	}
-	a, err := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '200 ms', p_lease => '50 ms'")
+	a, err := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '1500 ms', p_lease => '500 ms'")
 	if err != nil || a.Outcome != "claimed" || len(pk(a)) != 64 {
 		t.Fatalf("%+v %v", a, err)
 	}
@@ -671,19 +672,19 @@ func TestGenerationsAndProviderKeys(t *testing.T) {
 	if pk(b) == pk(a) {
 		t.Errorf("two principals, one provider key")
 	}
-	d, _ := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '200 ms', p_lease => '50 ms'")
+	d, _ := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '1500 ms', p_lease => '500 ms'")
 	if d.Outcome != "in_progress" || pk(d) != pk(a) {
 		t.Errorf("duplicate: %+v", d)
 	}
-	time.Sleep(70 * time.Millisecond)
-	tk, _ := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '200 ms', p_lease => '50 ms'")
+	time.Sleep(600 * time.Millisecond)
+	tk, _ := beginAs(ctx, app, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '1500 ms', p_lease => '500 ms'")
 	if tk.Outcome != "claimed" || pk(tk) != pk(a) || tk.Attempt == a.Attempt {
 		t.Errorf("takeover: %+v (first %+v)", tk, a)
 	}
 	// A transactional takeover of the same generation, completed: the replay keeps the key.
-	time.Sleep(70 * time.Millisecond)
+	time.Sleep(600 * time.Millisecond)
 	tx, _ := app.Begin(ctx)
-	tt, err := beginAs(ctx, tx, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '200 ms'")
+	tt, err := beginAs(ctx, tx, "alice", "g", "POST /x", sum256("r"), ", p_ttl => '1500 ms'")
 	if err != nil || tt.Outcome != "claimed" || pk(tt) != pk(a) {
 		t.Fatalf("transactional takeover: %+v %v", tt, err)
 	}
@@ -696,7 +697,7 @@ func TestGenerationsAndProviderKeys(t *testing.T) {
 		t.Errorf("replay: %+v", r)
 	}
 	// Expired and cleaned up: a new generation, a new key.
-	time.Sleep(250 * time.Millisecond)
+	time.Sleep(1600 * time.Millisecond)
 	pgtest.Exec(t, app, `SELECT idem.idem_cleanup(1000)`)
 	if n := pgtest.Count(t, admin, `SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = 'alice'`); n != 0 {
 		t.Errorf("cleanup left the expired key")
