@@ -1,7 +1,7 @@
 package tests
 
-// Black-box probes of docs/sql-api.md and /work/shared/CONTRACT.md section 3, written from the
-// docs alone, as the application role (and the operator role where the docs name it).
+// Black-box probes of docs/sql-api.md, written from the docs alone, as the application role (and
+// the operator role where the docs name it).
 
 import (
 	"context"

@@ -19,8 +19,7 @@ import (
 
 // TestGateRerunAfter40001IsNot409: docs/http.md's table: "deadlock, serialization failure or
 // lock timeout (55P03) in the handler's statements ... | the unit of work runs again (3 times at
-// most)"; CONTRACT.md: "deadlock or serialization failure | the unit of work is retried
-// (bounded)". A request whose claim waited on another process's uncommitted claim (with the
+// most)". A request whose claim waited on another process's uncommitted claim (with the
 // process's one wait slot) takes the key when that process rolls back; its handler hits 40001.
 // Meanwhile another key's duplicate took the one slot. The rerun finds the key free and runs
 // (201). In a build of D211 it was refused for want of a slot (taken again by a rerun): 409
