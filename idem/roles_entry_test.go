@@ -165,7 +165,7 @@ func TestRolesRoleIsolationDefault(t *testing.T) {
 }
 
 // TestRolesHostileSearchPathOfTheAppRole: docs/sql-api.md: every function "pins search_path =
-// pg_catalog, pg_temp and qualifies every name"; CONTRACT "Roles": the application logs in as a
+// pg_catalog, pg_temp and qualifies every name"; docs/sql-api.md (the roles): the application logs in as a
 // member of idem_app. A login role in idem_app whose search_path puts a schema of its own first
 // (before pg_catalog), holding functions and operators named like those the SQL API uses, must
 // not get any of them run by the API (which runs as the owner): every call of the API below,
@@ -300,7 +300,7 @@ func TestRolesHostileSearchPathOfTheAppRole(t *testing.T) {
 	}
 }
 
-// TestRolesEveryEntryPointAsDocumented: CONTRACT "Roles": "A database owner without superuser
+// TestRolesEveryEntryPointAsDocumented: docs/sql-api.md (the roles): "A database owner without superuser
 // installs the API ... the application logs in as a member of idem_app and never needs more";
 // docs/operations.md "Who may do what" and "Cleanup" (REVOKE CONNECT ... FROM PUBLIC, then grant
 // it to the login roles). Schema idem installed by an owner that is no superuser; PUBLIC keeps

@@ -1,6 +1,6 @@
 package main
 
-// Black-box probes of CONTRACT section 4 and 5 and docs/ledger.md against the reference server,
+// Black-box probes of docs/http.md, docs/operations.md and docs/ledger.md against the reference server,
 // written from the docs alone.
 
 import (
@@ -21,7 +21,7 @@ func outsideCode(r resp) string {
 	return p.Code
 }
 
-// TestOutsideServerErrorNotStored: CONTRACT section 4, "handler 401, 408, 428, 429, 3xx, 5xx,
+// TestOutsideServerErrorNotStored: docs/http.md, the table, "handler 401, 408, 428, 429, 3xx, 5xx,
 // panic | the handler's response; effect rolled back | no", and docs/http.md: "PostgreSQL
 // refuses the handler's own work (a constraint ...) | 500 internal_error ... nothing changed (a
 // retry meets it again ...)". A deposit that a constraint of the DBA's refuses is 500 and not
