@@ -91,7 +91,9 @@ type Options struct {
 	// connection (woken at once by a holder in this process, else by a look at the key every
 	// DefaultAnswerPoll, one statement per round for all keys waited on). Its waits end when
 	// its client goes away and when Shutdown starts. The duplicate then answers as the first
-	// did, soon after the answer is stored. Past the wait, its 409's Retry-After estimates the
+	// did, soon after the answer is stored. Duplicates of this process replay one after
+	// another: one that saw the answer stored reads it even past its wait, unless a request
+	// ahead of it claims the key afresh. Past the wait, its 409's Retry-After estimates the
 	// rest of the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait
 	// (10 minutes).
 	DuplicateWait time.Duration
