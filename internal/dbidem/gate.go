@@ -493,6 +493,9 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				pc.LockTimeout = min(Probe, c.LockTimeout)
 				pctx, done := claimCtx(ctx, pc)
 				d, err := tx.Claim(pctx, pc)
+				if err != nil && context.Cause(pctx) == errNoReply {
+					err = fmt.Errorf("%w (%w)", err, errNoReply)
+				}
 				done()
 				switch {
 				case err != nil && isLockTimeout(err) && IsKeyWait(err):
