@@ -85,11 +85,8 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 	case errors.As(err, &pgErr) && pgErr.Code == "42501":
 		var user string
 		_ = q.QueryRow(ctx, `SELECT current_user`).Scan(&user)
-		// The schema's owner may not grant idem_app unless it has ADMIN OPTION on it (or
-		// CREATEROLE): an owner made as docs/sql-api.md says has neither. A superuser may.
-		return fmt.Errorf("%w: the role %q may not call the idem SQL API (%s): have a superuser (or a role with ADMIN OPTION on "+
-			"idem_app, or CREATEROLE) run GRANT idem_app TO %q (idem_app: the application role Migrate granted the API to): %w",
-			ErrPermissionDenied, user, pgErr.Message, user, err)
+		return fmt.Errorf("%w: the role %q may not call the idem SQL API (%s): %s: %w",
+			ErrPermissionDenied, user, pgErr.Message, grantAdvice(user), err)
 	case err != nil:
 		return fmt.Errorf("idem: check the schema version: %w", err)
 	case int(schema) == want && int(functions) == want:
@@ -128,11 +125,18 @@ func CheckCall(ctx context.Context, q Querier, fn string) error {
 	case err != nil:
 		return fmt.Errorf("idem: check the role's privileges: %w", err)
 	case may != nil && !*may:
-		return fmt.Errorf("%w: the role %q may not call %s (a member of idem_operator alone may call only the operators' functions): "+
-			"have a superuser (or a role with ADMIN OPTION on idem_app, or CREATEROLE) run GRANT idem_app TO %q "+
-			"(idem_app: the application role Migrate granted the API to)", ErrPermissionDenied, user, fn, user)
+		return fmt.Errorf("%w: the role %q may not call %s (a member of idem_operator alone may call only the operators' functions): %s",
+			ErrPermissionDenied, user, fn, grantAdvice(user))
 	}
 	return nil
+}
+
+// grantAdvice is how a role gets the application's functions. The schema's owner may not
+// grant idem_app unless it has ADMIN OPTION on it (or CREATEROLE): an owner made as
+// docs/sql-api.md says has neither. A superuser may.
+func grantAdvice(user string) string {
+	return fmt.Sprintf("have a superuser (or a role with ADMIN OPTION on idem_app, or CREATEROLE) run GRANT idem_app TO %q "+
+		"(idem_app: the application role Migrate granted the API to)", user)
 }
 
 // servesVersion asks idem.idem_serves_version whether the installed release serves code of
