@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -27,14 +29,7 @@ func TestGateRerunAfter40001NeedsNoSlot(t *testing.T) {
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: 1})
 
 	// "Another process" holds key r1, uncommitted.
-	other, err := pgtest.Connect(t, url).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(ctx) }()
-	if _, err := dbidem.Begin(ctx, other, claim("r1", `{}`)); err != nil {
-		t.Fatal(err)
-	}
+	other := holdElsewhere(t, url, "r1")
 
 	aIn, aGo := make(chan struct{}), make(chan struct{})
 	var goOnce sync.Once
@@ -70,14 +65,7 @@ func TestGateRerunAfter40001NeedsNoSlot(t *testing.T) {
 	gateWait(t, "A's slot freed once claimed", func() bool { return gate.LockWaits() == 0 })
 
 	// Another process holds key r2; B (this process) waits on it with the one slot.
-	other2, err := pgtest.Connect(t, url).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other2.Rollback(ctx) }()
-	if _, err := dbidem.Begin(ctx, other2, claim("r2", `{}`)); err != nil {
-		t.Fatal(err)
-	}
+	other2 := holdElsewhere(t, url, "r2")
 	bDone := make(chan error, 1)
 	go func() {
 		c := claim("r2", `{}`)
@@ -124,14 +112,7 @@ func TestGatePanicAfterWaitedClaimFreesSlotOnce(t *testing.T) {
 	pool, url := pgtest.NewPool(t, 6)
 	ctx := context.Background()
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: 1})
-	other, err := pgtest.Connect(t, url).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(ctx) }()
-	if _, err := dbidem.Begin(ctx, other, claim("p1", `{}`)); err != nil {
-		t.Fatal(err)
-	}
+	other := holdElsewhere(t, url, "p1")
 	panicked := make(chan any, 1)
 	go func() {
 		defer func() { panicked <- recover() }()
@@ -171,4 +152,20 @@ func TestGatePanicAfterWaitedClaimFreesSlotOnce(t *testing.T) {
 	if gate.LockWaits() != 0 || gate.Waiting() != 0 {
 		t.Errorf("end: LockWaits()=%d Waiting()=%d", gate.LockWaits(), gate.Waiting())
 	}
+}
+
+// holdElsewhere claims key in a transaction of another connection ("another process") and keeps
+// it uncommitted; the test ends it (Rollback or Commit), or its cleanup rolls it back.
+func holdElsewhere(t *testing.T, url, key string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pgtest.Connect(t, url).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if _, err := dbidem.Begin(ctx, tx, claim(key, `{}`)); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }

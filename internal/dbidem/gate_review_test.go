@@ -38,14 +38,7 @@ func TestGateSlotFreedOnceClaimed(t *testing.T) {
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: 1})
 
 	// "Another process" holds key a, uncommitted.
-	other, err := pgtest.Connect(t, url).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(ctx) }()
-	if _, err := dbidem.Begin(ctx, other, claim("a", `{}`)); err != nil {
-		t.Fatal(err)
-	}
+	other := holdElsewhere(t, url, "a")
 
 	inside, release := make(chan struct{}), make(chan struct{})
 	var releaseOnce sync.Once
