@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"regexp"
 	"strings"
 	"sync"
@@ -25,7 +26,9 @@ const Probe = 5 * time.Millisecond
 // connection is taken for lost (black-holed: nothing comes back, nothing closes) and closed,
 // and the claim fails (a lease claim's COMMIT: ErrCommitUnknown). Without it a request whose
 // connection stopped answering waited until the kernel gave the connection up, holding the
-// key's place in this process all along (D168).
+// key's place in this process all along (D168). A claim's reply that is arriving when its
+// bound passes (a large answer) has until no byte of it has come for ClaimReplyMargin
+// (replyBound, D213).
 const ClaimReplyMargin = 5 * time.Second
 
 // leaseClaimIdle is the idle_in_transaction_session_timeout of a lease claim's own short
@@ -414,13 +417,23 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 	fn func(tx *Tx, d Decision) error) (err error) {
 	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
 	claimed := func() {}
+	// active is the bound of the claim statement under way, if any.
+	var active atomic.Pointer[replyBound]
 	if c.Lease != 0 {
 		// A lease claim's unit is the claim and its COMMIT (fn returns at once; the work runs
 		// after): all of it is bounded, its probes, its wait on the key's row, and its COMMIT,
 		// which past the bound is ErrCommitUnknown (D168).
 		lctx, cancel := context.WithCancelCause(work)
-		bound := time.AfterFunc(lockTimeout+Probe*time.Duration(len(tableBusyPauses)+1)+time.Second+ClaimReplyMargin,
-			func() { cancel(errNoReply) })
+		var bound *time.Timer
+		bound = time.AfterFunc(lockTimeout+Probe*time.Duration(len(tableBusyPauses)+1)+time.Second+ClaimReplyMargin,
+			func() {
+				// A claim whose reply (a large answer) is arriving keeps its unit (D213).
+				if b := active.Load(); b != nil && b.receiving() {
+					bound.Reset(replyTick)
+					return
+				}
+				cancel(errNoReply)
+			})
 		defer func() { bound.Stop(); cancel(nil) }()
 		ctx = lctx
 		claimed = func() { bound.Reset(ClaimReplyMargin) }
@@ -430,9 +443,16 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			}
 		}()
 	}
-	// claimCtx bounds one claim statement: the lock timeout it may wait, and the margin.
-	claimCtx := func(parent context.Context, c Claim) (context.Context, context.CancelFunc) {
-		return context.WithTimeoutCause(parent, c.LockTimeout+ClaimReplyMargin, errNoReply)
+	// claimCtx bounds one claim statement: the lock timeout it may wait, and the margin; a
+	// reply that is arriving by then has until its bytes stop coming (replyBound, D213).
+	claimCtx := func(parent context.Context, tx *Tx, c Claim) (context.Context, context.CancelFunc) {
+		var conn net.Conn
+		if pc := tx.Conn(); pc != nil {
+			conn = pc.PgConn().Conn()
+		}
+		bctx, b := newReplyBound(parent, conn, c.LockTimeout+ClaimReplyMargin)
+		active.Store(b)
+		return bctx, func() { active.CompareAndSwap(b, nil); b.stop() }
 	}
 	// A wait slot is held for the claim statement that waits on the key's row, not for the
 	// work after it (a handler, a COMMIT): taken before RunTx (no slot, no connection), freed
@@ -470,7 +490,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				// A probe: its claim statement waits at most Probe on any lock, so it runs
 				// to its end whatever becomes of wait. Ending it would turn a fresh claim
 				// under way into a false "in progress" (a shutdown's drain ends every wait).
-				pctx, done := claimCtx(ctx, c)
+				pctx, done := claimCtx(ctx, tx, c)
 				d, err := tx.Claim(pctx, c)
 				if err != nil && context.Cause(pctx) == errNoReply {
 					err = fmt.Errorf("%w (%w)", err, errNoReply)
@@ -491,7 +511,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				// claims as a probe does, and is refused only when it would have to wait.
 				pc := c
 				pc.LockTimeout = min(Probe, c.LockTimeout)
-				pctx, done := claimCtx(ctx, pc)
+				pctx, done := claimCtx(ctx, tx, pc)
 				d, err := tx.Claim(pctx, pc)
 				if err != nil && context.Cause(pctx) == errNoReply {
 					err = fmt.Errorf("%w (%w)", err, errNoReply)
@@ -509,7 +529,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				return tx.work(fn, d)
 			}
 			defer freeSlot()
-			cctx, cancel := claimCtx(ctx, c)
+			cctx, cancel := claimCtx(ctx, tx, c)
 			sent := make(chan struct{})
 			var unsent error
 			stop := context.AfterFunc(wait, func() {

@@ -1,0 +1,158 @@
+package dbidem_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// slowLink forwards TCP to the test server, the server's bytes at rate bytes a second: a slow
+// network between an application and its database. Past holdAfter bytes from the server (0:
+// never) it forwards nothing more and keeps the connection open: a link that dies mid-reply.
+func slowLink(t *testing.T, rate, holdAfter int) string {
+	t.Helper()
+	target := pgtest.TCPAddr(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, s)
+			mu.Unlock()
+			go func() { _, _ = io.Copy(s, c) }()
+			go func() {
+				buf := make([]byte, 32<<10)
+				start, sent := time.Now(), 0
+				for {
+					n, err := s.Read(buf)
+					if holdAfter > 0 && sent+n > holdAfter {
+						return // held: nothing more, nothing closed
+					}
+					if n > 0 {
+						if _, werr := c.Write(buf[:n]); werr != nil {
+							return
+						}
+						sent += n
+						if ahead := time.Duration(sent)*time.Second/time.Duration(rate) - time.Since(start); ahead > 0 {
+							time.Sleep(ahead)
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func poolVia(t *testing.T, url, addr string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// An answer too large to arrive within the claim's reply bound (its lock timeout, a 5 ms
+// probe's here, and ClaimReplyMargin, 5 s) on a slow link: its replay was taken for a lost
+// connection every time, and a client that kept retrying never got the answer it had paid
+// for. The bytes of the reply keep coming, so the replay waits for them (D213): 12 MB at
+// 1.5 MB/s.
+func TestReplayOfALargeAnswerOnASlowLinkArrives(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	big := strings.Repeat("x", 12<<20)
+	for _, lease := range []time.Duration{0, 30 * time.Second} {
+		job := dbidem.Job{Principal: "alice", Key: "large-" + lease.String(), Action: "a", Lease: lease}
+		if lease == 0 {
+			if _, _, err := dbidem.Do(ctx, direct, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return big, nil }); err != nil {
+				t.Fatal(err)
+			}
+		} else if _, _, err := dbidem.DoLease(ctx, direct, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return big, nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	slow := poolVia(t, url, slowLink(t, 3<<19, 0))
+	for _, lease := range []time.Duration{0, 30 * time.Second} {
+		t.Run("lease="+lease.String(), func(t *testing.T) {
+			job := dbidem.Job{Principal: "alice", Key: "large-" + lease.String(), Action: "a", Lease: lease}
+			start := time.Now()
+			var v string
+			var replayed bool
+			var err error
+			if lease == 0 {
+				v, replayed, err = dbidem.Do(ctx, slow, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
+			} else {
+				v, replayed, err = dbidem.DoLease(ctx, slow, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "", errors.New("ran again") })
+			}
+			took := time.Since(start)
+			if err != nil || !replayed || len(v) != len(big) {
+				t.Fatalf("replay on a slow link after %s: %d bytes, replayed %v, %v", took, len(v), replayed, err)
+			}
+			if took < 7*time.Second {
+				t.Fatalf("the link forwarded 12 MB in %s: it is not slow enough to pass the bound", took)
+			}
+		})
+	}
+}
+
+// A reply that stops arriving midway is still given up: the bound waits for bytes that come,
+// not for ever. The link dies after 3 MB of a 12 MB answer.
+func TestReplyThatStopsMidwayIsGivenUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	job := dbidem.Job{Principal: "alice", Key: "cut", Action: "a"}
+	if _, _, err := dbidem.Do(ctx, direct, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return strings.Repeat("x", 12<<20), nil }); err != nil {
+		t.Fatal(err)
+	}
+	cut := poolVia(t, url, slowLink(t, 3<<19, 3<<20))
+	start := time.Now()
+	_, _, err := dbidem.Do(ctx, cut, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
+	took := time.Since(start)
+	if !dbidem.IsNoReply(err) {
+		t.Fatalf("a reply cut midway ended after %s with %v, want no reply", took, err)
+	}
+	// At most twice ClaimReplyMargin (the probe's lock timeout is 5 ms), with room: nothing
+	// waits for ever.
+	if took > 2*dbidem.ClaimReplyMargin+5*time.Second {
+		t.Fatalf("a reply cut midway was given up after %s", took)
+	}
+}

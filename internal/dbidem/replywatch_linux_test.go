@@ -1,0 +1,76 @@
+package dbidem
+
+import (
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// The reply watch's eyes on a socket: over TCP the count of received bytes moves and unread
+// bytes show; over a Unix socket unread bytes show. Without them every bound would be the
+// plain one, silently (D213). Linux only: elsewhere the bound is the plain one.
+func TestReplyWatchSeesBytesArrive(t *testing.T) {
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) {
+			addr := "127.0.0.1:0"
+			if network == "unix" {
+				addr = filepath.Join(t.TempDir(), "s")
+			}
+			ln, err := net.Listen(network, addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			accepted := make(chan net.Conn, 1)
+			go func() {
+				c, _ := ln.Accept()
+				accepted <- c
+			}()
+			client, err := net.Dial(network, ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer client.Close()
+			server := <-accepted
+			defer server.Close()
+			w := newReplyWatch(client)
+			if w.counted != (network == "tcp") {
+				t.Fatalf("counted = %v", w.counted)
+			}
+			if w.arriving(time.Now()) {
+				t.Fatal("arriving before a byte was sent")
+			}
+			if _, err := server.Write(make([]byte, 1000)); err != nil {
+				t.Fatal(err)
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for socketUnread(client) < 1000 && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+			if !w.arriving(time.Now()) || !w.began {
+				t.Fatalf("1000 unread bytes not seen arriving (unread %d)", socketUnread(client))
+			}
+			if _, err := client.Read(make([]byte, 1000)); err != nil {
+				t.Fatal(err)
+			}
+			if network == "tcp" {
+				if w.arriving(time.Now()) {
+					t.Fatal("arriving with nothing new and nothing unread")
+				}
+				if _, err := server.Write([]byte("x")); err != nil {
+					t.Fatal(err)
+				}
+				for socketUnread(client) < 1 && time.Now().Before(deadline) {
+					time.Sleep(time.Millisecond)
+				}
+				if _, err := client.Read(make([]byte, 1)); err != nil {
+					t.Fatal(err)
+				}
+				if !w.arriving(time.Now()) {
+					t.Fatal("a byte received and read was not seen by the count")
+				}
+			}
+		})
+	}
+}
