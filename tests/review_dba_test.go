@@ -51,9 +51,9 @@ func TestDBABeginStepsAnswersAsBeginDoes(t *testing.T) {
 
 // TestDBAAnswerKeptTheTTLWhenClaimedInAProcedure: docs/sql-api.md, "How long a key lives":
 // "An answer is replayable for at least the TTL after it was stored (by idem_complete or
-// idem_save_final), however long the work took ... For a transactional claim the answer's TTL
-// is counted from the start of its transaction, which is at or before the claim, so an answer
-// may be kept a little longer than the TTL, never less."
+// idem_save_final), however long the work took ... For a transactional claim the answer is
+// kept the TTL after it is stored plus the time its transaction ran before the claim's
+// statement ..., so an answer may be kept a little longer than the TTL, never less."
 //
 // A DBA's batch (a DO block or a procedure, as pg_cron runs them) that commits between keys:
 // each transaction after the first starts later than the statement that runs the block. The
@@ -99,6 +99,43 @@ func TestDBAAnswerKeptTheTTLWhenClaimedInAProcedure(t *testing.T) {
 	if outcome != "replay" {
 		t.Errorf("retry right after the answer (TTL 2 s) was stored: %q, want replay; the answer was kept until %s, and it is now %s",
 			outcome, kept, now)
+	}
+}
+
+// TestAnswerKeptTheTTLPlusTheTimeBeforeTheClaim: docs/sql-api.md, "How long a key lives": "For
+// a transactional claim the answer is kept the TTL after it is stored plus the time its
+// transaction ran before the claim's statement". A transaction that runs a second before its
+// claim keeps its answer the TTL and that second.
+func TestAnswerKeptTheTTLPlusTheTimeBeforeTheClaim(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	app, _, _ := dbaApp(t)
+	tx, err := app.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	pgtest.Exec(t, tx, `SELECT pg_sleep(1)`)
+	var token int64
+	if err := tx.QueryRow(ctx, `SELECT attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'late-claim',
+		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('t'), p_ttl => '10 seconds')`).Scan(&token); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, tx, `SELECT pg_sleep(1)`)
+	var stored time.Time
+	if err := tx.QueryRow(ctx, `SELECT clock_timestamp() FROM idem.idem_complete(p_principal => 'alice', p_key => 'late-claim',
+		p_attempt => $1, p_status => 201, p_headers => '{}', p_body => 'first')`, token).Scan(&stored); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var kept time.Time
+	if err := app.QueryRow(ctx, `SELECT kept_until FROM idem.idem_key('alice', 'late-claim')`).Scan(&kept); err != nil {
+		t.Fatal(err)
+	}
+	if d := kept.Sub(stored); d < 10900*time.Millisecond || d > 11500*time.Millisecond {
+		t.Errorf("the answer is kept %s after it was stored, want the TTL (10 s) and the second before the claim", d)
 	}
 }
 
