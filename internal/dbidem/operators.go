@@ -201,9 +201,14 @@ func ReadStuck(ctx context.Context, q interface {
 	if limit == 0 {
 		limit = 100
 	}
+	// Whole microseconds, rounded up: "at least olderThan ago" never takes in a younger claim.
+	us := olderThan.Microseconds()
+	if olderThan%time.Microsecond > 0 {
+		us++
+	}
 	rows, err := q.Query(ctx, `SELECT principal_id, key, attempt, claimed_at, lease_expires_at, lease_run_out,
 		extract(epoch FROM age)::float8, provider_key FROM idem.idem_stuck($1::interval, $2::integer)`,
-		fmt.Sprintf("%d microseconds", olderThan.Microseconds()), limit)
+		fmt.Sprintf("%d microseconds", us), limit)
 	if err != nil {
 		return nil, classifyRead(err)
 	}
