@@ -35,7 +35,7 @@ const healthEvery = 15 * time.Second
 // progress (stuck ones among them), one key's story, or the release of a stuck lease claim,
 // for operators without psql at hand.
 //
-// What clients chose (a principal, a field name of a request's body, a resource id) is printed
+// What clients chose (a principal, a key, a field name of a request's body, a resource id) is printed
 // as it is when it is plain (printable, no space or comma that could be read as a separator), and
 // quoted as a Go string otherwise: a name with a newline or a terminal's escape sequence cannot
 // add lines to the output or drive the operator's terminal.
@@ -89,7 +89,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		fmt.Fprintf(out, "%-24s %-36s %12s  %-20s %-20s %-9s %s\n", "principal", "key", "token", "claimed_at", "lease_expires_at",
 			"run_out", "provider_key")
 		for _, c := range claims {
-			fmt.Fprintf(out, "%-24s %-36s %12d  %-20s %-20s %-9v %s\n", printable(c.Principal), c.Key, c.Attempt,
+			fmt.Fprintf(out, "%-24s %-36s %12d  %-20s %-20s %-9v %s\n", printable(c.Principal), printable(c.Key), c.Attempt,
 				c.ClaimedAt.UTC().Format(time.RFC3339), c.LeaseExpiresAt.UTC().Format(time.RFC3339), c.LeaseRunOut, c.ProviderKey)
 		}
 		n := strconv.Itoa(len(claims))

@@ -81,3 +81,21 @@ func TestReviewOpsKeysStuckOneLinePerClaim(t *testing.T) {
 		t.Fatalf("one claim in progress, %d lines; the list shows a claim of bob that does not exist:\n%s", lines, out)
 	}
 }
+
+// TestKeysStuckQuotesKeysLikeEveryClientValue: docs/operations.md ("server keys stuck"): what
+// clients chose is printed Go-quoted when it holds a space, a comma, a quote or a character
+// that is not printable. A key is the client's too (visible ASCII, commas and quotes among
+// them): it was printed as it was, where the principal beside it was quoted.
+func TestKeysStuckQuotesKeysLikeEveryClientValue(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	owner := pgtest.Connect(t, db)
+	pgtest.Exec(t, owner, `SELECT idem.idem_begin('alice', 'a,"b"', 'POST /pay', sha256('p'), p_lease => interval '1 hour')`)
+	out, err := runCommand(t, loginRoleIn(t, db, "idem_operator"), "keys", "stuck", "0s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, ` "a,\"b\"" `) {
+		t.Fatalf("the key a,\"b\" is not listed Go-quoted:\n%s", out)
+	}
+}
