@@ -424,19 +424,31 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		// after): all of it is bounded, its probes, its wait on the key's row, and its COMMIT,
 		// which past the bound is ErrCommitUnknown (D168).
 		lctx, cancel := context.WithCancelCause(work)
+		// until is the bound's end; a firing before it (the timer was moved on as it fired)
+		// does nothing.
+		var mu sync.Mutex
 		var bound *time.Timer
-		bound = time.AfterFunc(lockTimeout+Probe*time.Duration(len(tableBusyPauses)+1)+time.Second+ClaimReplyMargin,
-			func() {
-				// A claim whose reply (a large answer) is arriving keeps its unit (D213).
-				if b := active.Load(); b != nil && b.receiving() {
-					bound.Reset(replyTick)
-					return
-				}
-				cancel(errNoReply)
-			})
+		first := lockTimeout + Probe*time.Duration(len(tableBusyPauses)+1) + time.Second + ClaimReplyMargin
+		until := time.Now().Add(first)
+		moveTo := func(d time.Duration) { until = time.Now().Add(d); bound.Reset(d) }
+		mu.Lock()
+		bound = time.AfterFunc(first, func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if time.Now().Before(until) {
+				return
+			}
+			// A claim whose reply (a large answer) is arriving keeps its unit (D213).
+			if b := active.Load(); b != nil && b.receiving() {
+				moveTo(replyTick)
+				return
+			}
+			cancel(errNoReply)
+		})
+		mu.Unlock()
 		defer func() { bound.Stop(); cancel(nil) }()
 		ctx = lctx
-		claimed = func() { bound.Reset(ClaimReplyMargin) }
+		claimed = func() { mu.Lock(); moveTo(ClaimReplyMargin); mu.Unlock() }
 		defer func() {
 			if err != nil && context.Cause(ctx) == errNoReply && !errors.Is(err, errNoReply) {
 				err = fmt.Errorf("%w (%w)", err, errNoReply)
