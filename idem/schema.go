@@ -28,6 +28,10 @@ type SchemaError struct {
 	Schema int
 	// Functions is the version the installed functions belong to; 0 when Schema is.
 	Functions int
+	// Raised is the error a newer schema's idem_serves_version raised instead of answering
+	// (it then serves nothing, and the message says so); empty when it answered, or was not
+	// asked.
+	Raised string
 }
 
 // Error says what differs and what to run.

@@ -38,6 +38,9 @@ type SchemaError struct {
 	Schema int
 	// Functions is the schema version the installed functions belong to; 0 when Schema is.
 	Functions int
+	// Raised is the error a newer schema's idem_serves_version raised instead of answering
+	// (it then serves nothing); empty when it answered, or was not asked.
+	Raised string
 }
 
 // migrateHint is how to install or upgrade schema idem, as every error that needs it says.
@@ -52,6 +55,10 @@ func (e *SchemaError) Error() string {
 			e.Want, migrateHint)
 	case e.Schema < e.Want:
 		return fmt.Sprintf("idem: schema idem is at version %d and this code needs version %d: %s", e.Schema, e.Want, migrateHint)
+	case e.Schema > e.Want && e.Raised != "":
+		return fmt.Sprintf("idem: schema idem is at version %d, newer than this code's %d, and its idem_serves_version(%d) raised an error "+
+			"instead of answering (%s), so it serves no code of this version: fix or finish that release's install, or upgrade github.com/pgidem/pgidem",
+			e.Schema, e.Want, e.Want, e.Raised)
 	case e.Schema > e.Want:
 		return fmt.Sprintf("idem: schema idem is at version %d, newer than this code's %d: upgrade github.com/pgidem/pgidem", e.Schema, e.Want)
 	}
@@ -94,13 +101,14 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 	case int(schema) > want && int(functions) == int(schema):
 		// A newer release's migrate (a rolling upgrade: this code still serves until it is
 		// replaced). That release says whether it keeps what this code calls.
-		serves, err := servesVersion(ctx, q, want, int(schema))
+		serves, raised, err := servesVersion(ctx, q, want, int(schema))
 		switch {
 		case err != nil:
 			return err
 		case serves:
 			return nil
 		}
+		return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions), Raised: raised}
 	}
 	return &SchemaError{Want: want, Schema: int(schema), Functions: int(functions)}
 }
@@ -145,20 +153,20 @@ func grantAdvice(user string) string {
 // function that is missing, or answers NULL, serves nothing. CheckSchema may run in the
 // caller's transaction, which it leaves as it was: the function and the privilege are looked
 // up before the call, and in a transaction the call runs under a savepoint, rolled back to when
-// the newer release's function raises.
-func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, error) {
+// the newer release's function raises; raised is then its error, which serves nothing.
+func servesVersion(ctx context.Context, q Querier, want, installed int) (serves bool, raised string, err error) {
 	var exists, may bool
-	err := q.QueryRow(ctx, `SELECT p IS NOT NULL, p IS NOT NULL AND has_function_privilege(p, 'EXECUTE')
+	err = q.QueryRow(ctx, `SELECT p IS NOT NULL, p IS NOT NULL AND has_function_privilege(p, 'EXECUTE')
 		FROM (SELECT to_regprocedure('idem.idem_serves_version(integer)') AS p) AS f`).Scan(&exists, &may)
 	switch {
 	case err != nil:
-		return false, fmt.Errorf("idem: check the schema version: %w", err)
+		return false, "", fmt.Errorf("idem: check the schema version: %w", err)
 	case !exists:
-		return false, nil
+		return false, "", nil
 	case !may:
 		var user string
 		_ = q.QueryRow(ctx, `SELECT current_user`).Scan(&user)
-		return false, fmt.Errorf("%w: the role %q may not call idem.idem_serves_version, which the migrate of the schema's newer "+
+		return false, "", fmt.Errorf("%w: the role %q may not call idem.idem_serves_version, which the migrate of the schema's newer "+
 			"release (version %d) grants to the application and operator roles (idem_app, idem_operator): make the role a member of one",
 			ErrPermissionDenied, user, installed)
 	}
@@ -173,30 +181,29 @@ func servesVersion(ctx context.Context, q Querier, want, installed int) (bool, e
 			block = true
 		case !known && errors.As(err, &pgErr) && pgErr.Code == "25P01":
 		default:
-			return false, fmt.Errorf("idem: check the schema version: %w", err)
+			return false, "", fmt.Errorf("idem: check the schema version: %w", err)
 		}
 	}
-	var serves bool
 	err = q.QueryRow(ctx, `SELECT coalesce(idem.idem_serves_version($1) AND idem.idem_serves_version($2), false)`,
 		int32(want), int32(installed)).Scan(&serves)
 	if block {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) {
 			if _, rerr := q.Exec(ctx, `ROLLBACK TO SAVEPOINT idem_check_schema`); rerr != nil {
-				return false, fmt.Errorf("idem: check the schema version: %w", errors.Join(err, rerr))
+				return false, "", fmt.Errorf("idem: check the schema version: %w", errors.Join(err, rerr))
 			}
 		}
 		if _, rerr := q.Exec(ctx, `RELEASE SAVEPOINT idem_check_schema`); rerr != nil && err == nil {
-			return false, fmt.Errorf("idem: check the schema version: %w", rerr)
+			return false, "", fmt.Errorf("idem: check the schema version: %w", rerr)
 		}
 	}
 	switch {
 	case functionRaised(err):
-		return false, nil // it raised: the database answered, and not yes
+		return false, err.Error(), nil // it raised: the database answered, and not yes
 	case err != nil:
-		return false, fmt.Errorf("idem: check the schema version: %w", err)
+		return false, "", fmt.Errorf("idem: check the schema version: %w", err)
 	}
-	return serves, nil
+	return serves, "", nil
 }
 
 // functionRaised tells whether err is an error a function raised of its own (the database
