@@ -40,6 +40,7 @@ type Main struct {
 	idem           *idem.Middleware      // set by routes: its Shutdown ends lease work at shutdown
 	receipts       *river.Client[pgx.Tx] // the receipts' River client (RECEIPT_URL), or nil
 	riverPool      *pgxpool.Pool         // the receipts' River client's own pool, or nil
+	receiptsRetry  func()                // ends the receipts' start retries and waits for them, or nil
 }
 
 // Run runs the command until it is done or ctx ends.

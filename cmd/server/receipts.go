@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
@@ -160,11 +162,59 @@ func (m *Main) startReceipts(ctx context.Context) (*river.Client[pgx.Tx], error)
 	})
 }
 
+// receiptsRetryEvery is how often the receipts' River client tries to start again on a
+// database that takes no writes.
+const receiptsRetryEvery = 5 * time.Second
+
+// runReceipts starts the receipts' River client. It is stopped by stopReceipts, after the HTTP
+// server: not by the end of ctx, which would cut the sends short before the requests that
+// enqueue them are done. River writes as it starts (its queues, its leader): on a database
+// that takes no writes at the moment (25006: a standby not yet promoted, a read-only spell)
+// the server starts without it, says so, and tries again every receiptsRetryEvery until it
+// starts or the server stops (D214). Any other failure stops the start.
+func (m *Main) runReceipts(ctx context.Context) error {
+	err := m.receipts.Start(context.WithoutCancel(ctx))
+	if err == nil {
+		return nil
+	}
+	if pgErr := (*pgconn.PgError)(nil); !errors.As(err, &pgErr) || pgErr.Code != "25006" {
+		return fmt.Errorf("start the receipts' River client: %w", err)
+	}
+	m.log.Warn("the receipts' River client cannot start on a database that takes no writes; receipts wait, trying again",
+		"every", receiptsRetryEvery.String(), "error", err)
+	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	done := make(chan struct{})
+	m.receiptsRetry = func() { cancel(); <-done }
+	go func() {
+		defer close(done)
+		t := time.NewTicker(receiptsRetryEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-rctx.Done():
+				return
+			case <-t.C:
+			}
+			// On fresh connections: a session opened while the database took no writes can
+			// keep that as its default (default_transaction_read_only set for the database).
+			m.riverPool.Reset()
+			if err := m.receipts.Start(context.WithoutCancel(ctx)); err == nil {
+				m.log.Info("the receipts' River client started")
+				return
+			}
+		}
+	}()
+	return nil
+}
+
 // stopReceipts stops the receipts' River client, if any: the sends running finish until ctx
 // ends; then they are cancelled, and each gives its lease up for River's retry.
 func (m *Main) stopReceipts(ctx context.Context) {
 	if m.receipts == nil {
 		return
+	}
+	if m.receiptsRetry != nil {
+		m.receiptsRetry() // no start after the stop below
 	}
 	if err := m.receipts.Stop(ctx); err != nil {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -30,10 +30,8 @@ func (m *Main) serve(ctx context.Context) (err error) {
 		return err
 	}
 	if m.receipts != nil {
-		// Stopped below, after the HTTP server: not by the end of ctx, which would cut the
-		// sends short before the requests that enqueue them are done.
-		if err := m.receipts.Start(context.WithoutCancel(ctx)); err != nil {
-			return fmt.Errorf("start the receipts' River client: %w", err)
+		if err := m.runReceipts(ctx); err != nil {
+			return err
 		}
 	}
 	ln, err := net.Listen("tcp", m.Config.ListenAddr)
