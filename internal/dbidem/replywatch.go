@@ -10,6 +10,11 @@ import (
 // replyTick is how often a bound that has passed looks again at a reply that is arriving.
 const replyTick = 250 * time.Millisecond
 
+// replyMinBytes is the least a counted reply must bring in each ClaimReplyMargin once its
+// bound has passed: a reply that trickles in slower (a byte every few seconds) is taken for
+// lost, or it would hold its request and connection for as long as the trickle lasts.
+const replyMinBytes = 64 << 10
+
 // replyGraces is how many more times (replyTick/5 apart) a bound looks for unread bytes when
 // its connection counts no received bytes (a Unix socket, a system other than Linux), before
 // it takes a reply that has not begun for lost: the reader may have just emptied the buffer.
@@ -25,6 +30,10 @@ type replyWatch struct {
 	counted bool      // the socket counts the bytes it received
 	began   bool      // some of the reply was seen arriving
 	last    time.Time // when it was last seen arriving
+	// The window of a counted reply: from when, and from how many bytes received, it must
+	// bring replyMinBytes within ClaimReplyMargin.
+	windowAt time.Time
+	windowRx uint64
 }
 
 func newReplyWatch(c net.Conn) *replyWatch {
@@ -40,15 +49,28 @@ func newReplyWatch(c net.Conn) *replyWatch {
 	return w
 }
 
-// arriving reports whether bytes came in since the last look, or wait to be read.
+// arriving reports whether bytes came in since the last look, or wait to be read; false, for
+// good, once a counted reply brought less than replyMinBytes in a window of ClaimReplyMargin.
 func (w *replyWatch) arriving(now time.Time) bool {
 	moved := false
 	if w.counted {
 		rx, ok := socketReceived(w.conn)
 		moved = ok && rx != w.rx
-		w.rx = rx
+		if ok {
+			w.rx = rx
+		}
+		if w.windowAt.IsZero() {
+			w.windowAt, w.windowRx = now, w.rx
+		} else if now.Sub(w.windowAt) >= ClaimReplyMargin {
+			if w.rx-w.windowRx < replyMinBytes {
+				w.began, w.counted = false, false
+				w.conn = nil // a trickle: nothing counts any more
+				return false
+			}
+			w.windowAt, w.windowRx = now, w.rx
+		}
 	}
-	if moved || socketUnread(w.conn) > 0 {
+	if moved || w.conn != nil && socketUnread(w.conn) > 0 {
 		w.began, w.last = true, now
 		return true
 	}
@@ -94,7 +116,7 @@ func (b *replyBound) fire() {
 		case w.arriving(now), w.began && now.Sub(w.last) < ClaimReplyMargin:
 			b.t.Reset(replyTick)
 			return
-		case !w.began && !w.counted && b.graces < replyGraces:
+		case !w.began && !w.counted && w.conn != nil && b.graces < replyGraces:
 			b.graces++
 			b.t.Reset(replyTick / 5)
 			return
@@ -116,11 +138,14 @@ func (b *replyBound) receiving() bool {
 	return b.w.arriving(now) || b.w.began && now.Sub(b.w.last) < ClaimReplyMargin
 }
 
-// stop ends the bound and its context; the statement is over.
-func (b *replyBound) stop() {
+// stop ends the bound and its context; the statement is over. It tells whether the bound
+// had been kept going past its end by a reply that was arriving.
+func (b *replyBound) stop() (extended bool) {
 	b.mu.Lock()
+	extended = !b.done && b.w != nil && b.w.began
 	b.done = true
 	b.t.Stop()
 	b.mu.Unlock()
 	b.cancel(nil)
+	return extended
 }

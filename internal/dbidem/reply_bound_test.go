@@ -1,0 +1,514 @@
+package dbidem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/pgbouncer"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// proxyMode is what a replyProxy does with the bytes it carries.
+type proxyMode int32
+
+const (
+	modeForward proxyMode = iota // both ways, as fast as they come
+	modeSwallow                  // the client's bytes are read (acked) and dropped: the query never arrives
+	modeHold                     // the server's bytes are read and dropped: the reply never arrives
+	modeTrickle                  // the server's bytes are forwarded one every trickle
+)
+
+// replyProxy forwards TCP to target; its mode can change while connections are open. With
+// commitHole, a connection that sends the simple query "commit" swallows it and every byte
+// after it (a lease claim's COMMIT black-holed). With rate > 0 the server's bytes are
+// forwarded at rate bytes a second (a slow link); with holdAfter > 0 past that many bytes of
+// a connection's server side nothing more is forwarded, nothing is closed.
+type replyProxy struct {
+	addr       string
+	mode       atomic.Int32
+	commitHole atomic.Bool
+	trickle    time.Duration
+	rate       atomic.Int64
+	holdAfter  atomic.Int64
+	// sentSince counts the server bytes forwarded since the count was last reset.
+	sentSince atomic.Int64
+	mu        sync.Mutex
+	conns     []net.Conn
+	closed    chan struct{}
+}
+
+func newReplyProxy(t *testing.T, target string) *replyProxy {
+	t.Helper()
+	return newReplyProxyOn(t, "tcp", "127.0.0.1:0", target)
+}
+
+// newReplyProxyOn is newReplyProxy listening on network and laddr (a Unix socket's path).
+func newReplyProxyOn(t *testing.T, network, laddr, target string) *replyProxy {
+	t.Helper()
+	ln, err := net.Listen(network, laddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &replyProxy{addr: ln.Addr().String(), trickle: 4 * time.Second, closed: make(chan struct{})}
+	t.Cleanup(func() {
+		close(p.closed)
+		ln.Close()
+		p.closeAll()
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, s)
+			p.mu.Unlock()
+			go p.up(c, s)
+			go p.down(s, c)
+		}
+	}()
+	return p
+}
+
+func (p *replyProxy) closeAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
+
+var commitMsg = []byte("Q\x00\x00\x00\x0bcommit\x00")
+
+func (p *replyProxy) up(c, s net.Conn) {
+	buf := make([]byte, 32<<10)
+	holed := false
+	for {
+		n, err := c.Read(buf)
+		if n > 0 {
+			if !holed && p.commitHole.Load() && bytes.Contains(buf[:n], commitMsg) {
+				holed = true
+			}
+			if !holed && proxyMode(p.mode.Load()) != modeSwallow {
+				if _, werr := s.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (p *replyProxy) down(s, c net.Conn) {
+	buf := make([]byte, 32<<10)
+	sent := 0
+	for {
+		n, err := s.Read(buf)
+		if n > 0 {
+			switch proxyMode(p.mode.Load()) {
+			case modeHold:
+				// dropped
+			case modeTrickle:
+				for i := 0; i < n; i++ {
+					if _, werr := c.Write(buf[i : i+1]); werr != nil {
+						return
+					}
+					select {
+					case <-p.closed:
+						return
+					case <-time.After(p.trickle):
+					}
+				}
+			default:
+				if h := p.holdAfter.Load(); h > 0 && p.sentSince.Load()+int64(n) > h {
+					p.mode.Store(int32(modeHold)) // the link dies: nothing more, nothing closed
+					continue
+				}
+				if _, werr := c.Write(buf[:n]); werr != nil {
+					return
+				}
+				sent += n
+				p.sentSince.Add(int64(n))
+				if rate := p.rate.Load(); rate > 0 {
+					// paced per chunk: an idle connection earns no credit
+					time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// replyPool is a pool of one connection through addr, opened and warmed before the test turns
+// its link bad: the Gate's reads and the statement cache are done.
+func replyPool(t *testing.T, url, addr string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, addr)+" pool_max_conns=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func replyDo(ctx context.Context, pool *pgxpool.Pool, job dbidem.Job) (string, bool, error) {
+	if job.Lease == 0 {
+		return dbidem.Do(ctx, pool, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "fresh", nil })
+	}
+	return dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "fresh", nil })
+}
+
+// A black hole is still detected at the plain bound (the probe's lock timeout, 5 ms, and
+// ClaimReplyMargin): a query swallowed after the kernel acked it, and a reply that the
+// server sent and the path held. Over TCP, for a transactional and a lease claim's replay.
+func TestReplyBlackHolesAtThePlainBound(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	for _, mode := range []proxyMode{modeSwallow, modeHold} {
+		for _, lease := range []time.Duration{0, 30 * time.Second} {
+			name := map[proxyMode]string{modeSwallow: "swallowed-query", modeHold: "held-reply"}[mode] + "/lease=" + lease.String()
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				job := dbidem.Job{Principal: "alice", Key: "bh-" + name, Action: "a", Lease: lease, LockTimeout: 2 * time.Second}
+				if _, _, err := replyDo(ctx, direct, job); err != nil {
+					t.Fatal(err)
+				}
+				p := newReplyProxy(t, pgtest.TCPAddr(t))
+				pool := replyPool(t, url, p.addr)
+				if _, replayed, err := replyDo(ctx, pool, job); err != nil || !replayed {
+					t.Fatalf("warm-up replay: %v %v", replayed, err)
+				}
+				p.mode.Store(int32(mode))
+				start := time.Now()
+				_, _, err := replyDo(ctx, pool, job)
+				took := time.Since(start)
+				if !dbidem.IsNoReply(err) {
+					t.Fatalf("black hole (%s) ended after %s with %v, want no reply", name, took, err)
+				}
+				if took < dbidem.ClaimReplyMargin || took > dbidem.ClaimReplyMargin+1500*time.Millisecond {
+					t.Fatalf("black hole (%s) given up after %s; the bound is 5 ms + %s", name, took, dbidem.ClaimReplyMargin)
+				}
+			})
+		}
+	}
+}
+
+// A lease claim's COMMIT black-holed: ErrCommitUnknown ClaimReplyMargin after the claim's
+// answer, the claim given up (on the pool's one connection, opened once the black-holed one
+// is closed: up to another margin on a loaded machine).
+func TestReplyLeaseCommitBlackHole(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, url := pgtest.NewPool(t, 2)
+	p := newReplyProxy(t, pgtest.TCPAddr(t))
+	pool := replyPool(t, url, p.addr)
+	warm := dbidem.Job{Principal: "alice", Key: "warm", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	if _, _, err := replyDo(ctx, pool, warm); err != nil {
+		t.Fatal(err)
+	}
+	p.commitHole.Store(true)
+	job := dbidem.Job{Principal: "alice", Key: "commit-hole", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	start := time.Now()
+	_, _, err := replyDo(ctx, pool, job)
+	took := time.Since(start)
+	if !errors.Is(err, dbidem.ErrCommitUnknown) {
+		t.Fatalf("a black-holed lease COMMIT ended after %s with %v, want ErrCommitUnknown", took, err)
+	}
+	if took < dbidem.ClaimReplyMargin || took > 2*dbidem.ClaimReplyMargin+3*time.Second {
+		t.Fatalf("a black-holed lease COMMIT given up after %s, want about %s", took, dbidem.ClaimReplyMargin)
+	}
+}
+
+// A reply that trickles (one byte every 4 s, under ClaimReplyMargin): every look of the bound
+// saw bytes arriving, so it never ended while the trickle went on, and a path that had stopped
+// answering in all but name held the request, its connection and its key's place in this
+// process. A reply past its bound must bring 64 KiB in each margin (D213): given up within
+// two margins.
+func TestReplyTrickleIsBounded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	for _, lease := range []time.Duration{0, 30 * time.Second} {
+		t.Run("lease="+lease.String(), func(t *testing.T) {
+			t.Parallel()
+			job := dbidem.Job{Principal: "alice", Key: "trickle-" + lease.String(), Action: "a", Lease: lease, LockTimeout: 2 * time.Second}
+			if _, _, err := replyDo(ctx, direct, job); err != nil {
+				t.Fatal(err)
+			}
+			p := newReplyProxy(t, pgtest.TCPAddr(t))
+			pool := replyPool(t, url, p.addr)
+			if _, _, err := replyDo(ctx, pool, job); err != nil {
+				t.Fatal(err)
+			}
+			p.mode.Store(int32(modeTrickle))
+			start := time.Now()
+			done := make(chan error, 1)
+			go func() {
+				_, _, err := replyDo(ctx, pool, job)
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				took := time.Since(start)
+				t.Logf("a trickling reply ended after %s: %v", took, err)
+				if took > 3*dbidem.ClaimReplyMargin || !dbidem.IsNoReply(err) {
+					t.Fatalf("a trickling reply ended after %s with %v, want no reply within about two margins", took, err)
+				}
+			case <-time.After(30 * time.Second):
+				p.closeAll()
+				err := <-done
+				t.Fatalf("a reply trickling one byte every 4 s still held the claim after %s (ended only when the test closed the link: %v)",
+					time.Since(start), err)
+			}
+		})
+	}
+}
+
+// A lease claim's replay of a large answer whose link dies midway is given up within twice
+// the margin (D213, as TestReplyThatStopsMidwayIsGivenUp for a transactional claim): the unit
+// bound waits for the claim only while its bytes come.
+func TestReplyLeaseStopsMidwayIsGivenUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	big := strings.Repeat("x", 12<<20)
+	job := dbidem.Job{Principal: "alice", Key: "lease-cut", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	if _, _, err := dbidem.DoLease(ctx, direct, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return big, nil }); err != nil {
+		t.Fatal(err)
+	}
+	p := newReplyProxy(t, pgtest.TCPAddr(t))
+	p.rate.Store(3 << 19)
+	pool := replyPool(t, url, p.addr)
+	warm := dbidem.Job{Principal: "alice", Key: "warm", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	if _, _, err := replyDo(ctx, pool, warm); err != nil {
+		t.Fatal(err)
+	}
+	p.sentSince.Store(0)
+	p.holdAfter.Store(3 << 20)
+	start := time.Now()
+	_, _, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "", errors.New("ran again") })
+	took := time.Since(start)
+	if !dbidem.IsNoReply(err) {
+		t.Fatalf("a lease replay cut midway ended after %s with %v, want no reply", took, err)
+	}
+	if took > 2*dbidem.ClaimReplyMargin+2*time.Second {
+		t.Fatalf("a lease replay cut midway was given up after %s", took)
+	}
+}
+
+// Replays whose transfer ends about when the plain bound (5 ms + ClaimReplyMargin) passes, on
+// two connections that four callers share (each connection reused as soon as one replay is
+// done), transactional and lease claims mixed, under the race detector: the bound's timer
+// fires as statements end and looks at sockets that go back to the pool. Every replay
+// arrives whole.
+func TestReplyBoundEndsAsStatementsEndOnReusedConnections(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	const rate = 3 << 19 // 1.5 MB/s: 7.5 MB take 5 s
+	sizes := []int{rate * 45 / 10, rate * 49 / 10, rate * 5, rate * 51 / 10, rate * 55 / 10}
+	var jobs []dbidem.Job
+	for i, n := range sizes {
+		for _, lease := range []time.Duration{0, 30 * time.Second} {
+			job := dbidem.Job{Principal: "alice", Key: fmt.Sprintf("edge-%d-%s", i, lease), Action: "a", Lease: lease, LockTimeout: 2 * time.Second}
+			v := strings.Repeat("z", n)
+			var err error
+			if lease == 0 {
+				_, _, err = dbidem.Do(ctx, direct, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return v, nil })
+			} else {
+				_, _, err = dbidem.DoLease(ctx, direct, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return v, nil })
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			jobs = append(jobs, job)
+		}
+	}
+	p := newReplyProxy(t, pgtest.TCPAddr(t))
+	p.rate.Store(rate)
+	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.addr)+" pool_max_conns=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var wg sync.WaitGroup
+	errs := make(chan error, 100)
+	for g := 0; g < 4; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// each caller its own keys: a replay of the same key by another caller waits in Go
+			// behind the first, up to the lock timeout (ErrInProgress), which is the Gate's
+			// design, not the bound's
+			var mine []int
+			for k := g; k < len(jobs); k += 4 {
+				mine = append(mine, k)
+			}
+			for i := 0; i < 3; i++ {
+				k := mine[rand.IntN(len(mine))]
+				job := jobs[k]
+				want := sizes[k/2]
+				start := time.Now()
+				var v string
+				var replayed bool
+				var err error
+				if job.Lease == 0 {
+					v, replayed, err = dbidem.Do(ctx, pool, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
+				} else {
+					v, replayed, err = dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "", errors.New("ran again") })
+				}
+				if err != nil || !replayed || len(v) != want {
+					errs <- fmt.Errorf("%s after %s: %d bytes of %d, replayed %v, %v", job.Key, time.Since(start), len(v), want, replayed, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// Behind PgBouncer (transaction mode; the client reaches it over TCP), a black hole between
+// PgBouncer and PostgreSQL is given up at the plain bound; a large answer on a slow link
+// between them arrives (its bytes reach the client's socket as PgBouncer forwards them).
+func TestReplyThroughPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := strings.Repeat("x", 12<<20)
+	small := dbidem.Job{Principal: "alice", Key: "bouncer-small", Action: "a", LockTimeout: 2 * time.Second}
+	large := dbidem.Job{Principal: "alice", Key: "bouncer-large", Action: "a", LockTimeout: 2 * time.Second}
+	if _, _, err := replyDo(ctx, direct, small); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := dbidem.Do(ctx, direct, large, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return big, nil }); err != nil {
+		t.Fatal(err)
+	}
+	bouncer := func(t *testing.T, p *replyProxy) *pgxpool.Pool {
+		host, port, _ := net.SplitHostPort(p.addr)
+		var pn int
+		fmt.Sscan(port, &pn)
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		b, err := pgbouncer.Start(sctx, pgbouncer.Config{Host: host, Port: pn, Users: map[string]string{cfg.User: cfg.Password},
+			Settings: map[string]string{"admin_users": cfg.User}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(b.Stop)
+		pool, err := pgxpool.New(ctx, pgtest.ThroughPgBouncer(t, url, b)+"&pool_max_conns=1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		return pool
+	}
+	t.Run("black-hole", func(t *testing.T) {
+		p := newReplyProxy(t, pgtest.TCPAddr(t))
+		pool := bouncer(t, p)
+		if _, _, err := replyDo(ctx, pool, small); err != nil {
+			t.Fatal(err)
+		}
+		p.mode.Store(int32(modeSwallow))
+		start := time.Now()
+		_, _, err := replyDo(ctx, pool, small)
+		took := time.Since(start)
+		if !dbidem.IsNoReply(err) || took > dbidem.ClaimReplyMargin+1500*time.Millisecond {
+			t.Fatalf("a black hole behind PgBouncer ended after %s with %v, want no reply at about %s", took, err, dbidem.ClaimReplyMargin)
+		}
+	})
+	t.Run("slow-link", func(t *testing.T) {
+		p := newReplyProxy(t, pgtest.TCPAddr(t))
+		pool := bouncer(t, p)
+		if _, _, err := replyDo(ctx, pool, small); err != nil {
+			t.Fatal(err)
+		}
+		p.rate.Store(3 << 19)
+		start := time.Now()
+		v, replayed, err := dbidem.Do(ctx, pool, large, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
+		took := time.Since(start)
+		if err != nil || !replayed || len(v) != len(big) {
+			t.Fatalf("12 MB behind PgBouncer on a slow link after %s: %d bytes, replayed %v, %v", took, len(v), replayed, err)
+		}
+		if took < 7*time.Second {
+			t.Fatalf("12 MB in %s: the link is not slow enough to pass the bound", took)
+		}
+	})
+}
+
+// Over a Unix socket (the test cluster's default; here a proxy's socket), a black hole is
+// given up at the plain bound and its four graces (D213: 4 x 50 ms).
+func TestReplyUnixSocketBlackHole(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	job := dbidem.Job{Principal: "alice", Key: "unix-bh", Action: "a", LockTimeout: 2 * time.Second}
+	if _, _, err := replyDo(ctx, direct, job); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "sock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	p := newReplyProxyOn(t, "unix", filepath.Join(dir, ".s.PGSQL.5432"), pgtest.TCPAddr(t))
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsn := fmt.Sprintf("host=%s port=5432 user=%s dbname=%s sslmode=disable pool_max_conns=1", dir, cfg.User, cfg.Database)
+	if cfg.Password != "" {
+		dsn += " password=" + cfg.Password
+	}
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	for _, mode := range []proxyMode{modeSwallow, modeHold} {
+		if _, replayed, err := replyDo(ctx, pool, job); err != nil || !replayed {
+			t.Fatalf("warm-up: %v %v", replayed, err)
+		}
+		p.mode.Store(int32(mode))
+		start := time.Now()
+		_, _, err := replyDo(ctx, pool, job)
+		took := time.Since(start)
+		if !dbidem.IsNoReply(err) || took < dbidem.ClaimReplyMargin || took > dbidem.ClaimReplyMargin+1500*time.Millisecond {
+			t.Fatalf("a black hole (mode %d) over a Unix socket ended after %s with %v, want no reply at about %s", mode, took, err, dbidem.ClaimReplyMargin)
+		}
+		p.mode.Store(int32(modeForward))
+	}
+}
