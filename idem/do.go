@@ -34,8 +34,9 @@ type Job struct {
 	// TTL and LockTimeout are as in Claim. Default 0: the SQL API's defaults. A negative
 	// one is ErrInvalidArgument.
 	TTL, LockTimeout time.Duration
-	// Gate coalesces concurrent calls of this process with the same key. Default nil: one
-	// Gate shared by every Do and DoLease of the process.
+	// Gate coalesces concurrent calls of this process with the same key on the same pool.
+	// Default nil: one Gate shared by every Do and DoLease of the process (a key of one pool
+	// never waits for the same key of another; their wait bounds are shared).
 	Gate *Gate
 	// Lease is the lease of a DoLease job: the claim is held that long past its last
 	// extension. Required by DoLease, from a second to 10 years (any other is

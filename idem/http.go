@@ -93,7 +93,7 @@ type Options struct {
 	// its client goes away and when Shutdown starts. The duplicate then answers as the first
 	// did, soon after the answer is stored. Duplicates of this process replay one after
 	// another: one that saw the answer stored reads it even past its wait, unless a request
-	// ahead of it claims the key afresh. Past the wait, its 409's Retry-After estimates the
+	// ahead of it claims the key afresh or finds it held by another process. Past the wait, its 409's Retry-After estimates the
 	// rest of the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait
 	// (10 minutes).
 	DuplicateWait time.Duration

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"reflect"
 	"regexp"
 	"strings"
 	"sync"
@@ -77,8 +78,11 @@ type GateOptions struct {
 //   - waiting on a key's row lock (held by another process) takes one of a fixed number of
 //     slots; a claim that finds them all taken gets ErrInProgress at once.
 //
-// The database stays the arbiter across processes. A Gate is safe for concurrent use; use
-// one per pool.
+// The database stays the arbiter across processes. A Gate is safe for concurrent use. Its
+// requests are lined up per pool and key: a Gate shared by pools of several databases (Do's
+// default) keeps their keys apart, but its bounds (MaxWaitingClaims, MaxWaitingBytes) and the
+// default lock timeout it reads once are shared; give a pool of its own settings a Gate of its
+// own.
 type Gate struct {
 	mu       sync.Mutex
 	flights  map[flightKey]*flight
@@ -92,15 +96,31 @@ type Gate struct {
 	refused      atomic.Uint64
 }
 
-type flightKey struct{ principal, key string }
+// flightKey names a key in one database: db is the pool the request runs on (when it is a
+// pointer, as a *pgxpool.Pool is), so that a Gate shared by pools of several databases (Do's
+// default) does not make a key of one wait for the same key of another.
+type flightKey struct {
+	db             any
+	principal, key string
+}
+
+// poolIdentity is db when it can name a pool in a map key (a pointer), else nil.
+func poolIdentity(db any) any {
+	if t := reflect.TypeOf(db); t != nil && t.Kind() == reflect.Pointer {
+		return db
+	}
+	return nil
+}
 
 // flight is the one request of this process that works on a key: done is closed when it
-// leaves, and answered, set before, tells the requests that waited for it that the key has its
-// answer (the flight replayed it, or committed it with its claim); claimed is closed when the
-// flight's claim takes the key (its work runs).
+// leaves; answered tells the requests that wait for it that the key has its answer (the
+// flight read a committed key: a replay, or another request's answer, a mismatch; set as it
+// decides; or it committed its own claim with its answer, set as it leaves); claimed is closed
+// when the flight's claim takes the key (its work runs), or finds the key's row held by a
+// request elsewhere (in progress, not answered).
 type flight struct {
 	done     chan struct{}
-	answered bool
+	answered atomic.Bool
 	claimed  chan struct{}
 }
 
@@ -161,10 +181,11 @@ func IsRefusedByGate(err error) bool {
 // it waited for left the key with its answer, the bound no longer ends its wait while the
 // request ahead of it only reads that answer: it reads it next (one replay after another, the
 // last of a storm of a hundred ran out of its wait in that line, D211); only a request ahead
-// that claims the key afresh (it expired or was released meanwhile: flight.claimed) ends the
-// wait at the bound.
-func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Duration, held int64) (*pass, error) {
-	id := flightKey{principal, key}
+// that claims the key afresh (it expired or was released meanwhile), or finds it held by a
+// request elsewhere (flight.claimed), ends the wait at the bound. A request ahead that is
+// reading the answer when the bound passes counts as one that left with it.
+func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound time.Duration, held int64) (*pass, error) {
+	id := flightKey{poolIdentity(db), principal, key}
 	var deadline <-chan time.Time
 	weight := held + WaitOverhead
 	stopWaiting := func() {
@@ -205,7 +226,7 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 		}
 		select {
 		case <-f.done:
-			answered = answered || f.answered
+			answered = answered || f.answered.Load()
 		case <-claimed:
 			stopWaiting()
 			g.countRefused(ctx)
@@ -215,8 +236,9 @@ func (g *Gate) enter(ctx context.Context, principal, key string, bound time.Dura
 			select {
 			case <-f.claimed:
 			default:
-				if answered {
-					over = true
+				// The request ahead may be reading the answer right now (a slow replay).
+				if answered || f.answered.Load() {
+					answered, over = true, true
 					continue
 				}
 			}
@@ -237,8 +259,9 @@ type pass struct {
 	f  *flight
 }
 
-// claimed is called when the request's claim took the key (a fresh claim, or a takeover): the
-// requests that wait for it past their bound stop waiting (its work may take long).
+// claimed is called when the request's claim took the key (a fresh claim, or a takeover), or
+// found its row held by a request elsewhere: the requests that wait for it past their bound
+// stop waiting (its work, or the other's, may take long).
 func (p *pass) claimed() {
 	select {
 	case <-p.f.claimed:
@@ -247,14 +270,20 @@ func (p *pass) claimed() {
 	}
 }
 
+// read is called when the request's claim read a committed key (Replay, Mismatch): the key
+// has an answer, or a committed holder, and the request behind reads it next.
+func (p *pass) read() { p.f.answered.Store(true) }
+
 // leave ends the pass. returned: the unit of work returned without an error (not a panic);
-// outcome: the decision of its last run. The key has its answer when the flight replayed it,
-// or committed a transactional claim with it.
+// outcome: the decision of its last run. The key has its answer when the flight committed a
+// transactional claim with it (a flight that read the key said so as it decided).
 func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
 	g := p.g
+	if returned && outcome == Claimed && !lease {
+		p.f.answered.Store(true)
+	}
 	g.mu.Lock()
 	delete(g.flights, p.id)
-	p.f.answered = returned && (outcome == Replay || (outcome == Claimed && !lease))
 	g.mu.Unlock()
 	close(p.f.done)
 }
@@ -389,10 +418,15 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	if err != nil {
 		return err
 	}
-	p, err := g.enter(wait, c.Principal, c.Key, lockTimeout, held)
+	entered := time.Now()
+	p, err := g.enter(wait, db, c.Principal, c.Key, lockTimeout, held)
 	if err != nil {
 		return err
 	}
+	// The wait in Go counts toward the lock timeout: what is left of it bounds the wait on
+	// the key's row, and a request whose wait is over (it waited on past it for an answer)
+	// only probes. A duplicate waited a lock timeout in Go, then another on the row.
+	lockTimeout = max(lockTimeout-time.Since(entered), Probe)
 	// The decision of the last run tells the pass what became of the key (pass.leave); only a
 	// unit that returned counts (one whose fn panicked answered nothing).
 	var last Decision
@@ -400,13 +434,16 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	work0 := fn
 	fn = func(tx *Tx, d Decision) error {
 		last = d
-		if d.Outcome == Claimed {
+		switch d.Outcome {
+		case Claimed:
 			p.claimed()
+		case Replay, Mismatch:
+			p.read()
 		}
 		return work0(tx, d)
 	}
 	defer func() { p.leave(returned && err == nil, last.Outcome, c.Lease != 0) }()
-	err = g.runGated(wait, work, ctx, db, opts, c, lockTimeout, fn)
+	err = g.runGated(wait, work, ctx, db, opts, c, lockTimeout, p.claimed, fn)
 	returned = true
 	return err
 }
@@ -414,9 +451,11 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 // runGated is RunDetached's unit of work, once the request has its pass through the Gate: the
 // probe, and the claim that waits on the key's row with a wait slot.
 func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOptions, c Claim, lockTimeout time.Duration,
-	fn func(tx *Tx, d Decision) error) (err error) {
-	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
-	claimed := func() {}
+	keyHeld func(), fn func(tx *Tx, d Decision) error) (err error) {
+	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer;
+	// replied, for a claim whose reply kept the unit's bound going past its end, gives what
+	// follows the reply (a COMMIT, a run again) the same margin.
+	claimed, replied := func() {}, func() {}
 	// active is the bound of the claim statement under way, if any.
 	var active atomic.Pointer[replyBound]
 	if c.Lease != 0 {
@@ -449,6 +488,13 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		defer func() { bound.Stop(); cancel(nil) }()
 		ctx = lctx
 		claimed = func() { mu.Lock(); moveTo(ClaimReplyMargin); mu.Unlock() }
+		replied = func() {
+			mu.Lock()
+			if time.Until(until) < ClaimReplyMargin {
+				moveTo(ClaimReplyMargin)
+			}
+			mu.Unlock()
+		}
 		defer func() {
 			if err != nil && context.Cause(ctx) == errNoReply && !errors.Is(err, errNoReply) {
 				err = fmt.Errorf("%w (%w)", err, errNoReply)
@@ -464,7 +510,12 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		}
 		bctx, b := newReplyBound(parent, conn, c.LockTimeout+ClaimReplyMargin)
 		active.Store(b)
-		return bctx, func() { active.CompareAndSwap(b, nil); b.stop() }
+		return bctx, func() {
+			active.CompareAndSwap(b, nil)
+			if b.stop() {
+				replied()
+			}
+		}
 	}
 	// A wait slot is held for the claim statement that waits on the key's row, not for the
 	// work after it (a handler, a COMMIT): taken before RunTx (no slot, no connection), freed
@@ -642,6 +693,11 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			return fmt.Errorf("%w: %w", ErrStoreBusy, pgErr)
 		}
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)
+	}
+	if IsKeyWait(err) && !isWork(err) && !worked {
+		// A request elsewhere holds the key's row: the key is in progress, not answered, and
+		// the requests behind this one in the Gate wait no longer than their bound.
+		keyHeld()
 	}
 	if !IsKeyWait(err) || isWork(err) || worked || lockTimeout <= Probe {
 		return err

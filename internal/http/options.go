@@ -83,7 +83,7 @@ type Options struct {
 	// a lease route for the holder's answer (woken at once when the holder is in this
 	// process, else by a look at the key every DefaultAnswerPoll). Whatever the route, the
 	// answer reaches the duplicate soon after it is stored, even past its wait once it saw the
-	// key answered (the replays of this process go one at a time; D211). 0:
+	// key answered (the replays of this process go one at a time; D211, D215). 0:
 	// DefaultDuplicateWait (10 seconds). At most 10 minutes.
 	DuplicateWait time.Duration
 	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
