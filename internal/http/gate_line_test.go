@@ -104,7 +104,7 @@ func (e *gateEnv) handle(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-e.hold(name):
 		case <-r.Context().Done():
-			http.Error(w, "stopped", 503)
+			http.Error(w, "stopped", http.StatusServiceUnavailable)
 			return
 		}
 	}
