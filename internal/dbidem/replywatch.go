@@ -10,6 +10,10 @@ import (
 // replyTick is how often a bound that has passed looks again at a reply that is arriving.
 const replyTick = 250 * time.Millisecond
 
+// replyTickSlack is the kernel's clock tick at its coarsest (HZ=100), by which the time since
+// it last received data may be off.
+const replyTickSlack = 10 * time.Millisecond
+
 // replyMinBytes is the least a counted reply must bring in each ClaimReplyMargin once its
 // bound has passed: a reply that trickles in slower (a byte every few seconds) is taken for
 // lost, or it would hold its request and connection for as long as the trickle lasts.
@@ -21,12 +25,16 @@ const replyMinBytes = 64 << 10
 const replyGraces = 4
 
 // replyWatch tells a reply that is slow to arrive (a large answer on a slow link or a loaded
-// machine) from one that is not coming (D213). It looks at the connection's socket: the bytes
-// its kernel has received (TCP on Linux counts them) and the bytes waiting unread. Where it can
-// see neither, nothing ever arrives and a bound ends as a plain deadline would.
+// machine) from one that is not coming (D213). It looks at the connection's socket only once
+// the bound has passed, never on the way of a statement that answers in time: on Linux over
+// TCP, when the kernel last received data and how many bytes it has received; anywhere it can,
+// the bytes waiting unread. Where it can see neither, nothing ever arrives and a bound ends as
+// a plain deadline would.
 type replyWatch struct {
 	conn    net.Conn
-	rx      uint64
+	start   time.Time // when the statement was sent (about)
+	looked  bool      // the socket was looked at once
+	rx      uint64    // the bytes received at the last look
 	counted bool      // the socket counts the bytes it received
 	began   bool      // some of the reply was seen arriving
 	last    time.Time // when it was last seen arriving
@@ -36,7 +44,7 @@ type replyWatch struct {
 	windowRx uint64
 }
 
-func newReplyWatch(c net.Conn) *replyWatch {
+func newReplyWatch(c net.Conn, start time.Time) *replyWatch {
 	for {
 		u, ok := c.(interface{ NetConn() net.Conn })
 		if !ok {
@@ -44,37 +52,45 @@ func newReplyWatch(c net.Conn) *replyWatch {
 		}
 		c = u.NetConn()
 	}
-	w := &replyWatch{conn: c}
-	w.rx, w.counted = socketReceived(c)
-	return w
+	return &replyWatch{conn: c, start: start, counted: true}
 }
 
-// arriving reports whether bytes came in since the last look, or wait to be read; false, for
-// good, once a counted reply brought less than replyMinBytes in a window of ClaimReplyMargin.
+// arriving reports whether bytes of the reply came in since the last look (at the first look,
+// since the statement was sent), or wait to be read; false, for good, once a counted reply
+// brought less than replyMinBytes in a window of ClaimReplyMargin.
 func (w *replyWatch) arriving(now time.Time) bool {
 	moved := false
 	if w.counted {
-		rx, ok := socketReceived(w.conn)
-		moved = ok && rx != w.rx
-		if ok {
-			w.rx = rx
-		}
-		if w.windowAt.IsZero() {
-			w.windowAt, w.windowRx = now, w.rx
-		} else if now.Sub(w.windowAt) >= ClaimReplyMargin {
-			if w.rx-w.windowRx < replyMinBytes {
-				w.began, w.counted = false, false
-				w.conn = nil // a trickle: nothing counts any more
-				return false
+		rx, since, ok := socketReceived(w.conn)
+		switch {
+		case !ok:
+			w.counted = false
+		case !w.looked:
+			// Data received after the statement was sent is its reply's; the kernel counts in
+			// clock ticks (up to 10 ms), so data received just before it is not taken for it.
+			moved = since+replyTickSlack < now.Sub(w.start)
+			w.windowAt, w.windowRx = now, rx
+		default:
+			moved = rx != w.rx
+			if now.Sub(w.windowAt) >= ClaimReplyMargin {
+				if rx-w.windowRx < replyMinBytes {
+					w.began, w.counted, w.conn = false, false, nil // a trickle: nothing counts any more
+					return false
+				}
+				w.windowAt, w.windowRx = now, rx
 			}
-			w.windowAt, w.windowRx = now, w.rx
+		}
+		w.rx = rx
+		if moved {
+			w.began, w.last = true, now.Add(-since)
 		}
 	}
-	if moved || w.conn != nil && socketUnread(w.conn) > 0 {
+	w.looked = true
+	if w.conn != nil && socketUnread(w.conn) > 0 {
 		w.began, w.last = true, now
 		return true
 	}
-	return false
+	return moved
 }
 
 // replyBound bounds a statement whose reply may never come (D168, D213): its context ends
@@ -96,7 +112,7 @@ func newReplyBound(parent context.Context, conn net.Conn, d time.Duration) (cont
 	ctx, cancel := context.WithCancelCause(parent)
 	b := &replyBound{cancel: cancel}
 	if conn != nil {
-		b.w = newReplyWatch(conn)
+		b.w = newReplyWatch(conn, time.Now())
 	}
 	b.mu.Lock()
 	b.t = time.AfterFunc(d, b.fire)

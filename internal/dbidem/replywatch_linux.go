@@ -3,25 +3,28 @@ package dbidem
 import (
 	"net"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// socketReceived is the number of bytes the kernel has received on c's TCP socket, and
-// whether it could tell (a TCP socket counts them; a Unix socket does not).
-func socketReceived(c net.Conn) (uint64, bool) {
+// socketReceived is the number of bytes the kernel has received on c's TCP socket and how long
+// ago it last received data, and whether it could tell (a TCP socket counts them; a Unix
+// socket does not).
+func socketReceived(c net.Conn) (uint64, time.Duration, bool) {
 	tc, ok := c.(*net.TCPConn)
 	if !ok {
-		return 0, false
+		return 0, 0, false
 	}
 	var n uint64
+	var since time.Duration
 	var got bool
 	control(tc, func(fd int) {
 		if info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			n, got = info.Bytes_received, true
+			n, since, got = info.Bytes_received, time.Duration(info.Last_data_recv)*time.Millisecond, true
 		}
 	})
-	return n, got
+	return n, since, got
 }
 
 // socketUnread is the number of bytes waiting unread in c's receive buffer (0 when it cannot

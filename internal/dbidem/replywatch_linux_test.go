@@ -1,6 +1,7 @@
 package dbidem
 
 import (
+	"io"
 	"net"
 	"path/filepath"
 	"testing"
@@ -34,10 +35,23 @@ func TestReplyWatchSeesBytesArrive(t *testing.T) {
 			defer client.Close()
 			server := <-accepted
 			defer server.Close()
-			w := newReplyWatch(client)
-			if w.counted != (network == "tcp") {
-				t.Fatalf("counted = %v", w.counted)
+			// A reply that came and was read before the first look: the kernel's time of the
+			// last data, after the statement was sent, tells (TCP).
+			early := newReplyWatch(client, time.Now())
+			time.Sleep(30 * time.Millisecond) // past the kernel's clock tick and replyTickSlack
+			if _, err := server.Write([]byte("early")); err != nil {
+				t.Fatal(err)
 			}
+			if _, err := io.ReadFull(client, make([]byte, 5)); err != nil {
+				t.Fatal(err)
+			}
+			if got := early.arriving(time.Now()); got != (network == "tcp") {
+				t.Fatalf("a reply read before the first look seen arriving: %v", got)
+			}
+			if early.counted != (network == "tcp") {
+				t.Fatalf("counted = %v", early.counted)
+			}
+			w := newReplyWatch(client, time.Now())
 			if w.arriving(time.Now()) {
 				t.Fatal("arriving before a byte was sent")
 			}
