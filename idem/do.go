@@ -35,8 +35,10 @@ type Job struct {
 	// one is ErrInvalidArgument.
 	TTL, LockTimeout time.Duration
 	// Gate coalesces concurrent calls of this process with the same key on the same pool.
-	// Default nil: one Gate shared by every Do and DoLease of the process (a key of one pool
-	// never waits for the same key of another; their wait bounds are shared).
+	// Default nil: one Gate shared by every Do and DoLease of the process. It tells
+	// *pgxpool.Pools apart (a key of one never waits for the same key of another); pools of
+	// other types (wrappers) it lines up as one pool: give the pool of each database a Gate of
+	// its own. Its wait bounds are shared.
 	Gate *Gate
 	// Lease is the lease of a DoLease job: the claim is held that long past its last
 	// extension. Required by DoLease, from a second to 10 years (any other is

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"reflect"
 	"regexp"
 	"strings"
 	"sync"
@@ -14,6 +13,7 @@ import (
 	"unicode"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Probe is the lock timeout of a claim's first try. A request of this process never waits
@@ -96,28 +96,30 @@ type Gate struct {
 	refused      atomic.Uint64
 }
 
-// flightKey names a key in one database: db is the pool the request runs on (when it is a
-// pointer, as a *pgxpool.Pool is), so that a Gate shared by pools of several databases (Do's
-// default) does not make a key of one wait for the same key of another.
+// flightKey names a key in one database: db is the pool the request runs on when it is a
+// *pgxpool.Pool, so that a Gate shared by pools of several databases (Do's default) does not
+// make a key of one wait for the same key of another. A pool of another type (a wrapper, made
+// once or per call, by value or by pointer) tells nothing of its database: its keys are lined
+// up with every other such pool's, as one pool's.
 type flightKey struct {
 	db             any
 	principal, key string
 }
 
-// poolIdentity is db when it can name a pool in a map key (a pointer), else nil.
+// poolIdentity is db when it is a *pgxpool.Pool, else nil.
 func poolIdentity(db any) any {
-	if t := reflect.TypeOf(db); t != nil && t.Kind() == reflect.Pointer {
-		return db
+	if p, ok := db.(*pgxpool.Pool); ok && p != nil {
+		return p
 	}
 	return nil
 }
 
 // flight is the one request of this process that works on a key: done is closed when it
-// leaves; answered tells the requests that wait for it that the key has its answer (the
-// flight read a committed key: a replay, or another request's answer, a mismatch; set as it
-// decides; or it committed its own claim with its answer, set as it leaves); claimed is closed
-// when the flight's claim takes the key (its work runs), or finds the key's row held by a
-// request elsewhere (in progress, not answered).
+// leaves; answered, set before, tells the requests that wait for it that the key has its
+// answer (the flight read a committed key: a replay, or another request's answer, a mismatch;
+// or it committed its own claim with its answer); claimed is closed when the flight's claim
+// takes the key (its work runs), or finds the key's row held by a request elsewhere (in
+// progress, not answered).
 type flight struct {
 	done     chan struct{}
 	answered atomic.Bool
@@ -182,8 +184,8 @@ func IsRefusedByGate(err error) bool {
 // request ahead of it only reads that answer: it reads it next (one replay after another, the
 // last of a storm of a hundred ran out of its wait in that line, D211); only a request ahead
 // that claims the key afresh (it expired or was released meanwhile), or finds it held by a
-// request elsewhere (flight.claimed), ends the wait at the bound. A request ahead that is
-// reading the answer when the bound passes counts as one that left with it.
+// request elsewhere (flight.claimed), ends the wait at the bound; so does a request ahead that
+// has not left ClaimReplyMargin after the bound or after the flight before it.
 func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound time.Duration, held int64) (*pass, error) {
 	id := flightKey{poolIdentity(db), principal, key}
 	var deadline <-chan time.Time
@@ -219,15 +221,28 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 			defer timer.Stop()
 			deadline = timer.C
 		}
-		// Past the bound, the wait goes on only while the request ahead reads the answer.
+		// Past the bound, the wait goes on only while the request ahead reads the answer, which
+		// takes it moments: one that has not left ClaimReplyMargin after (its COMMIT
+		// black-holed, a pool without a connection for it) does more than read.
 		var claimed <-chan struct{}
+		var stalled <-chan time.Time
+		var st *time.Timer
 		if over {
 			claimed = f.claimed
+			st = time.NewTimer(ClaimReplyMargin)
+			stalled = st.C
 		}
 		select {
 		case <-f.done:
+			if st != nil {
+				st.Stop()
+			}
 			answered = answered || f.answered.Load()
 		case <-claimed:
+			stopWaiting()
+			g.countRefused(ctx)
+			return nil, errBusyHere
+		case <-stalled:
 			stopWaiting()
 			g.countRefused(ctx)
 			return nil, errBusyHere
@@ -236,9 +251,8 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 			select {
 			case <-f.claimed:
 			default:
-				// The request ahead may be reading the answer right now (a slow replay).
-				if answered || f.answered.Load() {
-					answered, over = true, true
+				if answered {
+					over = true
 					continue
 				}
 			}
@@ -270,16 +284,14 @@ func (p *pass) claimed() {
 	}
 }
 
-// read is called when the request's claim read a committed key (Replay, Mismatch): the key
-// has an answer, or a committed holder, and the request behind reads it next.
-func (p *pass) read() { p.f.answered.Store(true) }
-
 // leave ends the pass. returned: the unit of work returned without an error (not a panic);
-// outcome: the decision of its last run. The key has its answer when the flight committed a
-// transactional claim with it (a flight that read the key said so as it decided).
+// outcome: the decision of its last run. The key has its answer when the flight read a
+// committed key (a replay, or another request's answer: a mismatch) or committed a
+// transactional claim with it; told as the flight leaves, once its transaction has ended (a
+// flight whose COMMIT hangs has told nothing, and the requests behind it keep their bound).
 func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
 	g := p.g
-	if returned && outcome == Claimed && !lease {
+	if returned && (outcome == Replay || outcome == Mismatch || outcome == Claimed && !lease) {
 		p.f.answered.Store(true)
 	}
 	g.mu.Lock()
@@ -434,11 +446,8 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 	work0 := fn
 	fn = func(tx *Tx, d Decision) error {
 		last = d
-		switch d.Outcome {
-		case Claimed:
+		if d.Outcome == Claimed {
 			p.claimed()
-		case Replay, Mismatch:
-			p.read()
 		}
 		return work0(tx, d)
 	}
