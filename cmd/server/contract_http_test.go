@@ -384,7 +384,11 @@ func TestContractOneTimeSecretToken(t *testing.T) {
 // TestContractDeletedPrincipalMidRequest: docs/ledger.md: "A deleted principal's keys go with it,
 // and a claim for an unknown principal fails with 23503 on the key table, which the middleware
 // answers 401 principal_unknown." A principal deleted after its token was checked and before
-// its claim: 401 principal_unknown (problem shape), nothing stored, no account.
+// its claim: 401 principal_unknown (problem shape), nothing stored, no account. The claim meets
+// the uncommitted DELETE's lock on the principal's row: if the DELETE commits within the claim's
+// probes, the claim learns the principal is gone (401); if not, the table is busy for all the
+// claim can tell (503 store_unavailable, nothing changed: a loaded machine), and the client's
+// retry, with the principal gone, gets 401.
 func TestContractDeletedPrincipalMidRequest(t *testing.T) {
 	t.Parallel()
 	s := startServer(t, nil)
@@ -402,14 +406,41 @@ func TestContractDeletedPrincipalMidRequest(t *testing.T) {
 	go func() {
 		done <- s.call("POST", "/v1/accounts", token, "gone-1", `{"name":"a","currency":"EUR"}`, "X-Request-Id", "r-gone")
 	}()
-	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%'`)
+	// Commit as soon as the claim is seen waiting on the lock, or once the request was answered
+	// (its probes may all have ended before a look saw one).
+	var r resp
+	answered := false
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		select {
+		case r = <-done:
+			answered = true
+		default:
+		}
+		if answered || s.count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%'`) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the request neither waited on the principal's row nor was answered in 10 s")
+		}
+	}
 	if err := del.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := <-done
-	p := ctProblem(t, r, 401, "principal_unknown", ctHTTPDoc, "Unknown principal")
-	if p["correlation_id"] != "r-gone" {
-		t.Errorf("correlation_id %v", p["correlation_id"])
+	if !answered {
+		r = <-done
+	}
+	if r.status == http.StatusServiceUnavailable {
+		ctProblem(t, r, 503, "store_unavailable", ctHTTPDoc, "Idempotency store unavailable")
+		// The retry, with the principal gone: its token no longer authenticates (401).
+		if r = s.call("POST", "/v1/accounts", token, "gone-1", `{"name":"a","currency":"EUR"}`, "X-Request-Id", "r-gone"); r.status != 401 {
+			t.Fatalf("the retry after the principal was deleted: %d %s, want 401", r.status, r.body)
+		}
+	} else {
+		p := ctProblem(t, r, 401, "principal_unknown", ctHTTPDoc, "Unknown principal")
+		if p["correlation_id"] != "r-gone" {
+			t.Errorf("correlation_id %v", p["correlation_id"])
+		}
 	}
 	if n := ctKeys(s, pid); n != 0 {
 		t.Fatalf("%d keys of a deleted principal", n)
