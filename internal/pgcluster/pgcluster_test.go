@@ -109,13 +109,19 @@ func TestFreePortIsBelowTheEphemeralRange(t *testing.T) {
 		t.Logf("this machine's ephemeral range starts at %d: the kernel chooses", low)
 		floor, low = 1, 65536
 	}
+	// A port free when FreePort looked can be taken before the test listens on it (the other
+	// test packages start clusters and proxies beside this one): one such race is not the
+	// function's fault, a port taken again and again is.
+	taken := 0
 	for range 20 {
 		p, err := FreePort()
 		if err != nil {
 			t.Fatal(err)
 		}
 		if ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p))); err != nil {
-			t.Fatalf("FreePort chose %d, which is taken: %v", p, err)
+			if taken++; taken > 2 {
+				t.Fatalf("FreePort chose %d, which is taken (%d of its choices were): %v", p, taken, err)
+			}
 		} else {
 			ln.Close()
 		}
