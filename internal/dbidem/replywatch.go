@@ -99,13 +99,12 @@ func (w *replyWatch) arriving(now time.Time) bool {
 // coming for as long as its transfer takes; a connection that delivers none is given up as
 // before.
 type replyBound struct {
-	mu      sync.Mutex
-	w       *replyWatch
-	t       *time.Timer
-	cancel  context.CancelCauseFunc
-	graces  int
-	done    bool
-	expired bool
+	mu     sync.Mutex
+	w      *replyWatch
+	t      *time.Timer
+	cancel context.CancelCauseFunc
+	graces int
+	done   bool
 }
 
 func newReplyBound(parent context.Context, conn net.Conn, d time.Duration) (context.Context, *replyBound) {
@@ -138,7 +137,7 @@ func (b *replyBound) fire() {
 			return
 		}
 	}
-	b.expired, b.done = true, true
+	b.done = true
 	b.cancel(errNoReply)
 }
 
