@@ -22,7 +22,9 @@
 // URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
 // value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
-// headers), which Do refuses before sending anything. A nil Header is sent as an empty one. The context
+// headers), which Do refuses before sending anything. An answer whose body is longer than
+// MaxResponseBytes (64 MiB by default) ends it too, with ErrResponseTooLarge: its body is not
+// read whole. A nil Header is sent as an empty one. The context
 // bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
@@ -82,7 +84,23 @@ type Client struct {
 	// (Result.Replayed). Default "": "Idempotent-Replayed", the default of this module's
 	// middleware (idem.Options.ReplayHeader); set it for a server that names it otherwise.
 	ReplayedHeader string
+	// MaxResponseBytes bounds the response body Do reads into Result.Body (after net/http's
+	// own decompression, when it asked for gzip). Default 0: DefaultMaxResponseBytes (64 MiB);
+	// a negative value: no bound. An answer with a longer body (by its Content-Length, or once
+	// one more byte has been read) ends the operation with ErrResponseTooLarge, whatever its
+	// status: Result holds the status and headers, no body, and Do does not retry (the server
+	// answered; a 2xx took effect). Raise it for an API whose answers are larger.
+	MaxResponseBytes int64
 }
+
+// DefaultMaxResponseBytes is the bound on a response body when Client.MaxResponseBytes is 0:
+// 64 MiB, so that a server's answer (a misbehaving one's endless body) cannot take the
+// process's memory.
+const DefaultMaxResponseBytes = client.DefaultMaxResponseBytes
+
+// ErrResponseTooLarge is returned when an answer's body is longer than Client.MaxResponseBytes.
+// The operation ends at that answer, not retried: Result holds its status and headers.
+var ErrResponseTooLarge = client.ErrResponseTooLarge
 
 // DefaultMaxAttempts is the attempts of one operation when Client.MaxAttempts is 0: with the
 // default backoff (50ms doubling to 2s, each wait between half of it and all of it) about 7
@@ -104,7 +122,7 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // closed, as net/http does. A request with trailers (req.Trailer) is sent chunked, its
 // trailers after the body, as net/http sends one of unknown length; their values are read when
 // the body has been read, before the first attempt. The response body is read whole into
-// Result.Body.
+// Result.Body, up to MaxResponseBytes (ErrResponseTooLarge past it).
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	r, err := (*client.Client)(c).Do(ctx, req, key)
 	return Result(r), err
@@ -115,7 +133,8 @@ type Result struct {
 	// Status, Header and Body are the final answer's (the last attempt's, when the operation
 	// gave up; zero when that attempt got no answer: a network error, a timeout). A redirect
 	// that the HTTP client's CheckRedirect refused leaves its Status and Header (its Location),
-	// and no Body (net/http closes it).
+	// and no Body (net/http closes it); so does an answer whose body is longer than
+	// Client.MaxResponseBytes (ErrResponseTooLarge).
 	Status int
 	Header http.Header
 	Body   []byte

@@ -71,7 +71,18 @@ type Client struct {
 	// (Result.Replayed). Default "Idempotent-Replayed", the reference server's and the
 	// middleware's default (its Options.ReplayHeader).
 	ReplayedHeader string
+	// MaxResponseBytes bounds the response body read into Result.Body. Default 0:
+	// DefaultMaxResponseBytes; a negative value: no bound. A longer body ends the operation
+	// with ErrResponseTooLarge.
+	MaxResponseBytes int64
 }
+
+// DefaultMaxResponseBytes is the bound on a response body when Client.MaxResponseBytes is 0.
+const DefaultMaxResponseBytes = 64 << 20
+
+// ErrResponseTooLarge is returned when an answer's body is longer than Client.MaxResponseBytes:
+// the operation ends with the answer's status and headers, its body unread.
+var ErrResponseTooLarge = errors.New("idemclient: the response body is longer than MaxResponseBytes")
 
 // Result is the answer to an operation.
 type Result struct {
@@ -190,7 +201,7 @@ func NewKey() string {
 // body: req's body is read once (or taken from req.GetBody) and sent again as it was. An empty
 // key means the key req already carries in the key header, or else a new one (NewKey) for
 // this operation; Result.Key tells which. ctx, not req's context, bounds the operation. The
-// response body is read whole into Result.Body.
+// response body is read whole into Result.Body, up to MaxResponseBytes.
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	if key == "" {
 		if v := c.keyValues(req.Header); len(v) > 1 {
@@ -286,6 +297,9 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			res.Attempts, res.Key = attempt, key
 			if ctx.Err() != nil {
 				return res, ctx.Err()
+			}
+			if errors.Is(err, ErrResponseTooLarge) {
+				return res, err // the server answered: a retry would get the same answer
 			}
 			if permanent(err, wrote) {
 				return res, fmt.Errorf("idemclient: %w", err) // no retry can mend it
@@ -563,6 +577,11 @@ func permanent(err error, wrote bool) bool {
 	return !wrote && (errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &record))
 }
 
+// tooLarge is ErrResponseTooLarge for resp, whose body is longer than limit.
+func tooLarge(resp *http.Response, limit int64) error {
+	return fmt.Errorf("%w (%d bytes); the answer's status is %d, and Do does not retry an answer", ErrResponseTooLarge, limit, resp.StatusCode)
+}
+
 // errSwitchedProtocols is an attempt's error when the server answered 101 Switching Protocols
 // (net/http hands the connection over as the body, and no longer ends it with the request's
 // context): no answer, its outcome unknown.
@@ -625,9 +644,23 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	if resp.StatusCode == http.StatusSwitchingProtocols {
 		return Result{}, 0, false, errSwitchedProtocols // the deferred Close closes the connection
 	}
-	b, err := io.ReadAll(resp.Body)
+	limit := c.MaxResponseBytes
+	if limit == 0 {
+		limit = DefaultMaxResponseBytes
+	}
+	if limit > 0 && resp.ContentLength > limit {
+		return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, tooLarge(resp, limit)
+	}
+	body := io.Reader(resp.Body)
+	if limit > 0 {
+		body = io.LimitReader(resp.Body, limit+1)
+	}
+	b, err := io.ReadAll(body)
 	if err != nil {
 		return Result{}, 0, false, err // the answer was lost on the way: its outcome is unknown
+	}
+	if limit > 0 && int64(len(b)) > limit {
+		return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, tooLarge(resp, limit)
 	}
 	replayed := c.ReplayedHeader
 	if replayed == "" {
