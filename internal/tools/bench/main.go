@@ -35,7 +35,9 @@
 // Environment: BENCH_SECONDS (10) per run, BENCH_ROUNDS (3), BENCH_CLIENTS (16),
 // BENCH_SOAK_SECONDS (150), BENCH_SCALE_KEYS (10000000), BENCH_UPGRADE_KEYS (1500000),
 // BENCH_ONLY (a comma list of parts; default all), BENCH_SQL_VARIANTS (a comma list of the sql part's
-// variants, for an A/B with more rounds; default all), BENCH_CPUPROFILE (a file for a Go CPU profile of the run),
+// variants, for an A/B with more rounds; default all), BENCH_LATENCY_CLIENTS (4) and
+// BENCH_LATENCY_VARIANTS (nokey,functions,seed001; any of the sql part's on the bench database)
+// for the latency part, BENCH_CPUPROFILE (a file for a Go CPU profile of the run),
 // BENCH_DATABASE_URL (unset: a private cluster in a temporary directory).
 package main
 
