@@ -284,14 +284,15 @@ func (p *pass) claimed() {
 	}
 }
 
-// leave ends the pass. returned: the unit of work returned without an error (not a panic);
-// outcome: the decision of its last run. The key has its answer when the flight read a
-// committed key (a replay, or another request's answer: a mismatch) or committed a
-// transactional claim with it; told as the flight leaves, once its transaction has ended (a
-// flight whose COMMIT hangs has told nothing, and the requests behind it keep their bound).
-func (p *pass) leave(returned bool, outcome Outcome, lease bool) {
+// leave ends the pass. returned: the unit of work returned (not a panic); committed: without
+// an error; outcome: the decision of its last run. The key has its answer when the flight read
+// a committed key (a replay, or another request's answer: a mismatch), whatever its caller made
+// of it (Do returns ErrMismatch for a mismatch), or committed a transactional claim with it;
+// told as the flight leaves, once its transaction has ended (a flight whose COMMIT hangs has
+// told nothing, and the requests behind it keep their bound).
+func (p *pass) leave(returned, committed bool, outcome Outcome, lease bool) {
 	g := p.g
-	if returned && (outcome == Replay || outcome == Mismatch || outcome == Claimed && !lease) {
+	if returned && (outcome == Replay || outcome == Mismatch || committed && outcome == Claimed && !lease) {
 		p.f.answered.Store(true)
 	}
 	g.mu.Lock()
@@ -451,7 +452,7 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 		}
 		return work0(tx, d)
 	}
-	defer func() { p.leave(returned && err == nil, last.Outcome, c.Lease != 0) }()
+	defer func() { p.leave(returned, err == nil, last.Outcome, c.Lease != 0) }()
 	err = g.runGated(wait, work, ctx, db, opts, c, lockTimeout, p.claimed, fn)
 	returned = true
 	return err
