@@ -24,7 +24,10 @@
 // value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
 // headers), which Do refuses before sending anything. An answer whose body is longer than
 // MaxResponseBytes (64 MiB by default) ends it too, with ErrResponseTooLarge: its body is not
-// read whole. A nil Header is sent as an empty one. The context
+// read whole. The HTTP client follows redirects: one that sends the request again (307, 308)
+// carries the key and the body to the new URL (the same operation); one that turns it into a
+// GET without the body (301, 302 and 303 after a POST) is followed without the key, which names
+// the operation, not the GET. A nil Header is sent as an empty one. The context
 // bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
@@ -139,7 +142,9 @@ type Result struct {
 	Header http.Header
 	Body   []byte
 	// Replayed is true when the answer was a replay of the first execution's (the server sent
-	// Client.ReplayedHeader: true): an earlier attempt had taken effect and its answer was lost.
+	// Client.ReplayedHeader: true, on the answer or on a redirect that led to it, such as a
+	// replayed 303 to the created resource): an earlier attempt had taken effect and its
+	// answer was lost.
 	Replayed bool
 	// Attempts is how many requests the operation took: net/http's own second write of a
 	// request counts (Client.MaxAttempts); the redirects it follows do not. A write that
@@ -153,10 +158,13 @@ type Result struct {
 // JSON decodes the body into v.
 func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 
-// Code is the problem code of an error answer (its body's "code" member; "" for a success or
-// a body without one). A body compressed with gzip or deflate (zlib's format, or raw DEFLATE
-// as some servers send it; net/http leaves it so when the caller set Accept-Encoding itself)
-// is read decompressed.
+// Code is the problem code of an error answer: the string member of its body's JSON object
+// named exactly "code" (the last, if the name is there twice; "" for a success, a body that is
+// not a JSON object, or one without such a member: "Code" is another name). A body compressed
+// with gzip or deflate (zlib's format, or raw DEFLATE as some servers send it; net/http leaves
+// it so when the caller set Accept-Encoding itself) is read decompressed, up to
+// DefaultMaxResponseBytes; Do reads a larger one as it reads an encoding it does not know (a
+// 409 it cannot read is retried, DefaultMaxAttempts in a row at most).
 func (r Result) Code() string { return client.Result(r).Code() }
 
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its

@@ -102,54 +102,116 @@ type Result struct {
 // JSON decodes the body into v.
 func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 
-// Code is the problem code of an error answer ("" for a success or a body without one). A body
-// sent with Content-Encoding gzip or deflate (net/http leaves it so when the caller set
-// Accept-Encoding itself) is read decompressed, up to maxProblemBytes.
+// Code is the problem code of an error answer: its body's member named exactly "code" ("" for
+// a success, or a body that is not a JSON object with a string member so named). A body sent
+// with Content-Encoding gzip or deflate (net/http leaves it so when the caller set
+// Accept-Encoding itself) is read decompressed, up to DefaultMaxResponseBytes.
 func (r Result) Code() string {
 	code, _ := r.problemCode()
 	return code
 }
 
 // problemCode is Code, and whether the body could be read: false for a Content-Encoding other
-// than gzip, deflate or identity (several codings included), or a compressed body that does
-// not decompress.
+// than gzip, deflate or identity (several codings included), a compressed body that does not
+// decompress, or one that decompresses to more than DefaultMaxResponseBytes.
 func (r Result) problemCode() (string, bool) {
-	body := r.Body
 	enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding")))
 	switch enc {
-	case "", "identity", "gzip", "x-gzip", "deflate":
+	case "", "identity":
+		return codeMember(bytes.NewReader(r.Body)), true
+	case "gzip", "x-gzip", "deflate":
 	default:
 		return "", false
 	}
-	if enc == "gzip" || enc == "x-gzip" || enc == "deflate" {
-		var zr io.ReadCloser
-		var err error
-		if enc == "deflate" {
-			// RFC 9110's deflate is zlib's format; some servers send raw DEFLATE under the name.
-			if zr, err = zlib.NewReader(bytes.NewReader(r.Body)); err != nil {
-				zr, err = flate.NewReader(bytes.NewReader(r.Body)), nil
-			}
-		} else {
-			zr, err = gzip.NewReader(bytes.NewReader(r.Body))
+	var zr io.ReadCloser
+	var err error
+	if enc == "deflate" {
+		// RFC 9110's deflate is zlib's format; some servers send raw DEFLATE under the name.
+		if zr, err = zlib.NewReader(bytes.NewReader(r.Body)); err != nil {
+			zr, err = flate.NewReader(bytes.NewReader(r.Body)), nil
 		}
-		if err != nil {
-			return "", false
-		}
-		body, err = io.ReadAll(io.LimitReader(zr, maxProblemBytes))
-		zr.Close()
-		if err != nil {
-			return "", false
-		}
+	} else {
+		zr, err = gzip.NewReader(bytes.NewReader(r.Body))
 	}
-	var p struct {
-		Code string `json:"code"`
+	if err != nil {
+		return "", false
 	}
-	_ = json.Unmarshal(body, &p)
-	return p.Code, true
+	defer zr.Close()
+	lr := &io.LimitedReader{R: zr, N: DefaultMaxResponseBytes + 1}
+	code := codeMember(lr)
+	if lr.N == 0 {
+		return "", false // more than the bound: not read
+	}
+	// What codeMember left unread must decompress too (a damaged stream is not a body).
+	if _, err := io.Copy(io.Discard, lr); err != nil || lr.N == 0 {
+		return "", false
+	}
+	return code, true
 }
 
-// maxProblemBytes bounds what Code decompresses of a compressed answer.
-const maxProblemBytes = 1 << 20
+// codeMember is the string member named exactly "code" of the JSON object that is all of r (the
+// last one, if the name is there twice), or "": decoded as a stream, so that a large member
+// beside it costs no more than itself.
+func codeMember(r io.Reader) string {
+	dec := json.NewDecoder(r)
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return ""
+	}
+	code := ""
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return ""
+		}
+		if name, _ := t.(string); name == "code" {
+			v, err := dec.Token()
+			if err != nil {
+				return ""
+			}
+			switch v := v.(type) {
+			case string:
+				code = v
+			case json.Delim: // an object or array: not a code
+				code = ""
+				if err := skipRest(dec); err != nil {
+					return ""
+				}
+			default:
+				code = ""
+			}
+			continue
+		}
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return ""
+		}
+	}
+	if t, err := dec.Token(); err != nil || t != json.Delim('}') {
+		return ""
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return "" // something after the object: not a JSON text
+	}
+	return code
+}
+
+// skipRest reads the rest of the object or array whose opening delimiter dec has just read.
+func skipRest(dec *json.Decoder) error {
+	for depth := 1; depth > 0; {
+		t, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		if d, ok := t.(json.Delim); ok {
+			if d == '{' || d == '[' {
+				depth++
+			} else {
+				depth--
+			}
+		}
+	}
+	return nil
+}
 
 // ErrGaveUp is returned when an operation ran out of attempts (MaxAttempts) with an outcome
 // still unknown; the last attempt's error or answer is wrapped.
@@ -506,6 +568,10 @@ type firstTrip struct {
 	started  atomic.Bool
 	wrote    atomic.Int32
 	redirect atomic.Pointer[http.Response]
+	// replayedHeader is the header that marks a replay; replayed: an answer of this attempt
+	// (the request's, or a redirect's on the way) carried it as "true".
+	replayedHeader string
+	replayed       atomic.Bool
 }
 
 func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -519,6 +585,9 @@ func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 	resp, err := f.rt.RoundTrip(req)
 	if err == nil && resp.StatusCode >= 300 && resp.StatusCode < 400 && resp.Header.Get("Location") != "" {
 		f.redirect.Store(resp)
+	}
+	if err == nil && strings.EqualFold(strings.TrimSpace(resp.Header.Get(f.replayedHeader)), "true") {
+		f.replayed.Store(true)
 	}
 	return resp, err
 }
@@ -629,14 +698,16 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	if counted.rt == nil {
 		counted.rt = http.DefaultTransport
 	}
+	counted.replayedHeader = c.replayedHeader()
 	hc.Transport = counted
+	hc.CheckRedirect = c.checkRedirect(hc.CheckRedirect)
 	resp, err := hc.Do(req)
 	if err != nil {
 		if resp != nil { // net/http: only when CheckRedirect refused a redirect (its body is closed)
-			return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, &redirectRefused{err}
+			return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, &redirectRefused{err}
 		}
 		if last := counted.redirect.Load(); last != nil && ctx.Err() == nil {
-			return Result{Status: last.StatusCode, Header: last.Header}, 0, false, &redirectRefused{err}
+			return Result{Status: last.StatusCode, Header: last.Header, Replayed: counted.replayed.Load()}, 0, false, &redirectRefused{err}
 		}
 		return Result{}, 0, false, err
 	}
@@ -649,7 +720,7 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		limit = DefaultMaxResponseBytes
 	}
 	if limit > 0 && resp.ContentLength > limit {
-		return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, tooLarge(resp, limit)
+		return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, tooLarge(resp, limit)
 	}
 	body := io.Reader(resp.Body)
 	if limit > 0 {
@@ -660,14 +731,40 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 		return Result{}, 0, false, err // the answer was lost on the way: its outcome is unknown
 	}
 	if limit > 0 && int64(len(b)) > limit {
-		return Result{Status: resp.StatusCode, Header: resp.Header}, 0, false, tooLarge(resp, limit)
+		return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, tooLarge(resp, limit)
 	}
-	replayed := c.ReplayedHeader
-	if replayed == "" {
-		replayed = "Idempotent-Replayed"
+	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b, Replayed: counted.replayed.Load()}, 0, false, nil
+}
+
+// replayedHeader is ReplayedHeader or its default.
+func (c *Client) replayedHeader() string {
+	if c.ReplayedHeader == "" {
+		return "Idempotent-Replayed"
 	}
-	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b,
-		Replayed: strings.EqualFold(strings.TrimSpace(resp.Header.Get(replayed)), "true")}, 0, false, nil
+	return c.ReplayedHeader
+}
+
+// checkRedirect wraps next, the HTTP client's CheckRedirect (nil: net/http's default, ten
+// redirects): a redirect that turns the request into another one (a POST that 301, 302 or
+// 303 makes a GET without its body) is followed without the key, which names the operation,
+// not the GET; one that sends the same request again (307, 308) keeps it, with the body.
+func (c *Client) checkRedirect(next func(*http.Request, []*http.Request) error) func(*http.Request, []*http.Request) error {
+	return func(req *http.Request, via []*http.Request) error {
+		if req.Method != via[0].Method {
+			for name := range req.Header {
+				if strings.EqualFold(name, c.keyHeader()) {
+					delete(req.Header, name)
+				}
+			}
+		}
+		if next != nil {
+			return next(req, via)
+		}
+		if len(via) >= 10 {
+			return errors.New("stopped after 10 redirects") // net/http's default, as it words it
+		}
+		return nil
+	}
 }
 
 // Ledger is a client for the reference ledger API (cmd/server): one server, one bearer token,
