@@ -30,8 +30,8 @@ func TestReplayCommitHangsHoldsTheLine(t *testing.T) {
 	if _, _, err := dbidem.Do(ctx, direct, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "first", nil }); err != nil {
 		t.Fatal(err)
 	}
-	p := newReplyProxy(t, pgtest.TCPAddr(t))
-	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.addr)+" pool_max_conns=2")
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.Addr)+" pool_max_conns=2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +39,7 @@ func TestReplayCommitHangsHoldsTheLine(t *testing.T) {
 	if v, replayed, err := dbidem.Do(ctx, pool, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "again", nil }); err != nil || !replayed || v != "first" {
 		t.Fatalf("warm-up: %q %v %v", v, replayed, err)
 	}
-	p.commitHole.Store(true) // a connection's COMMIT, and everything after it, is swallowed
+	p.CommitHole.Store(true) // a connection's COMMIT, and everything after it, is swallowed
 	actx, cancelA := context.WithCancel(ctx)
 	defer cancelA()
 	aDone := make(chan error, 1)
@@ -78,7 +78,7 @@ func TestReplayCommitHangsHoldsTheLine(t *testing.T) {
 			"and hangs at its COMMIT: the answered mark (set as the flight decides, D215) ends the bound of every duplicate behind it",
 			job.Gate.Waiting())
 	}
-	p.commitHole.Store(false)
+	p.CommitHole.Store(false)
 	cancelA()
 	<-aDone
 	if !returned {

@@ -1,7 +1,6 @@
 package dbidem_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,7 +10,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,148 +20,6 @@ import (
 	"github.com/pgidem/pgidem/internal/pgbouncer"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// proxyMode is what a replyProxy does with the bytes it carries.
-type proxyMode int32
-
-const (
-	modeForward proxyMode = iota // both ways, as fast as they come
-	modeSwallow                  // the client's bytes are read (acked) and dropped: the query never arrives
-	modeHold                     // the server's bytes are read and dropped: the reply never arrives
-	modeTrickle                  // the server's bytes are forwarded one every trickle
-)
-
-// replyProxy forwards TCP to target; its mode can change while connections are open. With
-// commitHole, a connection that sends the simple query "commit" swallows it and every byte
-// after it (a lease claim's COMMIT black-holed). With rate > 0 the server's bytes are
-// forwarded at rate bytes a second (a slow link); with holdAfter > 0 past that many bytes of
-// a connection's server side nothing more is forwarded, nothing is closed.
-type replyProxy struct {
-	addr       string
-	mode       atomic.Int32
-	commitHole atomic.Bool
-	trickle    time.Duration
-	rate       atomic.Int64
-	holdAfter  atomic.Int64
-	// sentSince counts the server bytes forwarded since the count was last reset.
-	sentSince atomic.Int64
-	mu        sync.Mutex
-	conns     []net.Conn
-	closed    chan struct{}
-}
-
-func newReplyProxy(t *testing.T, target string) *replyProxy {
-	t.Helper()
-	return newReplyProxyOn(t, "tcp", "127.0.0.1:0", target)
-}
-
-// newReplyProxyOn is newReplyProxy listening on network and laddr (a Unix socket's path).
-func newReplyProxyOn(t *testing.T, network, laddr, target string) *replyProxy {
-	t.Helper()
-	ln, err := net.Listen(network, laddr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &replyProxy{addr: ln.Addr().String(), trickle: 4 * time.Second, closed: make(chan struct{})}
-	t.Cleanup(func() {
-		close(p.closed)
-		ln.Close()
-		p.closeAll()
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, s)
-			p.mu.Unlock()
-			go p.up(c, s)
-			go p.down(s, c)
-		}
-	}()
-	return p
-}
-
-func (p *replyProxy) closeAll() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.conns = nil
-}
-
-var commitMsg = []byte("Q\x00\x00\x00\x0bcommit\x00")
-
-func (p *replyProxy) up(c, s net.Conn) {
-	buf := make([]byte, 32<<10)
-	holed := false
-	for {
-		n, err := c.Read(buf)
-		if n > 0 {
-			if !holed && p.commitHole.Load() && bytes.Contains(buf[:n], commitMsg) {
-				holed = true
-			}
-			if !holed && proxyMode(p.mode.Load()) != modeSwallow {
-				if _, werr := s.Write(buf[:n]); werr != nil {
-					return
-				}
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-func (p *replyProxy) down(s, c net.Conn) {
-	buf := make([]byte, 32<<10)
-	sent := 0
-	for {
-		n, err := s.Read(buf)
-		if n > 0 {
-			switch proxyMode(p.mode.Load()) {
-			case modeHold:
-				// dropped
-			case modeTrickle:
-				for i := 0; i < n; i++ {
-					if _, werr := c.Write(buf[i : i+1]); werr != nil {
-						return
-					}
-					select {
-					case <-p.closed:
-						return
-					case <-time.After(p.trickle):
-					}
-				}
-			default:
-				if h := p.holdAfter.Load(); h > 0 && p.sentSince.Load()+int64(n) > h {
-					p.mode.Store(int32(modeHold)) // the link dies: nothing more, nothing closed
-					continue
-				}
-				if _, werr := c.Write(buf[:n]); werr != nil {
-					return
-				}
-				sent += n
-				p.sentSince.Add(int64(n))
-				if rate := p.rate.Load(); rate > 0 {
-					// paced per chunk: an idle connection earns no credit
-					time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
-				}
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
 
 // replyPool is a pool of one connection through addr, opened and warmed before the test turns
 // its link bad: the Gate's reads and the statement cache are done.
@@ -191,21 +47,21 @@ func TestReplyBlackHolesAtThePlainBound(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	direct, url := pgtest.NewPool(t, 2)
-	for _, mode := range []proxyMode{modeSwallow, modeHold} {
+	for _, mode := range []pgtest.Fault{pgtest.Swallow, pgtest.Hold} {
 		for _, lease := range []time.Duration{0, 30 * time.Second} {
-			name := map[proxyMode]string{modeSwallow: "swallowed-query", modeHold: "held-reply"}[mode] + "/lease=" + lease.String()
+			name := map[pgtest.Fault]string{pgtest.Swallow: "swallowed-query", pgtest.Hold: "held-reply"}[mode] + "/lease=" + lease.String()
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				job := dbidem.Job{Principal: "alice", Key: "bh-" + name, Action: "a", Lease: lease, LockTimeout: 2 * time.Second}
 				if _, _, err := replyDo(ctx, direct, job); err != nil {
 					t.Fatal(err)
 				}
-				p := newReplyProxy(t, pgtest.TCPAddr(t))
-				pool := replyPool(t, url, p.addr)
+				p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+				pool := replyPool(t, url, p.Addr)
 				if _, replayed, err := replyDo(ctx, pool, job); err != nil || !replayed {
 					t.Fatalf("warm-up replay: %v %v", replayed, err)
 				}
-				p.mode.Store(int32(mode))
+				p.SetFault(mode)
 				start := time.Now()
 				_, _, err := replyDo(ctx, pool, job)
 				took := time.Since(start)
@@ -227,13 +83,13 @@ func TestReplyLeaseCommitBlackHole(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
-	p := newReplyProxy(t, pgtest.TCPAddr(t))
-	pool := replyPool(t, url, p.addr)
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	pool := replyPool(t, url, p.Addr)
 	warm := dbidem.Job{Principal: "alice", Key: "warm", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
 	if _, _, err := replyDo(ctx, pool, warm); err != nil {
 		t.Fatal(err)
 	}
-	p.commitHole.Store(true)
+	p.CommitHole.Store(true)
 	job := dbidem.Job{Principal: "alice", Key: "commit-hole", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
 	start := time.Now()
 	_, _, err := replyDo(ctx, pool, job)
@@ -262,12 +118,12 @@ func TestReplyTrickleIsBounded(t *testing.T) {
 			if _, _, err := replyDo(ctx, direct, job); err != nil {
 				t.Fatal(err)
 			}
-			p := newReplyProxy(t, pgtest.TCPAddr(t))
-			pool := replyPool(t, url, p.addr)
+			p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+			pool := replyPool(t, url, p.Addr)
 			if _, _, err := replyDo(ctx, pool, job); err != nil {
 				t.Fatal(err)
 			}
-			p.mode.Store(int32(modeTrickle))
+			p.SetFault(pgtest.Trickle)
 			start := time.Now()
 			done := make(chan error, 1)
 			go func() {
@@ -282,7 +138,7 @@ func TestReplyTrickleIsBounded(t *testing.T) {
 					t.Fatalf("a trickling reply ended after %s with %v, want no reply within about two margins", took, err)
 				}
 			case <-time.After(30 * time.Second):
-				p.closeAll()
+				p.CloseAll()
 				err := <-done
 				t.Fatalf("a reply trickling one byte every 4 s still held the claim after %s (ended only when the test closed the link: %v)",
 					time.Since(start), err)
@@ -303,15 +159,15 @@ func TestReplyLeaseStopsMidwayIsGivenUp(t *testing.T) {
 	if _, _, err := dbidem.DoLease(ctx, direct, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return big, nil }); err != nil {
 		t.Fatal(err)
 	}
-	p := newReplyProxy(t, pgtest.TCPAddr(t))
-	p.rate.Store(3 << 19)
-	pool := replyPool(t, url, p.addr)
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	p.Rate.Store(3 << 19)
+	pool := replyPool(t, url, p.Addr)
 	warm := dbidem.Job{Principal: "alice", Key: "warm", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
 	if _, _, err := replyDo(ctx, pool, warm); err != nil {
 		t.Fatal(err)
 	}
-	p.sentSince.Store(0)
-	p.holdAfter.Store(3 << 20)
+	p.ResetSent()
+	p.HoldAfter.Store(3 << 20)
 	start := time.Now()
 	_, _, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "", errors.New("ran again") })
 	took := time.Since(start)
@@ -351,9 +207,9 @@ func TestReplyBoundEndsAsStatementsEndOnReusedConnections(t *testing.T) {
 			jobs = append(jobs, job)
 		}
 	}
-	p := newReplyProxy(t, pgtest.TCPAddr(t))
-	p.rate.Store(rate)
-	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.addr)+" pool_max_conns=2")
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	p.Rate.Store(rate)
+	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.Addr)+" pool_max_conns=2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -417,8 +273,8 @@ func TestReplyThroughPgBouncer(t *testing.T) {
 	if _, _, err := dbidem.Do(ctx, direct, large, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return big, nil }); err != nil {
 		t.Fatal(err)
 	}
-	bouncer := func(t *testing.T, p *replyProxy) *pgxpool.Pool {
-		host, port, _ := net.SplitHostPort(p.addr)
+	bouncer := func(t *testing.T, p *pgtest.Proxy) *pgxpool.Pool {
+		host, port, _ := net.SplitHostPort(p.Addr)
 		var pn int
 		fmt.Sscan(port, &pn)
 		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -437,12 +293,12 @@ func TestReplyThroughPgBouncer(t *testing.T) {
 		return pool
 	}
 	t.Run("black-hole", func(t *testing.T) {
-		p := newReplyProxy(t, pgtest.TCPAddr(t))
+		p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
 		pool := bouncer(t, p)
 		if _, _, err := replyDo(ctx, pool, small); err != nil {
 			t.Fatal(err)
 		}
-		p.mode.Store(int32(modeSwallow))
+		p.SetFault(pgtest.Swallow)
 		start := time.Now()
 		_, _, err := replyDo(ctx, pool, small)
 		took := time.Since(start)
@@ -451,12 +307,12 @@ func TestReplyThroughPgBouncer(t *testing.T) {
 		}
 	})
 	t.Run("slow-link", func(t *testing.T) {
-		p := newReplyProxy(t, pgtest.TCPAddr(t))
+		p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
 		pool := bouncer(t, p)
 		if _, _, err := replyDo(ctx, pool, small); err != nil {
 			t.Fatal(err)
 		}
-		p.rate.Store(3 << 19)
+		p.Rate.Store(3 << 19)
 		start := time.Now()
 		v, replayed, err := dbidem.Do(ctx, pool, large, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
 		took := time.Since(start)
@@ -484,7 +340,7 @@ func TestReplyUnixSocketBlackHole(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	p := newReplyProxyOn(t, "unix", filepath.Join(dir, ".s.PGSQL.5432"), pgtest.TCPAddr(t))
+	p := pgtest.NewProxyOn(t, "unix", filepath.Join(dir, ".s.PGSQL.5432"), pgtest.TCPAddr(t))
 	cfg, err := pgx.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
@@ -498,17 +354,17 @@ func TestReplyUnixSocketBlackHole(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	for _, mode := range []proxyMode{modeSwallow, modeHold} {
+	for _, mode := range []pgtest.Fault{pgtest.Swallow, pgtest.Hold} {
 		if _, replayed, err := replyDo(ctx, pool, job); err != nil || !replayed {
 			t.Fatalf("warm-up: %v %v", replayed, err)
 		}
-		p.mode.Store(int32(mode))
+		p.SetFault(mode)
 		start := time.Now()
 		_, _, err := replyDo(ctx, pool, job)
 		took := time.Since(start)
 		if !dbidem.IsNoReply(err) || took < dbidem.ClaimReplyMargin || took > dbidem.ClaimReplyMargin+1500*time.Millisecond {
 			t.Fatalf("a black hole (mode %d) over a Unix socket ended after %s with %v, want no reply at about %s", mode, took, err, dbidem.ClaimReplyMargin)
 		}
-		p.mode.Store(int32(modeForward))
+		p.SetFault(pgtest.Forward)
 	}
 }

@@ -22,7 +22,7 @@ func TestBlackHoleRightAfterALargeReply(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	direct, url := pgtest.NewPool(t, 2)
-	for _, mode := range []proxyMode{modeSwallow, modeHold} {
+	for _, mode := range []pgtest.Fault{pgtest.Swallow, pgtest.Hold} {
 		for _, lease := range []time.Duration{0, 30 * time.Second} {
 			name := fmt.Sprintf("mode=%d/lease=%s", mode, lease)
 			t.Run(name, func(t *testing.T) {
@@ -42,9 +42,9 @@ func TestBlackHoleRightAfterALargeReply(t *testing.T) {
 				if _, _, err := replyDo(ctx, direct, small); err != nil {
 					t.Fatal(err)
 				}
-				p := newReplyProxy(t, pgtest.TCPAddr(t))
-				p.rate.Store(8 << 20) // 8 MB/s: the big replay's bytes keep arriving to its very end
-				pool := replyPool(t, url, p.addr)
+				p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+				p.Rate.Store(8 << 20) // 8 MB/s: the big replay's bytes keep arriving to its very end
+				pool := replyPool(t, url, p.Addr)
 				if _, replayed, err := replyDo(ctx, pool, small); err != nil || !replayed {
 					t.Fatalf("warm-up: %v %v", replayed, err)
 				}
@@ -53,7 +53,7 @@ func TestBlackHoleRightAfterALargeReply(t *testing.T) {
 				if err != nil || !replayed || len(v) != len(big) {
 					t.Fatalf("big replay: %d bytes, %v, %v", len(v), replayed, err)
 				}
-				p.mode.Store(int32(mode))
+				p.SetFault(mode)
 				start := time.Now()
 				_, _, err = replyDo(ctx, pool, small)
 				took := time.Since(start)

@@ -3,10 +3,7 @@ package dbidem_test
 import (
 	"context"
 	"errors"
-	"io"
-	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,68 +14,7 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// slowLink forwards TCP to the test server, the server's bytes at rate bytes a second: a slow
-// network between an application and its database. Past holdAfter bytes from the server (0:
-// never) it forwards nothing more and keeps the connection open: a link that dies mid-reply.
-func slowLink(t *testing.T, rate, holdAfter int) string {
-	t.Helper()
-	target := pgtest.TCPAddr(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, c, s)
-			mu.Unlock()
-			go func() { _, _ = io.Copy(s, c) }()
-			go func() {
-				buf := make([]byte, 32<<10)
-				start, sent := time.Now(), 0
-				for {
-					n, err := s.Read(buf)
-					if holdAfter > 0 && sent+n > holdAfter {
-						return // held: nothing more, nothing closed
-					}
-					if n > 0 {
-						if _, werr := c.Write(buf[:n]); werr != nil {
-							return
-						}
-						sent += n
-						if ahead := time.Duration(sent)*time.Second/time.Duration(rate) - time.Since(start); ahead > 0 {
-							time.Sleep(ahead)
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
-}
-
+// poolVia is a pool through addr (a proxy's) to url's database.
 func poolVia(t *testing.T, url, addr string) *pgxpool.Pool {
 	t.Helper()
 	pool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, addr))
@@ -109,7 +45,7 @@ func TestReplayOfALargeAnswerOnASlowLinkArrives(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	slow := poolVia(t, url, slowLink(t, 3<<19, 0))
+	slow := poolVia(t, url, pgtest.SlowLink(t, 3<<19, 0))
 	for _, lease := range []time.Duration{0, 30 * time.Second} {
 		t.Run("lease="+lease.String(), func(t *testing.T) {
 			job := dbidem.Job{Principal: "alice", Key: "large-" + lease.String(), Action: "a", Lease: lease}
@@ -143,7 +79,7 @@ func TestReplyThatStopsMidwayIsGivenUp(t *testing.T) {
 	if _, _, err := dbidem.Do(ctx, direct, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return strings.Repeat("x", 12<<20), nil }); err != nil {
 		t.Fatal(err)
 	}
-	cut := poolVia(t, url, slowLink(t, 3<<19, 3<<20))
+	cut := poolVia(t, url, pgtest.SlowLink(t, 3<<19, 3<<20))
 	start := time.Now()
 	_, _, err := dbidem.Do(ctx, cut, job, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
 	took := time.Since(start)

@@ -1,16 +1,12 @@
 package idemhttp_test
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,72 +15,6 @@ import (
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// commitHoleProxy forwards TCP to target; while hole is set, a connection that sends the simple
-// query "commit" swallows it and every byte after it (a COMMIT black-holed).
-type commitHoleProxy struct {
-	addr  string
-	hole  atomic.Bool
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func newCommitHoleProxy(t *testing.T, target string) *commitHoleProxy {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &commitHoleProxy{addr: ln.Addr().String()}
-	t.Cleanup(func() { ln.Close(); p.closeAll() })
-	commit := []byte("Q\x00\x00\x00\x0bcommit\x00")
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, s)
-			p.mu.Unlock()
-			go func() {
-				buf := make([]byte, 32<<10)
-				holed := false
-				for {
-					n, err := c.Read(buf)
-					if n > 0 {
-						if !holed && p.hole.Load() && bytes.Contains(buf[:n], commit) {
-							holed = true
-						}
-						if !holed {
-							if _, werr := s.Write(buf[:n]); werr != nil {
-								return
-							}
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
-			go func() { _, _ = io.Copy(c, s) }()
-		}
-	}()
-	return p
-}
-
-func (p *commitHoleProxy) closeAll() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.conns = nil
-}
 
 // TestReplayCommitHangHoldsDuplicates: options.go promises "DuplicateWait bounds how
 // long a duplicate of a request that is still running waits for its answer ... before it gets 409
@@ -96,8 +26,8 @@ func (p *commitHoleProxy) closeAll() {
 func TestReplayCommitHangHoldsDuplicates(t *testing.T) {
 	t.Parallel()
 	_, url := pgtest.NewPool(t, 2)
-	p := newCommitHoleProxy(t, pgtest.TCPAddr(t))
-	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, url, p.addr) + " pool_max_conns=4")
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	cfg, err := pgxpool.ParseConfig(pgtest.Via(t, url, p.Addr) + " pool_max_conns=4")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,7 +53,7 @@ func TestReplayCommitHangHoldsDuplicates(t *testing.T) {
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 	defer pool.Close()
-	defer p.closeAll() // unblocks the hung COMMIT first (deferred calls run last-in first-out)
+	defer p.CloseAll() // unblocks the hung COMMIT first (deferred calls run last-in first-out)
 	send := func(timeout time.Duration) (int, error) {
 		c := &http.Client{Timeout: timeout}
 		req, _ := http.NewRequest("POST", srv.URL+"/x", strings.NewReader(`{"a":1}`))
@@ -143,7 +73,7 @@ func TestReplayCommitHangHoldsDuplicates(t *testing.T) {
 	if st, err := send(5 * time.Second); err != nil || st != 201 {
 		t.Fatalf("warm-up replay: %d %v", st, err)
 	}
-	p.hole.Store(true)
+	p.CommitHole.Store(true)
 	go func() { _, _ = send(30 * time.Second) }() // A: replays, then hangs at its COMMIT
 	time.Sleep(500 * time.Millisecond)
 	start := time.Now()
@@ -154,5 +84,5 @@ func TestReplayCommitHangHoldsDuplicates(t *testing.T) {
 		t.Errorf("a duplicate with DuplicateWait 1 s behind a replay whose COMMIT hangs: %d, %v after %s; "+
 			"want 409 request_in_progress at about its DuplicateWait", st, err, took.Round(time.Millisecond))
 	}
-	p.hole.Store(false)
+	p.CommitHole.Store(false)
 }

@@ -4,12 +4,9 @@ import (
 	"context"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,64 +16,6 @@ import (
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-// slowLinkTo forwards TCP to the test server, the server's bytes at rate bytes a second (a
-// copy of internal/dbidem's slowLink).
-func slowLinkTo(t *testing.T, rate int) string {
-	t.Helper()
-	target := pgtest.TCPAddr(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, c, s)
-			mu.Unlock()
-			go func() { _, _ = io.Copy(s, c) }()
-			go func() {
-				buf := make([]byte, 32<<10)
-				start, sent := time.Now(), 0
-				for {
-					n, err := s.Read(buf)
-					if n > 0 {
-						if _, werr := c.Write(buf[:n]); werr != nil {
-							return
-						}
-						sent += n
-						if ahead := time.Duration(sent)*time.Second/time.Duration(rate) - time.Since(start); ahead > 0 {
-							time.Sleep(ahead)
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
-}
 
 func replyServer(t *testing.T, pool *pgxpool.Pool, body string) *httptest.Server {
 	t.Helper()
@@ -139,7 +78,7 @@ func TestReplyLargeStoredBodyOnASlowLinkReplays(t *testing.T) {
 	pool, url := pgtest.NewPool(t, 4)
 	body := strings.Repeat("y", 12<<20)
 	direct := replyServer(t, pool, body)
-	slowPool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, slowLinkTo(t, 3<<19)))
+	slowPool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, pgtest.SlowLink(t, 3<<19, 0)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,73 +102,6 @@ func TestReplyLargeStoredBodyOnASlowLinkReplays(t *testing.T) {
 	}
 }
 
-// trickleLink forwards TCP to the test server; once *on is set, the server's bytes go one
-// every 4 s (a path that has all but stopped answering).
-func trickleLink(t *testing.T, on *atomic.Bool) string {
-	t.Helper()
-	target := pgtest.TCPAddr(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	closed := make(chan struct{})
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		close(closed)
-		ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, c, s)
-			mu.Unlock()
-			go func() { _, _ = io.Copy(s, c) }()
-			go func() {
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := s.Read(buf)
-					for i := 0; i < n; {
-						if !on.Load() {
-							if _, werr := c.Write(buf[i:n]); werr != nil {
-								return
-							}
-							break
-						}
-						if _, werr := c.Write(buf[i : i+1]); werr != nil {
-							return
-						}
-						i++
-						select {
-						case <-closed:
-							return
-						case <-time.After(4 * time.Second):
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // A replay whose reply trickles (one byte every 4 s) through the middleware: the bound did not
 // end while a byte came within each 5 s, and the work context outlives the client and has no
 // WorkTimeout before the claim, so the request and its connection stayed until Shutdown. A
@@ -239,8 +111,8 @@ func TestReplyTrickleThroughTheMiddlewareIsBounded(t *testing.T) {
 	t.Parallel()
 	pool, url := pgtest.NewPool(t, 4)
 	direct := replyServer(t, pool, "small answer")
-	var on atomic.Bool
-	tricklePool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, trickleLink(t, &on))+" pool_max_conns=1")
+	trickle := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	tricklePool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, trickle.Addr)+" pool_max_conns=1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -253,7 +125,7 @@ func TestReplyTrickleThroughTheMiddlewareIsBounded(t *testing.T) {
 	if st, _, h := replyPost(t, slow.URL+"/big", key, true); st != 201 || h.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("warm-up replay: %d", st)
 	}
-	on.Store(true)
+	trickle.SetFault(pgtest.Trickle)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, "POST", slow.URL+"/big", strings.NewReader(`{}`))
@@ -277,7 +149,7 @@ func TestReplyTrickleThroughTheMiddlewareIsBounded(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	held := tricklePool.Stat().AcquiredConns()
-	on.Store(false) // let the reply through, so that the server's Close does not wait for ever
+	trickle.SetFault(pgtest.Forward) // let the reply through, so that the server's Close does not wait for ever
 	t.Fatalf("a replay whose reply trickles had no answer after %s (%v); %s after its client left, %d connection(s) still held by it",
 		took, err, time.Since(left).Round(time.Second), held)
 }
