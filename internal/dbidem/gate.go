@@ -239,6 +239,7 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 			}
 			answered = answered || f.answered.Load()
 		case <-claimed:
+			st.Stop() // set with claimed
 			stopWaiting()
 			g.countRefused(ctx)
 			return nil, errBusyHere
@@ -260,6 +261,9 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 			g.countRefused(ctx)
 			return nil, errBusyHere
 		case <-ctx.Done():
+			if st != nil {
+				st.Stop()
+			}
 			stopWaiting()
 			return nil, fmt.Errorf("%w: %w", errWaitEnded, ctx.Err())
 		}
