@@ -8,8 +8,8 @@
 // for no upgrade included: no answer), a 5xx (except 501, 505 and 500
 // idempotency_misconfigured), 408, 425 (RFC 8470), 429, or 409 request_in_progress (or a 409
 // whose body is in a Content-Encoding Code cannot read: the retry of a stored 409 gets it
-// replayed, final; DefaultMaxAttempts of them in a row end the operation with ErrGaveUp,
-// whatever MaxAttempts), honouring Retry-After
+// replayed, final; DefaultMaxAttempts of them in a row, not counting attempts that got no
+// answer, end the operation with ErrGaveUp, whatever MaxAttempts), honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
 // answer marked Idempotent-Replayed: true is stored, whatever its status) ends the operation:
