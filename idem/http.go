@@ -161,10 +161,7 @@ type Route struct {
 	// template (Options.RouteTemplate), a method outside RFC 9110's nine (GET, HEAD, POST,
 	// PUT, PATCH, DELETE, CONNECT, OPTIONS, TRACE) named OTHER, bytes that are not UTF-8
 	// replaced by U+FFFD, cut to 1000 characters. At most 1000 characters. The action is a
-	// metric label (idemprom): with the URL path as the template, every path is one. Where
-	// the template is not the request's path (a template with parameters), the database gets
-	// the action and a digest of the path: a key reused on another path of the route
-	// (another {id}) is a mismatch whose changed_fields is [], as for another method.
+	// metric label (idemprom): with the URL path as the template, every path is one.
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing, when
 	// Options.Principal names a principal for it: a request without one (anonymous, or

@@ -2,8 +2,6 @@ package idemhttp
 
 import (
 	"cmp"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"math"
@@ -165,25 +163,6 @@ func DefaultRouteTemplate(r *http.Request) string {
 	return r.URL.Path
 }
 
-// sqlAction is the action the SQL API gets for a request of a route whose action is action: the
-// action itself where the route's template is the request's path, and otherwise the action and
-// a digest of the path (64 bits of its SHA-256), so that another path of the same route
-// (another {id}) is another action, as the SQL API's changed_fields takes it: a key reused there
-// is a mismatch whose changed_fields is [] (the method or the path changed), not the body's
-// members that differ (D218). The action is stored as a hash only; the whole stays within
-// MaxActionLength characters.
-func sqlAction(action, template, path string) string {
-	if template == path {
-		return action
-	}
-	sum := sha256.Sum256([]byte(path))
-	suffix := " " + hex.EncodeToString(sum[:8])
-	if n := MaxActionLength - len(suffix); utf8.RuneCountInString(action) > n {
-		action = string([]rune(action)[:n])
-	}
-	return action + suffix
-}
-
 // defaultAction is the action of a route that names none: the method and the route template.
 // Where the route leaves them to the client (a route that takes any method, a template that
 // is the URL path), the action is still one the SQL API stores and a metric label of bounded
@@ -214,9 +193,6 @@ type request struct {
 	next      http.Handler
 	body      []byte
 	canonical []byte // the canonical body (strictly valid JSON), when the fingerprint computed it
-	// sqlAction is the action the SQL API gets (sqlAction): action, and a digest of the path
-	// where the route's template is not the path.
-	sqlAction string
 	// rawHashed: the body, declared as another type than JSON, was hashed as its bytes; the
 	// releases before D178 hashed its canonical form when it was strictly valid JSON.
 	rawHashed bool
@@ -265,11 +241,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		}()
 	}
 	q := &request{m: m, w: w, r: r, rt: rt, next: next, action: rt.Action}
-	template := m.template(r)
 	if q.action == "" {
-		q.action = defaultAction(r.Method, template)
+		q.action = defaultAction(r.Method, m.template(r))
 	}
-	q.sqlAction = sqlAction(q.action, template, r.URL.EscapedPath())
 	key, present, valid := parseKey(r.Header.Values(m.o.KeyHeader))
 	var leave func()
 	if present || rt.Lease > 0 {
@@ -385,7 +359,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		m.problem(w, r, CodeMalformedBody, notStrictJSON, nil)
 		return
 	}
-	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.sqlAction, Fingerprint: fp.Sum, Fields: fp.Fields,
+	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.action, Fingerprint: fp.Sum, Fields: fp.Fields,
 		TTL: m.o.TTL, Lease: rt.Lease, LockTimeout: m.o.LockTimeout}
 	if m.tracer != nil {
 		q.keyHash = keyHash(principal, key)

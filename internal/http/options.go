@@ -141,8 +141,6 @@ type Route struct {
 	// replaced by U+FFFD, cut to MaxActionLength characters. A declared Action must be valid
 	// UTF-8 without U+0000 (PostgreSQL's text holds neither). The action is a metric label: with the URL path as the
 	// template, every path is one, so give a router's template (Options.RouteTemplate).
-	// Where the template is not the request's path, the SQL API gets the action and a digest
-	// of the path (sqlAction, D218).
 	Action string
 	// Required makes a request without the key a 400 idempotency_key_missing, when
 	// Options.Principal names a principal for it: a request without one (anonymous, or

@@ -373,9 +373,9 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	})
 	err := q.m.gate.RunDetached(waitCtx, fresh, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
-		if d.Outcome == dbidem.Mismatch {
-			if earlier, c, ok := q.earlierForms(wctx, tx, claim, d); ok {
-				d, claim = earlier, c // the key goes on under the action and fingerprint it was stored with
+		if d.Outcome == dbidem.Mismatch && q.rawHashed {
+			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
+				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
 				q.earlierTakeover = d.Outcome == dbidem.Claimed
 			}
 		}
@@ -542,49 +542,6 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 	}
 	earlier := claim
 	earlier.Fingerprint, earlier.Fields = fp.Sum, fp.Fields
-	return q.earlierDecision(ctx, tx, claim, earlier, false)
-}
-
-// earlierForms answers a mismatch d of claim that may be the retry of a request an earlier
-// release stored under another form of the same request, trying each in turn: the route's
-// action without the path's digest (releases before D218 sent it so: another action to this
-// release, hence d's changed_fields []), where the request's action carries one; and the
-// fingerprint of a release before D178 (earlierReleaseDecision), under either action, for a
-// body hashed as its bytes. It returns the first such form's answer, as earlierDecision takes
-// it; ok is false when none is the key's.
-func (q *request) earlierForms(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim, d dbidem.Decision) (dbidem.Decision, dbidem.Claim, bool) {
-	actions := []string{claim.Action}
-	if claim.Action != q.action {
-		if d.ChangedFields != nil && len(d.ChangedFields) == 0 {
-			// Stored under another action: perhaps this route's, by a release before D218.
-			// A mismatch under it too, with the body's members named, is that release's
-			// answer to a changed body; [] is another action there as well, and d stands.
-			plain := claim
-			plain.Action = q.action
-			if e, c, ok := q.earlierDecision(ctx, tx, claim, plain, true); ok {
-				return e, c, ok
-			}
-		}
-		actions = append(actions, q.action)
-	}
-	if !q.rawHashed {
-		return dbidem.Decision{}, claim, false
-	}
-	for _, a := range actions {
-		c := claim
-		c.Action = a
-		if e, c, ok := q.earlierReleaseDecision(ctx, tx, c); ok {
-			return e, c, ok
-		}
-	}
-	return dbidem.Decision{}, claim, false
-}
-
-// earlierDecision asks the key again as earlier, another form of claim, in tx under a
-// savepoint, and returns that answer with earlier when it is a replay, a lease in progress (both
-// read only), on a lease route the takeover of a lease that ran out, or, with mismatch, a
-// mismatch that names the body's members that differ; anything else is undone, and ok is false.
-func (q *request) earlierDecision(ctx context.Context, tx *dbidem.Tx, claim, earlier dbidem.Claim, mismatch bool) (dbidem.Decision, dbidem.Claim, bool) {
 	if _, err := tx.Exec(ctx, "SAVEPOINT idem_earlier_release"); err != nil {
 		return dbidem.Decision{}, claim, false
 	}
@@ -608,8 +565,7 @@ func (q *request) earlierDecision(ctx context.Context, tx *dbidem.Tx, claim, ear
 			}
 		}
 	}
-	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || d.Outcome == dbidem.Claimed ||
-		mismatch && d.Outcome == dbidem.Mismatch && len(d.ChangedFields) > 0) {
+	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || d.Outcome == dbidem.Claimed) {
 		return d, earlier, true
 	}
 	_, _ = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release")
