@@ -95,26 +95,3 @@ func TestOutsideSfStringAndBareNameOneKey(t *testing.T) {
 		}
 	}
 }
-
-// TestOutsidePathChangedNamesNoFields: the SQL API's changed_fields is {} when the method or
-// the path changed (docs/sql-api.md), and a key reused on another path is 422
-// idempotency_key_reuse. A key reused on another path of the same route (a deposit to another
-// account) with another body named the body's members (["amount"]): the middleware's action was
-// the route's template, the same for both paths. Another path is another action now (D218): [].
-func TestOutsidePathChangedNamesNoFields(t *testing.T) {
-	t.Parallel()
-	s := startServer(t, nil)
-	_, token := s.principal("o3-path")
-	a := int(s.call("POST", "/v1/accounts", token, "", `{"name":"a","currency":"EUR"}`).json(t)["id"].(float64))
-	b := int(s.call("POST", "/v1/accounts", token, "", `{"name":"b","currency":"EUR"}`).json(t)["id"].(float64))
-	if r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "o3-path", `{"amount":5}`); r.status != 201 {
-		t.Fatalf("first deposit: %d %s", r.status, r.body)
-	}
-	r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", b), token, "o3-path", `{"amount":6}`)
-	p := ctProblem(t, r, 422, "idempotency_key_reuse", ctHTTPDoc, "")
-	raw, ok := p["changed_fields"].([]any)
-	if !ok || len(raw) != 0 {
-		t.Errorf("changed_fields for the same key on another path (another account) with another body: %v, want [] (the path changed): %s",
-			p["changed_fields"], r.body)
-	}
-}
