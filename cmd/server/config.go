@@ -58,7 +58,7 @@ type Config struct {
 	// MaxBodyBytes (MAX_BODY_BYTES): the largest request body. Default 1048576.
 	MaxBodyBytes int64
 	// MaxStoredBytes (MAX_STORED_RESPONSE_BYTES): the largest response body stored for
-	// replay. Default 262144.
+	// replay, 1 to 1073741824. Default 262144.
 	MaxStoredBytes int
 	// CleanupInterval (CLEANUP_INTERVAL): how often expired keys are deleted; 0 disables.
 	// Default 1m.
@@ -153,7 +153,7 @@ environment (docs/operations.md):
   IDEMPOTENCY_MAX_WAITING_CLAIMS  requests that may wait on a key's row lock at once (a quarter of the pool)
   IDEMPOTENCY_MAX_WAITING_BYTES   what duplicates waiting for a request of this process may hold (16 x MAX_BODY_BYTES, at least 16 MiB)
   MAX_BODY_BYTES                  the largest request body (1048576)
-  MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay (262144)
+  MAX_STORED_RESPONSE_BYTES       the largest response body stored for replay, from 1 (262144)
   CLEANUP_INTERVAL                how often expired keys are deleted; 0 disables (1m)
   CLEANUP_BATCH_SIZE              rows per cleanup batch (the SQL default, 1000)
   CLEANUP_DUTY                    the share of the time the scheduled cleaner's batches may take, 0.01 to 1 (0.4)
@@ -278,7 +278,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		p.fail("IDEMPOTENCY_MAX_WAITING_BYTES", strconv.FormatInt(c.MaxWaitingBytes, 10),
 			fmt.Sprintf("want at least MAX_BODY_BYTES + 4096 (%d): room for one duplicate with the largest body", c.MaxBodyBytes+4096))
 	}
-	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 0, 1<<30)
+	p.integer("MAX_STORED_RESPONSE_BYTES", &c.MaxStoredBytes, 1, 1<<30)
 	p.durationOrOff("CLEANUP_INTERVAL", &c.CleanupInterval, time.Second, "disable the in-process cleanup")
 	p.integer("CLEANUP_BATCH_SIZE", &c.CleanupBatchSize, 1, 1_000_000)
 	if v := strings.TrimSpace(getenv("CLEANUP_DUTY")); v != "" {

@@ -37,7 +37,7 @@ func TestConfigBadValuesStopTheStart(t *testing.T) {
 		"IDEMPOTENCY_MAX_WAITING_CLAIMS": append([]string{"0"}, ints...),
 		"IDEMPOTENCY_MAX_WAITING_BYTES":  append([]string{"0", "1000"}, ints...),
 		"MAX_BODY_BYTES":                 append([]string{"0", "1073741825"}, ints...),
-		"MAX_STORED_RESPONSE_BYTES":      ints,
+		"MAX_STORED_RESPONSE_BYTES":      append([]string{"0", "1073741825"}, ints...),
 		"CLEANUP_INTERVAL":               append([]string{"500ms"}, durations...),
 		"CLEANUP_BATCH_SIZE":             append([]string{"0", "1000001"}, ints...),
 		"CLEANUP_DUTY":                   {"0", "0.001", "1.5", "-0.4", "abc", "NaN", "Inf", "40%"},

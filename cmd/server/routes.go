@@ -54,7 +54,7 @@ func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error
 		MaxWaitingClaims:   m.Config.MaxWaitingClaims,
 		MaxWaitingBytes:    m.Config.MaxWaitingBytes,
 		MaxBodyBytes:       m.Config.MaxBodyBytes,
-		MaxStoredBodyBytes: max(m.Config.MaxStoredBytes, 1),
+		MaxStoredBodyBytes: m.Config.MaxStoredBytes,
 		Logger:             m.log,
 		Metrics:            idemprom.NewObserver(m.registry),
 	})
