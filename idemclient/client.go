@@ -16,7 +16,8 @@
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
 // certificate, TLS to a plain server before the request was written, a redirect that the HTTP
 // client's CheckRedirect refuses, ten of them in a row by default, or one net/http cannot
-// follow: a Location it cannot parse, a URL that is not http or https; the server answered),
+// follow: a Location it cannot parse, a URL that is not http or https, has no host or a port
+// out of range; the server answered),
 // a request for a protocol upgrade (an Upgrade header, Connection: upgrade), and a request
 // that net/http would refuse to send (a ContentLength above 0 without a body, a
 // URL that is not http or https or has no host, a port out of range, a method
@@ -27,7 +28,7 @@
 // read whole. The HTTP client follows redirects: one that sends the request again (307, 308)
 // carries the key and the body to the new URL (the same operation); one that turns it into a
 // GET without the body (301, 302 and 303 after a POST) is followed without the key, which names
-// the operation, not the GET. A nil Header is sent as an empty one. The context
+// the operation, not the GET. A 307 or 308 sends the request's trailers again too. A nil Header is sent as an empty one. The context
 // bounds the whole operation, the reading of the request's body included: give it a deadline.
 //
 //	c := &idemclient.Client{AttemptTimeout: 5 * time.Second}
@@ -89,8 +90,9 @@ type Client struct {
 	ReplayedHeader string
 	// MaxResponseBytes bounds the response body Do reads into Result.Body (after net/http's
 	// own decompression, when it asked for gzip). Default 0: DefaultMaxResponseBytes (64 MiB);
-	// a negative value: no bound. An answer with a longer body (by its Content-Length, or once
-	// one more byte has been read) ends the operation with ErrResponseTooLarge, whatever its
+	// a negative value (or math.MaxInt64): no bound. An answer with a longer body (by its
+	// Content-Length, except a HEAD's, or once one more byte has been read) ends the
+	// operation with ErrResponseTooLarge, whatever its
 	// status: Result holds the status and headers, no body, and Do does not retry (the server
 	// answered; a 2xx took effect). Raise it for an API whose answers are larger.
 	MaxResponseBytes int64

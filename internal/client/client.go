@@ -22,6 +22,7 @@
 package client
 
 import (
+	"bufio"
 	"bytes"
 	"compress/flate"
 	"compress/gzip"
@@ -35,9 +36,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -115,27 +118,35 @@ func (r Result) Code() string {
 // than gzip, deflate or identity (several codings included), a compressed body that does not
 // decompress, or one that decompresses to more than DefaultMaxResponseBytes.
 func (r Result) problemCode() (string, bool) {
+	if r.Status >= 200 && r.Status < 300 {
+		return "", true // a success: a "code" member there is the API's own
+	}
 	enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding")))
 	switch enc {
 	case "", "identity":
 		return codeMember(bytes.NewReader(r.Body)), true
-	case "gzip", "x-gzip", "deflate":
-	default:
-		return "", false
-	}
-	var zr io.ReadCloser
-	var err error
-	if enc == "deflate" {
-		// RFC 9110's deflate is zlib's format; some servers send raw DEFLATE under the name.
-		if zr, err = zlib.NewReader(bytes.NewReader(r.Body)); err != nil {
-			zr, err = flate.NewReader(bytes.NewReader(r.Body)), nil
+	case "gzip", "x-gzip":
+		zr, err := gzip.NewReader(bytes.NewReader(r.Body))
+		if err != nil {
+			return "", false
 		}
-	} else {
-		zr, err = gzip.NewReader(bytes.NewReader(r.Body))
+		return inflatedCode(zr)
+	case "deflate":
+		// RFC 9110's deflate is zlib's format; some servers send raw DEFLATE under the name
+		// (which may even start with bytes that read as a zlib header).
+		if zr, err := zlib.NewReader(bytes.NewReader(r.Body)); err == nil {
+			if code, ok := inflatedCode(zr); ok {
+				return code, true
+			}
+		}
+		return inflatedCode(flate.NewReader(bytes.NewReader(r.Body)))
 	}
-	if err != nil {
-		return "", false
-	}
+	return "", false
+}
+
+// inflatedCode is codeMember of what zr decompresses, up to DefaultMaxResponseBytes, and whether
+// all of it decompressed within that bound; zr is closed.
+func inflatedCode(zr io.ReadCloser) (string, bool) {
 	defer zr.Close()
 	lr := &io.LimitedReader{R: zr, N: DefaultMaxResponseBytes + 1}
 	code := codeMember(lr)
@@ -153,7 +164,11 @@ func (r Result) problemCode() (string, bool) {
 // last one, if the name is there twice), or "": decoded as a stream, so that a large member
 // beside it costs no more than itself.
 func codeMember(r io.Reader) string {
-	dec := json.NewDecoder(r)
+	br := bufio.NewReader(r)
+	if bom, err := br.Peek(3); err == nil && string(bom) == "\xef\xbb\xbf" {
+		_, _ = br.Discard(3) // a byte order mark, which RFC 8259 lets a parser ignore
+	}
+	dec := json.NewDecoder(br)
 	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
 		return ""
 	}
@@ -578,8 +593,8 @@ func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 	if f.started.CompareAndSwap(false, true) {
 		req = req.WithContext(httptrace.WithClientTrace(req.Context(),
 			&httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { f.wrote.Add(1) }}))
-	} else if req.URL.Scheme != "http" && req.URL.Scheme != "https" {
-		return nil, fmt.Errorf("a redirect to %q, which is not http or https, cannot be followed", req.URL.Redacted())
+	} else if err := followable(req.URL); err != nil {
+		return nil, err
 	}
 	f.redirect.Store(nil)
 	resp, err := f.rt.RoundTrip(req)
@@ -590,6 +605,23 @@ func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 		f.replayed.Store(true)
 	}
 	return resp, err
+}
+
+// followable refuses a redirect's URL that no attempt could follow: not http or https, no host,
+// a port out of range (net/http would report these as a failed request, a network error).
+func followable(u *url.URL) error {
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("a redirect to %q, which is not http or https, cannot be followed", u.Redacted())
+	}
+	if u.Host == "" {
+		return fmt.Errorf("a redirect to %q, which has no host, cannot be followed", u.Redacted())
+	}
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("a redirect to %q, whose port is not 1 to 65535, cannot be followed", u.Redacted())
+		}
+	}
+	return nil
 }
 
 // isCTL tells whether r is an ASCII control character (net/http refuses them in a request's URL).
@@ -719,18 +751,19 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	if limit == 0 {
 		limit = DefaultMaxResponseBytes
 	}
-	if limit > 0 && resp.ContentLength > limit {
+	head := resp.Request != nil && resp.Request.Method == http.MethodHead // a HEAD's Content-Length is the GET's
+	if limit > 0 && resp.ContentLength > limit && !head {
 		return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, tooLarge(resp, limit)
 	}
 	body := io.Reader(resp.Body)
-	if limit > 0 {
+	if limit > 0 && limit < math.MaxInt64 {
 		body = io.LimitReader(resp.Body, limit+1)
 	}
 	b, err := io.ReadAll(body)
 	if err != nil {
 		return Result{}, 0, false, err // the answer was lost on the way: its outcome is unknown
 	}
-	if limit > 0 && int64(len(b)) > limit {
+	if limit > 0 && int64(len(b)) > limit && limit < math.MaxInt64 {
 		return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, tooLarge(resp, limit)
 	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b, Replayed: counted.replayed.Load()}, 0, false, nil
@@ -750,12 +783,20 @@ func (c *Client) replayedHeader() string {
 // not the GET; one that sends the same request again (307, 308) keeps it, with the body.
 func (c *Client) checkRedirect(next func(*http.Request, []*http.Request) error) func(*http.Request, []*http.Request) error {
 	return func(req *http.Request, via []*http.Request) error {
-		if req.Method != via[0].Method {
+		first := via[0].Method
+		if first == "" {
+			first = http.MethodGet // net/http's reading of an empty method
+		}
+		if req.Method != first {
 			for name := range req.Header {
 				if strings.EqualFold(name, c.keyHeader()) {
 					delete(req.Header, name)
 				}
 			}
+		} else if len(via[0].Trailer) > 0 && req.Trailer == nil && req.Body != nil && req.Body != http.NoBody {
+			// The same request again (307, 308): net/http builds it without the trailers.
+			req.Trailer = via[0].Trailer.Clone()
+			req.ContentLength = -1
 		}
 		if next != nil {
 			return next(req, via)
