@@ -23,7 +23,9 @@ func (q *request) answer(rec *recorder) {
 	rec.sendTo(q.w)
 }
 
-// storeError answers a failure of the unit of work (not of the handler).
+// storeError answers a failure of the unit of work (not of the handler), and returns the
+// request's state: "" for one counted in no state (a principal the application's table does
+// not hold), neither counted nor timed.
 func (q *request) storeError(err error) State {
 	gone := q.r.Context().Err() != nil && !errors.Is(err, dbidem.ErrCommitUnknown)
 	if gone && !errors.Is(err, context.Canceled) {
@@ -56,8 +58,11 @@ func (q *request) storeError(err error) State {
 		q.inProgress(0)
 		return StateBusy
 	case CodePrincipalUnknown:
+		// The application's table of principals has no such principal: the request is not
+		// one the store failed (no store_error, which alerts), nor a claim. Counted in no
+		// state and not timed, as a request refused at shutdown is.
 		q.m.problem(q.w, q.r, code, detail, nil)
-		return StateStoreError
+		return "" // no state
 	case CodeStoreUnavailable, CodeOutcomeUnknown:
 		q.w.Header().Set("Retry-After", "1")
 	case CodeInternalError:

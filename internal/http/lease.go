@@ -80,7 +80,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		// before the work could start, and it could not be renewed: another attempt may hold
 		// the key; the work does not start.
 		l.Stop()
-		llog.Warn("idem: a lease ran out before its work started; the work did not run")
+		llog.Error("idem: a lease ran out before its work started; the work did not run", "extensions", l.Extensions())
 		q.m.o.Metrics.LeaseEnded(q.action, true, time.Since(start))
 		q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client got 409
 		retry := claim.Lease
@@ -227,10 +227,11 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	case yielded:
 		// Given up: the client's retry runs the work again at once, under the same provider
 		// key. A handler's error is sent as it is; nothing else was answered.
-		log.Warn("idem: lease ran out by this process's clock (no extension heard of); its claim was given up, and a retry runs the work again")
+		log.Error("idem: lease ran out by this process's clock (no extension heard of); its claim was given up, and a retry runs the work again")
 		if v == rollBack && rec != nil && rec.status != 0 {
 			q.answer(rec)
 		} else {
+			q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client gets 409
 			q.inProgress(time.Second)
 		}
 	case unanswered:
@@ -238,6 +239,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		// The lease's end has passed by this process's clock: the retry learns from the
 		// database at once whether another attempt holds the key (and then waits for its
 		// answer as a duplicate) or takes the key over.
+		q.m.o.Metrics.Count(q.action, StateBusy) // on top of acquired: the client gets 409
 		q.inProgress(time.Second)
 	case shutdown:
 		// The handler wrote nothing to send: the client is told to retry, also when the lease

@@ -377,11 +377,27 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	defer working()
 	ctx, span := q.startSpan(r.Context(), "idem.request")
+	defer func() {
+		if p := recover(); p != nil {
+			// The handler aborted the response (http.ErrAbortHandler, which net/http handles
+			// quietly) after the claim: its unit of work rolled back, as for any panic, and
+			// the request is timed as such.
+			endSpan(span, string(StateAcquired), nil)
+			m.o.Metrics.Done(StateAcquired, time.Since(start))
+			panic(p)
+		}
+	}()
 	st := q.keyed(ctx, claim)
 	if q.shutDown {
 		// Shutdown's deadline ended its claim under way: refused as above.
 		endSpan(span, "shutdown", nil)
 		m.o.Logger.Info("idem: keyed request refused, shutting down", "action", q.action,
+			"request_id", r.Header.Get(m.o.CorrelationHeader))
+		return
+	}
+	if st == "" {
+		endSpan(span, CodePrincipalUnknown, nil)
+		m.o.Logger.Info("idem", "state", CodePrincipalUnknown, "action", q.action, "key_hash", keyHash(principal, key),
 			"request_id", r.Header.Get(m.o.CorrelationHeader))
 		return
 	}

@@ -270,6 +270,12 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	// The Gate's figures count this request once, however often it claims again.
 	tally := &dbidem.Tally{}
 	ctx = dbidem.WithTally(ctx, tally)
+	defer func() {
+		if p := recover(); p != nil {
+			q.m.gate.AddTally(tally, false) // an aborted handler (http.ErrAbortHandler): counted as it waited
+			panic(p)
+		}
+	}()
 	for {
 		st, b := q.keyedOnce(ctx, claim, until)
 		if b == nil {
@@ -347,11 +353,22 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		rec      *recorder
 		v        verdict
 		acquired bool
+		counted  bool // acquired was counted (a lease's handler runs after)
 		oversize bool
 		done     trace.Span // idem.complete, while the answer is recorded
 	)
 	wctx, claimed, unclaimed, end := q.workContext(ctx)
 	defer end()
+	defer func() {
+		if p := recover(); p != nil {
+			// The handler aborted the response (http.ErrAbortHandler, which run passes on):
+			// the claim rolled back with its unit of work, and counts as any panic's does.
+			if acquired && !counted {
+				q.m.o.Metrics.Count(q.action, StateAcquired)
+			}
+			panic(p)
+		}
+	}()
 	// The waits on the key end with the client, and when Shutdown starts.
 	waitCtx, stopWaiting := context.WithCancel(ctx)
 	defer stopWaiting()
@@ -423,6 +440,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		// Once per fresh claim, however often the unit of work ran; after its transaction
 		// ended, so that no observer holds a connection, a row lock or the key's claim.
 		q.m.o.Metrics.Count(q.action, StateAcquired)
+		counted = true
 	}
 	switch {
 	case errors.Is(err, errRollBack):
@@ -487,7 +505,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 			q.giveUpUnknownClaim(ctx, claim, d.Attempt)
 		}
 		st := q.storeError(err)
-		if st != StateAcquired { // the handler's own failure is not the store's (counted acquired)
+		if st != StateAcquired && st != "" { // the handler's own failure is not the store's (counted acquired)
 			q.m.o.Metrics.Count(q.action, st)
 		}
 		return st, nil
