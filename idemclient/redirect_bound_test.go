@@ -24,28 +24,6 @@ import (
 	"github.com/pgidem/pgidem/idemclient"
 )
 
-type rbSeen struct {
-	Method, Path, Key, Body string
-}
-
-type rbLog struct {
-	mu  sync.Mutex
-	all []rbSeen
-}
-
-func (l *rbLog) add(r *http.Request) {
-	b, _ := io.ReadAll(r.Body)
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.all = append(l.all, rbSeen{r.Method, r.URL.Path, r.Header.Get("Idempotency-Key"), string(b)})
-}
-
-func (l *rbLog) get() []rbSeen {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]rbSeen(nil), l.all...)
-}
-
 func rbCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)
@@ -162,7 +140,7 @@ func TestBoundAtOne(t *testing.T) {
 // Location is refused as one that is not http or https is: the operation ends with the 3xx.
 func TestRedirectWithoutHostEndsTheOperation(t *testing.T) {
 	for _, loc := range []string{"http:///x", "http://127.0.0.1:99999/x"} {
-		var log rbLog
+		var log reqLog
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			log.add(r)
 			w.Header().Set("Location", loc)
@@ -172,11 +150,11 @@ func TestRedirectWithoutHostEndsTheOperation(t *testing.T) {
 		req, _ := http.NewRequest("POST", srv.URL+"/orders", strings.NewReader(`{}`))
 		res, err := c.Do(rbCtx(t), req, "k-loc")
 		srv.Close()
-		t.Logf("%s: status %d attempts %d err %v; server saw %d requests", loc, res.Status, res.Attempts, err, len(log.get()))
-		if res.Attempts != 1 || len(log.get()) != 1 || res.Status != http.StatusSeeOther || errors.Is(err, idemclient.ErrGaveUp) {
+		t.Logf("%s: status %d attempts %d err %v; server saw %d requests", loc, res.Status, res.Attempts, err, len(log.all()))
+		if res.Attempts != 1 || len(log.all()) != 1 || res.Status != http.StatusSeeOther || errors.Is(err, idemclient.ErrGaveUp) {
 			t.Errorf("Location %q: the server answered 303 to a place net/http cannot go; Do: %d attempts, server saw %d POSTs, "+
 				"status %d, err %v; want one attempt ending with the 303's status and headers, not ErrGaveUp",
-				loc, res.Attempts, len(log.get()), res.Status, err)
+				loc, res.Attempts, len(log.all()), res.Status, err)
 		}
 	}
 }
@@ -186,7 +164,7 @@ func TestRedirectWithoutHostEndsTheOperation(t *testing.T) {
 // The wrapper compared req.Method with via[0].Method, "GET" with "", and dropped it.
 func TestGetWithoutMethodKeepsItsKey(t *testing.T) {
 	for _, method := range []string{"GET", ""} {
-		var log rbLog
+		var log reqLog
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			log.add(r)
 			if r.URL.Path == "/a" {
@@ -200,7 +178,7 @@ func TestGetWithoutMethodKeepsItsKey(t *testing.T) {
 		req.Method = method
 		res, err := (&idemclient.Client{Backoff: time.Millisecond}).Do(rbCtx(t), req, "k-get")
 		srv.Close()
-		seen := log.get()
+		seen := log.all()
 		if err != nil || res.Status != 200 || len(seen) != 2 {
 			t.Fatalf("method %q: %d %v %+v", method, res.Status, err, seen)
 		}
@@ -216,7 +194,7 @@ func TestGetWithoutMethodKeepsItsKey(t *testing.T) {
 // the 307 carries the POST's body: the operation's body goes to another URL as a GET, without
 // its key. The wrapper drops the key on a method change but leaves the body.
 func TestSeeOtherThen307SendsNoBody(t *testing.T) {
-	var log rbLog
+	var log reqLog
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		log.add(r)
 		switch r.URL.Path {
@@ -233,7 +211,7 @@ func TestSeeOtherThen307SendsNoBody(t *testing.T) {
 	defer srv.Close()
 	req, _ := http.NewRequest("POST", srv.URL+"/a", strings.NewReader(`{"card":"4111"}`))
 	res, err := (&idemclient.Client{Backoff: time.Millisecond}).Do(rbCtx(t), req, "k-chain")
-	seen := log.get()
+	seen := log.all()
 	t.Logf("status %d err %v; server saw %+v", res.Status, err, seen)
 	if err != nil || res.Status != 200 || len(seen) != 3 {
 		t.Fatalf("setup: %d %v %+v", res.Status, err, seen)
@@ -247,7 +225,7 @@ func TestSeeOtherThen307SendsNoBody(t *testing.T) {
 
 // Test307Then303: POST, 307 (key and body kept), 303 (GET, neither).
 func Test307Then303(t *testing.T) {
-	var log rbLog
+	var log reqLog
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		log.add(r)
 		switch r.URL.Path {
@@ -265,11 +243,11 @@ func Test307Then303(t *testing.T) {
 	defer srv.Close()
 	req, _ := http.NewRequest("POST", srv.URL+"/a", strings.NewReader(`{"x":1}`))
 	res, err := (&idemclient.Client{Backoff: time.Millisecond}).Do(rbCtx(t), req, "k-73")
-	seen := log.get()
+	seen := log.all()
 	if err != nil || res.Status != 200 || len(seen) != 3 || !res.Replayed {
 		t.Fatalf("%d %v replayed %v %+v", res.Status, err, res.Replayed, seen)
 	}
-	if seen[1] != (rbSeen{"POST", "/b", "k-73", `{"x":1}`}) || seen[2] != (rbSeen{"GET", "/c", "", ""}) {
+	if seen[1] != (seenReq{"POST", "/b", "k-73", `{"x":1}`}) || seen[2] != (seenReq{"GET", "/c", "", ""}) {
 		t.Errorf("server saw %+v", seen)
 	}
 }
@@ -279,7 +257,7 @@ func Test307Then303(t *testing.T) {
 // with the redirect's status, Replayed from it; a policy that sees the GET already without the
 // key, and via[0] with it; a policy that sets a header sends it.
 func TestUserPolicies(t *testing.T) {
-	var log rbLog
+	var log reqLog
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		log.add(r)
 		if r.URL.Path == "/a" {
@@ -360,7 +338,7 @@ func TestDefaultTenRedirects(t *testing.T) {
 // TestCrossHost307KeepsKey: a 307 to another host carries key and body (the same
 // operation), a 303 to another host does not carry the key.
 func TestCrossHost307KeepsKey(t *testing.T) {
-	var log rbLog
+	var log reqLog
 	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		log.add(r)
 		w.WriteHeader(201)
@@ -375,11 +353,11 @@ func TestCrossHost307KeepsKey(t *testing.T) {
 		req, _ := http.NewRequest("POST", first.URL, strings.NewReader(`{"y":2}`))
 		res, err := (&idemclient.Client{Backoff: time.Millisecond}).Do(rbCtx(t), req, "k-x")
 		first.Close()
-		seen := log.get()
+		seen := log.all()
 		last := seen[len(seen)-1]
-		want := rbSeen{"POST", "/x", "k-x", `{"y":2}`}
+		want := seenReq{"POST", "/x", "k-x", `{"y":2}`}
 		if code == 303 {
-			want = rbSeen{"GET", "/x", "", ""}
+			want = seenReq{"GET", "/x", "", ""}
 		}
 		if err != nil || res.Status != 201 || last != want {
 			t.Errorf("%d across hosts: %d %v, other host saw %+v want %+v", code, res.Status, err, last, want)

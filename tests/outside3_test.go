@@ -5,30 +5,14 @@ package tests
 
 import (
 	"context"
-	"crypto/sha256"
-	"errors"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-func o3FP(s string) []byte { h := sha256.Sum256([]byte(s)); return h[:] }
-
-func o3Code(err error) string {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code
-	}
-	if err == nil {
-		return ""
-	}
-	return "other: " + err.Error()
-}
 
 // TestOutsideLeaseAnswerExpiredEverywhere: D200 / docs/sql-api.md "How long a key lives":
 // "A completed key is expired once lease_expires_at, its answer's TTL, has passed ... a lease
@@ -47,7 +31,7 @@ func TestOutsideLeaseAnswerExpiredEverywhere(t *testing.T) {
 	var token int64
 	var outcome string
 	if err := app.QueryRow(ctx, `SELECT outcome, attempt FROM idem.idem_begin(p_principal => 'alice', p_key => 'k',
-		p_action => 'POST /v1/payouts', p_request_sha256 => $1, p_ttl => '1 second', p_lease => '1 minute')`, o3FP("a")).
+		p_action => 'POST /v1/payouts', p_request_sha256 => $1, p_ttl => '1 second', p_lease => '1 minute')`, csFP("a")).
 		Scan(&outcome, &token); err != nil || outcome != "claimed" {
 		t.Fatalf("claim: %v %s", err, outcome)
 	}
@@ -74,7 +58,7 @@ func TestOutsideLeaseAnswerExpiredEverywhere(t *testing.T) {
 	}
 	var stored bool
 	if err := tx.QueryRow(ctx, `SELECT idem.idem_save_final(p_principal => 'alice', p_key => 'k', p_action => 'POST /v1/payouts',
-		p_request_sha256 => $1, p_ttl => NULL, p_status => 422, p_headers => '{}', p_body => 'no')`, o3FP("b")).Scan(&stored); err != nil {
+		p_request_sha256 => $1, p_ttl => NULL, p_status => 422, p_headers => '{}', p_body => 'no')`, csFP("b")).Scan(&stored); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -85,7 +69,7 @@ func TestOutsideLeaseAnswerExpiredEverywhere(t *testing.T) {
 	}
 	var status *int32
 	if err := app.QueryRow(ctx, `SELECT outcome, response_status FROM idem.idem_begin(p_principal => 'alice', p_key => 'k',
-		p_action => 'POST /v1/payouts', p_request_sha256 => $1)`, o3FP("b")).Scan(&outcome, &status); err != nil {
+		p_action => 'POST /v1/payouts', p_request_sha256 => $1)`, csFP("b")).Scan(&outcome, &status); err != nil {
 		t.Fatal(err)
 	}
 	if outcome != "replay" || status == nil || *status != 422 {
@@ -114,7 +98,7 @@ func TestOutsideBeginStepsHonoursLockTimeout(t *testing.T) {
 	defer htx.Rollback(ctx)
 	var outcome string
 	if err := htx.QueryRow(ctx, `SELECT outcome FROM idem.idem_begin(p_principal => 'alice', p_key => 'held',
-		p_action => 'POST /v1/x', p_request_sha256 => $1)`, o3FP("x")).Scan(&outcome); err != nil || outcome != "claimed" {
+		p_action => 'POST /v1/x', p_request_sha256 => $1)`, csFP("x")).Scan(&outcome); err != nil || outcome != "claimed" {
 		t.Fatalf("holder: %v %s", err, outcome)
 	}
 
@@ -125,11 +109,11 @@ func TestOutsideBeginStepsHonoursLockTimeout(t *testing.T) {
 		}
 		start := time.Now()
 		_, err = wtx.Exec(ctx, `SELECT * FROM idem.`+fn+`(p_principal => 'alice', p_key => 'held',
-			p_action => 'POST /v1/x', p_request_sha256 => $1, p_lock_timeout => '300 milliseconds')`, o3FP("x"))
+			p_action => 'POST /v1/x', p_request_sha256 => $1, p_lock_timeout => '300 milliseconds')`, csFP("x"))
 		took := time.Since(start)
 		_ = wtx.Rollback(ctx)
-		if o3Code(err) != "55P03" || took > 1500*time.Millisecond || took < 250*time.Millisecond {
-			t.Errorf("%s behind a holder, p_lock_timeout 300 ms: %s after %s, want 55P03 after about 300 ms", fn, o3Code(err), took)
+		if csCode(err) != "55P03" || took > 1500*time.Millisecond || took < 250*time.Millisecond {
+			t.Errorf("%s behind a holder, p_lock_timeout 300 ms: %s after %s, want 55P03 after about 300 ms", fn, csCode(err), took)
 		}
 	}
 
@@ -144,7 +128,7 @@ func TestOutsideBeginStepsHonoursLockTimeout(t *testing.T) {
 		}
 		if _, err := wtx.Exec(ctx, `SELECT * FROM idem.`+fn+`(p_principal => 'alice', p_key => $2,
 			p_action => 'POST /v1/x', p_request_sha256 => $1, p_lease => '1 minute', p_lock_timeout => '300 milliseconds')`,
-			o3FP("x"), "free-"+fn); err != nil {
+			csFP("x"), "free-"+fn); err != nil {
 			t.Fatal(err)
 		}
 		var lt string
@@ -166,7 +150,7 @@ func TestOutsideBeginStepsSameErrors(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
 	app := pgtest.Connect(t, pgtest.LoginRole(t, db, "idem_app"))
-	fp := o3FP("x")
+	fp := csFP("x")
 	cases := []struct {
 		name string
 		args string
@@ -197,7 +181,7 @@ func TestOutsideBeginStepsSameErrors(t *testing.T) {
 		var codes []string
 		for _, fn := range []string{"idem_begin", "idem_begin_steps"} {
 			_, err := app.Exec(ctx, `SELECT * FROM idem.`+fn+`(`+c.args+`)`, c.vals...)
-			codes = append(codes, o3Code(err))
+			codes = append(codes, csCode(err))
 		}
 		if codes[0] != c.want || codes[1] != c.want {
 			t.Errorf("%s: idem_begin %s, idem_begin_steps %s, want %s for both", c.name, codes[0], codes[1], c.want)
@@ -259,7 +243,7 @@ func TestOutsideRolesCallWhatTheyMay(t *testing.T) {
 			for _, r := range c.allowed {
 				allowed = allowed || r == role
 			}
-			code := o3Code(err)
+			code := csCode(err)
 			if allowed && code == "42501" {
 				t.Errorf("%s may not call %s: %v (the docs say it may)", role, strings.Fields(c.sql)[3], err)
 			}
