@@ -344,7 +344,9 @@ type GateStats struct {
 	// by Options.MaxWaitingClaims, or a Gate's GateOptions.MaxWaitingClaims).
 	LockWaits int
 	// Coalesced counts the requests that found their key in flight in this process and
-	// waited; Refused those answered 409 without waiting on the database (their wait ran out,
+	// waited in line for it (not a lease route's duplicates, which wait on the lease's answer
+	// and count in Waiting meanwhile); Refused those answered 409 without waiting on the
+	// database (their wait ran out,
 	// the waiting duplicates held too much, or every wait slot was taken).
 	Coalesced, Refused uint64
 }

@@ -91,7 +91,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 	o := &Observer{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idempotency_requests_total",
-			Help: "Keyed requests by action and state (acquired, replayed, busy, key_reused, store_error; oversize on top of acquired).",
+			Help: "Keyed requests by action and state (acquired, replayed, busy, key_reused, store_error; oversize on top of acquired; busy on top of acquired for a lease claim told 409).",
 		}, []string{"action", "state"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idempotency_request_duration_seconds",
@@ -163,7 +163,7 @@ func RegisterGate(reg prometheus.Registerer, m *idem.Middleware) {
 			Help: "What the waiting duplicates hold (their bodies plus 4 KiB each), bounded by MaxWaitingBytes."},
 			func() float64 { return float64(m.GateStats().WaitingBytes) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_coalesced_total",
-			Help: "Requests that found their key in flight in this process and waited for it."},
+			Help: "Requests that found their key in flight in this process and waited in line for it (not a lease route's duplicates, which wait on the lease's answer)."},
 			func() float64 { return float64(m.GateStats().Coalesced) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_refused_total",
 			Help: "Requests answered 409 without waiting on the database: their wait ran out, the waiting duplicates held too much, or every wait slot was taken."},

@@ -18,7 +18,9 @@ const (
 	// StateReplayed: a stored response was sent again (or 409 for a stored response whose
 	// body is withheld).
 	StateReplayed State = "replayed"
-	// StateBusy: another request held the key: 409 request_in_progress.
+	// StateBusy: the request was told 409 request_in_progress: another request held the key,
+	// or (on top of acquired) its own lease ran out before its work started or was lost while
+	// it ran.
 	StateBusy State = "busy"
 	// StateKeyReused: the key belongs to another request: 422 idempotency_key_reuse.
 	StateKeyReused State = "key_reused"
@@ -59,7 +61,8 @@ type Observer interface {
 	LeaseExtended(action string)
 	// LeaseEnded is called once the work of a lease route has ended and its answer is
 	// recorded (or not), or when the lease ran out before the work could start (lost; the
-	// request is counted busy too); not for a claim given up at a shutdown before its work
+	// request is counted busy too, as it is for a lease lost while its work ran and told 409);
+	// not for a claim given up at a shutdown before its work
 	// started. lost tells whether the lease was lost, worked is how long
 	// the handler and the recording took. An answer that could not be recorded (503
 	// outcome_unknown) is counted store_error on top of acquired.
