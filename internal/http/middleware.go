@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -193,6 +194,9 @@ type request struct {
 	next      http.Handler
 	body      []byte
 	canonical []byte // the canonical body (strictly valid JSON), when the fingerprint computed it
+	// claimed: a run of the request's unit of work claimed the key (serve's count of an
+	// aborted handler).
+	claimed atomic.Bool
 	// rawHashed: the body, declared as another type than JSON, was hashed as its bytes; the
 	// releases before D178 hashed its canonical form when it was strictly valid JSON.
 	rawHashed bool
@@ -377,17 +381,21 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	defer working()
 	ctx, span := q.startSpan(r.Context(), "idem.request")
+	timed := false // Done was called, or the request is counted in no state
 	defer func() {
 		if p := recover(); p != nil {
-			// The handler aborted the response (http.ErrAbortHandler, which net/http handles
-			// quietly) after the claim: its unit of work rolled back, as for any panic, and
-			// the request is timed as such.
-			endSpan(span, string(StateAcquired), nil)
-			m.o.Metrics.Done(StateAcquired, time.Since(start))
+			if !timed && q.claimed.Load() {
+				// The handler aborted the response (http.ErrAbortHandler, which net/http
+				// handles quietly) after the claim: its unit of work rolled back, as for any
+				// panic, and the request is timed as such.
+				endSpan(span, string(StateAcquired), nil)
+				m.o.Metrics.Done(StateAcquired, time.Since(start))
+			}
 			panic(p)
 		}
 	}()
 	st := q.keyed(ctx, claim)
+	timed = true
 	if q.shutDown {
 		// Shutdown's deadline ended its claim under way: refused as above.
 		endSpan(span, "shutdown", nil)

@@ -204,6 +204,7 @@ func (o *Options) defaults() {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
+	o.Logger = safeLogger(o.Logger)
 	if o.WorkTimeout == 0 {
 		o.WorkTimeout = DefaultWorkTimeout
 	}

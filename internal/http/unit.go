@@ -402,7 +402,8 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 			return nil // replay, mismatch, in progress: nothing was written
 		}
 		acquired = true // counted once the transaction ended: an observer never runs inside it
-		claimed()       // the route's WorkTimeout counts from here
+		q.claimed.Store(true)
+		claimed() // the route's WorkTimeout counts from here
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
 			ProviderKey: d.ProviderKey, RecoveryPoint: d.RecoveryPoint}
 		if q.rt.Lease > 0 {
