@@ -392,8 +392,12 @@ func TestGateMixedStormBookkeeping(t *testing.T) {
 		}
 	}
 	t.Logf("body 0: %v; body 1: %v; answers %v", codes[0], codes[1], answers)
-	if fresh != 1 || len(answers) != 1 {
-		t.Errorf("%d fresh runs, %d different 2xx answers; want 1 and 1", fresh, len(answers))
+	// One run of the work, one answer: usually one of these requests ran it; a request whose
+	// client had left may have won the key before its server side saw it go (the work then
+	// runs to its end for the client's retry, and every request here replays it): a CI run
+	// saw that once, 0 fresh runs and 20 replays of the one answer. The effects count below.
+	if fresh > 1 || len(answers) != 1 {
+		t.Errorf("%d fresh runs, %d different 2xx answers; want at most 1 and 1", fresh, len(answers))
 	}
 	for w := range 2 {
 		if codes[w][201] > 0 && codes[w][422] > 0 {
