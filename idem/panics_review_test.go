@@ -551,7 +551,7 @@ func TestPanicsLeaseRouteStepPanic(t *testing.T) {
 				_, err := tx.Exec(ctx, `INSERT INTO pr_rsteps VALUES ('one')`)
 				return 1, err
 			}); err != nil {
-				http.Error(w, err.Error(), 503)
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
 				return
 			}
 			if _, err := idem.Step(r.Context(), "two", func(ctx context.Context, tx pgx.Tx) (int, error) {
@@ -563,7 +563,7 @@ func TestPanicsLeaseRouteStepPanic(t *testing.T) {
 				}
 				return 2, nil
 			}); err != nil {
-				http.Error(w, err.Error(), 503)
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
 				return
 			}
 			w.WriteHeader(201)

@@ -602,7 +602,7 @@ func TestRawDeflateThatLooksLikeZlib(t *testing.T) {
 // MaxAttempts": 5 unreadable 409s, 3 dropped connections, 5 more: ErrGaveUp at the 13th
 // attempt. And a 503 in between breaks the row: 9, 503, 9, then 201 succeeds.
 func TestUnreadableRunIgnoresNoAnswers(t *testing.T) {
-	run := func(script string) (idemclient.Result, error, int32) {
+	run := func(script string) (idemclient.Result, int32, error) {
 		var n atomic.Int32
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			io.Copy(io.Discard, r.Body)
@@ -629,13 +629,13 @@ func TestUnreadableRunIgnoresNoAnswers(t *testing.T) {
 		c := &idemclient.Client{Backoff: time.Millisecond, MaxBackoff: 2 * time.Millisecond, MaxAttempts: -1}
 		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader(`{}`))
 		res, err := c.Do(rbCtx(t), req, "")
-		return res, err, n.Load()
+		return res, n.Load(), err
 	}
-	res, err, hits := run("BBBBBXXXBBBBBOOOO")
+	res, hits, err := run("BBBBBXXXBBBBBOOOO")
 	if !errors.Is(err, idemclient.ErrGaveUp) || hits != 13 || res.Status != 409 {
 		t.Errorf("5 B, 3 X, 5 B: status %d attempts %d hits %d err %v; want ErrGaveUp at the 13th", res.Status, res.Attempts, hits, err)
 	}
-	res, err, hits = run("BBBBBBBBB5BBBBBBBBBO")
+	res, hits, err = run("BBBBBBBBB5BBBBBBBBBO")
 	if err != nil || res.Status != 201 || hits != 20 {
 		t.Errorf("9 B, 503, 9 B, 201: status %d attempts %d hits %d err %v", res.Status, res.Attempts, hits, err)
 	}
