@@ -533,16 +533,11 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 			}
 		}
 	}
-	if req.URL == nil || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
-		return fmt.Errorf("idemclient: the URL must be http or https, got %q", req.URL)
+	if req.URL == nil {
+		return errors.New("idemclient: the request has no URL")
 	}
-	if req.URL.Host == "" {
-		return fmt.Errorf("idemclient: the URL %q has no host", req.URL)
-	}
-	if p := req.URL.Port(); p != "" {
-		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
-			return fmt.Errorf("idemclient: the URL's port %q is not 1 to 65535", p)
-		}
+	if problem := urlProblem(req.URL); problem != "" {
+		return fmt.Errorf("idemclient: the URL %q %s", req.URL.Redacted(), problem)
 	}
 	if strings.ContainsFunc(req.URL.RequestURI(), isCTL) {
 		return fmt.Errorf("idemclient: the URL %q has a control character, which net/http refuses to send", req.URL.RequestURI())
@@ -607,21 +602,31 @@ func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 	return resp, err
 }
 
-// followable refuses a redirect's URL that no attempt could follow: not http or https, no host,
-// a port out of range (net/http would report these as a failed request, a network error).
+// followable refuses a redirect's URL that no attempt could follow (urlProblem): net/http
+// would report it as a failed request, a network error.
 func followable(u *url.URL) error {
+	if problem := urlProblem(u); problem != "" {
+		return fmt.Errorf("a redirect to %q, which %s, cannot be followed", u.Redacted(), problem)
+	}
+	return nil
+}
+
+// urlProblem says why no request can be sent to u ("is not http or https", "has no host", "has
+// a port that is not 1 to 65535"), or "" when one can: the same rule for an operation's URL
+// (checkRequest) and for a redirect's (followable).
+func urlProblem(u *url.URL) string {
 	if u.Scheme != "http" && u.Scheme != "https" {
-		return fmt.Errorf("a redirect to %q, which is not http or https, cannot be followed", u.Redacted())
+		return "is not http or https"
 	}
 	if u.Host == "" {
-		return fmt.Errorf("a redirect to %q, which has no host, cannot be followed", u.Redacted())
+		return "has no host"
 	}
 	if p := u.Port(); p != "" {
 		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
-			return fmt.Errorf("a redirect to %q, whose port is not 1 to 65535, cannot be followed", u.Redacted())
+			return "has a port that is not 1 to 65535"
 		}
 	}
-	return nil
+	return ""
 }
 
 // isCTL tells whether r is an ASCII control character (net/http refuses them in a request's URL).
@@ -763,7 +768,7 @@ func (c *Client) once(ctx context.Context, orig *http.Request, key string, paylo
 	if err != nil {
 		return Result{}, 0, false, err // the answer was lost on the way: its outcome is unknown
 	}
-	if limit > 0 && int64(len(b)) > limit && limit < math.MaxInt64 {
+	if limit > 0 && int64(len(b)) > limit {
 		return Result{Status: resp.StatusCode, Header: resp.Header, Replayed: counted.replayed.Load()}, 0, false, tooLarge(resp, limit)
 	}
 	return Result{Status: resp.StatusCode, Header: resp.Header, Body: b, Replayed: counted.replayed.Load()}, 0, false, nil
