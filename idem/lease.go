@@ -38,7 +38,8 @@ type LeaseOptions struct {
 	// whether the lease holds or not. Default 0: no bound.
 	Timeout time.Duration
 	// OnExtend, if set, is called after each extension that succeeded (for metrics); it must
-	// not block.
+	// not block. It runs on the heartbeat's goroutine: a panic in it is recovered and dropped,
+	// where it would end the process.
 	OnExtend func()
 }
 

@@ -120,9 +120,7 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 		case err == nil:
 			start = began
 			l.beats.Add(1)
-			if opts.OnExtend != nil {
-				opts.OnExtend()
-			}
+			callOnExtend(opts.OnExtend)
 		case errors.Is(err, ErrClaimLost) || !time.Now().Before(start.Add(opts.Lease)):
 			// Taken over, or the lease ran out without an extension: the work must not start.
 			end := start.Add(opts.Lease)
@@ -182,9 +180,7 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 			l.end.Store(&e)
 			expiry.Reset(time.Until(end))
 			l.beats.Add(1)
-			if onExtend != nil {
-				onExtend()
-			}
+			callOnExtend(onExtend)
 		case errors.Is(err, ErrClaimLost):
 			l.lose(true)
 			return
@@ -433,4 +429,15 @@ func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) (bool, e
 		err = denied
 	}
 	return landed && err == nil, err
+}
+
+// callOnExtend calls LeaseOptions.OnExtend, if set, and drops its panic: it runs on the
+// heartbeat's goroutine, where a panic would end the process and with it every request in
+// flight (their leases held until they run out), for a count.
+func callOnExtend(f func()) {
+	if f == nil {
+		return
+	}
+	defer func() { _ = recover() }()
+	f()
 }

@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
@@ -54,7 +55,7 @@ func New(o Options) (*Middleware, error) {
 	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, work: newWorkTracker(), watches: newWatches(),
 		leaseSlots: make(chan struct{}, waiting)}
 	if o.TracerProvider != nil {
-		m.tracer = o.TracerProvider.Tracer(tracerName)
+		m.tracer = safeTracer{Tracer: o.TracerProvider.Tracer(tracerName), log: o.Logger, once: new(sync.Once)}
 	}
 	return m, nil
 }

@@ -120,14 +120,18 @@ type Options struct {
 	MaxAttempts int
 	// Logger receives one line per keyed request that was not acquired or replayed, and
 	// every failure to record or release a key (never a raw key or body: keys are logged as
-	// a short hash). Default slog.Default().
+	// a short hash). Default slog.Default(). A record whose handler panics is dropped: the
+	// middleware logs from inside its recoveries, where nothing may stop an answer or the
+	// release of a key.
 	Logger *slog.Logger
 	// Metrics observes every keyed request. Default: none.
 	Metrics Observer
 	// TracerProvider, when set, traces every keyed request with OpenTelemetry: the spans
 	// idem.claim, idem.handler and idem.complete under the request's span, with the action,
 	// the key's hash and the outcome (docs/http.md, "Metrics, traces and logs"). Pass
-	// otel.GetTracerProvider() for the global one. Default: none, and no tracing work at all.
+	// otel.GetTracerProvider() for the global one. Default: none, and no tracing work at all. A
+	// panic of the tracer or of a span is recovered (the first logged at error): it loses that
+	// span or that call, never an answer.
 	TracerProvider trace.TracerProvider
 }
 
