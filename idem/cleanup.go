@@ -2,10 +2,14 @@ package idem
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/safelog"
 )
 
 // Cleanup: expired keys stay in the table until something deletes them. A service starts a
@@ -41,7 +45,8 @@ type CleanerOptions struct {
 	// CleanupLock holds it up until it ends.
 	Wait bool
 	// Logger receives a line per pass that deleted keys, and every failure. Default nil:
-	// slog.Default().
+	// slog.Default(). A record whose handler panics is dropped (a started Cleaner logs from
+	// its scheduler's goroutine, where a panic would end the process).
 	Logger *slog.Logger
 	// Metrics observes every pass. Default nil: none. The Prometheus adapter is package
 	// github.com/pgidem/pgidem/idem/idemprom.
@@ -77,7 +82,8 @@ const (
 func PassResults() []PassResult { return []PassResult{PassDone, PassSkipped, PassFailed, PassStopped} }
 
 // CleanupObserver receives the events of a Cleaner, for metrics. Implementations must be safe
-// for concurrent use and must not block: the pass calls them.
+// for concurrent use and must not block: the pass calls them. A panic of theirs is recovered
+// (the first logged at error, with its stack) and costs that event only.
 type CleanupObserver interface {
 	// PassEnded is called once per pass: how it ended, how many keys it deleted (also when it
 	// failed part way), and how long it took, pauses and vacuum included (0 when skipped).
@@ -86,12 +92,34 @@ type CleanupObserver interface {
 	Vacuumed()
 }
 
-type cleanupObserver struct{ o CleanupObserver }
+// cleanupObserver adapts a CleanupObserver to the implementation's. A panic of the observer
+// is recovered, and the first one logged at error with its stack: the passes of a started
+// Cleaner run on the scheduler's goroutine, where a panic would end the process, and a
+// Vacuumed that panicked lost its pass's PassEnded (D222).
+type cleanupObserver struct {
+	o    CleanupObserver
+	log  *slog.Logger
+	once *sync.Once
+}
 
 func (a cleanupObserver) PassEnded(result string, deleted int, took time.Duration) {
+	defer a.recovered("PassEnded")
 	a.o.PassEnded(PassResult(result), deleted, took)
 }
-func (a cleanupObserver) Vacuumed() { a.o.Vacuumed() }
+
+func (a cleanupObserver) Vacuumed() {
+	defer a.recovered("Vacuumed")
+	a.o.Vacuumed()
+}
+
+func (a cleanupObserver) recovered(method string) {
+	if v := recover(); v != nil {
+		a.once.Do(func() {
+			a.log.Error("idem: the CleanupObserver panicked; its panics are recovered, and only this first one is logged",
+				"method", method, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		})
+	}
+}
 
 // Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement
 // in a transaction of its own under CleanupLock, until a batch comes back short, pausing after
@@ -111,7 +139,11 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 	io := dbidem.CleanerOptions{Interval: o.Interval, BatchSize: o.BatchSize, Duty: o.Duty, SkipVacuum: o.SkipVacuum, Wait: o.Wait,
 		Logger: o.Logger}
 	if o.Metrics != nil {
-		io.Observer = cleanupObserver{o.Metrics}
+		log := o.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		io.Observer = cleanupObserver{o: o.Metrics, log: safelog.Wrap(log), once: new(sync.Once)}
 	}
 	c, err := dbidem.NewCleaner(db, io)
 	if err != nil {

@@ -427,8 +427,12 @@ func getBody(ctx context.Context, getBody func() (io.ReadCloser, error)) (io.Rea
 		err  error
 	}
 	done := make(chan got, 1)
+	panicked := make(chan any, 1)
 	go func() {
+		returned := false
+		defer func() { handOn(panicked, recover(), returned) }()
 		b, err := getBody()
+		returned = true
 		done <- got{b, err}
 	}()
 	select {
@@ -437,10 +441,17 @@ func getBody(ctx context.Context, getBody func() (io.ReadCloser, error)) (io.Rea
 			return nil, fmt.Errorf("idemclient: read body: %w", g.err)
 		}
 		return g.body, nil
+	case p := <-panicked:
+		panic(p)
 	case <-ctx.Done():
 		go func() {
-			if g := <-done; g.body != nil {
-				g.body.Close()
+			defer func() { _ = recover() }() // a Close that panics: the caller has left, nobody to hand it to
+			select {
+			case g := <-done:
+				if g.body != nil {
+					g.body.Close()
+				}
+			case <-panicked: // the caller has left: nobody to hand it to
 			}
 		}()
 		return nil, ctx.Err() // nothing was sent
@@ -456,8 +467,12 @@ func readBody(ctx context.Context, body io.ReadCloser) ([]byte, error) {
 		err error
 	}
 	done := make(chan read, 1)
+	panicked := make(chan any, 1)
 	go func() {
+		returned := false
+		defer func() { handOn(panicked, recover(), returned) }()
 		b, err := io.ReadAll(body)
+		returned = true
 		done <- read{b, err}
 	}()
 	select {
@@ -467,9 +482,26 @@ func readBody(ctx context.Context, body io.ReadCloser) ([]byte, error) {
 			return nil, fmt.Errorf("idemclient: read body: %w", r.err)
 		}
 		return r.b, nil
+	case p := <-panicked:
+		body.Close()
+		panic(p)
 	case <-ctx.Done():
 		body.Close()
 		return nil, ctx.Err() // nothing was sent
+	}
+}
+
+// handOn, deferred in a goroutine that runs the caller's code (GetBody, the body's Read), hands
+// p, a panic of that code, to the caller, which raises it again on its own goroutine: a panic
+// on the goroutine itself would end the process, out of the caller's reach. A goroutine that
+// neither returned nor panicked called runtime.Goexit, which is handed on as a panic too
+// (nothing else would ever answer the caller).
+func handOn(panicked chan<- any, p any, returned bool) {
+	switch {
+	case p != nil:
+		panicked <- p
+	case !returned:
+		panicked <- errors.New("idemclient: the request's body (GetBody or Read) called runtime.Goexit")
 	}
 }
 

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/go-co-op/gocron/v2"
+
+	"github.com/pgidem/pgidem/internal/safelog"
 )
 
 // The scheduled cleaner: what the reference server ran in-process (its cmd/server/cleanup.go
@@ -139,6 +141,9 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 	if c.log == nil {
 		c.log = slog.Default()
 	}
+	// The passes log from the scheduler's goroutine, where a handler's panic would end the
+	// process (D222).
+	c.log = safelog.Wrap(c.log)
 	if c.observer == nil {
 		c.observer = nopCleanerObserver{}
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -260,7 +261,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 		leave = m.work.enter()
 		defer leave()
 	}
-	principal, authenticated := m.o.Principal(r)
+	var principal string
+	var authenticated bool
+	if !m.guarded(w, r, "the principal function", func() { principal, authenticated = m.o.Principal(r) }) {
+		return
+	}
 	keyed := authenticated && present
 	if leave != nil && !keyed && rt.Lease == 0 {
 		// Not authenticated: its key is ignored, and it runs on the request's context as a
@@ -329,7 +334,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	var ambiguous string
 	asJSON := sentAsJSON(r)
 	if rt.Fingerprint != nil {
-		fp = rt.Fingerprint(r, body)
+		if !m.guarded(w, r, "the route's fingerprint function", func() { fp = rt.Fingerprint(r, body) }) {
+			return
+		}
 		// What the route hashed (often a part of the body, or not JSON at all) says nothing
 		// of whether the body is strictly valid JSON: the body is judged on its own, as the
 		// default fingerprint judges it.
@@ -454,4 +461,28 @@ func (b *bodyTee) Close() error { return b.src.Close() }
 // DecodeJSON takes as JSON. Any other body is its handler's to read as it is (D178).
 func sentAsJSON(r *http.Request) bool {
 	return jsonContent(r) || r.Header.Get("Content-Type") == ""
+}
+
+// guarded runs f, the application's code that the middleware calls before any claim (the
+// principal function, a route's fingerprint), and answers a panic in it as a handler's panic is
+// answered: 500 internal_error, the panic and its stack logged. It reports whether f returned.
+// Nothing was claimed, so nothing is held; http.ErrAbortHandler goes on up, as from a handler.
+func (m *Middleware) guarded(w http.ResponseWriter, r *http.Request, what string, f func()) (returned bool) {
+	defer func() {
+		if returned {
+			return
+		}
+		p := recover()
+		switch p {
+		case nil:
+			return // runtime.Goexit: it goes on
+		case http.ErrAbortHandler:
+			panic(p)
+		}
+		m.o.Logger.Error("idem: "+what+" panicked; nothing was claimed", "panic", fmt.Sprint(p), "stack", string(debug.Stack()),
+			"request_id", r.Header.Get(m.o.CorrelationHeader))
+		m.problem(w, r, CodeInternalError, "the request failed; nothing was changed; retrying with the same key is safe", nil)
+	}()
+	f()
+	return true
 }

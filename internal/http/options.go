@@ -38,6 +38,7 @@ import (
 	"github.com/pgidem/pgidem/internal/canon"
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/httpsyntax"
+	"github.com/pgidem/pgidem/internal/safelog"
 )
 
 // Options configure a Middleware. Only DB and Principal are required.
@@ -208,7 +209,7 @@ func (o *Options) defaults() {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	o.Logger = safeLogger(o.Logger)
+	o.Logger = safelog.Wrap(o.Logger)
 	if o.WorkTimeout == 0 {
 		o.WorkTimeout = DefaultWorkTimeout
 	}
