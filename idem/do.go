@@ -194,7 +194,8 @@ var (
 	// 55P03), or a request of this process holds it. Answer 409 and let the client retry.
 	ErrInProgress = dbidem.ErrInProgress
 	// ErrClaimLost: no claim in progress with this token (55000): taken over by a later
-	// attempt, released, completed, or the key expired and was cleaned up.
+	// attempt, released, completed, or the key expired and was cleaned up; or an answer given
+	// in a transaction whose claim's outcome was not Claimed (Tx.CompleteOnCommit).
 	ErrClaimLost = dbidem.ErrClaimLost
 	// ErrUnknownPrincipal: the principal violates a foreign key that the application put on
 	// the key table's principal_id: answer 401.
@@ -224,8 +225,10 @@ var (
 	ErrStoreBusy = dbidem.ErrStoreBusy
 	// ErrTxOwned: the transaction of a unit of work is its runner's (RunTx, Do, the
 	// middleware): its Commit and Rollback are refused, and so is every statement after a
-	// statement sent through it ended it (COMMIT, ROLLBACK, END or ABORT as SQL): they would
-	// run outside the claim's transaction, each committed at once. Return from the function
+	// statement sent through it ended it (COMMIT, ROLLBACK, END or ABORT as SQL), through it
+	// or through a savepoint made from it (Begin): they would run outside the claim's
+	// transaction, each committed at once. A final answer whose claim's savepoint the work
+	// removed (ROLLBACK; BEGIN as SQL) is refused with it too. Return from the function
 	// instead; nothing of the unit of work is committed.
 	ErrTxOwned = dbidem.ErrTxOwned
 )

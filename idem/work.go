@@ -90,12 +90,15 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 
 // CompleteOnCommit stores r as the response of this transaction's claim when it commits, in
 // the same round trip as COMMIT. If the claim was lost (ErrClaimLost), RunTx rolls back and
-// returns the error.
+// returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
+// in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
+// wrapping ErrClaimLost.
 func (t *Tx) CompleteOnCommit(r Response) { t.t.CompleteOnCommit(dbidem.Response(r)) }
 
 // FinalOnCommit stores r as the final answer to this transaction's claim (a 404, a 422): when
 // the function returns, RunTx rolls the work back to the savepoint taken right after the
-// claim, stores r and commits, in one round trip.
+// claim, stores r and commits, in one round trip. After a Claim whose outcome was not Claimed,
+// RunTx rolls back and returns an error wrapping ErrClaimLost, as CompleteOnCommit does.
 func (t *Tx) FinalOnCommit(r Response) { t.t.FinalOnCommit(dbidem.Response(r)) }
 
 // Begin starts a nested transaction (a savepoint), as pgx.Tx does.

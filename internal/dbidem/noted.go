@@ -17,7 +17,14 @@ type nestedTx struct {
 	owner *Tx
 }
 
+// Every method of a savepoint first asks its owner whether the transaction may still be used
+// (Tx.ended): a savepoint kept past a COMMIT or ROLLBACK sent as SQL, or past the unit of work
+// (its connection another's now, perhaps in another request's transaction), sends nothing.
+
 func (n *nestedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := n.owner.ended(); err != nil {
+		return nil, err
+	}
 	nested, err := n.Tx.Begin(ctx)
 	n.owner.note(err)
 	if err != nil {
@@ -26,11 +33,33 @@ func (n *nestedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	return &nestedTx{Tx: nested, owner: n.owner}, nil
 }
 
+func (n *nestedTx) Commit(ctx context.Context) error {
+	if err := n.owner.ended(); err != nil {
+		return err
+	}
+	err := n.Tx.Commit(ctx)
+	n.owner.note(err)
+	return err
+}
+
+func (n *nestedTx) Rollback(ctx context.Context) error {
+	if err := n.owner.ended(); err != nil {
+		return err
+	}
+	return n.Tx.Rollback(ctx)
+}
+
 func (n *nestedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := n.owner.ended(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
 	return execNoted(ctx, n.Tx, n.owner, sql, args)
 }
 
 func (n *nestedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := n.owner.ended(); err != nil {
+		return nil, err
+	}
 	return queryNoted(ctx, n.Tx, n.owner, sql, args)
 }
 
@@ -40,13 +69,44 @@ func (n *nestedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Ro
 }
 
 func (n *nestedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := n.owner.ended(); err != nil {
+		return pgx.FailedBatchResults(b, err)
+	}
 	return &notedBatch{BatchResults: n.Tx.SendBatch(ctx, b), owner: n.owner}
 }
 
 func (n *nestedTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	if err := n.owner.ended(); err != nil {
+		return 0, err
+	}
 	c, err := n.Tx.CopyFrom(ctx, table, columns, src)
 	n.owner.note(err)
 	return c, err
+}
+
+func (n *nestedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := n.owner.ended(); err != nil {
+		return nil, err
+	}
+	return n.Tx.Prepare(ctx, name, sql)
+}
+
+// LargeObjects fails every call once the transaction may not be used.
+func (n *nestedTx) LargeObjects() pgx.LargeObjects {
+	if err := n.owner.ended(); err != nil {
+		b := &pgx.Batch{}
+		b.BeginTx(pgx.TxOptions{})
+		return pgx.FailedBatchResults(b, err).Tx().LargeObjects()
+	}
+	return n.Tx.LargeObjects()
+}
+
+// Conn is nil once the unit of work is over, as the owner's is.
+func (n *nestedTx) Conn() *pgx.Conn {
+	if n.owner.over.Load() {
+		return nil
+	}
+	return n.Tx.Conn()
 }
 
 func execNoted(ctx context.Context, q pgx.Tx, owner *Tx, sql string, args []any) (pgconn.CommandTag, error) {
@@ -77,6 +137,15 @@ func (r *notedRows) Err() error {
 	err := r.Rows.Err()
 	r.owner.note(err)
 	return err
+}
+
+// Conn is nil once the unit of work is over, as the Tx's is: rows kept past it would hand out
+// a connection of the pool, perhaps another request's by then.
+func (r *notedRows) Conn() *pgx.Conn {
+	if r.owner.over.Load() {
+		return nil
+	}
+	return r.Rows.Conn()
 }
 
 // Close closes the rows and notes the error that ended them: a handler that reads its rows

@@ -129,6 +129,9 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	if ferr == nil {
 		ferr = t.ended() // the work ended the transaction itself: nothing to commit or answer
 	}
+	if ferr == nil {
+		ferr = t.misuse // an answer to a claim this transaction does not hold: the work is a duplicate's
+	}
 	switch {
 	case t.tx == nil:
 		return false, ferr // nothing was sent
@@ -228,6 +231,9 @@ func (t *Tx) commit(ctx context.Context) error {
 				var pgErr *pgconn.PgError
 				if errors.As(err, &pgErr) && !fatal(pgErr) {
 					t.rollback(ctx)
+					if gone := savepointGone(err); gone != nil {
+						return gone
+					}
 					return classify(err)
 				}
 				return commitError(err, false) // no COMMIT was sent: the transaction is gone
@@ -252,6 +258,9 @@ func (t *Tx) commit(ctx context.Context) error {
 		if errors.As(err, &pgErr) && !fatal(pgErr) && !isCitusCommitFailure(pgErr) {
 			// A statement before COMMIT failed; the server skipped the COMMIT.
 			t.rollback(ctx)
+			if gone := savepointGone(err); t.final && gone != nil {
+				return gone
+			}
 			cerr := classify(err)
 			if t.claim != nil && t.claim.Lease == 0 && errors.Is(cerr, ErrClaimLost) {
 				// A transactional claim is this transaction's own row, which nothing else can
@@ -265,6 +274,19 @@ func (t *Tx) commit(ctx context.Context) error {
 	}
 	if tag.String() == "ROLLBACK" {
 		return pgx.ErrTxCommitRollback
+	}
+	return nil
+}
+
+// savepointGone is ErrTxOwned for the claim's savepoint found missing (3B001) when a final
+// answer rolls back to it: the work ended the claim's transaction and began another (ROLLBACK;
+// BEGIN as SQL in one statement), or released the savepoint, and the claim went with the first.
+// Not the store failing: nothing of the work or the claim was committed. Nil for another error.
+func savepointGone(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "3B001" {
+		return fmt.Errorf("%w: the claim's savepoint is gone (the work ended its transaction, or released or rolled back past "+
+			"the savepoint, as SQL): %w", ErrTxOwned, err)
 	}
 	return nil
 }

@@ -52,6 +52,10 @@ type Tx struct {
 	attempt int64
 	end     []any // the arguments of idem_complete (complete) or idem_save_final (final)
 	final   bool
+	// outcome is the outcome of Claim's decision; misuse, an answer given to a
+	// claim whose outcome was not Claimed (unclaimed), which RunTx returns, rolled back.
+	outcome Outcome
+	misuse  error
 	retry   error // the first serialization failure or deadlock a statement hit
 	// noStandbyWait: the claim's statement found that this transaction's COMMIT cannot wait
 	// for a synchronous standby (standbyWaitColumn), so RunTx may send it on its caller's
@@ -190,6 +194,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		return Decision{}, err
 	}
 	t.claim = &c
+	t.outcome = d.Outcome
 	t.noStandbyWait = !standbyWait
 	if d.Outcome == Claimed {
 		t.attempt = d.Attempt
@@ -197,11 +202,25 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	return d, nil
 }
 
+// unclaimed is the error of an answer given to a claim whose outcome was not Claimed (a
+// replay, a mismatch, a lease in progress): this transaction holds no claim to answer, and its
+// work is a duplicate's. RunTx rolls back and returns it.
+func (t *Tx) unclaimed(method string) error {
+	return fmt.Errorf("%w: %s after Tx.Claim's outcome %s: this transaction holds no claim to answer "+
+		"(answer with the Decision's stored response instead, and return without the work)", ErrClaimLost, method, t.outcome)
+}
+
 // CompleteOnCommit stores r as the response of this transaction's claim when it commits, in
 // the same round trip as COMMIT. If the claim was lost (ErrClaimLost), RunTx rolls back and
-// returns the error.
+// returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
+// in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
+// wrapping ErrClaimLost.
 func (t *Tx) CompleteOnCommit(r Response) {
 	if t.claim == nil {
+		return
+	}
+	if t.outcome != Claimed {
+		t.misuse = t.unclaimed("CompleteOnCommit")
 		return
 	}
 	t.end, t.final = completeArgs(t.claim.Principal, t.claim.Key, t.attempt, r), false
@@ -210,9 +229,15 @@ func (t *Tx) CompleteOnCommit(r Response) {
 // FinalOnCommit stores r as the final answer to this transaction's claim (a 404, a 422):
 // when the function returns, RunTx rolls the work back to the savepoint taken right after
 // the claim, stores r with idem_save_final and commits, in one round trip. The claim is held
-// throughout, so a duplicate waiting on the key sees only the stored answer.
+// throughout, so a duplicate waiting on the key sees only the stored answer. After a Claim
+// whose outcome was not Claimed, RunTx rolls back and returns an error wrapping ErrClaimLost,
+// as CompleteOnCommit does.
 func (t *Tx) FinalOnCommit(r Response) {
 	if t.claim == nil {
+		return
+	}
+	if t.outcome != Claimed {
+		t.misuse = t.unclaimed("FinalOnCommit")
 		return
 	}
 	t.end, t.final = saveFinalArgs(*t.claim, r), true
