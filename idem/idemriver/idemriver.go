@@ -81,7 +81,11 @@ const (
 var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than its key's TTL: its key may have expired, so it is not run again")
 
 // Options configure Work and Middleware. DB is required; the zero value of every other field
-// is its default.
+// is its default (and so is a negative Lease, TTL or Snooze). Options no job can run with (a
+// Lease above 0 and under a second, a negative LockTimeout, a TTL or Lease over 10 years) make
+// Middleware panic when it is built; Work cancels each job it is given with them
+// (river.JobCancel of an error wrapping idem.ErrInvalidArgument), as for a key the SQL API
+// refuses.
 type Options struct {
 	// DB is the pool of the database with schema idem installed (usually River's own).
 	// Required: Work returns an error without it.
@@ -129,6 +133,21 @@ type Options struct {
 	Snooze time.Duration
 	// Gate is as in idem.Job. Default nil: idem's shared gate.
 	Gate *idem.Gate
+}
+
+// check returns an error naming the first option that no job can run with: a Lease above 0 and
+// under a second, or over idem.MaxDuration; a TTL over idem.MaxDuration; a LockTimeout below 0
+// or over idem.MaxLockTimeout (D224). A Lease, TTL or Snooze of 0 or below is the default.
+func (o Options) check() error {
+	switch {
+	case o.Lease > 0 && o.Lease < time.Second, o.Lease > idem.MaxDuration:
+		return fmt.Errorf("idemriver: Options.Lease must be 0 (%s) or from a second to 10 years, got %s", DefaultLease, o.Lease)
+	case o.TTL > idem.MaxDuration:
+		return fmt.Errorf("idemriver: Options.TTL must be at most 10 years, got %s", o.TTL)
+	case o.LockTimeout < 0 || o.LockTimeout > idem.MaxLockTimeout:
+		return fmt.Errorf("idemriver: Options.LockTimeout must be 0 (the SQL API's default) or up to %s, got %s", idem.MaxLockTimeout, o.LockTimeout)
+	}
+	return nil
 }
 
 func (o Options) withDefaults() Options {
@@ -239,6 +258,11 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	if o.DB == nil {
 		return errors.New("idemriver: Options.DB is nil")
 	}
+	if err := o.check(); err != nil {
+		// Refused on every retry, as a key the SQL API refuses is (D170): cancelled before any
+		// claim. Middleware refuses such options when it is built.
+		return river.JobCancel(fmt.Errorf("%w: %w", idem.ErrInvalidArgument, err))
+	}
 	o = o.withDefaults()
 	principal, key := o.Principal, KeyOf(job)
 	if o.PrincipalOf != nil {
@@ -318,8 +342,13 @@ func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
 // Middleware returns a River worker middleware that runs every job it wraps with Work: the
 // worker's Work method runs under the job's lease, and finds its claim with ClaimOf. Install
 // it for some kinds of job with their worker's Middleware method (embed
-// river.WorkerDefaults and return it), or for every job in river.Config.Middleware.
+// river.WorkerDefaults and return it), or for every job in river.Config.Middleware. It panics
+// on options no job can run with (Options), as idem's Route does on a declaration that
+// cannot work.
 func Middleware(o Options) rivertype.WorkerMiddleware {
+	if err := o.check(); err != nil {
+		panic(err.Error()) // as idem's Route does on a declaration that cannot work
+	}
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(ctx context.Context) error) error {
 		return Work(ctx, job, o, func(ctx context.Context, _ idem.LeaseClaim) error {
 			return doInner(ctx) // ctx carries the claim (ClaimOf)

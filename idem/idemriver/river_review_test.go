@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -740,6 +741,29 @@ func TestMiddlewareHungPastJobTimeout(t *testing.T) {
 			t.Fatalf("a worker hung %s past River's job timeout of 300 ms under the middleware (Lease 1 s) still holds the key: "+
 				"%d rescues snoozed, lease extended to %s from now; want it taken over one lease after the timeout",
 				time.Since(began).Round(100*time.Millisecond), snoozes, time.Until(leaseEnd).Round(100*time.Millisecond))
+		}
+	}
+}
+
+// TestMiddlewarePanicsOnOptionsNoJobCanRunWith: Middleware, like idem's Route, panics at
+// construction on options with which Work would cancel every job (D224), and takes the
+// defaults' edges.
+func TestMiddlewarePanicsOnOptionsNoJobCanRunWith(t *testing.T) {
+	for _, o := range []idemriver.Options{{Lease: 500 * time.Millisecond}, {LockTimeout: -time.Second},
+		{TTL: 11 * 365 * 24 * time.Hour}, {Lease: idem.MaxDuration + time.Hour}} {
+		func() {
+			defer func() {
+				if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), "idemriver: Options.") {
+					t.Errorf("Middleware(%+v): recovered %v; want a panic naming the option", o, p)
+				}
+			}()
+			idemriver.Middleware(o)
+		}()
+	}
+	for _, o := range []idemriver.Options{{}, {Lease: -time.Second, TTL: -time.Hour, Snooze: -1, Timeout: -1},
+		{Lease: time.Second, TTL: idem.MaxDuration, LockTimeout: idem.MaxLockTimeout}} {
+		if idemriver.Middleware(o) == nil {
+			t.Errorf("Middleware(%+v) is nil", o)
 		}
 	}
 }
