@@ -125,9 +125,9 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // ctx, not req's context, bounds the operation, the body's reading included; a ctx that has
 // ended already sends nothing (Attempts 0). A request refused before sending has its body
 // closed, as net/http does. A panic of req.GetBody or of the body's Read is raised again on the
-// caller's goroutine, where net/http raises GetBody's. A request with trailers (req.Trailer) is sent chunked, its
-// trailers after the body, as net/http sends one of unknown length; their values are read when
-// the body has been read, before the first attempt. The response body is read whole into
+// caller's goroutine, where net/http raises GetBody's. A request with trailers (req.Trailer) is
+// sent chunked, its trailers after the body, as net/http sends one of unknown length; their
+// values are read when the body has been read, before the first attempt. The response body is read whole into
 // Result.Body, up to MaxResponseBytes (ErrResponseTooLarge past it).
 func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result, error) {
 	r, err := (*client.Client)(c).Do(ctx, req, key)
