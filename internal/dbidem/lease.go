@@ -171,7 +171,7 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 			deadline = end
 		}
 		ctx, cancel := context.WithDeadline(context.Background(), deadline)
-		_, err := Extend(ctx, q, principal, key, attempt, lease)
+		err := extendSafely(ctx, q, principal, key, attempt, lease)
 		cancel()
 		switch {
 		case err == nil:
@@ -440,4 +440,18 @@ func callOnExtend(f func()) {
 	}
 	defer func() { _ = recover() }()
 	f()
+}
+
+// extendSafely is Extend on the heartbeat's goroutine, with a panic of the code it runs (the
+// application's pool: a pgx tracer, a hook, a Querier of its own) taken as a failed extension,
+// which the next beat tries again: a panic there would end the process, every request in
+// flight with it (D225).
+func extendSafely(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("idem: the lease's extension panicked: %v", p)
+		}
+	}()
+	_, err = Extend(ctx, q, principal, key, attempt, lease)
+	return err
 }

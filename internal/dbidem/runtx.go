@@ -171,13 +171,23 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 	// connection goes back to the pool. The goroutine's hand-offs cost about as much CPU as
 	// the whole keyed part of a transaction (D136), hence the path above where it can.
 	committed := make(chan error, 1)
-	go func() { committed <- t.commit(context.WithoutCancel(ctx)) }()
+	go func() {
+		defer func() {
+			if p := recover(); p != nil {
+				// The application's pool code panicked on this goroutine of ours (D225): the
+				// COMMIT may have gone out, so its outcome is unknown.
+				committed <- fmt.Errorf("%w: the COMMIT's code panicked: %v", ErrCommitUnknown, p)
+			}
+		}()
+		committed <- t.commit(context.WithoutCancel(ctx))
+	}()
 	select {
 	case err = <-committed:
 		return IsRetryable(err) || IsWorkLockTimeout(err), err
 	case <-ctx.Done():
 		handedOff = true
 		go func() {
+			defer func() { _ = recover() }() // the pool's release hook, on a goroutine of ours (D225)
 			<-committed
 			t.pooled.Release()
 		}()

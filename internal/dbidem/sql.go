@@ -386,6 +386,14 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 	}
 	done := make(chan result, 1)
 	go func() {
+		defer func() {
+			if p := recover(); p != nil {
+				// The application's pool code (a pgx tracer, a hook, a Querier of its own)
+				// panicked on this goroutine of ours, where the panic would end the process; it
+				// may have done so after the statement ran: its outcome is unknown (D225).
+				done <- result{err: fmt.Errorf("%w: the statement's code panicked: %v", ErrCommitUnknown, p)}
+			}
+		}()
 		v, err := send(context.WithoutCancel(ctx))
 		done <- result{v, err}
 	}()

@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -137,7 +138,7 @@ func (ws *watches) poll(every time.Duration, lookAt look) {
 			batch := ids[:min(len(ids), maxLookBatch)]
 			ids = ids[len(batch):]
 			ctx, cancel := context.WithTimeout(context.Background(), max(every, time.Second))
-			found, err := lookAt(ctx, batch)
+			found, err := lookSafely(ctx, lookAt, batch)
 			cancel()
 			if err != nil {
 				continue // the next round looks again; each waiter has its own deadline
@@ -296,4 +297,16 @@ func (t *typicals) get(action string) time.Duration {
 // waiting room).
 func waitable(err error) bool {
 	return errors.Is(err, dbidem.ErrInProgress) && !errors.Is(err, dbidem.ErrStoreBusy) && !dbidem.IsFull(err)
+}
+
+// lookSafely is lookAt with a panic of the code it runs (the application's pool: a pgx tracer,
+// a hook, a wrapper of its own) taken as a failed look: the poller is one goroutine of the
+// middleware's, where a panic would end the process, and the next round looks again (D225).
+func lookSafely(ctx context.Context, lookAt look, batch []watchKey) (found map[watchKey]lookResult, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			found, err = nil, fmt.Errorf("idem: the look at waited keys panicked: %v", p)
+		}
+	}()
+	return lookAt(ctx, batch)
 }

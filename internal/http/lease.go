@@ -304,7 +304,15 @@ func (s slotted) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 	if err := s.acquire(ctx); err != nil {
 		return errRow{err}
 	}
-	return &slottedRow{row: s.q.QueryRow(ctx, sql, args...), release: func() { <-s.slots }}
+	returned := false
+	defer func() {
+		if !returned {
+			<-s.slots // the pool's code panicked: the slot goes back all the same (D225)
+		}
+	}()
+	row := s.q.QueryRow(ctx, sql, args...)
+	returned = true
+	return &slottedRow{row: row, release: func() { <-s.slots }}
 }
 
 func (s slotted) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
