@@ -466,7 +466,10 @@ func TestContextEndsInEachPhase(t *testing.T) {
 				h(w, r)
 			}))
 			tr := &http.Transport{}
-			c := &idemclient.Client{HTTP: &http.Client{Transport: tr}, Backoff: 400 * time.Millisecond, MaxBackoff: 400 * time.Millisecond}
+			// A backoff is jittered between half of it and all of it: a second's is never shorter
+			// than the 250 ms the context lasts, so "the backoff" ends in its pause, after one
+			// attempt (400 ms gave 200 to 400, and about one run in five tried again).
+			c := &idemclient.Client{HTTP: &http.Client{Transport: tr}, Backoff: time.Second, MaxBackoff: time.Second}
 			body := `{}`
 			if p.name == "uploading the body" {
 				body = strings.Repeat("b", 64<<20)
