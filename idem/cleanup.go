@@ -2,9 +2,7 @@ package idem
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -97,9 +95,8 @@ type CleanupObserver interface {
 // Cleaner run on the scheduler's goroutine, where a panic would end the process, and a
 // Vacuumed that panicked lost its pass's PassEnded (D222).
 type cleanupObserver struct {
-	o    CleanupObserver
-	log  *slog.Logger
-	once *sync.Once
+	o CleanupObserver
+	firstPanic
 }
 
 func (a cleanupObserver) PassEnded(result string, deleted int, took time.Duration) {
@@ -110,15 +107,6 @@ func (a cleanupObserver) PassEnded(result string, deleted int, took time.Duratio
 func (a cleanupObserver) Vacuumed() {
 	defer a.recovered("Vacuumed")
 	a.o.Vacuumed()
-}
-
-func (a cleanupObserver) recovered(method string) {
-	if v := recover(); v != nil {
-		a.once.Do(func() {
-			a.log.Error("idem: the CleanupObserver panicked; its panics are recovered, and only this first one is logged",
-				"method", method, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
-		})
-	}
 }
 
 // Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement
@@ -143,7 +131,7 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 		if log == nil {
 			log = slog.Default()
 		}
-		io.Observer = cleanupObserver{o: o.Metrics, log: safelog.Wrap(log), once: new(sync.Once)}
+		io.Observer = cleanupObserver{o: o.Metrics, firstPanic: firstPanic{what: "CleanupObserver", log: safelog.Wrap(log), once: new(sync.Once)}}
 	}
 	c, err := dbidem.NewCleaner(db, io)
 	if err != nil {

@@ -254,7 +254,7 @@ func (o Options) internal() idemhttp.Options {
 		if log == nil {
 			log = slog.Default()
 		}
-		io.Metrics = observer{o: o.Metrics, log: log, once: new(sync.Once)}
+		io.Metrics = observer{o: o.Metrics, firstPanic: firstPanic{what: "Observer", log: log, once: new(sync.Once)}}
 	}
 	return io
 }

@@ -117,9 +117,8 @@ type Observer interface {
 // request's path and from a lease's heartbeat, where a panic would cut a client's answer or
 // end the process.
 type observer struct {
-	o    Observer
-	log  *slog.Logger
-	once *sync.Once
+	o Observer
+	firstPanic
 }
 
 func (a observer) Count(action string, s idemhttp.State) {
@@ -142,10 +141,18 @@ func (a observer) LeaseEnded(action string, lost bool, worked time.Duration) {
 	a.o.LeaseEnded(action, lost, worked)
 }
 
-func (a observer) recovered(method string) {
+// firstPanic recovers a panic of an observer of the application's, and logs the first one at
+// error level with its stack. Deferred directly: defer a.recovered("Count").
+type firstPanic struct {
+	what string // "Observer", "CleanupObserver"
+	log  *slog.Logger
+	once *sync.Once
+}
+
+func (f firstPanic) recovered(method string) {
 	if v := recover(); v != nil {
-		a.once.Do(func() {
-			a.log.Error("idem: the Observer panicked; its panics are recovered, and only this first one is logged",
+		f.once.Do(func() {
+			f.log.Error("idem: the "+f.what+" panicked; its panics are recovered, and only this first one is logged",
 				"method", method, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
 		})
 	}

@@ -8,10 +8,7 @@ package idem_test
 
 import (
 	"context"
-	"io"
-	"log"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"strings"
@@ -89,22 +86,7 @@ func pcChild(t *testing.T, name string) {
 func pcServeLease(t *testing.T, pool *pgxpool.Pool, rt idem.Route, opts idem.Options, h http.HandlerFunc) string {
 	t.Helper()
 	opts.DB = pool
-	if opts.Principal == nil {
-		opts.Principal = alice
-	}
-	if opts.Logger == nil {
-		opts.Logger = auditQuiet
-	}
-	m, err := idem.New(context.Background(), opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("POST /things", m.Route(rt)(h))
-	srv := httptest.NewUnstartedServer(mux)
-	srv.Config.ErrorLog = log.New(io.Discard, "", 0)
-	srv.Start()
-	t.Cleanup(srv.Close)
+	srv, _ := prServe(t, opts, rt, h)
 	return srv.URL
 }
 
