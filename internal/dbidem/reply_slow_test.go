@@ -92,3 +92,53 @@ func TestReplyThatStopsMidwayIsGivenUp(t *testing.T) {
 		t.Fatalf("a reply cut midway was given up after %s", took)
 	}
 }
+
+// A replay whose bytes were all written long before the client had them (a buffering hop in
+// front of a slow link): the server's transaction sat idle past its idle_in_transaction
+// timeout (a lease claim's own, 5 s; a DBA's on the role for Do) and the server ended the
+// connection before the claim's COMMIT. The client had the whole answer, and was told its
+// commit's outcome was unknown. A claim that decided without writing leaves its transaction
+// nothing to commit, so the replay stands (D226): 2 MB at 300 kB/s.
+func TestReplayOutlastingTheServersIdleTimeoutStands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct, url := pgtest.NewPool(t, 2)
+	big := strings.Repeat("y", 2<<20)
+	job := func(lease time.Duration) dbidem.Job {
+		return dbidem.Job{Principal: "alice", Key: "idle-" + lease.String(), Action: "a", Lease: lease}
+	}
+	if _, _, err := dbidem.Do(ctx, direct, job(0), dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return big, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := dbidem.DoLease(ctx, direct, job(30*time.Second), func(context.Context, dbidem.LeaseClaim) (string, error) { return big, nil }); err != nil {
+		t.Fatal(err)
+	}
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	p.Buffered.Store(true)
+	p.Rate.Store(300 << 10)
+	slow, err := pgxpool.New(ctx, pgtest.Via(t, url, p.Addr)+" idle_in_transaction_session_timeout=2000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(slow.Close)
+	for _, lease := range []time.Duration{0, 30 * time.Second} {
+		t.Run("lease="+lease.String(), func(t *testing.T) {
+			start := time.Now()
+			var v string
+			var replayed bool
+			var err error
+			if lease == 0 {
+				v, replayed, err = dbidem.Do(ctx, slow, job(lease), dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) { return "", errors.New("ran again") })
+			} else {
+				v, replayed, err = dbidem.DoLease(ctx, slow, job(lease), func(context.Context, dbidem.LeaseClaim) (string, error) { return "", errors.New("ran again") })
+			}
+			took := time.Since(start)
+			if err != nil || !replayed || v != big {
+				t.Fatalf("replay after %s: %d bytes, replayed %v, %v", took, len(v), replayed, err)
+			}
+			if took < 6*time.Second {
+				t.Fatalf("the link forwarded 2 MB in %s: the transaction never sat idle past its timeout", took)
+			}
+		})
+	}
+}

@@ -144,6 +144,15 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		t.rollback(ctx)
 		return false, context.Cause(ctx)
 	}
+	if t.decidedOnly() {
+		// Nothing to commit: the decision read committed rows and wrote none. The COMMIT ends
+		// the transaction; its failure changes no outcome (D226).
+		defer func() {
+			if err != nil {
+				again, err = false, nil
+			}
+		}()
+	}
 	if commitBound > 0 {
 		// A COMMIT whose connection stopped answering is given up after the bound; the
 		// goroutine below abandons it without a cancel request (D168).

@@ -66,6 +66,10 @@ type Tx struct {
 	// idle (leaseClaimIdleSQL). A lease claim in a caller's transaction (Tx.Claim in RunTx,
 	// with the caller's statements around it) is not: its idle time is the caller's.
 	leaseUnit bool
+	// claimOnly: the claim's round trip began the transaction, and nothing was sent through
+	// the Tx since (a statement, a savepoint, Conn handed out): a claim whose outcome was not
+	// Claimed leaves such a transaction nothing to commit (decidedOnly).
+	claimOnly bool
 	// over: the unit of work has ended (committed or rolled back, its connection given back);
 	// a Tx kept past it (a goroutine of the handler's) refuses every statement, and Conn is nil.
 	over atomic.Bool
@@ -93,6 +97,7 @@ func (t *Tx) acquire() error {
 // begin sends BEGIN unless it was sent. Once sent, it refuses every further statement of a
 // transaction that a statement sent through it ended (ended).
 func (t *Tx) begin(ctx context.Context) error {
+	t.claimOnly = false
 	if t.tx != nil {
 		return t.ended()
 	}
@@ -177,7 +182,8 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	c.queueTxBegin(b, t.conn, ctx.Value(readStepsKey{}) != nil, &row, &standbyWait)
 	b.Queue(savepointSQL)
 	var br pgx.BatchResults
-	if t.tx == nil {
+	began := t.tx == nil
+	if began {
 		br = t.conn.SendBatch(ctx, b)
 		t.tx = br.Tx()
 	} else {
@@ -195,11 +201,22 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	}
 	t.claim = &c
 	t.outcome = d.Outcome
+	t.claimOnly = began
 	t.noStandbyWait = !standbyWait
 	if d.Outcome == Claimed {
 		t.attempt = d.Attempt
 	}
 	return d, nil
+}
+
+// decidedOnly tells that the transaction holds nothing but a claim that decided without
+// writing (a replay, a mismatch, a lease in progress: idem_begin writes only when it claims):
+// the decision was read from committed rows, and the transaction's COMMIT changes nothing.
+// Whatever becomes of that COMMIT (the server ended the connection as idle in transaction
+// while a large replay was still on its way to the client; a COMMIT black-holed), the decision
+// stands (D226).
+func (t *Tx) decidedOnly() bool {
+	return t.claimOnly && t.claim != nil && t.outcome != Claimed && t.end == nil && t.misuse == nil && t.retry == nil
 }
 
 // unclaimed is the error of an answer given to a claim whose outcome was not Claimed (a
@@ -328,6 +345,7 @@ func (t *Tx) LargeObjects() pgx.LargeObjects {
 // sent through it before the transaction's first statement (BEGIN goes with that) run outside
 // the transaction.
 func (t *Tx) Conn() *pgx.Conn {
+	t.claimOnly = false // what is sent through it is not seen
 	if t.acquire() != nil {
 		return nil
 	}

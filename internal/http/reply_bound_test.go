@@ -102,6 +102,44 @@ func TestReplyLargeStoredBodyOnASlowLinkReplays(t *testing.T) {
 	}
 }
 
+// A replay whose bytes were all written long before the client had them (a buffering hop in
+// front of a slow link) sat idle in its transaction past the server's idle_in_transaction
+// timeout (a lease claim's own, 5 s; a DBA's on the role for a transactional route): the
+// server ended the connection before the claim's COMMIT, and the client that had paid for the
+// answer got 503 store_unavailable. The claim wrote nothing, so its replay stands (D226).
+func TestReplayOutlastingTheServersIdleTimeoutThroughTheMiddleware(t *testing.T) {
+	t.Parallel()
+	pool, url := pgtest.NewPool(t, 4)
+	body := strings.Repeat("y", 2<<20)
+	direct := replyServer(t, pool, body)
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	p.Buffered.Store(true)
+	p.Rate.Store(300 << 10)
+	slowPool, err := pgxpool.New(context.Background(), pgtest.Via(t, url, p.Addr)+" idle_in_transaction_session_timeout=2000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(slowPool.Close)
+	slow := replyServer(t, slowPool, "other")
+	for _, route := range []string{"/big", "/bigjob"} {
+		t.Run(route, func(t *testing.T) {
+			key := "idle" + route
+			if st, b, _ := replyPost(t, direct.URL+route, key, false); st != 201 || b != body {
+				t.Fatalf("first: %d, %d bytes", st, len(b))
+			}
+			start := time.Now()
+			st, b, h := replyPost(t, slow.URL+route, key, true)
+			took := time.Since(start)
+			if st != 201 || b != body || h.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("replay after %s: %d, %d bytes (%.200s), replayed %q", took, st, len(b), b, h.Get("Idempotent-Replayed"))
+			}
+			if took < 6*time.Second {
+				t.Fatalf("the link forwarded 2 MB in %s: the transaction never sat idle past its timeout", took)
+			}
+		})
+	}
+}
+
 // A replay whose reply trickles (one byte every 4 s) through the middleware: the bound did not
 // end while a byte came within each 5 s, and the work context outlives the client and has no
 // WorkTimeout before the claim, so the request and its connection stayed until Shutdown. A

@@ -47,6 +47,11 @@ type Proxy struct {
 	CommitHole atomic.Bool
 	// TrickleEvery is Trickle's interval; set it before the proxy carries bytes. Default 4 s.
 	TrickleEvery time.Duration
+	// Buffered, set before a connection opens, reads that connection's server bytes as fast as
+	// they come into the proxy's memory and forwards them at Rate, whatever the fault: the
+	// server's writes end, and it goes idle, long before the client has the reply (a
+	// buffering middlebox in front of a slow client link).
+	Buffered atomic.Bool
 
 	fault  atomic.Int32
 	sent   atomic.Int64
@@ -90,7 +95,11 @@ func NewProxyOn(t testing.TB, network, laddr, target string) *Proxy {
 			p.conns = append(p.conns, c, s)
 			p.mu.Unlock()
 			go p.up(c, s)
-			go p.down(s, c)
+			if p.Buffered.Load() {
+				go p.downBuffered(s, c)
+			} else {
+				go p.down(s, c)
+			}
 		}
 	}()
 	return p
@@ -192,6 +201,57 @@ func (p *Proxy) down(s, c net.Conn) {
 		}
 		if err != nil {
 			return
+		}
+	}
+}
+
+// downBuffered carries the server's bytes to the client through a queue in memory that takes
+// them as fast as the server writes, and empties at Rate (Buffered). The client's end is closed
+// once the server's has closed and the queue is empty.
+func (p *Proxy) downBuffered(s, c net.Conn) {
+	var mu sync.Mutex
+	more := sync.NewCond(&mu)
+	var queue [][]byte
+	eof := false
+	go func() {
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := s.Read(buf)
+			mu.Lock()
+			if n > 0 {
+				queue = append(queue, buf[:n])
+			}
+			eof = err != nil
+			more.Signal()
+			mu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	}()
+	defer c.Close()
+	for {
+		mu.Lock()
+		for len(queue) == 0 && !eof {
+			more.Wait()
+		}
+		if len(queue) == 0 {
+			mu.Unlock()
+			return
+		}
+		b := queue[0]
+		queue = queue[1:]
+		mu.Unlock()
+		if _, err := c.Write(b); err != nil {
+			return
+		}
+		p.sent.Add(int64(len(b)))
+		if rate := p.Rate.Load(); rate > 0 {
+			select {
+			case <-p.closed:
+				return
+			case <-time.After(time.Duration(len(b)) * time.Second / time.Duration(rate)):
+			}
 		}
 	}
 }
