@@ -139,19 +139,20 @@ func runOnce(ctx context.Context, db Acquirer, txOpts pgx.TxOptions, commitBound
 		t.rollback(ctx)
 		return t.retry != nil, ferr
 	}
-	if err := ctx.Err(); err != nil {
-		// Nothing asks for the work any more: it is not committed.
-		t.rollback(ctx)
-		return false, context.Cause(ctx)
-	}
 	if t.decidedOnly() {
 		// Nothing to commit: the decision read committed rows and wrote none. The COMMIT ends
-		// the transaction; its failure changes no outcome (D226).
+		// the transaction; its failure, or a context that ended before it (a lease claim's
+		// bound, passed while a large answer arrived), changes no outcome (D226).
 		defer func() {
 			if err != nil {
 				again, err = false, nil
 			}
 		}()
+	}
+	if err := ctx.Err(); err != nil {
+		// Nothing asks for the work any more: it is not committed.
+		t.rollback(ctx)
+		return false, context.Cause(ctx)
 	}
 	if commitBound > 0 {
 		// A COMMIT whose connection stopped answering is given up after the bound; the

@@ -70,6 +70,9 @@ type Tx struct {
 	// the Tx since (a statement, a savepoint, Conn handed out): a claim whose outcome was not
 	// Claimed leaves such a transaction nothing to commit (decidedOnly).
 	claimOnly bool
+	// claimBegan: the claim's round trip began the transaction (Redecided restores claimOnly
+	// from it).
+	claimBegan bool
 	// over: the unit of work has ended (committed or rolled back, its connection given back);
 	// a Tx kept past it (a goroutine of the handler's) refuses every statement, and Conn is nil.
 	over atomic.Bool
@@ -193,7 +196,7 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 		if IsRetryable(err) { // not its lock timeout: that is ErrInProgress, the Gate's to answer
 			t.note(err)
 		}
-		return Decision{}, classify(err)
+		return Decision{}, claimError(ctx, err)
 	}
 	d, err := row.decision()
 	if err != nil {
@@ -201,12 +204,27 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	}
 	t.claim = &c
 	t.outcome = d.Outcome
-	t.claimOnly = began
+	t.claimOnly, t.claimBegan = began, began
 	t.noStandbyWait = !standbyWait
 	if d.Outcome == Claimed {
 		t.attempt = d.Attempt
 	}
 	return d, nil
+}
+
+// Redecided makes d, the decision for claim c, this transaction's in place of Claim's: after
+// Claim, the caller asked the key again through the Tx under a savepoint (idem_begin with
+// another fingerprint: the middleware's claim under an earlier release's, D178), and rolled
+// back to that savepoint whatever it did not keep. Those statements then count as the
+// claim's, not as the work's: a decision that is not Claimed leaves the transaction nothing to
+// commit, as Claim's would (decidedOnly), and an answer given on commit is c's. Only for
+// statements that wrote nothing else.
+func (t *Tx) Redecided(c Claim, d Decision) {
+	t.claim, t.outcome = &c, d.Outcome
+	if d.Outcome == Claimed {
+		t.attempt = d.Attempt
+	}
+	t.claimOnly = t.claimBegan
 }
 
 // decidedOnly tells that the transaction holds nothing but a claim that decided without

@@ -391,7 +391,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	err := q.m.gate.RunDetached(waitCtx, fresh, q.m.o.DB, q.txOptions(), claim, int64(len(q.body)), func(tx *dbidem.Tx, dec dbidem.Decision) error {
 		d, rec, oversize = dec, nil, false
 		if d.Outcome == dbidem.Mismatch && q.rawHashed {
-			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim); ok {
+			if earlier, c, ok := q.earlierReleaseDecision(wctx, tx, claim, d); ok {
 				d, claim = earlier, c // the key goes on under the fingerprint it was stored with
 				q.earlierTakeover = d.Outcome == dbidem.Claimed
 			}
@@ -554,7 +554,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 // body hashed as its bytes never answers this way; a key this release stored for a body sent
 // as JSON with the same canonical form does (the row does not say which release stored it:
 // docs/http.md, D178).
-func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim) (dbidem.Decision, dbidem.Claim, bool) {
+func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, claim dbidem.Claim, mismatch dbidem.Decision) (dbidem.Decision, dbidem.Claim, bool) {
 	fp := canon.ComputeBefore178(q.r.Method, q.r.URL.EscapedPath(), q.body)
 	if fp.Ambiguous != "" { // refused before any claim by those releases: never stored
 		return dbidem.Decision{}, claim, false
@@ -585,9 +585,15 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 		}
 	}
 	if err == nil && (d.Outcome == dbidem.Replay || d.Outcome == dbidem.InProgress || d.Outcome == dbidem.Claimed) {
+		// The decision kept is the transaction's: a replay or a lease in progress leaves it
+		// nothing to commit (what a first ask claimed was rolled back to the savepoint), as
+		// the mismatch did (D226); a takeover commits as the route's claim does.
+		tx.Redecided(earlier, d)
 		return d, earlier, true
 	}
-	_, _ = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release")
+	if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
+		tx.Redecided(claim, mismatch) // the mismatch stands, and nothing of the asks does
+	}
 	return dbidem.Decision{}, claim, false
 }
 
