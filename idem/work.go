@@ -168,7 +168,8 @@ type Claim struct {
 	// Default 0: a transactional claim, completed in the same transaction. At most 10 years.
 	Lease time.Duration
 	// LockTimeout bounds the wait for a concurrent holder of the key. Default 0: the SQL
-	// API's default (2 seconds). Past it the claim returns ErrInProgress and the transaction
+	// API's default (2 seconds). Past it, or past a statement_timeout of the role or the
+	// database that ends the wait first, the claim returns ErrInProgress and the transaction
 	// is aborted.
 	LockTimeout time.Duration
 }

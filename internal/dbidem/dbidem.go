@@ -155,8 +155,9 @@ type Querier interface {
 // Errors. Each wraps the error it came from (errors.As finds a *pgconn.PgError).
 var (
 	// ErrInProgress: a concurrent holder kept the key past the lock timeout (SQLSTATE
-	// 55P03), or (from a Gate) a request of this process holds it. The transaction is
-	// aborted; answer 409 and let the client retry.
+	// 55P03, or 57014 when the server's statement_timeout ended the wait first: claimError),
+	// or (from a Gate) a request of this process holds it. The transaction is aborted; answer
+	// 409 and let the client retry.
 	ErrInProgress = errors.New("idem: request in progress")
 	// ErrClaimLost: Complete found no claim in progress with this attempt (55000): the
 	// lease was taken over by a later attempt, or the claim was released or completed.
@@ -188,6 +189,20 @@ var (
 	// on the key (IsKeyWait).
 	ErrStoreBusy = errors.New("idem: the key table is locked")
 )
+
+// claimError is classify for a claim's statement (idem_begin) sent on ctx. A 57014
+// (query_canceled) that ctx did not cause is the server ending the claim's wait before its
+// lock timeout: a statement_timeout below the lock timeout (a DBA's guard rail), or
+// pg_cancel_backend. Another request holds the key all the same: the wait is answered as one
+// that ran out, ErrInProgress (D163; for Tx.Claim and Begin too, D227).
+func claimError(ctx context.Context, err error) error {
+	var pgErr *pgconn.PgError
+	if ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == "57014" {
+		return fmt.Errorf("%w: the claim was cancelled by the server before its lock timeout "+
+			"(a statement_timeout below it?): %w", ErrInProgress, err)
+	}
+	return classify(err)
+}
 
 // classify wraps an error from the SQL API in the sentinel that describes it.
 func classify(err error) error {

@@ -655,16 +655,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				if wait.Err() != nil && ctx.Err() == nil {
 					return fmt.Errorf("%w: %w: %w", errWaitEnded, wait.Err(), err)
 				}
-				var pgErr *pgconn.PgError
-				if ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == "57014" {
-					// The server ended the wait on the key's row before its lock timeout: a
-					// statement_timeout below the lock timeout (a DBA's guard rail), or
-					// pg_cancel_backend. Another request holds the key all the same: the wait
-					// is answered as one that ran out (D163).
-					return fmt.Errorf("%w: the wait on the key's row was cancelled by the server before its lock timeout "+
-						"(a statement_timeout below it?): %w", ErrInProgress, err)
-				}
-				return err
+				return err // a wait the server ended before its lock timeout is ErrInProgress (claimError)
 			}
 			claimed()
 			worked = true

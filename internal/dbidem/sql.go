@@ -346,7 +346,7 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 	var row decisionRow
 	row.d.Sent = time.Now()
 	if err := q.QueryRow(ctx, beginStepsSQL, c.beginArgs()...).Scan(row.dest(true)...); err != nil {
-		return Decision{}, classify(err)
+		return Decision{}, claimError(ctx, err)
 	}
 	return row.decision()
 }
