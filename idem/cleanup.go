@@ -40,7 +40,9 @@ type CleanerOptions struct {
 	// process). Default false, what a scheduled cleaner wants: one process cleans at a time.
 	// Set it for a pass that must run to its end, such as a pass by hand to catch up: it
 	// then takes turns with the other processes' batches, and a transaction that holds
-	// CleanupLock holds it up until it ends.
+	// CleanupLock holds it up until it ends, whatever lock_timeout and statement_timeout the
+	// role has (a wait the server cuts is waited again; a batch's own work still gets the
+	// role's statement_timeout).
 	Wait bool
 	// Logger receives a line per pass that deleted keys, and every failure. Default nil:
 	// slog.Default(). A record whose handler panics is dropped (a started Cleaner logs from

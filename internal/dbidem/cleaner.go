@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/go-co-op/gocron/v2"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/safelog"
 )
@@ -162,6 +163,18 @@ const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_
 // transaction's, the statement's own; lock_timeout 0 lasts as long.
 const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact_lock($1) FROM ` + noLockTimeout + ` OFFSET 0) AS l`
 
+// waitCut tells whether err is a waiting batch's (CleanerOptions.Wait) wait for the cleanup
+// lock that the server cut (57014) while ctx goes on: a statement_timeout of the role or the
+// database, which lock_timeout 0 does not lift, ended the wait, not the batch's work. The
+// batch waits again, so a maintenance window holds the pass up for as long as it lasts
+// (D227). The wait is the statement's only part outside a function: a cut inside idem_cleanup
+// (its work taking longer than the statement_timeout) names it in the error's context, and
+// fails the pass.
+func waitCut(ctx context.Context, err error) bool {
+	var pgErr *pgconn.PgError
+	return err != nil && ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == "57014" && pgErr.Where == ""
+}
+
 // noLockTimeout is a subquery that sets lock_timeout to 0 for the transaction (the statement's,
 // when it has none of its own); the lock is taken in the target list of a query over it, so
 // after it.
@@ -232,6 +245,9 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 		bctx, cancel := c.batchContext(ctx, 0)
 		err := c.db.QueryRow(bctx, sql, CleanupLock, batch).Scan(&n)
 		cancel()
+		if c.wait && waitCut(ctx, err) {
+			continue // the lock is still held: wait for it again
+		}
 		if err != nil {
 			c.observer.PassEnded(failure(ctx), total, time.Since(start))
 			return total, true, classify(batchError(bctx, err))
@@ -271,6 +287,9 @@ func (c *Cleaner) workersPass(ctx context.Context, batch int) (total int, ran, w
 		err := c.db.QueryRow(bctx, sql, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
 			CleanupLock).Scan(&locked, &r)
 		cancel()
+		if c.wait && waitCut(ctx, err) {
+			continue
+		}
 		if err != nil {
 			return total, true, workers, batchError(bctx, err)
 		}
