@@ -216,21 +216,27 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 const pinLocal = "SET LOCAL search_path = pg_catalog, pg_temp;\n"
 
 // pinSearchPath pins the session's search_path (as pinLocal does a transaction's) for the
-// statements a migrate sends outside its transaction (the online parts, tern's own), and
-// returns the function that puts the session's value back.
+// statements a migrate sends outside its transaction (the online parts, tern's own), and lifts
+// its statement_timeout: a role's or a database's guard rail for the application's queries
+// would cut a migrate's wait for its turn on tern's lock (several migrates take turns) and its
+// long steps, whose waits have lock timeouts of their own (D227). It returns the function that
+// puts the session's values back.
 func pinSearchPath(ctx context.Context, conn *pgx.Conn) (restore func() error, err error) {
-	var old string
-	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path')").Scan(&old); err != nil {
+	var old, oldTimeout string
+	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path'), pg_catalog.current_setting('statement_timeout')").
+		Scan(&old, &oldTimeout); err != nil {
 		return nil, fmt.Errorf("idem migrate: read search_path: %w", err)
 	}
-	if _, err := conn.Exec(ctx, "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)"); err != nil {
+	if _, err := conn.Exec(ctx, "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), "+
+		"pg_catalog.set_config('statement_timeout', '0', false)"); err != nil {
 		return nil, fmt.Errorf("idem migrate: pin search_path: %w", err)
 	}
 	return func() error {
 		if conn.IsClosed() {
 			return nil
 		}
-		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.set_config('search_path', $1, false)", old); err != nil {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.set_config('search_path', $1, false), "+
+			"pg_catalog.set_config('statement_timeout', $2, false)", old, oldTimeout); err != nil {
 			return fmt.Errorf("idem migrate: restore search_path: %w", err)
 		}
 		return nil
