@@ -4,9 +4,7 @@ GO ?= go
 # go.mod's toolchain line (a Go with the standard library's security fixes) is fetched through
 # the module proxy when the installed Go is older; this machine's Go defaults to local.
 export GOTOOLCHAIN ?= auto
-# -parallel 3: most tests wait (on locks, timeouts, slow links), and at the default (one test
-# per core) the cores were half idle through a CI run (docs/DECISIONS.md, D228).
-GOFLAGS_TEST ?= -race -count=1 -parallel 3 -timeout 25m
+GOFLAGS_TEST ?= -race -count=1 -timeout 25m
 PKGS := ./...
 
 .DEFAULT_GOAL := help
