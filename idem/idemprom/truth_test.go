@@ -246,7 +246,11 @@ func TestRerunAfterDeadlockCountsOneAcquired(t *testing.T) {
 		st, _, _ := pgtest.Send(t, ctx, "POST", srvB.URL+"/t", `{"n":1}`, "Idempotency-Key", "rerun-1")
 		stB <- st
 	}()
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+	// B's claim waits on the row: not its first try, which gives up after 5 ms (a Probe), then
+	// claims again with a wait. Seen in that first try, A's rerun could claim the key between
+	// B's two tries, and B replayed A's (a CI run under load).
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+		AND clock_timestamp() - query_start > interval '100 milliseconds'`)
 	close(bWaits)
 	sa, sb := <-stA, <-stB
 	acqA, repA := value(t, regA, "idempotency_requests_total", "state", "acquired"), value(t, regA, "idempotency_requests_total", "state", "replayed")
