@@ -13,29 +13,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/idem/idemmigrate"
 	"github.com/pgidem/pgidem/internal/pgtest"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
-
-// timeoutPool opens a pool on dsn (closed when the test ends).
-func timeoutPool(t *testing.T, dsn string, maxConns int32) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = maxConns
-	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Close)
-	return p
-}
 
 // A replay reached through the claim under an earlier release's fingerprint (D178: a
 // text/plain body whose key a release before it stored under canon.Compute's fingerprint),
@@ -51,7 +34,7 @@ func TestReplayUnderAnEarlierReleasesFingerprintOutlastsTheIdleTimeout(t *testin
 	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
 	p.Buffered.Store(true)
 	p.Rate.Store(100 << 10)
-	slow := timeoutPool(t, pgtest.Via(t, url, p.Addr)+" idle_in_transaction_session_timeout=2000", 4)
+	slow := newPool(t, pgtest.Via(t, url, p.Addr)+" idle_in_transaction_session_timeout=2000 pool_max_conns=4")
 	m, err := idem.New(ctx, idem.Options{DB: slow,
 		Principal: func(*http.Request) (string, bool) { return "alice", true },
 		Logger:    slog.New(slog.DiscardHandler)})
@@ -118,7 +101,7 @@ func TestClaimCutByAStatementTimeoutIsInProgress(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
-	guarded := timeoutPool(t, url+" statement_timeout=1000", 2) // a DBA's guard rail, below the 2 s lock timeout
+	guarded := newPool(t, url+" statement_timeout=1000 pool_max_conns=2") // a DBA's guard rail, below the 2 s lock timeout
 	holder := pgtest.Connect(t, url)
 	claim := idem.Claim{Principal: "alice", Key: "held", Action: "POST /x", Fingerprint: [32]byte{1}}
 	htx, err := holder.Begin(ctx)
@@ -165,7 +148,7 @@ func TestWaitingCleanerOutlastsAStatementTimeout(t *testing.T) {
 	_, url := pgtest.NewPool(t, 2)
 	owner := pgtest.Connect(t, url)
 	pgtest.InsertExpired(t, owner, "alice", 10)
-	guarded := timeoutPool(t, url+" statement_timeout=1000", 2)
+	guarded := newPool(t, url+" statement_timeout=1000 pool_max_conns=2")
 	c, err := idem.NewCleaner(guarded, idem.CleanerOptions{Wait: true, Duty: 1, SkipVacuum: true,
 		Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
