@@ -35,9 +35,7 @@ func TestReplayUnderAnEarlierReleasesFingerprintOutlastsTheIdleTimeout(t *testin
 	p.Buffered.Store(true)
 	p.Rate.Store(100 << 10)
 	slow := newPool(t, pgtest.Via(t, url, p.Addr)+" idle_in_transaction_session_timeout=2000 pool_max_conns=4")
-	m, err := idem.New(ctx, idem.Options{DB: slow,
-		Principal: func(*http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.DiscardHandler)})
+	m, err := idem.New(ctx, idem.Options{DB: slow, Principal: alice, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -175,6 +175,11 @@ func waitCut(ctx context.Context, err error) bool {
 	return err != nil && ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == "57014" && pgErr.Where == ""
 }
 
+// waitCutPause is the pause before a waiting batch whose wait the server cut waits again: a
+// statement_timeout of a few milliseconds, or a cancel sent again and again, would otherwise
+// turn the wait into a loop of round trips.
+const waitCutPause = 100 * time.Millisecond
+
 // noLockTimeout is a subquery that sets lock_timeout to 0 for the transaction (the statement's,
 // when it has none of its own); the lock is taken in the target list of a query over it, so
 // after it.
@@ -245,7 +250,7 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 		bctx, cancel := c.batchContext(ctx, 0)
 		err := c.db.QueryRow(bctx, sql, CleanupLock, batch).Scan(&n)
 		cancel()
-		if c.wait && waitCut(ctx, err) {
+		if c.wait && waitCut(ctx, err) && sleep(ctx, waitCutPause) {
 			continue // the lock is still held: wait for it again
 		}
 		if err != nil {
@@ -287,7 +292,7 @@ func (c *Cleaner) workersPass(ctx context.Context, batch int) (total int, ran, w
 		err := c.db.QueryRow(bctx, sql, batch, WorkerDuty(c.duty), interval(CleanupWorkersTime),
 			CleanupLock).Scan(&locked, &r)
 		cancel()
-		if c.wait && waitCut(ctx, err) {
+		if c.wait && waitCut(ctx, err) && sleep(ctx, waitCutPause) {
 			continue
 		}
 		if err != nil {
