@@ -97,16 +97,19 @@ type Options struct {
 	// rest of the work. Default 0: DefaultDuplicateWait (10 seconds). At most MaxDuplicateWait
 	// (10 minutes).
 	DuplicateWait time.Duration
-	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
-	// another process) at once; a request that finds them all waiting gets 409 at once, so
-	// requests for other keys always find a connection. It also bounds the statements lease
-	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
-	// that a locked key table cannot make them hold the pool. Default 0: a quarter of DB's
-	// MaxConns, at least 1. When set, at least 1 and smaller than DB's MaxConns. A pool of one
-	// connection keeps none for other keys: while a claim waits on a key's row lock, every
-	// other request waits for the connection, up to the lock timeout. The bound is
-	// this process's: behind PgBouncer in transaction mode every process's waiting claims hold
-	// server connections of the one PgBouncer pool (docs/operations.md sizes it for them).
+	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by another
+	// process) at once; a request that finds them all waiting gets 409 at once, so requests for
+	// other keys always find a connection. It also bounds the statements lease work runs
+	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
+	// as many run at once, and more, up to half of DB's connections, only while half of them
+	// are free, so that a locked key table cannot make them hold the pool, and a statement that
+	// waits on one key's row does not hold up every other lease's extensions. Default 0: a
+	// quarter of DB's MaxConns, at least 1. When set, at least 1 and smaller than DB's
+	// MaxConns. A pool of one connection keeps none for other keys: while a claim waits on a
+	// key's row lock, every other request waits for the connection, up to the lock timeout. The
+	// bound is this process's: behind PgBouncer in transaction mode every process's waiting
+	// claims hold server connections of the one PgBouncer pool (docs/operations.md sizes it for
+	// them).
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
 	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass

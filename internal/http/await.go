@@ -172,11 +172,11 @@ func (m *Middleware) lookAtKeys(ctx context.Context, ids []watchKey) (map[watchK
 	for i, id := range ids {
 		principals[i], keys[i] = id.principal, id.key
 	}
-	db := slotted{q: m.o.DB, slots: m.leaseSlots}
-	if err := db.acquire(ctx); err != nil {
+	release, err := m.leaseSlots.take(ctx)
+	if err != nil {
 		return nil, err
 	}
-	defer func() { <-db.slots }()
+	defer release()
 	rows, err := m.o.DB.Query(ctx, `SELECT w.p, w.k,
 		coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false), max(k.claimed_at)
 		  FROM unnest($1::text[], $2::text[]) AS w(p, k)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
@@ -282,44 +283,109 @@ func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.
 }
 
 // slotted is the database as lease work uses it outside the claim (its extensions, the
-// recording of its answer, the giving up of its lease): at most cap(slots) of those statements
-// run at once, so that while the key table is locked (a migration's swap, VACUUM FULL,
-// pg_repack) they cannot take every connection of the pool waiting on it; the others wait for
-// a slot in Go, without a connection, as long as their context lets them.
+// recording of its answer, the giving up of its lease, the duplicates' looks): while the key
+// table is locked (a migration's swap, VACUUM FULL, pg_repack) those statements all wait on it,
+// and they must not take every connection of the pool. Each takes one of the lease slots (as
+// many as MaxWaitingClaims) or, when none is free, runs beside them while half the pool stays
+// free (leaseSlots.extra); otherwise it waits in Go, without a connection, as long as its
+// context lets it. One slot alone queued every lease's heartbeat behind a statement that
+// waited on one key's locked row, or behind slow writes, and leases were lost with the pool
+// idle (D229).
 type slotted struct {
 	q     dbidem.Querier
-	slots chan struct{}
+	slots *leaseSlots
 }
 
-func (s slotted) acquire(ctx context.Context) error {
-	select {
-	case s.slots <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
+// leaseSlots bound the statements of lease work outside its claim that run at once.
+type leaseSlots struct {
+	slots chan struct{}
+	pool  *pgxpool.Pool
+	mu    sync.Mutex
+	extra int // statements running beyond the slots
+}
+
+func newLeaseSlots(n int, pool *pgxpool.Pool) *leaseSlots {
+	return &leaseSlots{slots: make(chan struct{}, n), pool: pool}
+}
+
+// leaseSlotRecheck is how often a statement waiting for a lease slot looks again whether it
+// may run beside them.
+const leaseSlotRecheck = 20 * time.Millisecond
+
+// take waits for a slot, or for room beside the slots, until ctx ends; release gives it back.
+func (l *leaseSlots) take(ctx context.Context) (release func(), err error) {
+	var recheck *time.Timer
+	for {
+		select {
+		case l.slots <- struct{}{}:
+			return func() { <-l.slots }, nil
+		default:
+		}
+		if l.besides() {
+			return func() { l.mu.Lock(); l.extra--; l.mu.Unlock() }, nil
+		}
+		if recheck == nil {
+			recheck = time.NewTimer(leaseSlotRecheck)
+			defer recheck.Stop()
+		} else {
+			recheck.Reset(leaseSlotRecheck)
+		}
+		select {
+		case l.slots <- struct{}{}:
+			return func() { <-l.slots }, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-recheck.C:
+		}
 	}
 }
 
+// besides takes room beside the slots when the lease statements, counting this one, stay
+// within half of the pool's connections, and the pool's connections in use (by anything)
+// leave the other half free: under a locked key table the lease statements then hold at most
+// half the pool (or the slots, when MaxWaitingClaims is set above it), and a pool busy with
+// other work gets nothing more than the slots, as before D229.
+func (l *leaseSlots) besides() bool {
+	if l.pool == nil {
+		return false
+	}
+	st := l.pool.Stat()
+	half := int(st.MaxConns()) / 2
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.slots)+l.extra >= half || int(st.AcquiredConns()) >= int(st.MaxConns())-half {
+		return false
+	}
+	l.extra++
+	return true
+}
+
+func (s slotted) acquire(ctx context.Context) (func(), error) {
+	return s.slots.take(ctx)
+}
+
 func (s slotted) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if err := s.acquire(ctx); err != nil {
+	release, err := s.acquire(ctx)
+	if err != nil {
 		return errRow{err}
 	}
 	returned := false
 	defer func() {
 		if !returned {
-			<-s.slots // the pool's code panicked: the slot goes back all the same (D225)
+			release() // the pool's code panicked: the slot goes back all the same (D225)
 		}
 	}()
 	row := s.q.QueryRow(ctx, sql, args...)
 	returned = true
-	return &slottedRow{row: row, release: func() { <-s.slots }}
+	return &slottedRow{row: row, release: release}
 }
 
 func (s slotted) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if err := s.acquire(ctx); err != nil {
+	release, err := s.acquire(ctx)
+	if err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	defer func() { <-s.slots }()
+	defer release()
 	return s.q.Exec(ctx, sql, args...)
 }
 

@@ -30,8 +30,9 @@ type Middleware struct {
 	watches  *watches         // the duplicates of lease requests waiting for answers
 	typical  typicals         // how long lease work takes here, per action (Retry-After)
 	// leaseSlots bound the statements of lease work outside its claim (extensions, the
-	// recording of answers, yields) running at once: as many as MaxWaitingClaims.
-	leaseSlots chan struct{}
+	// recording of answers, yields, the duplicates' looks) running at once: as many as
+	// MaxWaitingClaims, and more while half the pool is free.
+	leaseSlots *leaseSlots
 }
 
 // defaultMiddleware writes problems outside a declared route.
@@ -54,7 +55,7 @@ func New(o Options) (*Middleware, error) {
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
 	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, work: newWorkTracker(), watches: newWatches(),
-		leaseSlots: make(chan struct{}, waiting)}
+		leaseSlots: newLeaseSlots(waiting, o.DB)}
 	if o.TracerProvider != nil {
 		m.tracer = safeTracer{Tracer: o.TracerProvider.Tracer(tracerName), log: o.Logger, once: new(sync.Once)}
 	}

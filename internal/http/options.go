@@ -87,12 +87,14 @@ type Options struct {
 	// key answered (the replays of this process go one at a time; D211, D215). 0:
 	// DefaultDuplicateWait (10 seconds). At most 10 minutes.
 	DuplicateWait time.Duration
-	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by
-	// another process) at once; a request that finds them all waiting gets 409 at once, so
-	// requests for other keys always find a connection. It also bounds the statements lease
-	// work runs outside its claim (extensions, the recording of answers, yields) at once, so
-	// that a locked key table cannot make them hold the pool. 0: a quarter of DB's maximum
-	// connections, at least 1.
+	// MaxWaitingClaims bounds how many requests may wait on a key's row lock (held by another
+	// process) at once; a request that finds them all waiting gets 409 at once, so requests for
+	// other keys always find a connection. It also bounds the statements lease work runs
+	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
+	// as many run at once, and more, up to half of DB's connections, only while half of them
+	// are free, so that a locked key table cannot make them hold the pool, and a statement that
+	// waits on one key's row does not hold up every other lease's extensions. 0: a quarter of
+	// DB's maximum connections, at least 1.
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
 	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass
