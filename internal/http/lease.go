@@ -299,13 +299,18 @@ type slotted struct {
 // leaseSlots bound the statements of lease work outside its claim that run at once.
 type leaseSlots struct {
 	slots chan struct{}
-	pool  *pgxpool.Pool
+	pool  *pgxpool.Pool // nil: nothing runs beside the slots
+	half  int           // half the pool's connections
 	mu    sync.Mutex
-	extra int // statements running beyond the slots
+	extra int // statements running beside the slots
 }
 
 func newLeaseSlots(n int, pool *pgxpool.Pool) *leaseSlots {
-	return &leaseSlots{slots: make(chan struct{}, n), pool: pool}
+	l := &leaseSlots{slots: make(chan struct{}, n), pool: pool}
+	if pool != nil {
+		l.half = int(pool.Config().MaxConns) / 2
+	}
+	return l
 }
 
 // leaseSlotRecheck is how often a statement waiting for a lease slot looks again whether it
@@ -346,14 +351,15 @@ func (l *leaseSlots) take(ctx context.Context) (release func(), err error) {
 // half the pool (or the slots, when MaxWaitingClaims is set above it), and a pool busy with
 // other work gets nothing more than the slots, as before D229.
 func (l *leaseSlots) besides() bool {
-	if l.pool == nil {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	// The count in Go first: under a locked key table every waiter looks again every
+	// leaseSlotRecheck, and the pool's statistics take its lock.
+	if l.pool == nil || len(l.slots)+l.extra >= l.half {
 		return false
 	}
 	st := l.pool.Stat()
-	half := int(st.MaxConns()) / 2
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if len(l.slots)+l.extra >= half || int(st.AcquiredConns()) >= int(st.MaxConns())-half {
+	if int(st.AcquiredConns()) >= int(st.MaxConns())-l.half {
 		return false
 	}
 	l.extra++
