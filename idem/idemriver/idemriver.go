@@ -88,7 +88,10 @@ var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than 
 // refuses.
 type Options struct {
 	// DB is the pool of the database with schema idem installed (usually River's own).
-	// Required: Work returns an error without it.
+	// Required: Work returns an error without it. Each job running holds up to one of its
+	// connections for its lease's statements (idem.DoLease), for as long as another session
+	// holds the job's key row: size it above the jobs that run at once (the queues' MaxWorkers)
+	// plus what River needs.
 	DB idem.Pool
 	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
 	// Give each River database's jobs (each sequence of job ids) a principal of its own.
