@@ -747,17 +747,20 @@ func TestStepsSQLExpiry(t *testing.T) {
 	ctx := context.Background()
 	key := ssKey("exp")
 	key2 := ssKey("exp")
-	a := ssBegin(t, e.app, key, "body", "100 ms", "200 ms")
-	a2 := ssBegin(t, e.app, key2, "body", "100 ms", "200 ms")
+	// The TTL leaves room for a loaded machine between the lease's end and the key's expiry
+	// (200 ms did not, with four test packages at once).
+	began := time.Now()
+	a := ssBegin(t, e.app, key, "body", "100 ms", "1500 ms")
+	a2 := ssBegin(t, e.app, key2, "body", "100 ms", "1500 ms")
 	pgtest.Exec(t, e.app, `SELECT idem.idem_step('p', $1, $2, 'one', '1')`, key, a.Attempt)
 	pgtest.Exec(t, e.app, `SELECT idem.idem_step('p', $1, $2, 'one', '1')`, key2, a2.Attempt)
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(time.Until(began.Add(200 * time.Millisecond)))
 	// Past the lease, within the TTL: the holder still holds.
 	var rp *string
 	if err := e.app.QueryRow(ctx, `SELECT recovery_point FROM idem.idem_recovery('p', $1, $2)`, key, a.Attempt).Scan(&rp); err != nil || ssStr(rp) != "one" {
 		t.Errorf("recovery past the lease, within the TTL: %v %v", ssStr(rp), err)
 	}
-	time.Sleep(250 * time.Millisecond)
+	time.Sleep(time.Until(began.Add(1700 * time.Millisecond)))
 	ssRefused(t, e, key, a.Attempt, "holder of an expired lease claim")
 	var ok bool
 	if err := e.app.QueryRow(ctx, `SELECT idem.idem_save_final('p', $1, 'POST /x', sha256('x'::bytea), '1 hour', 404, '{}', 'gone')`, key2).Scan(&ok); err != nil || !ok {

@@ -349,41 +349,51 @@ func (w *poolWorker) Work(ctx context.Context, job *river.Job[ReceiptArgs]) erro
 	return err
 }
 
-// TestSmallPoolStepsCallingOut: River and idem share a pool of 4 connections; 4 jobs run at
-// once, each a step that calls out before its first statement: they all complete, each
-// step once, no lease lost.
+// TestSmallPoolStepsCallingOut: River and idem share a pool of 4 connections, then of 2; 4
+// jobs run at once, each a step that calls out before its first statement: they all complete,
+// each step once, no lease lost, no error (go doc idem.Step: "an outside call before fn's
+// first statement holds none").
 func TestSmallPoolStepsCallingOut(t *testing.T) {
-	ctx := context.Background()
-	big := newPool(t)
-	pgExec(t, big, `CREATE TABLE step_effects (s text)`)
-	cfg, err := pgxpool.ParseConfig(big.Config().ConnString())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = smallPoolConns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	w := &poolWorker{}
-	workers := river.NewWorkers()
-	river.AddWorker(workers, w)
-	client := startedClient(t, pool, workers, 4, func(c *river.Config) {
-		c.Middleware = []rivertype.Middleware{idemriver.Middleware(idemriver.Options{DB: pool, Lease: time.Second})}
-	})
-	for i := range 8 {
-		if _, err := client.Insert(ctx, ReceiptArgs{Order: int64(100 + i)}, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for deadline := time.Now().Add(30 * time.Second); count(t, big, `SELECT count(*) FROM river_job WHERE state = 'completed'`) < 8; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d of 8 jobs completed", count(t, big, `SELECT count(*) FROM river_job WHERE state = 'completed'`))
-		}
-	}
-	if n := count(t, big, `SELECT count(*) FROM step_effects`); n != 8 || w.runs.Load() != 8 {
-		t.Fatalf("effects %d runs %d, want 8 and 8", n, w.runs.Load())
+	for _, conns := range []int32{smallPoolConns, 2} {
+		t.Run(fmt.Sprintf("pool of %d", conns), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			big := newPool(t)
+			pgExec(t, big, `CREATE TABLE step_effects (s text)`)
+			cfg, err := pgxpool.ParseConfig(big.Config().ConnString())
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.MaxConns = conns
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			w := &poolWorker{}
+			workers := river.NewWorkers()
+			river.AddWorker(workers, w)
+			client := startedClient(t, pool, workers, 4, func(c *river.Config) {
+				c.Middleware = []rivertype.Middleware{idemriver.Middleware(idemriver.Options{DB: pool, Lease: time.Second})}
+			})
+			for i := range 8 {
+				if _, err := client.Insert(ctx, ReceiptArgs{Order: int64(100 + i)}, nil); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for deadline := time.Now().Add(30 * time.Second); count(t, big, `SELECT count(*) FROM river_job WHERE state = 'completed'`) < 8; time.Sleep(50 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("only %d of 8 jobs completed", count(t, big, `SELECT count(*) FROM river_job WHERE state = 'completed'`))
+				}
+			}
+			var errs int
+			if err := big.QueryRow(ctx, `SELECT coalesce(sum(coalesce(array_length(errors, 1), 0)), 0) FROM river_job`).Scan(&errs); err != nil {
+				t.Fatal(err)
+			}
+			if n := count(t, big, `SELECT count(*) FROM step_effects`); n != 8 || w.runs.Load() != 8 || errs != 0 {
+				t.Fatalf("effects %d runs %d errors %d, want 8, 8 and 0", n, w.runs.Load(), errs)
+			}
+		})
 	}
 }
 
