@@ -286,8 +286,8 @@ func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.
 // recording of its answer, the giving up of its lease, the duplicates' looks): while the key
 // table is locked (a migration's swap, VACUUM FULL, pg_repack) those statements all wait on it,
 // and they must not take every connection of the pool. Each takes one of the lease slots (as
-// many as MaxWaitingClaims) or, when none is free, runs beside them while half the pool stays
-// free (leaseSlots.extra); otherwise it waits in Go, without a connection, as long as its
+// many as MaxWaitingClaims) or, when none is free, runs beside them, up to half the pool, while
+// half of it is free (leaseSlots.besides); otherwise it waits in Go, without a connection, as long as its
 // context lets it. One slot alone queued every lease's heartbeat behind a statement that
 // waited on one key's locked row, or behind slow writes, and leases were lost with the pool
 // idle (D229).
@@ -354,8 +354,10 @@ func (l *leaseSlots) besides() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	// The count in Go first: under a locked key table every waiter looks again every
-	// leaseSlotRecheck, and the pool's statistics take its lock.
-	if l.pool == nil || len(l.slots)+l.extra >= l.half {
+	// leaseSlotRecheck, and the pool's statistics take its lock. Every slot counts as taken
+	// (the caller found them so): a slot given back meanwhile and taken again by another
+	// statement would otherwise let one more run beside them than half the pool.
+	if l.pool == nil || cap(l.slots)+l.extra >= l.half {
 		return false
 	}
 	st := l.pool.Stat()

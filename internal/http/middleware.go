@@ -31,7 +31,7 @@ type Middleware struct {
 	typical  typicals         // how long lease work takes here, per action (Retry-After)
 	// leaseSlots bound the statements of lease work outside its claim (extensions, the
 	// recording of answers, yields, the duplicates' looks) running at once: as many as
-	// MaxWaitingClaims, and more while half the pool is free.
+	// MaxWaitingClaims, and more, up to half the pool, while half of it is free (D229).
 	leaseSlots *leaseSlots
 }
 
