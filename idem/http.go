@@ -101,9 +101,9 @@ type Options struct {
 	// process) at once; a request that finds them all waiting gets 409 at once, so requests for
 	// other keys always find a connection. It also bounds the statements lease work runs
 	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
-	// as many run at once, and more, up to half of DB's connections, only while half of them
-	// are free, so that a locked key table cannot make them hold the pool, and a statement that
-	// waits on one key's row does not hold up every other lease's extensions. Default 0: a
+	// as many run at once, or half of DB's connections when that is more, so that a locked key
+	// table cannot make them hold the pool, and a statement that waits on one key's row does
+	// not hold up every other lease's extensions. Default 0: a
 	// quarter of DB's MaxConns, at least 1. When set, at least 1 and smaller than DB's
 	// MaxConns. A pool of one connection keeps none for other keys: while a claim waits on a
 	// key's row lock, every other request waits for the connection, up to the lock timeout. The

@@ -197,8 +197,8 @@ func TestPoolCodeYieldPanicLeaksLeaseSlot(t *testing.T) {
 	_, url := pgtest.NewPool(t, 1)
 	tr := &pcPanicTracer{match: "idem_yield", once: true}
 	tr.armed.Store(true)
-	// A pool of 2: its one lease slot is all lease statements get (nothing runs beside the
-	// slots in a pool that small, D229), so a leaked slot shows.
+	// A pool of 2: one lease slot (MaxWaitingClaims, and half the pool, D229), so a leaked
+	// slot shows.
 	pool := pcTracedPool(t, url, tr, 2)
 	srvURL := pcServeLease(t, pool, idem.Route{Required: true, Lease: time.Second},
 		idem.Options{MaxWaitingClaims: 1},

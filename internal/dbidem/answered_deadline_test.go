@@ -5,19 +5,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// slowAcquire: a connection takes 20 ms to get (a new one dialled, TLS), longer than the 2 ms
-// left.
+// slowAcquire: a read takes 20 ms to start (a new connection dialled, TLS), longer than the
+// 2 ms left.
 type slowAcquire struct{ *pgxpool.Pool }
 
-func (p slowAcquire) Acquire(ctx context.Context) (*pgxpool.Conn, error) {
+func (p slowAcquire) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	time.Sleep(20 * time.Millisecond)
-	return p.Pool.Acquire(ctx)
+	return p.Pool.QueryRow(ctx, sql, args...)
 }
 
 // TestAnsweredPastTheDeadline: D168 (lease.go, PersistAnswer): "The deadline came while a try's

@@ -362,7 +362,7 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 // writes nothing; again until a read answers): completed with this attempt means the answer is
 // stored, and PersistAnswer returns nil. Any other finding keeps ErrClaimLost; no answer to the
 // read is an error of its own (the outcome is unknown).
-func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt int64, r Response) error {
+func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt int64, r Response) error {
 	unknown := false
 	err := Persist(ctx, func(ctx context.Context) error {
 		err := Complete(ctx, q, c.Principal, c.Key, attempt, r)
@@ -405,16 +405,11 @@ func PersistAnswer(ctx context.Context, q Querier, db Acquirer, c Claim, attempt
 // provider key). The read is tried again (Persist) until one gets an answer or ctx ends: a
 // backend killed under it, or a lock on the key table past idem_key's lock timeout, made it
 // "not stored" at its first failure. The error is the last try's when none got an answer.
-func answered(ctx context.Context, db Acquirer, c Claim, attempt int64) (bool, error) {
+func answered(ctx context.Context, db Querier, c Claim, attempt int64) (bool, error) {
 	landed := false
 	var denied error
 	err := Persist(ctx, func(ctx context.Context) error {
-		conn, err := db.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		defer conn.Release()
-		k, ok, err := ReadKey(ctx, conn, c.Principal, c.Key)
+		k, ok, err := ReadKey(ctx, db, c.Principal, c.Key)
 		if errors.Is(err, ErrPermissionDenied) {
 			denied = err // no try mends a missing grant
 			return nil

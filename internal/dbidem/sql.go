@@ -358,7 +358,7 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 // On a pool, or on a connection outside a transaction, the statement commits on its own, and
 // no context of the caller's ever cancels it (sendCommitting, D165).
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
-	_, err := sendCommitting(ctx, q, func(ctx context.Context) (pgconn.CommandTag, error) {
+	_, err := sendCommitting(ctx, q, func(ctx context.Context, q Querier) (pgconn.CommandTag, error) {
 		return q.Exec(ctx, CompleteSQL, completeArgs(principal, key, attempt, r)...)
 	})
 	return classify(err)
@@ -371,14 +371,22 @@ func Complete(ctx context.Context, q Querier, principal, key string, attempt int
 // primary alone and visible there, so a retry replays the answer and a failover loses it.
 // When ctx ends first, sendCommitting returns ErrCommitUnknown wrapping ctx's cause at once;
 // the statement goes on, its transaction unseen by every other session, until PostgreSQL
-// answers it (D165).
-func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context.Context) (T, error)) (T, error) {
+// answers it (D165). On a Bounded q, the room is taken on ctx before the goroutine starts
+// (nothing is sent when ctx ends first) and given back when the statement ends.
+func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context.Context, q Querier) (T, error)) (T, error) {
 	if ctx.Done() == nil || !commitsOnItsOwn(q) {
-		return send(ctx)
+		return send(ctx, q)
 	}
 	var zero T
 	if ctx.Err() != nil {
 		return zero, context.Cause(ctx) // nothing was sent
+	}
+	release := func() {}
+	if b, ok := q.(Bounded); ok {
+		var err error
+		if q, release, err = b.Reserve(ctx); err != nil {
+			return zero, notSent{err}
+		}
 	}
 	type result struct {
 		v   T
@@ -386,6 +394,7 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 	}
 	done := make(chan result, 1)
 	go func() {
+		defer release()
 		defer func() {
 			if p := recover(); p != nil {
 				// The application's pool code (a pgx tracer, a hook, a Querier of its own)
@@ -394,7 +403,7 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 				done <- result{err: fmt.Errorf("%w: the statement's code panicked: %v", ErrCommitUnknown, p)}
 			}
 		}()
-		v, err := send(context.WithoutCancel(ctx))
+		v, err := send(context.WithoutCancel(ctx), q)
 		done <- result{v, err}
 	}()
 	select {
@@ -405,6 +414,24 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 			ErrCommitUnknown, context.Cause(ctx))
 	}
 }
+
+// Bounded is a Querier that bounds the statements sent through it at once (the middleware's
+// lease slots). A statement that sendCommitting sends from a goroutine of its own, on a
+// context that never ends, takes its room first, through Reserve on the caller's context:
+// waiting for room ends with that context, and the statement, once sent, holds its room until
+// PostgreSQL answers it (release), on q.
+type Bounded interface {
+	Querier
+	Reserve(ctx context.Context) (q Querier, release func(), err error)
+}
+
+// notSent is the error of a statement that was never sent (its context ended while it waited
+// for room): safe to retry, and not an outcome unknown.
+type notSent struct{ err error }
+
+func (e notSent) Error() string     { return "idem: the statement was not sent: " + e.err.Error() }
+func (e notSent) Unwrap() error     { return e.err }
+func (e notSent) SafeToRetry() bool { return true }
 
 // commitsOnItsOwn tells whether a statement sent on q is a transaction of its own: q is not a
 // transaction, and not a connection inside one.
@@ -447,7 +474,7 @@ func Yield(ctx context.Context, q Querier, principal, key string, attempt int64)
 // nobody holds it inserts the answer. It returns false when a live row for the key already
 // exists (nothing is overwritten). Inside RunTx prefer Tx.FinalOnCommit.
 func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
-	ok, err := sendCommitting(ctx, q, func(ctx context.Context) (bool, error) {
+	ok, err := sendCommitting(ctx, q, func(ctx context.Context, q Querier) (bool, error) {
 		var ok bool
 		err := q.QueryRow(ctx, saveFinalSQL, saveFinalArgs(c, r)...).Scan(&ok)
 		return ok, err

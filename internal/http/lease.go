@@ -11,7 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/dbidem"
 )
@@ -279,97 +278,54 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 // (the lease's AnswerDeadline) ends; a try whose reply was lost and that landed counts as
 // stored (dbidem.PersistAnswer).
 func (q *request) complete(ctx context.Context, db dbidem.Querier, claim dbidem.Claim, attempt int64, resp dbidem.Response) error {
-	return dbidem.PersistAnswer(ctx, db, q.m.o.DB, claim, attempt, resp)
+	return dbidem.PersistAnswer(ctx, db, db, claim, attempt, resp)
 }
 
 // slotted is the database as lease work uses it outside the claim (its extensions, the
-// recording of its answer, the giving up of its lease, the duplicates' looks): while the key
-// table is locked (a migration's swap, VACUUM FULL, pg_repack) those statements all wait on it,
-// and they must not take every connection of the pool. Each takes one of the lease slots (as
-// many as MaxWaitingClaims) or, when none is free, runs beside them, up to half the pool, while
-// half of it is free (leaseSlots.besides); otherwise it waits in Go, without a connection, as long as its
-// context lets it. One slot alone queued every lease's heartbeat behind a statement that
-// waited on one key's locked row, or behind slow writes, and leases were lost with the pool
-// idle (D229).
+// recording of its answer and the read that tells whether a lost one landed, the giving up of
+// its lease, the duplicates' looks): while the key table is locked (a migration's swap, VACUUM
+// FULL, pg_repack) those statements all wait on it, and they must not take every connection of
+// the pool. Each takes one of the lease slots, as many as MaxWaitingClaims or half the pool's
+// connections, whichever is more; the others wait in Go, without a connection, as long as their
+// context lets them. As many as MaxWaitingClaims alone (one at a pool of 4) queued every
+// lease's heartbeat behind a statement that waited on one key's locked row, or behind slow
+// writes, and leases were lost with the pool idle (D229).
 type slotted struct {
 	q     dbidem.Querier
-	slots *leaseSlots
+	slots leaseSlots
 }
 
 // leaseSlots bound the statements of lease work outside its claim that run at once.
-type leaseSlots struct {
-	slots chan struct{}
-	pool  *pgxpool.Pool // nil: nothing runs beside the slots
-	half  int           // half the pool's connections
-	mu    sync.Mutex
-	extra int // statements running beside the slots
+type leaseSlots chan struct{}
+
+// newLeaseSlots returns as many slots as waiting or half of maxConns, whichever is more.
+func newLeaseSlots(waiting int, maxConns int32) leaseSlots {
+	return make(leaseSlots, max(waiting, int(maxConns)/2))
 }
 
-func newLeaseSlots(n int, pool *pgxpool.Pool) *leaseSlots {
-	l := &leaseSlots{slots: make(chan struct{}, n), pool: pool}
-	if pool != nil {
-		l.half = int(pool.Config().MaxConns) / 2
+// take waits for a slot until ctx ends; release gives it back.
+func (l leaseSlots) take(ctx context.Context) (release func(), err error) {
+	select {
+	case l <- struct{}{}:
+		return func() { <-l }, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
 	}
-	return l
-}
-
-// leaseSlotRecheck is how often a statement waiting for a lease slot looks again whether it
-// may run beside them.
-const leaseSlotRecheck = 20 * time.Millisecond
-
-// take waits for a slot, or for room beside the slots, until ctx ends; release gives it back.
-func (l *leaseSlots) take(ctx context.Context) (release func(), err error) {
-	var recheck *time.Timer
-	for {
-		select {
-		case l.slots <- struct{}{}:
-			return func() { <-l.slots }, nil
-		default:
-		}
-		if l.besides() {
-			return func() { l.mu.Lock(); l.extra--; l.mu.Unlock() }, nil
-		}
-		if recheck == nil {
-			recheck = time.NewTimer(leaseSlotRecheck)
-			defer recheck.Stop()
-		} else {
-			recheck.Reset(leaseSlotRecheck)
-		}
-		select {
-		case l.slots <- struct{}{}:
-			return func() { <-l.slots }, nil
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-recheck.C:
-		}
-	}
-}
-
-// besides takes room beside the slots when the lease statements, counting this one, stay
-// within half of the pool's connections, and the pool's connections in use (by anything)
-// leave the other half free: under a locked key table the lease statements then hold at most
-// half the pool (or the slots, when MaxWaitingClaims is set above it), and a pool busy with
-// other work gets nothing more than the slots, as before D229.
-func (l *leaseSlots) besides() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	// The count in Go first: under a locked key table every waiter looks again every
-	// leaseSlotRecheck, and the pool's statistics take its lock. Every slot counts as taken
-	// (the caller found them so): a slot given back meanwhile and taken again by another
-	// statement would otherwise let one more run beside them than half the pool.
-	if l.pool == nil || cap(l.slots)+l.extra >= l.half {
-		return false
-	}
-	st := l.pool.Stat()
-	if int(st.AcquiredConns()) >= int(st.MaxConns())-l.half {
-		return false
-	}
-	l.extra++
-	return true
 }
 
 func (s slotted) acquire(ctx context.Context) (func(), error) {
 	return s.slots.take(ctx)
+}
+
+// Reserve takes a slot on ctx for a statement that dbidem sends from a goroutine of its own,
+// on a context that never ends (an answer's recording, D165): the wait for the slot ends with
+// ctx, and the statement, once sent, holds the slot until PostgreSQL answers it (release).
+func (s slotted) Reserve(ctx context.Context) (dbidem.Querier, func(), error) {
+	release, err := s.acquire(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return s.q, release, nil
 }
 
 func (s slotted) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {

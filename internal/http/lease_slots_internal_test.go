@@ -9,73 +9,49 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgidem/pgidem/internal/pgtest"
+	"github.com/pgidem/pgidem/internal/dbidem"
 )
 
-// takeWithin takes room for a lease statement, or fails once d has passed.
-func takeWithin(t *testing.T, l *leaseSlots, d time.Duration) (func(), error) {
-	t.Helper()
+// takeWithin takes a lease slot, or fails once d has passed.
+func takeWithin(l leaseSlots, d time.Duration) (func(), error) {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	return l.take(ctx)
 }
 
-// TestLeaseStatementsHoldAtMostHalfThePool (D229): with every slot taken, lease statements run
-// beside the slots up to half the pool's connections, and not beyond, whatever they hold yet:
-// under a locked key table they all wait on it, and the other half of the pool serves other
-// keys. A pool busy with other work leaves nothing beside the slots.
+// TestLeaseStatementsHoldAtMostHalfThePool (D229): lease statements run up to MaxWaitingClaims
+// or half the pool's connections, whichever is more, and not beyond: under a locked key table
+// they all wait on it, and the rest of the pool serves other keys.
 func TestLeaseStatementsHoldAtMostHalfThePool(t *testing.T) {
 	t.Parallel()
-	for _, c := range []struct{ conns, slots, want int }{{4, 1, 2}, {8, 2, 4}, {8, 5, 5}, {2, 1, 1}, {3, 1, 1}} {
-		pool, _ := pgtest.NewPool(t, int32(c.conns))
-		l := newLeaseSlots(c.slots, pool)
+	for _, c := range []struct {
+		conns         int32
+		waiting, want int
+	}{{4, 1, 2}, {8, 2, 4}, {8, 5, 5}, {2, 1, 1}, {3, 1, 1}, {16, 4, 8}} {
+		l := newLeaseSlots(c.waiting, c.conns)
 		var releases []func()
 		for range c.want {
-			release, err := takeWithin(t, l, time.Second)
+			release, err := takeWithin(l, time.Second)
 			if err != nil {
-				t.Fatalf("pool %d, %d slots: statement %d of %d found no room: %v", c.conns, c.slots, len(releases)+1, c.want, err)
+				t.Fatalf("pool %d, MaxWaitingClaims %d: statement %d of %d found no slot: %v", c.conns, c.waiting, len(releases)+1, c.want, err)
 			}
 			releases = append(releases, release)
 		}
-		if _, err := takeWithin(t, l, 100*time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
-			t.Fatalf("pool %d, %d slots: statement %d ran (%v), want it to wait: lease statements would hold more than half the pool",
-				c.conns, c.slots, c.want+1, err)
+		if _, err := takeWithin(l, 50*time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("pool %d, MaxWaitingClaims %d: statement %d ran (%v), want it to wait", c.conns, c.waiting, c.want+1, err)
 		}
-		// One gives its room back: the next one runs.
-		releases[len(releases)-1]()
-		release, err := takeWithin(t, l, time.Second)
+		releases[0]()
+		release, err := takeWithin(l, time.Second)
 		if err != nil {
-			t.Fatalf("pool %d, %d slots: no room after one gave its back: %v", c.conns, c.slots, err)
+			t.Fatalf("pool %d, MaxWaitingClaims %d: no slot after one was given back: %v", c.conns, c.waiting, err)
 		}
 		release()
-		for _, r := range releases[:len(releases)-1] {
+		for _, r := range releases[1:] {
 			r()
 		}
-		if len(l.slots) != 0 || l.extra != 0 {
-			t.Fatalf("pool %d, %d slots: %d slots and %d beside still taken after every statement gave its room back",
-				c.conns, c.slots, len(l.slots), l.extra)
+		if len(l) != 0 {
+			t.Fatalf("pool %d, MaxWaitingClaims %d: %d slots still taken after every statement gave its back", c.conns, c.waiting, len(l))
 		}
-	}
-
-	// The pool's connections held by other work (a transactional handler's, say): once they
-	// leave less than half the pool free, nothing runs beside the one slot.
-	pool, _ := pgtest.NewPool(t, 4)
-	l := newLeaseSlots(1, pool)
-	ctx := context.Background()
-	for range 2 {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Release()
-	}
-	release, err := takeWithin(t, l, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer release()
-	if _, err := takeWithin(t, l, 100*time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("a statement ran beside the slot (%v) while other work held half the pool", err)
 	}
 }
 
@@ -88,34 +64,63 @@ func (panicky) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) 
 }
 
 // TestLeaseSlotGoesBackWhenThePoolPanics (D225, D229): a statement whose pool panics gives its
-// room back, in a slot or beside the slots; else every later lease statement of the process
-// would wait for it.
+// slot back, also an answer's recording sent from dbidem's own goroutine (its panic is an
+// outcome unknown there); else every later lease statement of the process would wait for it.
 func TestLeaseSlotGoesBackWhenThePoolPanics(t *testing.T) {
 	t.Parallel()
-	pool, _ := pgtest.NewPool(t, 4)
-	s := slotted{q: panicky{}, slots: newLeaseSlots(1, pool)}
+	s := slotted{q: panicky{}, slots: newLeaseSlots(1, 2)}
 	ctx := context.Background()
-	for i := range 3 {
+	for i := range 2 {
 		func() {
-			// The first in the slot, the second beside it (the slot held by hand), the third
-			// through Exec.
-			if i == 1 {
-				s.slots.slots <- struct{}{}
-				defer func() { <-s.slots.slots }()
-			}
 			defer func() {
 				if recover() == nil {
 					t.Fatal("the pool's panic did not come through")
 				}
 			}()
-			if i == 2 {
-				_, _ = s.Exec(ctx, "SELECT 1")
-			} else {
+			if i == 0 {
 				_ = s.QueryRow(ctx, "SELECT 1").Scan()
+			} else {
+				_, _ = s.Exec(ctx, "SELECT 1")
 			}
 		}()
 	}
-	if len(s.slots.slots) != 0 || s.slots.extra != 0 {
-		t.Fatalf("%d slots and %d beside taken after the pool's panics, want none", len(s.slots.slots), s.slots.extra)
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	if err := dbidem.Complete(cctx, s, "alice", "k", 1, dbidem.Response{Status: 201}); !errors.Is(err, dbidem.ErrCommitUnknown) {
+		t.Fatalf("a recording whose pool panicked: %v, want ErrCommitUnknown", err)
+	}
+	release, err := takeWithin(s.slots, time.Second)
+	if err != nil {
+		t.Fatalf("the slot did not come back after the pool's panics: %v", err)
+	}
+	release()
+}
+
+// TestRecordingWaitsForASlotOnlyAsLongAsItsContext (review finding, D229): an answer's
+// recording is sent from dbidem's goroutine on a context that never ends (D165), and took its
+// slot there: with every slot taken it waited for one forever, past its deadline and past
+// Shutdown, and sent its statement whenever one came. It takes the slot on the caller's
+// context now, and nothing is sent when that ends first.
+func TestRecordingWaitsForASlotOnlyAsLongAsItsContext(t *testing.T) {
+	t.Parallel()
+	s := slotted{q: panicky{}, slots: newLeaseSlots(1, 2)}
+	hold, err := takeWithin(s.slots, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	began := time.Now()
+	err = dbidem.Complete(cctx, s, "alice", "k", 1, dbidem.Response{Status: 201})
+	if !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, dbidem.ErrCommitUnknown) || time.Since(began) > 2*time.Second {
+		t.Fatalf("a recording that found no slot: %v after %v, want its context's end, not an outcome unknown (nothing was sent)",
+			err, time.Since(began))
+	}
+	hold()
+	// Given back: nothing waits for it any more (the panicky pool would panic on the
+	// goroutine; a statement sent now would show as a slot taken).
+	time.Sleep(50 * time.Millisecond)
+	if len(s.slots) != 0 {
+		t.Fatalf("%d slots taken after the recording gave up: it still waited and took one", len(s.slots))
 	}
 }

@@ -31,8 +31,8 @@ type Middleware struct {
 	typical  typicals         // how long lease work takes here, per action (Retry-After)
 	// leaseSlots bound the statements of lease work outside its claim (extensions, the
 	// recording of answers, yields, the duplicates' looks) running at once: as many as
-	// MaxWaitingClaims, and more, up to half the pool, while half of it is free (D229).
-	leaseSlots *leaseSlots
+	// MaxWaitingClaims or half the pool, whichever is more (D229).
+	leaseSlots leaseSlots
 }
 
 // defaultMiddleware writes problems outside a declared route.
@@ -55,7 +55,7 @@ func New(o Options) (*Middleware, error) {
 	}
 	gate := dbidem.NewGate(dbidem.GateOptions{MaxWaitingClaims: waiting, MaxWaitingBytes: o.MaxWaitingBytes})
 	m := &Middleware{o: o, gate: gate, declared: map[string]Route{}, work: newWorkTracker(), watches: newWatches(),
-		leaseSlots: newLeaseSlots(waiting, o.DB)}
+		leaseSlots: newLeaseSlots(waiting, o.DB.Config().MaxConns)}
 	if o.TracerProvider != nil {
 		m.tracer = safeTracer{Tracer: o.TracerProvider.Tracer(tracerName), log: o.Logger, once: new(sync.Once)}
 	}

@@ -91,9 +91,9 @@ type Options struct {
 	// process) at once; a request that finds them all waiting gets 409 at once, so requests for
 	// other keys always find a connection. It also bounds the statements lease work runs
 	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
-	// as many run at once, and more, up to half of DB's connections, only while half of them
-	// are free, so that a locked key table cannot make them hold the pool, and a statement that
-	// waits on one key's row does not hold up every other lease's extensions. 0: a quarter of
+	// as many run at once, or half of DB's connections when that is more, so that a locked key
+	// table cannot make them hold the pool, and a statement that waits on one key's row does
+	// not hold up every other lease's extensions. 0: a quarter of
 	// DB's maximum connections, at least 1.
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
