@@ -181,7 +181,7 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // extensions, the recording, the yield) are not bounded as a lease route's are
 // (Options.MaxWaitingClaims): each waits on a connection of db's own while its key's row, or
 // the key table, is locked, so jobs whose rows are locked hold as many connections, and a pool
-// that they fill holds up the extensions of every other job (D230). Give db more connections
+// that they fill holds up the extensions of every other job. Give db more connections
 // than the jobs that run at once, plus what else shares it (River's own).
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
