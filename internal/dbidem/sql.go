@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -383,10 +384,14 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 	}
 	release := func() {}
 	if b, ok := q.(Bounded); ok {
-		var err error
-		if q, release, err = b.Reserve(ctx); err != nil {
+		rq, give, err := b.Reserve(ctx)
+		if err != nil {
 			return zero, notSent{err}
 		}
+		q = rq
+		var once sync.Once
+		held := time.AfterFunc(boundedHold, func() { once.Do(give) })
+		release = func() { held.Stop(); once.Do(give) }
 	}
 	type result struct {
 		v   T
@@ -419,11 +424,19 @@ func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context
 // lease slots). A statement that sendCommitting sends from a goroutine of its own, on a
 // context that never ends, takes its room first, through Reserve on the caller's context:
 // waiting for room ends with that context, and the statement, once sent, holds its room until
-// PostgreSQL answers it (release), on q.
+// PostgreSQL answers it (release), on q, or for boundedHold at most.
 type Bounded interface {
 	Querier
 	Reserve(ctx context.Context) (q Querier, release func(), err error)
 }
+
+// boundedHold is how long a statement sent through a Bounded Querier keeps its room while it
+// has no answer. A statement of the API waits on a lock at most its function's own
+// lock_timeout (2 s), the wait the room bounds (a locked key table); one unanswered a second
+// past that is not waiting on a lock but on a connection that stopped answering, and keeping
+// its room would hold up the other statements (with one slot, every lease's extension, and
+// the read that tells whether its own answer landed) until the kernel gives the connection up.
+const boundedHold = 3 * time.Second
 
 // notSent is the error of a statement that was never sent (its context ended while it waited
 // for room): safe to retry, and not an outcome unknown.
