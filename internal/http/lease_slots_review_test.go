@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -86,35 +87,8 @@ func TestLockedLeaseRowAndItsRetryDoNotCostAnotherLease(t *testing.T) {
 func TestLeaseAnswersUnderATableLockStayWithinHalfThePool(t *testing.T) {
 	t.Parallel()
 	const poolSize, leases = 4, 8
-	pool, url := pgtest.NewPool(t, poolSize)
+	pool, url, _, release, replies := workingShortLeases(t, poolSize, leases, "short")
 	ctx := context.Background()
-	m, err := idemhttp.New(idemhttp.Options{DB: pool,
-		Principal: func(r *http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate})
-	if err != nil {
-		t.Fatal(err)
-	}
-	started, release := make(chan struct{}, leases), make(chan struct{})
-	r := mux.NewRouter()
-	r.Handle("/jobs", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		started <- struct{}{}
-		<-release
-		w.WriteHeader(http.StatusCreated)
-	}))).Methods("POST")
-	srv := httptest.NewServer(r)
-	defer srv.Close()
-
-	replies := make(chan int, leases)
-	for i := range leases {
-		go func() {
-			status, _, _ := pgtest.Send(t, ctx, "POST", srv.URL+"/jobs", `{}`, "Idempotency-Key", fmt.Sprintf("short-%d", i),
-				"Content-Type", "application/json")
-			replies <- status
-		}()
-	}
-	for range leases {
-		<-started
-	}
 	locker := pgtest.Connect(t, url)
 	watcher := pgtest.Connect(t, url)
 	var lockerPID, watcherPID int
@@ -218,34 +192,8 @@ func slotWaiters() (all, committing int) {
 func TestAnswerStopsWaitingForASlotAtItsDeadline(t *testing.T) {
 	// Not parallel: the goroutines counted must be this test's alone.
 	const poolSize, leases = 4, 8
-	pool, url := pgtest.NewPool(t, poolSize)
+	_, url, m, release, replies := workingShortLeases(t, poolSize, leases, "late")
 	ctx := context.Background()
-	m, err := idemhttp.New(idemhttp.Options{DB: pool,
-		Principal: func(r *http.Request) (string, bool) { return "alice", true },
-		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate})
-	if err != nil {
-		t.Fatal(err)
-	}
-	started, release := make(chan struct{}, leases), make(chan struct{})
-	r := mux.NewRouter()
-	r.Handle("/jobs", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		started <- struct{}{}
-		<-release
-		w.WriteHeader(http.StatusCreated)
-	}))).Methods("POST")
-	srv := httptest.NewServer(r)
-	defer srv.Close()
-	replies := make(chan int, leases)
-	for i := range leases {
-		go func() {
-			status, _, _ := pgtest.Send(t, ctx, "POST", srv.URL+"/jobs", `{}`, "Idempotency-Key", fmt.Sprintf("late-%d", i),
-				"Content-Type", "application/json")
-			replies <- status
-		}()
-	}
-	for range leases {
-		<-started
-	}
 	locker := pgtest.Connect(t, url)
 	pgtest.Exec(t, locker, `BEGIN`)
 	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
@@ -347,4 +295,40 @@ func TestExtensionsUnderATableLockStayWithinHalfThePool(t *testing.T) {
 			}
 		})
 	}
+}
+
+// workingShortLeases starts leases requests on a lease route of 1 s (the shortest a route may
+// declare) on a pool of poolSize, keys prefix-0, prefix-1 ..., and returns once every handler
+// runs; each answers 201 once release is closed, and replies gets each request's status.
+func workingShortLeases(t *testing.T, poolSize int32, leases int, prefix string) (pool *pgxpool.Pool, url string,
+	m *idemhttp.Middleware, release chan struct{}, replies chan int) {
+	t.Helper()
+	pool, url = pgtest.NewPool(t, poolSize)
+	m, err := idemhttp.New(idemhttp.Options{DB: pool,
+		Principal: func(r *http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)), RouteTemplate: muxTemplate})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started, release := make(chan struct{}, leases), make(chan struct{})
+	r := mux.NewRouter()
+	r.Handle("/jobs", m.Route(idemhttp.Route{Lease: time.Second, Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		started <- struct{}{}
+		<-release
+		w.WriteHeader(http.StatusCreated)
+	}))).Methods("POST")
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	replies = make(chan int, leases)
+	for i := range leases {
+		go func() {
+			status, _, _ := pgtest.Send(t, context.Background(), "POST", srv.URL+"/jobs", `{}`, "Idempotency-Key",
+				fmt.Sprintf("%s-%d", prefix, i), "Content-Type", "application/json")
+			replies <- status
+		}()
+	}
+	for range leases {
+		<-started
+	}
+	return pool, url, m, release, replies
 }
