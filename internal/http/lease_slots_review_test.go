@@ -32,19 +32,8 @@ func TestLockedLeaseRowAndItsRetryDoNotCostAnotherLease(t *testing.T) {
 	t.Parallel()
 	srv, url, started := leaseSlotApp(t)
 	ctx := context.Background()
-	aReply, dupReply, bReply := make(chan int, 1), make(chan int, 1), make(chan int, 1)
-	go func() {
-		status, _, _ := pgtest.Send(t, ctx, "POST", srv.URL+"/jobs?work=4s", `{}`, "Idempotency-Key", "a",
-			"Content-Type", "application/json")
-		aReply <- status
-	}()
-	if k := <-started; k != "a" {
-		t.Fatalf("started %q, want a", k)
-	}
-	locker := pgtest.Connect(t, url)
-	pgtest.Exec(t, locker, `BEGIN`)
-	pgtest.Exec(t, locker, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'a' FOR UPDATE`)
-	defer func() { _, _ = locker.Exec(context.WithoutCancel(ctx), `ROLLBACK`) }()
+	dupReply, bReply := make(chan int, 1), make(chan int, 1)
+	aReply, locker := leaseWithItsRowLocked(t, srv.URL, url, started, "4s")
 
 	// A's client retries A: the duplicate's claim waits on A's locked row.
 	go func() {

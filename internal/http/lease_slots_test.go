@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/gorilla/mux"
+	"github.com/jackc/pgx/v5"
 
 	idemhttp "github.com/pgidem/pgidem/internal/http"
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -60,19 +61,8 @@ func TestLeaseKeepsItsLeaseWhileAnotherKeysRowIsLocked(t *testing.T) {
 	t.Parallel()
 	srv, url, started := leaseSlotApp(t)
 	ctx := context.Background()
-	aReply, bReply := make(chan int, 1), make(chan int, 1)
-	go func() {
-		status, _, _ := pgtest.Send(t, ctx, "POST", srv.URL+"/jobs?work=20s", `{}`, "Idempotency-Key", "a",
-			"Content-Type", "application/json")
-		aReply <- status
-	}()
-	if k := <-started; k != "a" {
-		t.Fatalf("started %q, want a", k)
-	}
-	locker := pgtest.Connect(t, url)
-	pgtest.Exec(t, locker, `BEGIN`)
-	pgtest.Exec(t, locker, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'a' FOR UPDATE`)
-	defer func() { _, _ = locker.Exec(context.WithoutCancel(ctx), `ROLLBACK`) }()
+	bReply := make(chan int, 1)
+	aReply, locker := leaseWithItsRowLocked(t, srv.URL, url, started, "20s")
 
 	began := time.Now()
 	go func() {
@@ -135,4 +125,25 @@ func TestLeasesKeepTheirLeasesThroughSlowWrites(t *testing.T) {
 		t.Errorf("%d of %d leases answered other than 201 (%v): their extensions queued through the lease slots while "+
 			"writes took 50 ms", lost, leases, statuses)
 	}
+}
+
+// leaseWithItsRowLocked sends lease request "a" working work and, once its handler runs, holds
+// its key's row FOR UPDATE from a session outside the pool (rolled back when the test ends, if
+// not before); aReply gets its status.
+func leaseWithItsRowLocked(t *testing.T, srvURL, url string, started chan string, work string) (aReply chan int, locker *pgx.Conn) {
+	t.Helper()
+	aReply = make(chan int, 1)
+	go func() {
+		status, _, _ := pgtest.Send(t, context.Background(), "POST", srvURL+"/jobs?work="+work, `{}`, "Idempotency-Key", "a",
+			"Content-Type", "application/json")
+		aReply <- status
+	}()
+	if k := <-started; k != "a" {
+		t.Fatalf("started %q, want a", k)
+	}
+	locker = pgtest.Connect(t, url)
+	pgtest.Exec(t, locker, `BEGIN`)
+	pgtest.Exec(t, locker, `SELECT 1 FROM idem.idempotency_keys WHERE key = 'a' FOR UPDATE`)
+	t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
+	return aReply, locker
 }
