@@ -199,11 +199,11 @@ func checkMigrated(ctx context.Context, db idem.Querier) error {
 	var have int32
 	var exists bool
 	if err := db.QueryRow(ctx, `SELECT to_regclass('`+ledgerVersionTable+`') IS NOT NULL`).Scan(&exists); err != nil {
-		return fmt.Errorf("check the migrations: %w", err)
+		return ledgerCheckError(err)
 	}
 	if exists {
 		if err := db.QueryRow(ctx, `SELECT coalesce((SELECT version FROM `+ledgerVersionTable+`), 0)`).Scan(&have); err != nil {
-			return fmt.Errorf("check the migrations: %w", err)
+			return ledgerCheckError(err)
 		}
 	}
 	switch {
@@ -221,6 +221,20 @@ func checkMigrated(ctx context.Context, db idem.Querier) error {
 		}
 	}
 	return nil
+}
+
+// ledgerCheckError is the error of a failed read of the ledger's version: a role that may not
+// read it (a grant revoked by hand, a role the migrations did not grant) is said so, with the
+// grant it lacks, and wraps idem.ErrPermissionDenied (so /healthz gives the reason rather than
+// "the database does not answer").
+func ledgerCheckError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return fmt.Errorf("%w: this role may not read %s (%s): GRANT USAGE ON SCHEMA ledger and SELECT ON %s to it "+
+			"(server migrate grants both to the application role)", idem.ErrPermissionDenied, ledgerVersionTable,
+			pgErr.Message, ledgerVersionTable)
+	}
+	return fmt.Errorf("check the migrations: %w", err)
 }
 
 // ledgerServesVersion asks ledger.serves_version whether the ledger at version have serves a

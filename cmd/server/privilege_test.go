@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"strings"
 	"testing"
 	"time"
@@ -89,5 +90,34 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	_ = c.Close()
 	if !strings.Contains(stdout.String(), "deleted 50 expired keys") {
 		t.Fatalf("server cleanup printed %q", stdout.String())
+	}
+}
+
+// TestHealthzNamesAMissingGrant (operator review): the application role lost its grant on the
+// ledger's version table (a REVOKE by hand, a role the migrations did not grant). /healthz
+// answered 503 "the database does not answer", sending the operator to the network; it names
+// the grant now, and keyed requests are untouched.
+func TestHealthzNamesAMissingGrant(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmptyDB(t)
+	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate as the owner: %v", err)
+	}
+	_ = mig.Close()
+	s := serveWith(t, loginRole(t, db), db, nil, io.Discard)
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
+		t.Fatalf("/healthz before the REVOKE: %d %s", r.status, r.body)
+	}
+	owner := pgtest.Connect(t, db)
+	pgtest.Exec(t, owner, `REVOKE SELECT ON ledger.schema_version FROM idem_app`)
+	r := s.call("GET", "/healthz", "", "", "")
+	t.Logf("/healthz without the grant: %d %s", r.status, r.body)
+	if r.status != 503 || !strings.Contains(r.body, "GRANT") || !strings.Contains(r.body, "ledger.schema_version") ||
+		strings.Contains(r.body, "does not answer") {
+		t.Errorf("/healthz without the grant on ledger.schema_version: %d %s, want 503 naming the grant", r.status, r.body)
 	}
 }
