@@ -103,13 +103,12 @@ type Options struct {
 	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
 	// as many run at once, or half of DB's connections when that is more, so that a locked key
 	// table cannot make them hold the pool, and a statement that waits on one key's row does
-	// not hold up every other lease's extensions. Default 0: a
-	// quarter of DB's MaxConns, at least 1. When set, at least 1 and smaller than DB's
-	// MaxConns. A pool of one connection keeps none for other keys: while a claim waits on a
-	// key's row lock, every other request waits for the connection, up to the lock timeout. The
-	// bound is this process's: behind PgBouncer in transaction mode every process's waiting
-	// claims hold server connections of the one PgBouncer pool (docs/operations.md sizes it for
-	// them).
+	// not hold up every other lease's extensions. Default 0: a quarter of DB's MaxConns, at
+	// least 1. When set, at least 1 and smaller than DB's MaxConns. A pool of one connection
+	// keeps none for other keys: while a claim waits on a key's row lock, every other request
+	// waits for the connection, up to the lock timeout. The bound is this process's: behind
+	// PgBouncer in transaction mode every process's waiting claims hold server connections of
+	// the one PgBouncer pool (docs/operations.md sizes it for them).
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
 	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass

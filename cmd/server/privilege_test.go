@@ -19,6 +19,21 @@ func loginRole(t *testing.T, db string) string {
 	return pgtest.LoginRole(t, db, "idem_app")
 }
 
+// migratedAsOwner is a new database on which `server migrate` ran as its owner.
+func migratedAsOwner(t *testing.T) string {
+	t.Helper()
+	db := pgtest.NewEmptyDB(t)
+	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate as the owner: %v", err)
+	}
+	_ = mig.Close()
+	return db
+}
+
 // loginRoleIn is loginRole for a login role that is only a member of group (idem_app or
 // idem_operator).
 func loginRoleIn(t *testing.T, db, group string) string {
@@ -34,15 +49,7 @@ func loginRoleIn(t *testing.T, db, group string) string {
 // the owner: TestPgCronCleanup) takes over.
 func TestLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
-	db := pgtest.NewEmptyDB(t)
-	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
-	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatalf("migrate as the owner: %v", err)
-	}
-	_ = mig.Close()
+	db := migratedAsOwner(t)
 	app := loginRole(t, db)
 
 	var log logBuffer
@@ -99,15 +106,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 // the grant now, and keyed requests are untouched.
 func TestHealthzNamesAMissingGrant(t *testing.T) {
 	t.Parallel()
-	db := pgtest.NewEmptyDB(t)
-	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
-	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatalf("migrate as the owner: %v", err)
-	}
-	_ = mig.Close()
+	db := migratedAsOwner(t)
 	s := serveWith(t, loginRole(t, db), db, nil, io.Discard)
 	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
 		t.Fatalf("/healthz before the REVOKE: %d %s", r.status, r.body)

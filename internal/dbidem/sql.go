@@ -373,7 +373,8 @@ func Complete(ctx context.Context, q Querier, principal, key string, attempt int
 // When ctx ends first, sendCommitting returns ErrCommitUnknown wrapping ctx's cause at once;
 // the statement goes on, its transaction unseen by every other session, until PostgreSQL
 // answers it (D165). On a Bounded q, the room is taken on ctx before the goroutine starts
-// (nothing is sent when ctx ends first) and given back when the statement ends.
+// (nothing is sent when ctx ends first) and given back when the statement ends, or after
+// boundedHold.
 func sendCommitting[T any](ctx context.Context, q Querier, send func(ctx context.Context, q Querier) (T, error)) (T, error) {
 	if ctx.Done() == nil || !commitsOnItsOwn(q) {
 		return send(ctx, q)

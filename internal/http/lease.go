@@ -319,7 +319,8 @@ func (s slotted) acquire(ctx context.Context) (func(), error) {
 
 // Reserve takes a slot on ctx for a statement that dbidem sends from a goroutine of its own,
 // on a context that never ends (an answer's recording, D165): the wait for the slot ends with
-// ctx, and the statement, once sent, holds the slot until PostgreSQL answers it (release).
+// ctx, and the statement, once sent, holds the slot until PostgreSQL answers it (release), or
+// for dbidem's boundedHold at most.
 func (s slotted) Reserve(ctx context.Context) (dbidem.Querier, func(), error) {
 	release, err := s.acquire(ctx)
 	if err != nil {

@@ -93,8 +93,8 @@ type Options struct {
 	// outside its claim (extensions, the recording of answers, yields, the duplicates' looks):
 	// as many run at once, or half of DB's connections when that is more, so that a locked key
 	// table cannot make them hold the pool, and a statement that waits on one key's row does
-	// not hold up every other lease's extensions. 0: a quarter of
-	// DB's maximum connections, at least 1.
+	// not hold up every other lease's extensions. 0: a quarter of DB's maximum connections, at
+	// least 1.
 	MaxWaitingClaims int
 	// MaxWaitingBytes bounds what the duplicates waiting in this process for a request with
 	// the same key hold at once: each counts its body plus 4 KiB. A duplicate that would pass
