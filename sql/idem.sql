@@ -113,9 +113,9 @@ SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
        k.response_status::smallint,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(k.request_fields) AS f),
        k.resource_id, k.withheld,
@@ -219,9 +219,9 @@ BEGIN
        b.response_status::smallint,
        CASE b.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        b.uncompleted, b.principal_id, b.key, b.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(b.request_fields) AS f),
        b.resource_id, b.withheld,
@@ -589,9 +589,9 @@ SELECT CASE WHEN k.state = 'in_progress' AND k.lease_expires_at IS NOT NULL
        k.response_status::smallint,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(k.request_fields) AS f),
        k.resource_id, k.withheld,
@@ -695,9 +695,9 @@ BEGIN
        b.response_status::smallint,
        CASE b.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        b.uncompleted, b.principal_id, b.key, b.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(b.request_fields) AS f),
        b.resource_id, b.withheld,
@@ -749,9 +749,9 @@ BEGIN
        k.response_status::smallint,
        CASE k.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        k.uncompleted, k.principal_id, k.key, k.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each(k.request_fields) AS f),
        k.resource_id, k.withheld,
@@ -1204,8 +1204,8 @@ CREATE OR REPLACE FUNCTION idem.provider_key_prefixes() RETURNS bytea[]
     LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT array_agg(CASE WHEN w.i > 0 AND q.t[w.i] >> 48 = w.g >> 48
-                          THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || q.v[w.i] || '\x00'::bytea
-                          ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea END
+                          THEN E'\\x70676964656d2070726f7669646572206b6579207633'::bytea || E'\\x00'::bytea || q.v[w.i] || E'\\x00'::bytea
+                          ELSE E'\\x70676964656d2070726f7669646572206b6579207632'::bytea || E'\\x00'::bytea END
                      ORDER BY w.k)
       FROM (SELECT idem.installation_secret_tokens() AS t, idem.installation_secret_values() AS v,
                    idem.provider_key_bounds() AS b) AS q,
@@ -1416,7 +1416,7 @@ IF v_problem IS NOT NULL THEN
         END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || '\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
+            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || E'\\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
                    sum(octet_length(convert_to(f, 'UTF8')) + 9)
               INTO v_fields, v_size
               FROM jsonb_object_keys(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
@@ -1449,8 +1449,8 @@ INSERT INTO idem.idempotency_keys AS k
 
         IF FOUND THEN
             provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
         -- The key exists (committed since the probe, or its holder's claim was not committed
@@ -1494,8 +1494,8 @@ attempt := v_row.attempt;
             withheld := v_row.withheld;
 
         provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
         RETURN;
     ELSE
 IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
@@ -1563,7 +1563,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
             IF NOT FOUND THEN
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1583,8 +1583,8 @@ INSERT INTO idem.idempotency_keys AS k
 
                 IF FOUND THEN
                     provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
                     RETURN;
                 END IF;
 SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
@@ -1611,7 +1611,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
             IF v_lock THEN
                 v_token := nextval('idem.token_seq');
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1629,8 +1629,8 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
                 provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
                 RETURN;
             END IF;
         ELSIF v_row.action_hash <> v_action OR v_row.request_sha256 <> p_request_sha256 THEN
@@ -1638,7 +1638,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
             attempt := v_row.attempt;
             IF v_row.request_fields IS NOT NULL AND v_row.action_hash = v_action THEN
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
-                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
                   INTO v_fields
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
@@ -1653,7 +1653,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 v_hashes := '{}';
                 v_pos := 1;
                 WHILE v_pos <= octet_length(v_row.request_fields) LOOP
-                    v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+                    v_nul := position(E'\\x00'::bytea IN substr(v_row.request_fields, v_pos));
                     EXIT WHEN v_nul = 0;
                     v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
                     v_hashes := v_hashes || substr(v_row.request_fields, v_pos + v_nul, 8);
@@ -1677,8 +1677,8 @@ attempt := v_row.attempt;
             withheld := v_row.withheld;
 
             provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(coalesce(v_row.generation, v_row.attempt), idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
             RETURN;
         ELSIF v_row.lease_expires_at IS NULL OR v_row.lease_expires_at > v_now THEN
             -- in_progress with the same fingerprint. Without a lease it is this
@@ -1688,8 +1688,8 @@ attempt := v_row.attempt;
             retry_after := v_row.lease_expires_at - v_now;
             v_gen := coalesce(v_row.generation, v_row.attempt);
             provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         ELSIF v_lock THEN
             -- The lease ran out: take it over with a new token, in the same generation. The
@@ -1709,8 +1709,8 @@ attempt := v_row.attempt;
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
             provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
         -- A write is due: read the row again FOR UPDATE and decide on the locked version.
@@ -1939,7 +1939,7 @@ IF p_ttl IS NOT NULL THEN
     END IF;
 
 IF p_request_fields IS NOT NULL THEN
-            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || '\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
+            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || E'\\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
                    sum(octet_length(convert_to(f, 'UTF8')) + 9)
               INTO v_fields, v_size
               FROM jsonb_object_keys(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;
@@ -3390,7 +3390,7 @@ BEGIN
         replication := 'synchronous';
         -- How many synchronous standbys each commit waits for: FIRST n (...) or ANY n (...),
         -- else (a plain list of names) one.
-        v_need := coalesce((pg_catalog.regexp_match(v_names, '^\s*(?:(?:first|any)\s+)?(\d+)\s*\(', 'i'))[1]::integer, 1);
+        v_need := coalesce((pg_catalog.regexp_match(v_names, E'^\\s*(?:(?:first|any)\\s+)?(\\d+)\\s*\\(', 'i'))[1]::integer, 1);
         IF standbys = 0 OR (v_visible AND v_sync = 0) THEN
             replication_warning := 'synchronous_standby_names is set but no synchronous standby is connected: '
                 || 'every commit waits until one is (or the setting is cleared)';
@@ -3482,7 +3482,7 @@ IF v_problem IS NOT NULL THEN
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
     WHILE v_pos <= coalesce(octet_length(v_row.request_fields), 0) LOOP
-        v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+        v_nul := position(E'\\x00'::bytea IN substr(v_row.request_fields, v_pos));
         EXIT WHEN v_nul = 0;
         v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;
@@ -3704,8 +3704,8 @@ IF v_problem IS NOT NULL THEN
         lease_run_out := v_row.lease_expires_at <= v_now;
         age := v_now - v_row.claimed_at;
         provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
         RETURN NEXT;
     END LOOP;
 END

@@ -229,7 +229,7 @@ BEGIN
                 v_hashes := '{}';
                 v_pos := 1;
                 WHILE v_pos <= octet_length(v_row.request_fields) LOOP
-                    v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+                    v_nul := position(E'\\x00'::bytea IN substr(v_row.request_fields, v_pos));
                     EXIT WHEN v_nul = 0;
                     v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
                     v_hashes := v_hashes || substr(v_row.request_fields, v_pos + v_nul, 8);

@@ -162,7 +162,7 @@ BEGIN
         replication := 'synchronous';
         -- How many synchronous standbys each commit waits for: FIRST n (...) or ANY n (...),
         -- else (a plain list of names) one.
-        v_need := coalesce((pg_catalog.regexp_match(v_names, '^\s*(?:(?:first|any)\s+)?(\d+)\s*\(', 'i'))[1]::integer, 1);
+        v_need := coalesce((pg_catalog.regexp_match(v_names, E'^\\s*(?:(?:first|any)\\s+)?(\\d+)\\s*\\(', 'i'))[1]::integer, 1);
         IF standbys = 0 OR (v_visible AND v_sync = 0) THEN
             replication_warning := 'synchronous_standby_names is set but no synchronous standby is connected: '
                 || 'every commit waits until one is (or the setting is cleared)';
@@ -242,7 +242,7 @@ BEGIN
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
     WHILE v_pos <= coalesce(octet_length(v_row.request_fields), 0) LOOP
-        v_nul := position('\x00'::bytea IN substr(v_row.request_fields, v_pos));
+        v_nul := position(E'\\x00'::bytea IN substr(v_row.request_fields, v_pos));
         EXIT WHEN v_nul = 0;
         v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;

@@ -102,8 +102,8 @@ CREATE OR REPLACE FUNCTION idem.provider_key_prefixes() RETURNS bytea[]
     LANGUAGE sql IMMUTABLE SECURITY INVOKER SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT array_agg(CASE WHEN w.i > 0 AND q.t[w.i] >> 48 = w.g >> 48
-                          THEN '\x70676964656d2070726f7669646572206b6579207633'::bytea || '\x00'::bytea || q.v[w.i] || '\x00'::bytea
-                          ELSE '\x70676964656d2070726f7669646572206b6579207632'::bytea || '\x00'::bytea END
+                          THEN E'\\x70676964656d2070726f7669646572206b6579207633'::bytea || E'\\x00'::bytea || q.v[w.i] || E'\\x00'::bytea
+                          ELSE E'\\x70676964656d2070726f7669646572206b6579207632'::bytea || E'\\x00'::bytea END
                      ORDER BY w.k)
       FROM (SELECT idem.installation_secret_tokens() AS t, idem.installation_secret_values() AS v,
                    idem.provider_key_bounds() AS b) AS q,

@@ -15,7 +15,7 @@
    second decode of every value: 3,600 instructions fewer. The argument is the function's
    name. */ -}}
         IF p_request_fields IS NOT NULL THEN
-            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || '\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
+            SELECT coalesce(string_agg(convert_to(f, 'UTF8') || E'\\x00'::bytea || decode(left(p_request_fields ->> f, 16), 'hex'), ''::bytea), ''::bytea),
                    sum(octet_length(convert_to(f, 'UTF8')) + 9)
               INTO v_fields, v_size
               FROM jsonb_object_keys(CASE WHEN jsonb_typeof(p_request_fields) = 'object' THEN p_request_fields END) AS f;

@@ -10,7 +10,9 @@
    different for every other generation, principal and installation. Which label and secret
    apply is worked out once a session for every interval of tokens (provider_key_bounds,
    provider_key_prefixes in install.sql, folded into the plan): a call picks its prefix with one
-   width_bucket and reads no sequence and no table. A simple expression. */ -}}
+   width_bucket and reads no sequence and no table. A simple expression. Every literal with a
+   backslash is an E'' string, read the same whatever the caller's standard_conforming_strings
+   (any role may turn it off; '\x00' then reads as a NUL character, D231). */ -}}
 encode(sha256((idem.provider_key_prefixes())[width_bucket({{ . }}, idem.provider_key_bounds()) + 1]
-        || convert_to(p_principal, 'UTF8') || '\x00'::bytea
-        || convert_to(p_key, 'UTF8') || '\x00'::bytea || convert_to({{ . }}::text, 'UTF8')), 'hex')
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to({{ . }}::text, 'UTF8')), 'hex')

@@ -9,9 +9,9 @@ CASE WHEN {{ . }}.state = 'in_progress' AND {{ . }}.lease_expires_at IS NOT NULL
        {{ . }}.response_status::smallint,
        CASE {{ . }}.state WHEN 'in_progress' THEN 'p' WHEN 'completed' THEN 'c' ELSE 'r' END::"char",
        {{ . }}.uncompleted, {{ . }}.principal_id, {{ . }}.key, {{ . }}.request_sha256,
-       (SELECT string_agg(convert_to(f.key, 'UTF8') || '\x00'::bytea ||
+       (SELECT string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea ||
                               CASE WHEN f.value #>> '{}' ~ '^[0-9a-fA-F]{16}' THEN decode(left(f.value #>> '{}', 16), 'hex')
-                                   ELSE '\x0000000000000000'::bytea END,
+                                   ELSE E'\\x0000000000000000'::bytea END,
                           ''::bytea ORDER BY f.key)
           FROM jsonb_each({{ . }}.request_fields) AS f),
        {{ . }}.resource_id, {{ . }}.withheld,
