@@ -379,9 +379,9 @@ func failure(ctx context.Context) string {
 // vacuums every shard on its worker.
 func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) error {
 	var owner bool
-	var threshold float64
+	var threshold int64
 	if err := c.db.QueryRow(ctx, `
-		SELECT pg_has_role(c.relowner, 'USAGE'),
+		SELECT pg_has_role(c.relowner, 'USAGE'), floor(
 		       coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions)
 		                  WHERE option_name = 'autovacuum_vacuum_threshold'),
 		                current_setting('autovacuum_vacuum_threshold'))::float8
@@ -389,7 +389,7 @@ func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) e
 		                  WHERE option_name = 'autovacuum_vacuum_scale_factor'),
 		                current_setting('autovacuum_vacuum_scale_factor'))::float8
 		       * CASE WHEN $1 THEN (SELECT h.estimated_keys FROM idem.idem_health() AS h)::float8
-		              ELSE greatest(c.reltuples, 0) END
+		              ELSE greatest(c.reltuples, 0) END)::bigint
 		  FROM pg_class AS c WHERE c.oid = 'idem.idempotency_keys'::regclass`, workers).Scan(&owner, &threshold); err != nil {
 		return err
 	}
@@ -400,7 +400,7 @@ func (c *Cleaner) vacuumKeys(ctx context.Context, deleted int64, workers bool) e
 		})
 		return nil
 	}
-	if float64(deleted) <= threshold {
+	if deleted <= threshold {
 		return nil
 	}
 	// VACUUM (SKIP_LOCKED) succeeds with only a WARNING when another session holds a lock

@@ -28,7 +28,8 @@ import (
 // key has not expired (its TTL past the lease's end).
 var ErrLeaseLost = errors.New("idem: lease lost")
 
-const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`
+// extendSQL reads the lease's new end in microseconds (microsSQL).
+var extendSQL = `SELECT ` + fmt.Sprintf(microsSQL, `idem.idem_extend(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint, p_lease => $4::interval)`)
 
 // Extend moves the lease of the in-progress lease claim with this attempt to lease from now
 // (never earlier), and the key's expiry with it, and returns the lease's new end as the
@@ -36,9 +37,9 @@ const extendSQL = `SELECT idem.idem_extend(p_principal => $1::text, p_key => $2:
 // progress: it was taken over by a later attempt, completed, released, or the key expired and
 // was cleaned up.
 func Extend(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (time.Time, error) {
-	var end time.Time
+	var end *int64
 	err := q.QueryRow(ctx, extendSQL, principal, key, attempt, interval(lease)).Scan(&end)
-	return end, classify(err)
+	return microsTime(end), classify(err)
 }
 
 // LeaseOptions configure KeepAlive.

@@ -41,23 +41,18 @@ type Health struct {
 // ReadHealth reads idem.idem_health() and idem.idem_replication() in one statement.
 func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	var h Health
-	var oldest *time.Time
-	var age *float64
+	var oldest, age *int64
 	var warning *string
-	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, oldest_in_progress_at,
-		extract(epoch FROM oldest_in_progress_age)::float8, cleanup_backlog, table_bytes, estimated_keys,
+	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, `+fmt.Sprintf(microsSQL, "oldest_in_progress_at")+`,
+		`+fmt.Sprintf(microsSQL, "oldest_in_progress_age")+`, cleanup_backlog, table_bytes, estimated_keys,
 		r.replication, r.standbys, r.replication_warning
 		FROM idem.idem_health() AS h, idem.idem_replication() AS r`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
 		&h.Replication, &h.Standbys, &warning)
 	if err != nil {
 		return Health{}, classifyRead(err)
 	}
-	if oldest != nil {
-		h.OldestInProgress = *oldest
-	}
-	if age != nil {
-		h.OldestAge = time.Duration(*age * float64(time.Second))
-	}
+	h.OldestInProgress = microsTime(oldest)
+	h.OldestAge = microsDuration(age)
 	if warning != nil {
 		h.ReplicationWarning = *warning
 	}
@@ -83,17 +78,15 @@ func ReadSummary(ctx context.Context, q interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }, byPrincipal bool) ([]Summary, error) {
 	rows, err := q.Query(ctx, `SELECT coalesce(principal_id, ''), keys, in_progress, completed, released, expired,
-		leases_run_out, oldest_in_progress_at, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`, byPrincipal)
+		leases_run_out, `+fmt.Sprintf(microsSQL, "oldest_in_progress_at")+`, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`, byPrincipal)
 	if err != nil {
 		return nil, classifyRead(err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
 		var s Summary
-		var oldest *time.Time
+		var oldest *int64
 		err := r.Scan(&s.Principal, &s.Keys, &s.InProgress, &s.Completed, &s.Released, &s.Expired, &s.LeasesRunOut, &oldest, &s.TableBytes)
-		if oldest != nil {
-			s.OldestInProgress = *oldest
-		}
+		s.OldestInProgress = microsTime(oldest)
 		return s, err
 	})
 	return out, classifyRead(err)
@@ -129,12 +122,13 @@ type KeyStory struct {
 // ReadKey reads one key's story; false when the key does not exist.
 func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, bool, error) {
 	var k KeyStory
-	var claimed, kept, lease *time.Time
+	var claimed, expires, kept, lease *int64
 	var status, body *int32
 	var resource, withheld *string
-	err := q.QueryRow(ctx, `SELECT state, expired, claimed_at, expires_at, kept_until, lease_expires_at, attempt,
+	err := q.QueryRow(ctx, `SELECT state, expired, `+fmt.Sprintf(microsSQL, "claimed_at")+`, `+fmt.Sprintf(microsSQL, "expires_at")+`,
+		`+fmt.Sprintf(microsSQL, "kept_until")+`, `+fmt.Sprintf(microsSQL, "lease_expires_at")+`, attempt,
 		action_hash, field_names, response_status, response_headers, resource_id, withheld, body_bytes
-		FROM idem.idem_key($1, $2)`, principal, key).Scan(&k.State, &k.Expired, &claimed, &k.ExpiresAt, &kept, &lease,
+		FROM idem.idem_key($1, $2)`, principal, key).Scan(&k.State, &k.Expired, &claimed, &expires, &kept, &lease,
 		&k.Attempt, &k.ActionHash, &k.FieldNames, &status, &k.Header, &resource, &withheld, &body)
 	switch {
 	case err == pgx.ErrNoRows:
@@ -142,14 +136,7 @@ func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, b
 	case err != nil:
 		return KeyStory{}, false, classifyRead(err)
 	}
-	for _, p := range []struct {
-		src *time.Time
-		dst *time.Time
-	}{{claimed, &k.ClaimedAt}, {kept, &k.KeptUntil}, {lease, &k.LeaseExpiresAt}} {
-		if p.src != nil {
-			*p.dst = *p.src
-		}
-	}
+	k.ClaimedAt, k.ExpiresAt, k.KeptUntil, k.LeaseExpiresAt = microsTime(claimed), microsTime(expires), microsTime(kept), microsTime(lease)
 	if status != nil {
 		k.Status = int(*status)
 	}
@@ -206,17 +193,18 @@ func ReadStuck(ctx context.Context, q interface {
 	if olderThan%time.Microsecond > 0 {
 		us++
 	}
-	rows, err := q.Query(ctx, `SELECT principal_id, key, attempt, claimed_at, lease_expires_at, lease_run_out,
-		extract(epoch FROM age)::float8, provider_key FROM idem.idem_stuck($1::interval, $2::integer)`,
+	rows, err := q.Query(ctx, `SELECT principal_id, key, attempt, `+fmt.Sprintf(microsSQL, "claimed_at")+`,
+		`+fmt.Sprintf(microsSQL, "lease_expires_at")+`, lease_run_out, `+fmt.Sprintf(microsSQL, "age")+`, provider_key
+		FROM idem.idem_stuck($1::interval, $2::integer)`,
 		fmt.Sprintf("%d microseconds", us), limit)
 	if err != nil {
 		return nil, classifyRead(err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (StuckClaim, error) {
 		var s StuckClaim
-		var age float64
-		err := r.Scan(&s.Principal, &s.Key, &s.Attempt, &s.ClaimedAt, &s.LeaseExpiresAt, &s.LeaseRunOut, &age, &s.ProviderKey)
-		s.Age = time.Duration(age * float64(time.Second))
+		var claimed, lease, age *int64
+		err := r.Scan(&s.Principal, &s.Key, &s.Attempt, &claimed, &lease, &s.LeaseRunOut, &age, &s.ProviderKey)
+		s.ClaimedAt, s.LeaseExpiresAt, s.Age = microsTime(claimed), microsTime(lease), microsDuration(age)
 		return s, err
 	})
 	return out, classifyRead(err)

@@ -17,13 +17,16 @@ import (
 
 // The statements. Every parameter is cast, and JSON goes as text, so the same statements
 // work without prepared-statement descriptions (PgBouncer in transaction mode,
-// QueryExecModeExec). BeginSQL and CompleteSQL are exported for tools that must pipeline them
+// QueryExecModeExec). Those modes read every result as text, in the session's output settings,
+// which a role or a database may change (D231): no statement reads a timestamp, an interval or
+// a float as text (each comes as whole microseconds, a bigint: see microsSQL), and a bytea is
+// read as anyBytea (hex or escape). BeginSQL and CompleteSQL are exported for tools that must pipeline them
 // by hand (the benchmark's variant without a savepoint); their arguments are those of Begin and
 // Complete, in that order, durations as intervals, JSON as text.
 const (
 	// BeginSQL calls idem_begin and returns its row (a transactional claim's statement).
 	BeginSQL = `SELECT outcome, attempt, response_status, response_headers, response_body, resource_id,
-       withheld, changed_fields, extract(epoch FROM retry_after)::float8, provider_key
+       withheld, changed_fields, (extract(epoch FROM retry_after) * 1000000)::bigint, provider_key
   FROM idem.idem_begin(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                        p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
                        p_request_fields => $7::jsonb, p_lock_timeout => $8::interval)`
@@ -44,7 +47,7 @@ const (
 	// and Do's. One function in FROM, so that Citus delegates the call, with its lock timeout,
 	// to the principal's worker (D139).
 	beginStepsSQL = `SELECT b.outcome, b.attempt, b.response_status, b.response_headers, b.response_body,
-       b.resource_id, b.withheld, b.changed_fields, extract(epoch FROM b.retry_after)::float8,
+       b.resource_id, b.withheld, b.changed_fields, (extract(epoch FROM b.retry_after) * 1000000)::bigint,
        b.provider_key, b.recovery_point, b.recovery_saved
   FROM idem.idem_begin_steps(p_principal => $1::text, p_key => $2::text, p_action => $3::text,
                              p_request_sha256 => $4::bytea, p_ttl => $5::interval, p_lease => $6::interval,
@@ -71,7 +74,7 @@ const (
 	CleanupWorkersSQL = `SELECT (SELECT ARRAY[w.deleted, w.done::integer]
 	  FROM idem.idem_cleanup_workers(p_batch_size => $1::integer, p_duty => $2::float8, p_max_time => $3::interval) AS w)`
 
-	defaultsSQL = `SELECT extract(epoch FROM ttl)::float8, extract(epoch FROM lock_timeout)::float8, batch_size
+	defaultsSQL = `SELECT (extract(epoch FROM ttl) * 1000000)::bigint, (extract(epoch FROM lock_timeout) * 1000000)::bigint, batch_size
   FROM idem.idem_defaults()`
 )
 
@@ -275,7 +278,7 @@ type decisionRow struct {
 	body     []byte
 	resource *string
 	withheld *string
-	retry    *float64
+	retry    *int64 // retry_after in microseconds
 	provider *string
 	point    *string
 	saved    []byte
@@ -284,7 +287,7 @@ type decisionRow struct {
 
 // dest is where the row of BeginSQL goes; with steps, the row of beginStepsSQL.
 func (r *decisionRow) dest(steps bool) []any {
-	d := []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, &r.body, &r.resource, &r.withheld,
+	d := []any{&r.outcome, &r.d.Attempt, &r.status, &r.headers, (*anyBytea)(&r.body), &r.resource, &r.withheld,
 		&r.d.ChangedFields, &r.retry, &r.provider}
 	if steps {
 		d = append(d, &r.point, &r.saved)
@@ -301,9 +304,10 @@ func (r *decisionRow) record() pgtype.CompositeFields {
 
 func (r *decisionRow) decision() (Decision, error) {
 	if r.interval.Valid {
-		// extract(epoch FROM retry_after), as BeginSQL reads it: a month is 365.25/12 days.
-		s := float64(r.interval.Microseconds)/1e6 + float64(r.interval.Days)*86400 + float64(r.interval.Months)*(365.25/12)*86400
-		r.retry = &s
+		// extract(epoch FROM retry_after) in microseconds, as BeginSQL reads it: a month is
+		// 365.25/12 days.
+		us := r.interval.Microseconds + int64(r.interval.Days)*86400e6 + int64(float64(r.interval.Months)*(365.25/12)*86400e6)
+		r.retry = &us
 	}
 	d := r.d
 	d.Outcome = Outcome(r.outcome)
@@ -323,7 +327,7 @@ func (r *decisionRow) decision() (Decision, error) {
 		}
 	}
 	if r.retry != nil {
-		d.RetryAfter = time.Duration(*r.retry * float64(time.Second))
+		d.RetryAfter = time.Duration(*r.retry) * time.Microsecond
 	}
 	if r.provider != nil {
 		d.ProviderKey = *r.provider
@@ -637,12 +641,12 @@ type Defaults struct {
 
 // ReadDefaults reads the SQL API's defaults from the database.
 func ReadDefaults(ctx context.Context, q Querier) (Defaults, error) {
-	var ttl, lock float64
+	var ttl, lock int64
 	var d Defaults
 	if err := q.QueryRow(ctx, defaultsSQL).Scan(&ttl, &lock, &d.BatchSize); err != nil {
 		return Defaults{}, classify(err)
 	}
-	d.TTL = time.Duration(ttl * float64(time.Second))
-	d.LockTimeout = time.Duration(lock * float64(time.Second))
+	d.TTL = time.Duration(ttl) * time.Microsecond
+	d.LockTimeout = time.Duration(lock) * time.Microsecond
 	return d, nil
 }

@@ -178,7 +178,8 @@ func (m *Middleware) lookAtKeys(ctx context.Context, ids []watchKey) (map[watchK
 	}
 	defer release()
 	rows, err := m.o.DB.Query(ctx, `SELECT w.p, w.k,
-		coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false), max(k.claimed_at)
+		coalesce(bool_or(k.state = 'in_progress' AND k.lease_expires_at > clock_timestamp()), false),
+		(extract(epoch FROM max(k.claimed_at)) * 1000000)::bigint
 		  FROM unnest($1::text[], $2::text[]) AS w(p, k)
 		  LEFT JOIN LATERAL idem.idem_key(w.p, w.k) AS k ON true
 		 GROUP BY w.p, w.k`, principals, keys)
@@ -190,13 +191,14 @@ func (m *Middleware) lookAtKeys(ctx context.Context, ids []watchKey) (map[watchK
 	for rows.Next() {
 		var id watchKey
 		var held bool
-		var claimedAt *time.Time
+		// the claim's time in microseconds: no timestamp is read as text (D231)
+		var claimedAt *int64
 		if err := rows.Scan(&id.principal, &id.key, &held, &claimedAt); err != nil {
 			return nil, err
 		}
 		r := lookResult{changed: !held}
 		if claimedAt != nil {
-			r.claimedAt = *claimedAt
+			r.claimedAt = time.UnixMicro(*claimedAt)
 		}
 		found[id] = r
 	}
