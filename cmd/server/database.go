@@ -82,6 +82,14 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = int32(m.Config.PoolSize)
+	// The ledger reads timestamps, which in QueryExecModeExec (behind a pooler) come as text in
+	// the session's DateStyle, and pgx parses ISO only: a database or role set to 'SQL, DMY'
+	// failed every request with 500. The pool asks for ISO when it connects (a startup parameter
+	// counts above the database's and the role's settings, and PgBouncer passes it on), unless
+	// DATABASE_URL names a DateStyle itself (D231).
+	if !runtimeParamGiven(cfg.ConnConfig.RuntimeParams, "datestyle") {
+		cfg.ConnConfig.RuntimeParams["DateStyle"] = "ISO, MDY"
+	}
 	if !connectTimeoutGiven(url, cfg.ConnConfig.ConnectTimeout, os.Getenv) {
 		cfg.ConnConfig.ConnectTimeout = connectTimeout
 	}
@@ -275,4 +283,15 @@ func otherClients(ctx context.Context, url string) (int, error) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// runtimeParamGiven tells whether params (a connection string's run-time parameters) set name,
+// in any case.
+func runtimeParamGiven(params map[string]string, name string) bool {
+	for k := range params {
+		if strings.EqualFold(k, name) {
+			return true
+		}
+	}
+	return false
 }
