@@ -91,7 +91,7 @@ type KeyStory struct {
 	Attempt int64
 	// ActionHash is the hash of the action the key was claimed for.
 	ActionHash int64
-	// FieldNames are the names of the request's stored top-level fields, sorted.
+	// FieldNames are the names of the request's stored top-level fields, sorted by code point.
 	FieldNames []string
 	// Status, Header, ResourceID and Withheld are the stored answer's; BodyBytes its body's
 	// size (0 when none).

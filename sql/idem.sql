@@ -21,6 +21,18 @@
 \set ON_ERROR_STOP on
 SET search_path = pg_catalog, pg_temp;
 
+-- idem needs a UTF8 database (docs/sql-api.md, "Installing"): nothing is changed in another.
+DO $idem_encoding$
+BEGIN
+    IF pg_catalog.current_setting('server_encoding') OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        RAISE EXCEPTION 'idem: the database''s encoding is %, and idem needs a UTF8 database (keys, principals, field names and headers are UTF-8 text); nothing was changed',
+            pg_catalog.current_setting('server_encoding')
+            USING ERRCODE = '55000',
+                  HINT = 'Install idem in a database created with ENCODING ''UTF8'' (CREATE DATABASE ... TEMPLATE template0 ENCODING ''UTF8'').';
+    END IF;
+END
+$idem_encoding$;
+
 -- ---------------------------------------------------------------------------------------
 -- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
 -- the new key table is built beside the live one while that release keeps serving (a short
@@ -1659,12 +1671,14 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                     v_hashes := v_hashes || substr(v_row.request_fields, v_pos + v_nul, 8);
                     v_pos := v_pos + v_nul + 8;
                 END LOOP;
+                -- Sorted by code point (the C collation), as Go's sort.Strings sorts: the same
+                -- order in every database, whatever its default collation (D232).
                 changed_fields := ARRAY(
                     SELECT coalesce(o.name, n.key)
                       FROM unnest(v_names, v_hashes) AS o(name, hash)
                       FULL JOIN jsonb_each_text(p_request_fields) AS n ON n.key = o.name
                      WHERE o.hash IS DISTINCT FROM decode(left(n.value, 16), 'hex')
-                     ORDER BY 1);
+                     ORDER BY coalesce(o.name, n.key) COLLATE pg_catalog."C");
             END IF;
             RETURN;
         ELSIF v_row.state = 'c' THEN
@@ -3487,7 +3501,7 @@ IF v_problem IS NOT NULL THEN
         v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;
     END LOOP;
-    field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n);
+    field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n COLLATE pg_catalog."C"); -- by code point (D232)
     response_status := v_row.response_status::integer;
     response_headers := v_row.response_headers;
     resource_id := v_row.resource_id;

@@ -108,6 +108,9 @@ func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) (err error) {
 			err = rerr
 		}
 	}()
+	if _, err := conn.Exec(ctx, EncodingCheck); err != nil {
+		return fmt.Errorf("idem migrate: %w", err)
+	}
 	if err := refuseNewer(ctx, conn); err != nil {
 		return err
 	}
@@ -272,6 +275,25 @@ func refuseNewer(ctx context.Context, conn *pgx.Conn) error {
 	}
 	return nil
 }
+
+// EncodingCheck is a statement that raises 55000 unless the database's encoding is UTF8
+// (D232). Keys, principals, field names and stored headers are UTF-8 text, and provider keys
+// hash them as UTF-8: in a LATIN1 database a character outside LATIN1 failed a valid request
+// with a 500 (a SQL_ASCII one answered 503, retried forever), and a Go service, whose driver
+// sends UTF-8 under the database's client_encoding, stored principals that no other client
+// could find. Migrate runs it before it changes anything, and sql/idem.sql first; an
+// installation of an earlier release in such a database keeps serving as it did, and its
+// upgrade is refused.
+const EncodingCheck = `DO $idem_encoding$
+BEGIN
+    IF pg_catalog.current_setting('server_encoding') OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        RAISE EXCEPTION 'idem: the database''s encoding is %, and idem needs a UTF8 database (keys, principals, field names and headers are UTF-8 text); nothing was changed',
+            pg_catalog.current_setting('server_encoding')
+            USING ERRCODE = '55000',
+                  HINT = 'Install idem in a database created with ENCODING ''UTF8'' (CREATE DATABASE ... TEMPLATE template0 ENCODING ''UTF8'').';
+    END IF;
+END
+$idem_encoding$`
 
 // DefaultRebuildBatch is how many rows each transaction of an online rebuild copies.
 const DefaultRebuildBatch = 5000

@@ -116,8 +116,9 @@ type Decision struct {
 	Attempt int64
 	// Response is the stored response (Replay only).
 	Response Response
-	// ChangedFields names the top-level fields whose hashes differ (Mismatch only): sorted;
-	// empty (not nil) when the action, method or path changed; nil when unknown.
+	// ChangedFields names the top-level fields whose hashes differ (Mismatch only), sorted by
+	// code point (sort.Strings's order, whatever the database's collation); empty (not nil)
+	// when the action, method or path changed; nil when unknown.
 	ChangedFields []string
 	// RetryAfter is how long the current lease still runs (InProgress only).
 	RetryAfter time.Duration

@@ -235,12 +235,14 @@ BEGIN
                     v_hashes := v_hashes || substr(v_row.request_fields, v_pos + v_nul, 8);
                     v_pos := v_pos + v_nul + 8;
                 END LOOP;
+                -- Sorted by code point (the C collation), as Go's sort.Strings sorts: the same
+                -- order in every database, whatever its default collation (D232).
                 changed_fields := ARRAY(
                     SELECT coalesce(o.name, n.key)
                       FROM unnest(v_names, v_hashes) AS o(name, hash)
                       FULL JOIN jsonb_each_text(p_request_fields) AS n ON n.key = o.name
                      WHERE o.hash IS DISTINCT FROM decode(left(n.value, 16), 'hex')
-                     ORDER BY 1);
+                     ORDER BY coalesce(o.name, n.key) COLLATE pg_catalog."C");
             END IF;
             RETURN;
         ELSIF v_row.state = 'c' THEN

@@ -247,7 +247,7 @@ BEGIN
         v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;
     END LOOP;
-    field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n);
+    field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n COLLATE pg_catalog."C"); -- by code point (D232)
     response_status := v_row.response_status::integer;
     response_headers := v_row.response_headers;
     resource_id := v_row.resource_id;

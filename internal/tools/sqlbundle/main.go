@@ -134,6 +134,9 @@ func Render() (string, error) {
 \set ON_ERROR_STOP on
 SET search_path = pg_catalog, pg_temp;
 
+-- idem needs a UTF8 database (docs/sql-api.md, "Installing"): nothing is changed in another.
+%s;
+
 -- ---------------------------------------------------------------------------------------
 -- The online part of migration 003, for a database of release 0.1.0 (schema version 1 or 2):
 -- the new key table is built beside the live one while that release keeps serving (a short
@@ -179,7 +182,7 @@ BEGIN
     END IF;
 END
 $idem_bundle$;
-`, last, idemsql.DefaultAppRole, table, last, onlineVar, onlineVar, onlineVar, table, onlineVar, idemsql.TernLock,
+`, last, idemsql.DefaultAppRole, table, last, idemsql.EncodingCheck, onlineVar, onlineVar, onlineVar, table, onlineVar, idemsql.TernLock,
 		onlineVar, table, onlineVar, strings.TrimSpace(shadow), onlineVar, idemsql.DefaultRebuildBatch, strings.TrimSpace(columns),
 		idemsql.TernLock,
 		table, table, table, table, last, last, table)
