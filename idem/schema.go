@@ -66,7 +66,10 @@ var (
 // are missing, older, newer and not serving this version, or of two versions; an error
 // wrapping ErrPermissionDenied, naming the GRANT it lacks, when q's role is in neither role
 // of the SQL API (idem_version is granted to both); the database's error when it could not be
-// asked (IsUnavailable tells). New, StartCleaner and the first Do or DoLease on a pool run it,
+// asked (IsUnavailable tells); an error naming the setting when the connection's
+// client_encoding is not UTF8 (pgx sends Go's strings as UTF-8 whatever the session says: a
+// role's or database's client_encoding of LATIN1 stored principals garbled, and a repeat on a
+// connection of the other encoding ran again). New, StartCleaner and the first Do or DoLease on a pool run it,
 // and then check that the role may call the application's functions (idem_begin; the
 // cleaner's idem_cleanup_workers): a member of idem_operator alone is ErrPermissionDenied
 // there.

@@ -14,6 +14,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -131,5 +132,46 @@ func TestLegacyRoleSettingsChangeNoAnswer(t *testing.T) {
 				t.Errorf("ReadDefaults: %+v %v; want 24 hours and 2 seconds", d, err)
 			}
 		})
+	}
+}
+
+// TestStartRefusesAClientEncodingOtherThanUTF8: pgx sends Go's strings as UTF-8 whatever the
+// session's client_encoding says. A review (helper session) found a login role set to LATIN1
+// storing the principal "müller" as "mÃ¼ller", and a repeat on a connection opened after the
+// role's change running the work again (D232). The start check (New, the first Do on a pool)
+// refuses such a pool, naming the setting, and nothing is stored; the same role with
+// client_encoding=UTF8 in its connection string works.
+func TestStartRefusesAClientEncodingOtherThanUTF8(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := settingsPool(t, pgx.QueryExecModeCacheStatement, "client_encoding = 'LATIN1'")
+	job := idem.Job{Principal: "müller", Key: "k", Action: "a"}
+	ran := false
+	_, _, err := idem.Do(ctx, pool, job, idem.TxOptions{}, func(context.Context, pgx.Tx) (int, error) { ran = true; return 1, nil })
+	if err == nil || ran || !strings.Contains(err.Error(), "client_encoding is LATIN1") {
+		t.Errorf("Do on a pool whose client_encoding is LATIN1: %v (ran %v); want the start check's refusal naming it", err, ran)
+	}
+	if _, err := idem.New(ctx, idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "p", true }}); err == nil || !strings.Contains(err.Error(), "client_encoding=UTF8") {
+		t.Errorf("New on that pool: %v; want the refusal with its remedy", err)
+	}
+	if _, ok, err := idem.ReadKey(ctx, pool, job.Principal, job.Key); ok || err != nil {
+		t.Errorf("the key after the refusal: %v %v; want none", ok, err)
+	}
+
+	cfg := pool.Config()
+	cfg.ConnConfig.RuntimeParams["client_encoding"] = "UTF8"
+	utf8Pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer utf8Pool.Close()
+	for i := 0; i < 2; i++ {
+		v, replayed, err := idem.Do(ctx, utf8Pool, job, idem.TxOptions{}, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+		if err != nil || v != 1 || replayed != (i == 1) {
+			t.Fatalf("Do %d with client_encoding=UTF8: %v %v %v", i+1, v, replayed, err)
+		}
+	}
+	if _, ok, err := idem.ReadKey(ctx, utf8Pool, "müller", "k"); !ok || err != nil {
+		t.Errorf("ReadKey(müller) through a UTF8 connection: %v %v; want the key", ok, err)
 	}
 }

@@ -90,6 +90,11 @@ func (m *Main) openDatabase(ctx context.Context) error {
 	if !runtimeParamGiven(cfg.ConnConfig.RuntimeParams, "datestyle") {
 		cfg.ConnConfig.RuntimeParams["DateStyle"] = "ISO, MDY"
 	}
+	// pgx sends and reads UTF-8 text whatever the session's client_encoding says, which a
+	// database's or role's setting may make LATIN1 (D232); idem's start check refuses that.
+	if !runtimeParamGiven(cfg.ConnConfig.RuntimeParams, "client_encoding") {
+		cfg.ConnConfig.RuntimeParams["client_encoding"] = "UTF8"
+	}
 	if !connectTimeoutGiven(url, cfg.ConnConfig.ConnectTimeout, os.Getenv) {
 		cfg.ConnConfig.ConnectTimeout = connectTimeout
 	}

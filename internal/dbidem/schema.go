@@ -80,13 +80,21 @@ func (e *SchemaError) Unwrap() error {
 // upgrade); a *SchemaError when they are not (missing, older, newer and not serving it, or
 // functions of another version beside the schema); an error wrapping ErrPermissionDenied
 // when the role may not call the API, naming the grant it lacks; the database's error when
-// it cannot be asked (IsUnavailable tells). It changes nothing: the application role may call
-// it.
+// it cannot be asked (IsUnavailable tells); an error naming the setting when the connection's
+// client_encoding is not UTF8 (D232). It changes nothing: the application role may call it.
 func CheckSchema(ctx context.Context, q Querier, want int) error {
 	var functions, schema int32
-	err := q.QueryRow(ctx, `SELECT functions_version, schema_version FROM idem.idem_version()`).Scan(&functions, &schema)
+	var encoding string
+	err := q.QueryRow(ctx, `SELECT functions_version, schema_version, pg_catalog.current_setting('client_encoding')
+		FROM idem.idem_version()`).Scan(&functions, &schema, &encoding)
 	var pgErr *pgconn.PgError
 	switch {
+	case err == nil && encoding != "UTF8":
+		// pgx sends Go's strings, UTF-8, as text in the session's client_encoding: under
+		// LATIN1 a principal "müller" was stored as "mÃ¼ller" (another key than any other
+		// client's), and a repeat sent on a connection of the other encoding ran again (D232).
+		return fmt.Errorf("idem: the connection's client_encoding is %s, and the Go driver sends and reads UTF-8: "+
+			"set client_encoding=UTF8 in the connection string (or drop the role's or the database's client_encoding setting)", encoding)
 	case errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "3F000" || pgErr.Code == "42P01"):
 		return &SchemaError{Want: want}
 	case errors.As(err, &pgErr) && pgErr.Code == "42501":
