@@ -381,7 +381,7 @@ func TestSecretsLogsAndLabelsHoldNoKeyBodyOrCredentials(t *testing.T) {
 			holding <- struct{}{}
 			<-hold
 		case "fail":
-			http.Error(w, "failed", 503)
+			http.Error(w, "failed", http.StatusServiceUnavailable)
 			return
 		}
 		w.Header().Set("Content-Type", "application/json")
