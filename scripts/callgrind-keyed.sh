@@ -16,7 +16,7 @@ B=/usr/lib/postgresql/15/bin
 W=/tmp/cg-$name
 rm -rf $W; mkdir -p $W; chown postgres $W
 cp "$sql" $W/idem.sql; chmod 644 $W/idem.sql
-su postgres -c "$B/initdb -D $W/data -A trust >/dev/null"
+su postgres -c "$B/initdb -D $W/data -A trust -E UTF8 --locale=C >/dev/null"
 port=$((20000 + RANDOM % 5000))
 su postgres -c "$B/pg_ctl -D $W/data -o '-p $port -k $W -c fsync=off -c synchronous_commit=off' -l $W/log start >/dev/null"
 P="$B/psql -X -q -h $W -p $port -v ON_ERROR_STOP=1"
