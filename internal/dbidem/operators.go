@@ -38,15 +38,29 @@ type Health struct {
 	ReplicationWarning string
 }
 
+// The operators' reads; every time and duration in whole microseconds (microsSQL).
+var (
+	readHealthSQL = `SELECT in_progress, leases_run_out, ` + fmt.Sprintf(microsSQL, "oldest_in_progress_at") + `,
+		` + fmt.Sprintf(microsSQL, "oldest_in_progress_age") + `, cleanup_backlog, table_bytes, estimated_keys,
+		r.replication, r.standbys, r.replication_warning
+		FROM idem.idem_health() AS h, idem.idem_replication() AS r`
+	readSummarySQL = `SELECT coalesce(principal_id, ''), keys, in_progress, completed, released, expired,
+		leases_run_out, ` + fmt.Sprintf(microsSQL, "oldest_in_progress_at") + `, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`
+	readKeySQL = `SELECT state, expired, ` + fmt.Sprintf(microsSQL, "claimed_at") + `, ` + fmt.Sprintf(microsSQL, "expires_at") + `,
+		` + fmt.Sprintf(microsSQL, "kept_until") + `, ` + fmt.Sprintf(microsSQL, "lease_expires_at") + `, attempt,
+		action_hash, field_names, response_status, response_headers, resource_id, withheld, body_bytes
+		FROM idem.idem_key($1, $2)`
+	readStuckSQL = `SELECT principal_id, key, attempt, ` + fmt.Sprintf(microsSQL, "claimed_at") + `,
+		` + fmt.Sprintf(microsSQL, "lease_expires_at") + `, lease_run_out, ` + fmt.Sprintf(microsSQL, "age") + `, provider_key
+		FROM idem.idem_stuck($1::interval, $2::integer)`
+)
+
 // ReadHealth reads idem.idem_health() and idem.idem_replication() in one statement.
 func ReadHealth(ctx context.Context, q Querier) (Health, error) {
 	var h Health
 	var oldest, age *int64
 	var warning *string
-	err := q.QueryRow(ctx, `SELECT in_progress, leases_run_out, `+fmt.Sprintf(microsSQL, "oldest_in_progress_at")+`,
-		`+fmt.Sprintf(microsSQL, "oldest_in_progress_age")+`, cleanup_backlog, table_bytes, estimated_keys,
-		r.replication, r.standbys, r.replication_warning
-		FROM idem.idem_health() AS h, idem.idem_replication() AS r`).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
+	err := q.QueryRow(ctx, readHealthSQL).Scan(&h.InProgress, &h.LeasesRunOut, &oldest, &age, &h.CleanupBacklog, &h.TableBytes, &h.EstimatedKeys,
 		&h.Replication, &h.Standbys, &warning)
 	if err != nil {
 		return Health{}, classifyRead(err)
@@ -77,8 +91,7 @@ type Summary struct {
 func ReadSummary(ctx context.Context, q interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }, byPrincipal bool) ([]Summary, error) {
-	rows, err := q.Query(ctx, `SELECT coalesce(principal_id, ''), keys, in_progress, completed, released, expired,
-		leases_run_out, `+fmt.Sprintf(microsSQL, "oldest_in_progress_at")+`, coalesce(table_bytes, 0) FROM idem.idem_summary($1)`, byPrincipal)
+	rows, err := q.Query(ctx, readSummarySQL, byPrincipal)
 	if err != nil {
 		return nil, classifyRead(err)
 	}
@@ -125,10 +138,7 @@ func ReadKey(ctx context.Context, q Querier, principal, key string) (KeyStory, b
 	var claimed, expires, kept, lease *int64
 	var status, body *int32
 	var resource, withheld *string
-	err := q.QueryRow(ctx, `SELECT state, expired, `+fmt.Sprintf(microsSQL, "claimed_at")+`, `+fmt.Sprintf(microsSQL, "expires_at")+`,
-		`+fmt.Sprintf(microsSQL, "kept_until")+`, `+fmt.Sprintf(microsSQL, "lease_expires_at")+`, attempt,
-		action_hash, field_names, response_status, response_headers, resource_id, withheld, body_bytes
-		FROM idem.idem_key($1, $2)`, principal, key).Scan(&k.State, &k.Expired, &claimed, &expires, &kept, &lease,
+	err := q.QueryRow(ctx, readKeySQL, principal, key).Scan(&k.State, &k.Expired, &claimed, &expires, &kept, &lease,
 		&k.Attempt, &k.ActionHash, &k.FieldNames, &status, &k.Header, &resource, &withheld, &body)
 	switch {
 	case err == pgx.ErrNoRows:
@@ -193,10 +203,7 @@ func ReadStuck(ctx context.Context, q interface {
 	if olderThan%time.Microsecond > 0 {
 		us++
 	}
-	rows, err := q.Query(ctx, `SELECT principal_id, key, attempt, `+fmt.Sprintf(microsSQL, "claimed_at")+`,
-		`+fmt.Sprintf(microsSQL, "lease_expires_at")+`, lease_run_out, `+fmt.Sprintf(microsSQL, "age")+`, provider_key
-		FROM idem.idem_stuck($1::interval, $2::integer)`,
-		fmt.Sprintf("%d microseconds", us), limit)
+	rows, err := q.Query(ctx, readStuckSQL, fmt.Sprintf("%d microseconds", us), limit)
 	if err != nil {
 		return nil, classifyRead(err)
 	}
