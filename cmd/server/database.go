@@ -169,7 +169,10 @@ func (m *Main) statementCacheMode(ctx context.Context, cfg *pgxpool.Config, url 
 			return err
 		}
 		var backend int64
-		err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`, pgx.QueryExecModeSimpleProtocol).Scan(&backend)
+		// exec mode: no named statement left on a pooler's server connection, and none of the
+		// simple protocol's rules (pgx refuses it under standard_conforming_strings off, which
+		// a database may set, D231)
+		err = conn.QueryRow(ctx, `SELECT pg_backend_pid()`, pgx.QueryExecModeExec).Scan(&backend)
 		reported := int64(conn.PgConn().PID())
 		_ = conn.Close(ctx)
 		if err != nil {
@@ -291,10 +294,10 @@ func otherClients(ctx context.Context, url string) (int, error) {
 }
 
 // runtimeParamGiven tells whether params (a connection string's run-time parameters) set name,
-// in any case.
+// in any case, as a parameter of its own or in options (-c name=..., also from PGOPTIONS).
 func runtimeParamGiven(params map[string]string, name string) bool {
-	for k := range params {
-		if strings.EqualFold(k, name) {
+	for k, v := range params {
+		if strings.EqualFold(k, name) || strings.EqualFold(k, "options") && strings.Contains(strings.ToLower(v), strings.ToLower(name)) {
 			return true
 		}
 	}
