@@ -43,12 +43,12 @@ func (p *provider) pay(ctx context.Context, principal, key string, amount int64)
 	var (
 		ref    string
 		stored int64
-		wait   float64 // seconds until the payout's answer is ready, by the database's clock
+		wait   int64 // microseconds until the payout's answer is ready, by the database's clock (D231: no float read as text)
 	)
 	err := p.pool.QueryRow(ctx, `INSERT INTO provider.payouts (idempotency_key, ref, amount, ready_at, principal_id)
 		VALUES ($1, 'po_' || nextval('provider.payout_ref_seq'), $2, clock_timestamp() + $3::interval, $4)
 		ON CONFLICT (idempotency_key) DO UPDATE SET calls = provider.payouts.calls + 1
-		RETURNING ref, amount, greatest(extract(epoch FROM ready_at - clock_timestamp()), 0)::float8`,
+		RETURNING ref, amount, (greatest(extract(epoch FROM ready_at - clock_timestamp()), 0) * 1000000)::bigint`,
 		key, amount, fmt.Sprintf("%d microseconds", p.delay.Microseconds()), principal).Scan(&ref, &stored, &wait)
 	if err != nil {
 		return "", fmt.Errorf("provider: %w", err)
@@ -56,7 +56,7 @@ func (p *provider) pay(ctx context.Context, principal, key string, amount int64)
 	if stored != amount {
 		return "", fmt.Errorf("%w (%d, then %d)", errProviderKeyReused, stored, amount)
 	}
-	t := time.NewTimer(time.Duration(wait * float64(time.Second)))
+	t := time.NewTimer(time.Duration(wait) * time.Microsecond)
 	defer t.Stop()
 	select {
 	case <-t.C:
