@@ -12,26 +12,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-func d231Pool(t *testing.T, url string, mode pgx.QueryExecMode) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.DefaultQueryExecMode = mode
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
 
 // TestFarTimesAgreeAcrossReads: a lease claim of the longest lease and TTL (Claim: "At
 // most 10 years"), under a legacy role's settings, in the default mode and in
@@ -54,7 +38,7 @@ func TestFarTimesAgreeAcrossReads(t *testing.T) {
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec} {
 		t.Run(mode.String(), func(t *testing.T) {
 			ctx := context.Background()
-			app, op := d231Pool(t, appURL, mode), d231Pool(t, opURL, mode)
+			app, op := modePool(t, appURL, mode), modePool(t, opURL, mode)
 			key := "far-" + strings.ReplaceAll(mode.String(), " ", "-")
 			tx, err := app.Begin(ctx)
 			if err != nil {

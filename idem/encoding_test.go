@@ -10,47 +10,20 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/http"
-	"net/url"
-	"os"
 	"strconv"
 	"sync/atomic"
 	"testing"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/idem/idemmigrate"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-var encodingDBs atomic.Int64
-
-func encodingWithDB(connStr, db string) string {
-	if u, err := url.Parse(connStr); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		u.Path = "/" + db
-		return u.String()
-	}
-	return connStr + " dbname=" + db
-}
-
 // encodingNewDB creates a database TEMPLATE template0 with opts as the harness's superuser,
 // installs the SQL API with idemmigrate.Migrate, and returns its connection string.
 func encodingNewDB(t *testing.T, opts string) string {
 	t.Helper()
-	base := pgtest.NewEmptyDB(t)
-	admin := pgtest.Connect(t, base)
-	name := fmt.Sprintf("idemenc_%d_%d", os.Getpid(), encodingDBs.Add(1))
-	pgtest.Exec(t, admin, "CREATE DATABASE "+name+" TEMPLATE template0 "+opts)
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c, err := pgx.Connect(ctx, base)
-		if err != nil {
-			return
-		}
-		defer c.Close(ctx)
-		_, _ = c.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
-	})
-	db := encodingWithDB(base, name)
+	db := pgtest.NewDatabaseWith(t, opts)
 	conn := pgtest.Connect(t, db)
 	if err := idemmigrate.Migrate(context.Background(), conn, idemmigrate.Options{}); err != nil {
 		t.Fatalf("idemmigrate.Migrate into a database %s: %v", opts, err)

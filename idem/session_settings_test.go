@@ -41,7 +41,13 @@ func settingsPool(t *testing.T, mode pgx.QueryExecMode, sets ...string) *pgxpool
 	for _, s := range sets {
 		pgtest.Exec(t, admin, `ALTER ROLE `+roleOf(t, appURL)+` SET `+s)
 	}
-	cfg, err := pgxpool.ParseConfig(appURL)
+	return modePool(t, appURL, mode)
+}
+
+// modePool is a pool of url in mode, closed when the test ends.
+func modePool(t *testing.T, url string, mode pgx.QueryExecMode) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,12 +14,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net/url"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -28,8 +25,6 @@ import (
 	"github.com/pgidem/pgidem/idem/idemmigrate"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
-
-var encodingDBs atomic.Int64
 
 // encodingKinds are the databases of the review: CREATE DATABASE options after TEMPLATE
 // template0.
@@ -53,33 +48,12 @@ func encodingOpts(t *testing.T, name string) string {
 	return ""
 }
 
-func encodingWithDB(connStr, db string) string {
-	if u, err := url.Parse(connStr); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		u.Path = "/" + db
-		return u.String()
-	}
-	return connStr + " dbname=" + db
-}
-
 // encodingNewDB creates a database with opts (from template0), as the harness's superuser,
 // installs the SQL API into it with idemmigrate.Migrate when install is true, and returns its
 // connection string (superuser). It is dropped when the test ends.
 func encodingNewDB(t *testing.T, opts string, install bool) string {
 	t.Helper()
-	base := pgtest.NewEmptyDB(t)
-	admin := pgtest.Connect(t, base)
-	name := fmt.Sprintf("idemenc_%d_%d", os.Getpid(), encodingDBs.Add(1))
-	pgtest.Exec(t, admin, "CREATE DATABASE "+name+" TEMPLATE template0 "+opts)
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c, err := pgx.Connect(ctx, base)
-		if err != nil {
-			return
-		}
-		defer c.Close(ctx)
-		_, _ = c.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
-	})
-	db := encodingWithDB(base, name)
+	db := pgtest.NewDatabaseWith(t, opts)
 	if install {
 		conn := pgtest.Connect(t, db)
 		if err := idemmigrate.Migrate(context.Background(), conn, idemmigrate.Options{}); err != nil {
