@@ -42,6 +42,7 @@ func holdKey(t *testing.T, url string, job idem.Job) (release func()) {
 }
 
 func TestDoContexts(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -152,6 +153,7 @@ func TestDoContexts(t *testing.T) {
 // same result; with the shared Gate, with one Gate each (as separate processes would be), and
 // at REPEATABLE READ and SERIALIZABLE.
 func TestDoManyGoroutinesOneJob(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 8)
 	count := effectCounter(t, pool)

@@ -19,6 +19,7 @@ import (
 // TestDoFnPanics: a panic in fn goes on to the caller, the work rolls back, the key stays
 // claimable at once (the Gate's flight is released), and a later Do runs fn.
 func TestDoFnPanics(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -51,6 +52,7 @@ func TestDoFnPanics(t *testing.T) {
 // TestDoFnErrorWrappingSentinels: fn's own error that wraps a sentinel of the package goes
 // back as it is, fn runs once, nothing is stored, and the key stays claimable.
 func TestDoFnErrorWrappingSentinels(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -97,6 +99,7 @@ func TestDoFnErrorWrappingSentinels(t *testing.T) {
 // returned ErrClaimLost, and the next Do did the effect again. Every statement after it, and
 // Do, now return ErrTxOwned, and nothing is committed.
 func TestDoFnEndsTheTransactionItself(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -138,6 +141,7 @@ func TestDoFnEndsTheTransactionItself(t *testing.T) {
 // part only; a nested commit keeps it; an unfinished nested transaction commits with the
 // unit.
 func TestDoFnNestedTransactions(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -194,6 +198,7 @@ func TestDoFnNestedTransactions(t *testing.T) {
 // happens twice while Do returns one success and its effect commits once. Do's doc said "runs
 // fn at most once"; it says now that fn runs again with its transaction.
 func TestDoSerializationFailureRunsFnAgain(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_ser (id int PRIMARY KEY, v int NOT NULL); INSERT INTO rv_ser VALUES (1, 0)`)

@@ -33,6 +33,7 @@ type hiddenTransfer struct {
 // to another account under the same key replayed the first one's result. It is
 // ErrInvalidArgument before fn runs.
 func TestDoInputThatJSONDropsIsRefused(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	ran := false
@@ -54,6 +55,7 @@ func TestDoInputThatJSONDropsIsRefused(t *testing.T) {
 // like every other refused argument of Do ("a caller or configuration error, not a reason to
 // retry"), as ErrInvalidArgument.
 func TestDoInputThatCannotEncode(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	for _, in := range []any{math.NaN(), math.Inf(-1), make(chan int), map[[2]int]int{{1, 2}: 3}, badMarshal{}, json.RawMessage(`{`)} {
@@ -73,6 +75,7 @@ func TestDoInputThatCannotEncode(t *testing.T) {
 // TestDoInputFingerprint: the same input written otherwise is the same request; another is
 // ErrMismatch.
 func TestDoInputFingerprint(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	runs := 0
@@ -117,6 +120,7 @@ func TestDoInputFingerprint(t *testing.T) {
 
 // TestDoJobDurations: the bounds of Job's durations.
 func TestDoJobDurations(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	try := func(name string, job idem.Job, lease bool) error {
@@ -167,6 +171,7 @@ func TestDoJobDurations(t *testing.T) {
 // and refused only when a duplicate had to wait: a configuration error that passed every test
 // and surfaced in production under contention. It is ErrInvalidArgument either way.
 func TestDoLockTimeoutOutOfRangeIsAlwaysRefused(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	job := idem.Job{Principal: "alice", Key: "lt-free", Action: "a", LockTimeout: 100 * 24 * time.Hour}
@@ -185,6 +190,7 @@ func TestDoLockTimeoutOutOfRangeIsAlwaysRefused(t *testing.T) {
 
 // TestDoInputOddNames: member names and values JSON can hold but jsonb or text cannot.
 func TestDoInputOddNames(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	for i, in := range []any{

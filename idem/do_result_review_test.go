@@ -53,6 +53,7 @@ type outcomeWithError struct {
 // before anything commits; the key stays free, and a Do with a result that round-trips does the
 // work once.
 func TestDoResultThatDoesNotDecodeIsRefused(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -103,6 +104,7 @@ func TestDoResultThatDoesNotDecodeIsRefused(t *testing.T) {
 // interface (its members come back in another order), small integers in an interface (they
 // come back as float64 of the same value), a time (its zone as an offset), a RawMessage.
 func TestDoResultThatRoundTripsIsKept(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	type order struct {
@@ -141,6 +143,7 @@ type cycleOf struct{ Next *cycleOf }
 // the key claimable, with an error; and, like a non-UTF-8 string ("not a reason to retry"),
 // be ErrInvalidArgument.
 func TestDoResultThatCannotEncode(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -202,6 +205,7 @@ func TestDoResultThatCannotEncode(t *testing.T) {
 // stayed in progress for the whole lease, every retry got ErrInProgress. It is given up as
 // fn's own panic is.
 func TestDoLeaseResultMarshalPanicGivesTheKeyUp(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	job := idem.Job{Principal: "alice", Key: "lease-panic", Action: "a", Lease: 30 * time.Second}
@@ -238,6 +242,7 @@ func TestDoLeaseResultMarshalPanicGivesTheKeyUp(t *testing.T) {
 
 // TestDoResultRoundTrips: types that should replay as they were.
 func TestDoResultRoundTrips(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	do := func(key string, v any) (any, any, bool, error) {
@@ -298,6 +303,7 @@ func TestDoResultRoundTrips(t *testing.T) {
 // timeout and 5 s (D228): 50 MB took 0.8 s of idem_begin idle, and passed 5 s in a CI run
 // with the race detector and other packages' tests beside it.
 func TestDoHugeResult(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	big := strings.Repeat("x", 20<<20)
@@ -321,6 +327,7 @@ func TestDoHugeResult(t *testing.T) {
 // step ("decode its saved value"): the work could never finish. The step is refused
 // (ErrInvalidArgument) and its writes roll back; nothing is recorded, so a fixed worker runs it.
 func TestStepValueThatDoesNotDecodeIsRefused(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)

@@ -31,6 +31,7 @@ func (k *seenKeys) all() []string {
 // own run after a serialization failure has a provider key of its own, as the answer that
 // commits does. (The documentation promised the same key to every attempt on every route.)
 func TestTxRouteProviderKeyLivesWithItsTransaction(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})
@@ -77,6 +78,7 @@ func TestTxRouteProviderKeyLivesWithItsTransaction(t *testing.T) {
 // route claims a key whose first claim rolled back: a new generation, a new provider key
 // (docs/sql-api.md, "Generations and provider keys").
 func TestTxRouteRetryAfter5xxIsANewGeneration(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})
@@ -109,6 +111,7 @@ func TestTxRouteRetryAfter5xxIsANewGeneration(t *testing.T) {
 // same for the first run, a retry after a 5xx (yield) and the replay's claim, and a new one
 // after idem.Release frees the key, and after the key expired.
 func TestLeaseRouteProviderKeyPaths(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})

@@ -55,6 +55,7 @@ func reviewClaim(job idem.Job) idem.Claim {
 // run. A lease under a second was a plain error (idemriver let River retry the job for weeks),
 // and a negative LockTimeout was taken as the default.
 func TestReviewDoHostileInputsAreInvalidArgument(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	base := idem.Job{Principal: "alice", Key: "k", Action: "pay", Input: map[string]int{"a": 1}, Lease: 2 * time.Second}
@@ -106,6 +107,7 @@ func TestReviewDoHostileInputsAreInvalidArgument(t *testing.T) {
 // "with the same claim.ProviderKey", its RecoveryPoint is the step, and Step skips it. After a
 // release, the next run is a new generation: a new provider key and no steps.
 func TestReviewDoDeadWorkerTakeoverKeepsProviderKeyAndSteps(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	pgtest.Exec(t, pool, `CREATE TABLE review_rows (name text)`)
@@ -158,6 +160,7 @@ func TestReviewDoDeadWorkerTakeoverKeepsProviderKeyAndSteps(t *testing.T) {
 // one key at once, released by a barrier: fn runs once per key, every call ends with the
 // result or ErrInProgress, and a later call replays.
 func TestReviewDoTwoProcessesOneKey(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
 	admin := reviewPool(t, url, 2)
@@ -228,6 +231,7 @@ func TestReviewDoTwoProcessesOneKey(t *testing.T) {
 // database session). Step fails, fn fails, DoLease yields; the next DoLease runs the step
 // once, under the same provider key: one row.
 func TestReviewDoStepBackendTerminated(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 6)
 	admin := reviewPool(t, url, 2)
@@ -274,6 +278,7 @@ func TestReviewDoStepBackendTerminated(t *testing.T) {
 // must not be recorded; the new holder keeps the provider key and its result is the answer.
 // Also the operators' view names the generation's provider key during the takeover.
 func TestReviewDoStaleHolderRecordsNothing(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
 	admin := reviewPool(t, url, 3)
@@ -371,6 +376,7 @@ func TestReviewDoStaleHolderRecordsNothing(t *testing.T) {
 // second Do replayed the first's result for another input instead of ErrMismatch. Such an
 // input is ErrInvalidArgument now, before fn runs; a valid U+FFFD is an input like any other.
 func TestReviewDoInputsThatJSONCannotHoldAreNotOneRequest(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	runs := 0

@@ -42,6 +42,7 @@ type rtEmbed struct {
 // fields were empty but not nil (what pgx.CollectRows gives for no rows) and an omitzero time
 // with a zone. Each runs Do once and expects success and no error.
 func TestRoundTripLegitimateResults(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	run := func(t *testing.T, key string, v any) {
@@ -125,6 +126,7 @@ func TestRoundTripLegitimateResults(t *testing.T) {
 // "exports none of its fields" refused it, though its fields are exported and every value of
 // it fingerprints by its JSON. The check looks at the type's fields now.
 func TestInputWithEmptyOmittedSlice(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 2)
 	in := rtPage{Items: []string{}}

@@ -27,6 +27,7 @@ func txClaim(key string) idem.Claim {
 // with a claim), and in Do, it returned a raw 25P02 (the completion's preparation refused in
 // the aborted transaction).
 func TestRunTxFailedStatementThenComplete(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -61,6 +62,7 @@ func TestRunTxFailedStatementThenComplete(t *testing.T) {
 // transaction's claim". Called on a claim that was not Claimed (a replay), the work is rolled
 // back to the savepoint, nothing is stored, and RunTx returns nil.
 func TestRunTxFinalOnCommitOfAReplay(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	count := effectCounter(t, pool)
@@ -106,6 +108,7 @@ func TestRunTxFinalOnCommitOfAReplay(t *testing.T) {
 // TestRunTxDeadlockRerunsFn: two units that deadlock: one runs again (TxOptions.MaxAttempts),
 // both commit, each effect once.
 func TestRunTxDeadlockRerunsFn(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_dl (id int PRIMARY KEY, v int NOT NULL); INSERT INTO rv_dl VALUES (1, 0), (2, 0)`)
@@ -154,6 +157,7 @@ func TestRunTxDeadlockRerunsFn(t *testing.T) {
 // TestBeginOnThePool: a transactional claim by Begin outside a transaction commits on its own
 // without its completion: refused (ErrClaimNotCompleted), nothing kept.
 func TestBeginOnThePool(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	d, err := idem.Begin(ctx, pool, txClaim("begin-pool"))
