@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -61,17 +60,6 @@ func encodingNewDB(t *testing.T, opts string, install bool) string {
 		}
 	}
 	return db
-}
-
-// encodingProviderKey is docs/sql-api.md's formula: "the SHA-256 of the label `pgidem provider
-// key v3`, the installation's secret, the principal, the key and the generation's number in
-// decimal, in UTF-8, separated by NUL bytes".
-func encodingProviderKey(secret []byte, principal, key string, gen int64) string {
-	h := sha256.New()
-	h.Write([]byte("pgidem provider key v3\x00"))
-	h.Write(secret)
-	h.Write([]byte("\x00" + principal + "\x00" + key + "\x00" + strconv.FormatInt(gen, 10)))
-	return hex.EncodeToString(h.Sum(nil))
 }
 
 func encodingSecret(t *testing.T, conn *pgx.Conn) []byte {
@@ -161,7 +149,7 @@ func TestSQLInstallAndReplayInEveryUTF8Database(t *testing.T) {
 				if err != nil || c.Outcome != "claimed" {
 					t.Fatalf("claim %q: %+v %v", p, c, err)
 				}
-				want := encodingProviderKey(secret, p, key, c.Attempt)
+				want := providerKeyFormula(secret, p, key, c.Attempt)
 				if c.Provider == nil {
 					t.Fatalf("no provider key")
 				}

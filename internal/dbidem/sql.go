@@ -15,13 +15,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// The statements. Every parameter is cast, and JSON goes as text, so the same statements
-// work without prepared-statement descriptions (PgBouncer in transaction mode,
-// QueryExecModeExec). Those modes read every result as text, in the session's output settings,
-// which a role or a database may change (D231): no statement reads a timestamp, an interval or
-// a float as text (each comes as whole microseconds, a bigint: see microsSQL), and a bytea is
-// read as anyBytea (hex or escape). BeginSQL and CompleteSQL are exported for tools that must pipeline them
-// by hand (the benchmark's variant without a savepoint); their arguments are those of Begin and
+// The statements. Every parameter is cast, and JSON goes as text, so the same statements work
+// without prepared-statement descriptions (PgBouncer in transaction mode, QueryExecModeExec).
+// Those modes read every result as text, in the session's output settings, which a role or a
+// database may change (D231): no statement reads a timestamp, an interval or a float as text
+// (each comes as whole microseconds, a bigint: see microsSQL), and a bytea is read as anyBytea
+// (hex or escape). BeginSQL and CompleteSQL are exported for tools that must pipeline them by
+// hand (the benchmark's variant without a savepoint); their arguments are those of Begin and
 // Complete, in that order, durations as intervals, JSON as text.
 const (
 	// BeginSQL calls idem_begin and returns its row (a transactional claim's statement).
