@@ -1384,7 +1384,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 
     -- Each path's first test is small: PL/pgSQL sets up an expression in full, in every
     -- transaction, even where it stops at its first operand.
@@ -1399,7 +1399,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
         -- (a lease claim); the completion keeps the key the TTL after the answer
         -- (answer_expires_at). The fencing token: no holder of any key ever had it. The field
         -- hashes as stored, checked as they are built.
-IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
 , false) THEN
             v_problem := CASE
@@ -1409,7 +1409,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -1454,7 +1454,7 @@ INSERT INTO idem.idempotency_keys AS k
             (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
              principal_id, key, request_sha256, request_fields, claimed_at)
         VALUES
-            (v_expires, v_token, hashtextextended(p_action, 0), v_lease, 'p', nullif(p_lease IS NULL, false),
+            (v_expires, v_token, hashtextextended(p_action COLLATE pg_catalog."default", 0), v_lease, 'p', nullif(p_lease IS NULL, false),
              p_principal, p_key, p_request_sha256, v_fields, CASE WHEN p_lease IS NOT NULL THEN v_now END)
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
@@ -1472,9 +1472,9 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 
-    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
+    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action COLLATE pg_catalog."default", 0)
           AND v_row.request_sha256 = p_request_sha256
           AND coalesce(v_row.lease_expires_at, v_row.expires_at) > clock_timestamp() THEN
         -- A repeat of a completed key: decided on the committed row the probe found, without
@@ -1510,7 +1510,7 @@ attempt := v_row.attempt;
         || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(coalesce(v_row.generation, v_row.attempt)::text, 'UTF8')), 'hex');
         RETURN;
     ELSE
-IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
 , false) THEN
             v_problem := CASE
@@ -1520,7 +1520,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -1553,7 +1553,7 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
 
     -- Every other path: the row found is not a replay, or the INSERT met one. p_request_fields
     -- has been checked either way.
-    v_action := hashtextextended(p_action, 0);
+    v_action := hashtextextended(p_action COLLATE pg_catalog."default", 0);
     LOOP
         IF NOT FOUND THEN
             -- idem_cleanup deleted the (expired) row since it was read: probe and insert again.
@@ -1571,7 +1571,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 
             IF NOT FOUND THEN
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
@@ -1588,7 +1588,7 @@ INSERT INTO idem.idempotency_keys AS k
             (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
              principal_id, key, request_sha256, request_fields, claimed_at)
         VALUES
-            (v_expires, v_token, hashtextextended(p_action, 0), v_lease, 'p', nullif(p_lease IS NULL, false),
+            (v_expires, v_token, hashtextextended(p_action COLLATE pg_catalog."default", 0), v_lease, 'p', nullif(p_lease IS NULL, false),
              p_principal, p_key, p_request_sha256, v_fields, CASE WHEN p_lease IS NOT NULL THEN v_now END)
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
@@ -1603,7 +1603,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 
             END IF;
             CONTINUE;
@@ -1637,7 +1637,7 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                        response_headers = NULL, response_body = NULL, resource_id = NULL, withheld = NULL,
                        claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                        generation = NULL, recovery_point = NULL, recovery_saved = NULL
-                 WHERE k.principal_id = p_principal AND k.key = p_key
+                 WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
                 provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
@@ -1719,7 +1719,7 @@ attempt := v_row.attempt;
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = nullif(p_lease IS NULL, false),
                    expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                    generation = v_gen
-             WHERE k.principal_id = p_principal AND k.key = p_key
+             WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
             provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(v_gen, idem.provider_key_bounds()) + 1]
@@ -1733,7 +1733,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
            FOR UPDATE;
 
     END LOOP;
@@ -1778,7 +1778,7 @@ BEGIN
     -- row has a key that idem_begin refuses), so that a bad key still raises 22004 or 22023.
     IF NOT coalesce(p_attempt IS NOT NULL AND (p_status BETWEEN 100 AND 599 AND jsonb_typeof(p_headers) = 'object'
  AND NOT jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
- AND (p_withheld IS NULL OR (p_withheld IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
+ AND (p_withheld IS NULL OR (p_withheld COLLATE pg_catalog."default" IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
 , false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -1787,7 +1787,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -1799,7 +1799,7 @@ WHEN p_status IS NULL OR p_headers IS NULL
             THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
         WHEN jsonb_typeof(p_headers) <> 'object' OR jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
             THEN '22023 p_headers must be a JSON object whose values are strings'
-        WHEN p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
+        WHEN p_withheld COLLATE pg_catalog."default" NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
             THEN '22023 p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
 
         END;
@@ -1815,13 +1815,13 @@ IF v_problem IS NOT NULL THEN
            uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        -- A lease claim past its TTL is absent (its expiry is never before its lease's end); a
        -- transactional claim is its transaction's own, whatever its age.
        AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
-        IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+        IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
 , false) THEN
             v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -1830,7 +1830,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -1890,12 +1890,12 @@ DECLARE
     v_since   timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND (length(p_action) BETWEEN 1 AND 1000 AND octet_length(p_request_sha256) = 32)
 
                     AND (p_status BETWEEN 100 AND 599 AND jsonb_typeof(p_headers) = 'object'
  AND NOT jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
- AND (p_withheld IS NULL OR (p_withheld IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
+ AND (p_withheld IS NULL OR (p_withheld COLLATE pg_catalog."default" IN ('one_time_secret', 'too_large') AND p_body IS NULL)))
 , false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -1904,7 +1904,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -1921,7 +1921,7 @@ WHEN p_status IS NULL OR p_headers IS NULL
             THEN format('22023 p_status must be between 100 and 599, got %s', p_status)
         WHEN jsonb_typeof(p_headers) <> 'object' OR jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")')
             THEN '22023 p_headers must be a JSON object whose values are strings'
-        WHEN p_withheld NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
+        WHEN p_withheld COLLATE pg_catalog."default" NOT IN ('one_time_secret', 'too_large') OR (p_withheld IS NOT NULL AND p_body IS NOT NULL)
             THEN '22023 p_withheld must be NULL, one_time_secret or too_large, and p_body NULL when it is set'
 
         END;
@@ -1971,7 +1971,7 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
     v_now := clock_timestamp();
     v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, interval '24 hours');
-    v_action := hashtextextended(p_action, 0);
+    v_action := hashtextextended(p_action COLLATE pg_catalog."default", 0);
     v_token := nextval('idem.token_seq');
 
     -- A free key: the INSERT stores the answer (a new generation). ON CONFLICT waits for an
@@ -2014,7 +2014,7 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
                recovery_point = NULL, recovery_saved = NULL,
                -- This transaction's own claim keeps its generation; a free key starts a new one.
                generation = CASE WHEN k.uncompleted THEN k.generation END
-         WHERE k.principal_id = p_principal AND k.key = p_key
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
            AND (k.state = 'r'
                 -- expired: a completed key the TTL after its answer (idem_begin, D200), any
                 -- other once its claim's TTL and its lease have run out
@@ -2025,7 +2025,7 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
         IF FOUND THEN
             RETURN true;
         END IF;
-        IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key) THEN
+        IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default") THEN
             RETURN false;
         END IF;
     END LOOP;
@@ -2058,7 +2058,7 @@ DECLARE
     v_problem text;
     v_now     timestamptz;
 BEGIN
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -2067,7 +2067,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -2082,14 +2082,14 @@ IF v_problem IS NOT NULL THEN
     v_now := clock_timestamp();
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;
     IF EXISTS (SELECT FROM idem.idempotency_keys AS k
-                WHERE k.principal_id = p_principal AND k.key = p_key
+                WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
                   AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NULL) THEN
         RAISE EXCEPTION 'idem_release: the claim with attempt % is transactional: roll its transaction back instead', p_attempt
             USING ERRCODE = '55000',
@@ -2133,7 +2133,7 @@ DECLARE
     v_now     timestamptz;
     v_token   bigint;
 BEGIN
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -2142,7 +2142,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -2159,7 +2159,7 @@ IF v_problem IS NOT NULL THEN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now;
     RETURN FOUND;
@@ -2205,7 +2205,7 @@ DECLARE
     v_lease   timestamptz;
     v_expires timestamptz;
 BEGIN
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND p_attempt IS NOT NULL
                     AND length(p_step) BETWEEN 1 AND 255, false) THEN
         v_problem := CASE
@@ -2215,7 +2215,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -2231,7 +2231,7 @@ IF v_problem IS NOT NULL THEN
     END IF;
     SELECT k.recovery_saved, k.lease_expires_at, k.expires_at INTO v_saved, v_lease, v_expires
       FROM idem.idempotency_keys AS k
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
     IF NOT FOUND OR v_lease IS NULL OR v_expires <= clock_timestamp() THEN
@@ -2252,7 +2252,7 @@ IF v_problem IS NOT NULL THEN
     END IF;
     UPDATE idem.idempotency_keys AS k
        SET recovery_point = p_step, recovery_saved = v_saved
-     WHERE k.principal_id = p_principal AND k.key = p_key;
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 END
 $$;
 
@@ -2297,7 +2297,7 @@ DECLARE
     v_problem text;
     v_now     timestamptz;
 BEGIN
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND p_attempt IS NOT NULL, false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -2306,7 +2306,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -2321,7 +2321,7 @@ IF v_problem IS NOT NULL THEN
     v_now := clock_timestamp();
     SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
       FROM idem.idempotency_keys AS k
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN
@@ -2388,7 +2388,7 @@ BEGIN
         -- microseconds has passed by now, where idem_begin answered it claimed.
         SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
           FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key AND k.attempt = idem_begin_steps.attempt;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default" AND k.attempt = idem_begin_steps.attempt;
     END IF;
 END
 $$;
@@ -2422,7 +2422,7 @@ DECLARE
     v_end     timestamptz;
     v_now     timestamptz;
 BEGIN
-    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key !~ '[^!-~]')
+    IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
  AND p_attempt IS NOT NULL AND p_lease IS NOT NULL, false) THEN
         v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -2431,7 +2431,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -2467,7 +2467,7 @@ IF v_problem IS NOT NULL THEN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = greatest(k.lease_expires_at, v_lease),
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now
     RETURNING k.lease_expires_at INTO v_end;
@@ -3163,6 +3163,7 @@ IF v_problem IS NOT NULL THEN
                     SELECT count(*)
                       FROM (SELECT 1 FROM %s AS k
                              WHERE k.expires_at <= $1 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $1)
+                               AND k.uncompleted IS NULL
                              LIMIT $2) AS backlog
                     $q$, v_rel) USING v_now, 1000000 - v_backlog INTO v_n;
                 v_backlog := v_backlog + v_n;
@@ -3293,7 +3294,8 @@ BEGIN
                    count(*) FILTER (WHERE k.state = 'p'),
                    count(*) FILTER (WHERE k.state = 'c'),
                    count(*) FILTER (WHERE k.state = 'r'),
-                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)
+                                      AND k.uncompleted IS NULL),
                    count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
                    min(k.claimed_at) FILTER (WHERE k.state = 'p'),
                    $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
@@ -3302,7 +3304,7 @@ BEGIN
              GROUP BY 1
              ORDER BY 1
             $q$, (SELECT CASE WHEN cardinality(v_rels) = 1 THEN v_rels[1]::text
-                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at FROM %s AS k', r.rel),
+                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at, k.uncompleted FROM %s AS k', r.rel),
                                                      ' UNION ALL ' ORDER BY r.n) || ')' END
                     FROM unnest(v_rels) WITH ORDINALITY AS r(rel, n))) USING p_by_principal, v_now, v_bytes;
         v_found := FOUND;
@@ -3471,7 +3473,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -3480,7 +3482,7 @@ IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_key: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
-    SELECT * INTO v_row FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    SELECT * INTO v_row FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -3488,7 +3490,8 @@ IF v_problem IS NOT NULL THEN
     -- A completed key is expired the TTL after its answer (D200), any other once its claim's
     -- TTL and its lease have run out.
     expired := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now
-                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now) END;
+                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)
+                         AND v_row.uncompleted IS NULL END;
     claimed_at := v_row.claimed_at;
     expires_at := v_row.expires_at;
     kept_until := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) END;
@@ -3535,7 +3538,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -3544,7 +3547,7 @@ IF v_problem IS NOT NULL THEN
         RAISE EXCEPTION 'idem_key_body: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
     END IF;
 
-    SELECT k.response_body INTO v_body FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    SELECT k.response_body INTO v_body FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
     RETURN v_body;
 END
 $$;
@@ -3589,7 +3592,7 @@ WHEN p_principal IS NULL OR p_key IS NULL
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))
 
@@ -3609,7 +3612,7 @@ IF v_problem IS NOT NULL THEN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
@@ -3617,7 +3620,7 @@ IF v_problem IS NOT NULL THEN
                CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= v_now
                     ELSE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now) END
           INTO v_state, v_attempt, v_expired
-          FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+          FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
                  WHEN v_expired THEN 'the key expired: it is absent, and the next request claims it anew'

@@ -130,7 +130,7 @@ BEGIN
         -- yet), and the INSERT has waited for an uncommitted holder. Decide on the row as
         -- committed, in the loop; lock it only to write.
 {{ template "include/read_key.sql" "" }}
-    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action, 0)
+    ELSIF v_row.state = 'c' AND v_row.action_hash = hashtextextended(p_action COLLATE pg_catalog."default", 0)
           AND v_row.request_sha256 = p_request_sha256
           AND coalesce(v_row.lease_expires_at, v_row.expires_at) > clock_timestamp() THEN
         -- A repeat of a completed key: decided on the committed row the probe found, without
@@ -154,7 +154,7 @@ BEGIN
 
     -- Every other path: the row found is not a replay, or the INSERT met one. p_request_fields
     -- has been checked either way.
-    v_action := hashtextextended(p_action, 0);
+    v_action := hashtextextended(p_action COLLATE pg_catalog."default", 0);
     LOOP
         IF NOT FOUND THEN
             -- idem_cleanup deleted the (expired) row since it was read: probe and insert again.
@@ -208,7 +208,7 @@ BEGIN
                        response_headers = NULL, response_body = NULL, resource_id = NULL, withheld = NULL,
                        claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                        generation = NULL, recovery_point = NULL, recovery_saved = NULL
-                 WHERE k.principal_id = p_principal AND k.key = p_key
+                 WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
                 RETURNING k.attempt INTO attempt;
                 outcome := 'claimed';
                 provider_key := {{ template "include/provider_key.sql" "attempt" }};
@@ -273,7 +273,7 @@ BEGIN
                SET attempt = v_token, lease_expires_at = v_lease, uncompleted = nullif(p_lease IS NULL, false),
                    expires_at = v_expires, claimed_at = CASE WHEN p_lease IS NOT NULL THEN v_now END,
                    generation = v_gen
-             WHERE k.principal_id = p_principal AND k.key = p_key
+             WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
             RETURNING k.attempt INTO attempt;
             outcome := 'claimed';
             provider_key := {{ template "include/provider_key.sql" "v_gen" }};

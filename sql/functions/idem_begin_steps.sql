@@ -29,7 +29,7 @@ BEGIN
         -- microseconds has passed by now, where idem_begin answered it claimed.
         SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
           FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key AND k.attempt = idem_begin_steps.attempt;
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default" AND k.attempt = idem_begin_steps.attempt;
     END IF;
 END
 $$;

@@ -40,7 +40,7 @@ BEGIN
            uncompleted = NULL, response_status = p_status,
            response_headers = p_headers, response_body = p_body, resource_id = p_resource_id,
            withheld = p_withheld, recovery_point = NULL, recovery_saved = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        -- A lease claim past its TTL is absent (its expiry is never before its lease's end); a
        -- transactional claim is its transaction's own, whatever its age.

@@ -44,7 +44,7 @@ BEGIN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = greatest(k.lease_expires_at, v_lease),
            expires_at = greatest(k.expires_at, idem.answer_expires_at(k.expires_at, k.lease_expires_at, v_lease))
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now
     RETURNING k.lease_expires_at INTO v_end;

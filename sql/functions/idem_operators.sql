@@ -51,7 +51,8 @@ BEGIN
                    count(*) FILTER (WHERE k.state = 'p'),
                    count(*) FILTER (WHERE k.state = 'c'),
                    count(*) FILTER (WHERE k.state = 'r'),
-                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)),
+                   count(*) FILTER (WHERE k.expires_at <= $2 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $2)
+                                      AND k.uncompleted IS NULL),
                    count(*) FILTER (WHERE k.state = 'p' AND k.lease_expires_at <= $2),
                    min(k.claimed_at) FILTER (WHERE k.state = 'p'),
                    $2 - min(k.claimed_at) FILTER (WHERE k.state = 'p'),
@@ -60,7 +61,7 @@ BEGIN
              GROUP BY 1
              ORDER BY 1
             $q$, (SELECT CASE WHEN cardinality(v_rels) = 1 THEN v_rels[1]::text
-                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at FROM %s AS k', r.rel),
+                              ELSE '(' || string_agg(format('SELECT k.principal_id, k.state, k.expires_at, k.lease_expires_at, k.claimed_at, k.uncompleted FROM %s AS k', r.rel),
                                                      ' UNION ALL ' ORDER BY r.n) || ')' END
                     FROM unnest(v_rels) WITH ORDINALITY AS r(rel, n))) USING p_by_principal, v_now, v_bytes;
         v_found := FOUND;
@@ -226,7 +227,7 @@ BEGIN
 {{ template "include/check_key.sql" . }}
     END;
 {{ template "include/raise.sql" "idem_key" }}
-    SELECT * INTO v_row FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    SELECT * INTO v_row FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -234,7 +235,8 @@ BEGIN
     -- A completed key is expired the TTL after its answer (D200), any other once its claim's
     -- TTL and its lease have run out.
     expired := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) <= v_now
-                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now) END;
+                    ELSE v_row.expires_at <= v_now AND (v_row.lease_expires_at IS NULL OR v_row.lease_expires_at <= v_now)
+                         AND v_row.uncompleted IS NULL END;
     claimed_at := v_row.claimed_at;
     expires_at := v_row.expires_at;
     kept_until := CASE WHEN v_row.state = 'c' THEN coalesce(v_row.lease_expires_at, v_row.expires_at) END;
@@ -278,7 +280,7 @@ BEGIN
 {{ template "include/check_key.sql" . }}
     END;
 {{ template "include/raise.sql" "idem_key_body" }}
-    SELECT k.response_body INTO v_body FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+    SELECT k.response_body INTO v_body FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
     RETURN v_body;
 END
 $$;
@@ -326,7 +328,7 @@ BEGIN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND (k.expires_at > v_now OR k.lease_expires_at > v_now);
     IF NOT FOUND THEN
@@ -334,7 +336,7 @@ BEGIN
                CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= v_now
                     ELSE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now) END
           INTO v_state, v_attempt, v_expired
-          FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key;
+          FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
                  WHEN v_expired THEN 'the key expired: it is absent, and the next request claims it anew'

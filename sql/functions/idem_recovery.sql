@@ -42,7 +42,7 @@ BEGIN
     v_now := clock_timestamp();
     SELECT k.recovery_point, k.recovery_saved INTO recovery_point, recovery_saved
       FROM idem.idempotency_keys AS k
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        AND (k.uncompleted OR k.expires_at > v_now);
     IF NOT FOUND THEN

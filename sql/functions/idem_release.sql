@@ -26,14 +26,14 @@ BEGIN
     v_now := clock_timestamp();
     UPDATE idem.idempotency_keys AS k
        SET state = 'r', lease_expires_at = NULL, uncompleted = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now;
     IF FOUND THEN
         RETURN true;
     END IF;
     IF EXISTS (SELECT FROM idem.idempotency_keys AS k
-                WHERE k.principal_id = p_principal AND k.key = p_key
+                WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
                   AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NULL) THEN
         RAISE EXCEPTION 'idem_release: the claim with attempt % is transactional: roll its transaction back instead', p_attempt
             USING ERRCODE = '55000',

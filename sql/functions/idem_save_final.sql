@@ -47,7 +47,7 @@ BEGIN
     v_now := clock_timestamp();
     v_since := transaction_timestamp();
     v_expires := v_now + coalesce(p_ttl, {{ template "default_ttl" }});
-    v_action := hashtextextended(p_action, 0);
+    v_action := hashtextextended(p_action COLLATE pg_catalog."default", 0);
     v_token := nextval('idem.token_seq');
 
     -- A free key: the INSERT stores the answer (a new generation). ON CONFLICT waits for an
@@ -90,7 +90,7 @@ BEGIN
                recovery_point = NULL, recovery_saved = NULL,
                -- This transaction's own claim keeps its generation; a free key starts a new one.
                generation = CASE WHEN k.uncompleted THEN k.generation END
-         WHERE k.principal_id = p_principal AND k.key = p_key
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
            AND (k.state = 'r'
                 -- expired: a completed key the TTL after its answer (idem_begin, D200), any
                 -- other once its claim's TTL and its lease have run out
@@ -101,7 +101,7 @@ BEGIN
         IF FOUND THEN
             RETURN true;
         END IF;
-        IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal AND k.key = p_key) THEN
+        IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default") THEN
             RETURN false;
         END IF;
     END LOOP;

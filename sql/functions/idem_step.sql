@@ -42,7 +42,7 @@ BEGIN
     END IF;
     SELECT k.recovery_saved, k.lease_expires_at, k.expires_at INTO v_saved, v_lease, v_expires
       FROM idem.idempotency_keys AS k
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p'
        FOR NO KEY UPDATE;
     IF NOT FOUND OR v_lease IS NULL OR v_expires <= clock_timestamp() THEN
@@ -63,7 +63,7 @@ BEGIN
     END IF;
     UPDATE idem.idempotency_keys AS k
        SET recovery_point = p_step, recovery_saved = v_saved
-     WHERE k.principal_id = p_principal AND k.key = p_key;
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 END
 $$;
 

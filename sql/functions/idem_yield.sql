@@ -37,7 +37,7 @@ BEGIN
     UPDATE idem.idempotency_keys AS k
        SET lease_expires_at = least(k.lease_expires_at, v_now), attempt = v_token,
            generation = coalesce(k.generation, k.attempt), claimed_at = NULL
-     WHERE k.principal_id = p_principal AND k.key = p_key
+     WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
        AND k.attempt = p_attempt AND k.state = 'p' AND k.lease_expires_at IS NOT NULL
        AND k.expires_at > v_now;
     RETURN FOUND;

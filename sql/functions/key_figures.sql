@@ -69,6 +69,7 @@ BEGIN
                     SELECT count(*)
                       FROM (SELECT 1 FROM %s AS k
                              WHERE k.expires_at <= $1 AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= $1)
+                               AND k.uncompleted IS NULL
                              LIMIT $2) AS backlog
                     $q$, v_rel) USING v_now, 1000000 - v_backlog INTO v_n;
                 v_backlog := v_backlog + v_n;

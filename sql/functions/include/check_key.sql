@@ -6,6 +6,6 @@
             THEN format('22023 p_principal must be 1 to 255 characters, got %s', length(p_principal))
         -- Not ^[!-~]{1,255}$: a bounded repetition compiles to a large automaton that cost 8%
         -- of the backend's time in a profile; a length check and a one-class search do not.
-        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key ~ '[^!-~]'
+        WHEN octet_length(p_key) NOT BETWEEN 1 AND 255 OR p_key COLLATE pg_catalog."default" ~ '[^!-~]'
             THEN format('22023 p_key must be 1 to 255 visible ASCII characters (0x21-0x7E), got %s characters in %s bytes',
                         length(p_key), octet_length(p_key))

@@ -6,7 +6,7 @@
             (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
              principal_id, key, request_sha256, request_fields, claimed_at)
         VALUES
-            (v_expires, v_token, hashtextextended(p_action, 0), v_lease, 'p', nullif(p_lease IS NULL, false),
+            (v_expires, v_token, hashtextextended(p_action COLLATE pg_catalog."default", 0), v_lease, 'p', nullif(p_lease IS NULL, false),
              p_principal, p_key, p_request_sha256, v_fields, CASE WHEN p_lease IS NOT NULL THEN v_now END)
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;

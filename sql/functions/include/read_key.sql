@@ -4,5 +4,5 @@
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
           INTO v_row FROM idem.idempotency_keys AS k
-         WHERE k.principal_id = p_principal AND k.key = p_key{{ if . }}
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"{{ if . }}
            {{ . }}{{ end }};
