@@ -197,7 +197,8 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 var (
 	// ErrInProgress: a concurrent holder kept the key past the lock timeout (SQLSTATE
 	// 55P03, or 57014 when a statement_timeout of the role or the database ended the wait
-	// first), or a request of this process holds it. Answer 409 and let the client retry.
+	// first), or a request of this process holds it. Answer 409 and let the client retry
+	// (from a keyed handler: Refuse(w, r, CodeInProgress, ...), which is not stored).
 	ErrInProgress = dbidem.ErrInProgress
 	// ErrClaimLost: no claim in progress with this token (55000): taken over by a later
 	// attempt, released, completed, or the key expired and was cleaned up; or an answer given

@@ -315,15 +315,18 @@ type Tally struct {
 	Refused bool
 }
 
-type tallyKey struct{}
+// tallyKey names the Tally of one Gate in a context: a context that carries a request's Tally
+// for the middleware's Gate also reaches its handler, and another Gate there (a Job's, for an
+// idem.Do the handler calls) counts in its own figures, not in the request's Tally.
+type tallyKey struct{ g *Gate }
 
-// WithTally returns ctx with t, which Run and RunDetached mark instead of counting.
-func WithTally(ctx context.Context, t *Tally) context.Context {
-	return context.WithValue(ctx, tallyKey{}, t)
+// WithTally returns ctx with t, which this Gate's Run and RunDetached mark instead of counting.
+func (g *Gate) WithTally(ctx context.Context, t *Tally) context.Context {
+	return context.WithValue(ctx, tallyKey{g}, t)
 }
 
 func (g *Gate) countCoalesced(ctx context.Context) {
-	if t, ok := ctx.Value(tallyKey{}).(*Tally); ok {
+	if t, ok := ctx.Value(tallyKey{g}).(*Tally); ok {
 		t.Coalesced = true
 		return
 	}
@@ -331,7 +334,7 @@ func (g *Gate) countCoalesced(ctx context.Context) {
 }
 
 func (g *Gate) countRefused(ctx context.Context) {
-	if t, ok := ctx.Value(tallyKey{}).(*Tally); ok {
+	if t, ok := ctx.Value(tallyKey{g}).(*Tally); ok {
 		t.Refused = true
 		return
 	}

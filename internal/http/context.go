@@ -22,6 +22,10 @@ type state struct {
 	providerKey string
 	secret      bool
 	resourceID  string
+	// inProgress: the handler answered Refuse(CodeInProgress) (a job it runs under another key
+	// is still running): a 409 that is not the request's final answer, rolled back and not
+	// stored, so that the client's retry runs the work again.
+	inProgress bool
 }
 
 // ClaimInfo is what a handler knows about the key its request works under.

@@ -239,7 +239,10 @@ func (m *Middleware) problem(w http.ResponseWriter, r *http.Request, code, detai
 // outside one: for a handler that finds the body malformed in a way DecodeJSON does not see
 // (a required member missing). Any other code is a programming error: it is logged and
 // answered 500 internal_error (the work is rolled back, nothing is stored). An application's
-// own problems go through WriteProblem.
+// own problems go through WriteProblem. CodeInProgress (a job the handler runs under a key of
+// its own, with idem.Do, is still running elsewhere) is 409 with Retry-After: 1 (unless the
+// handler set one) and is not the request's final answer: its work is rolled back and nothing
+// is stored, so the client's retry runs the handler again.
 func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
 	problemFor(r.Context(), w, r, code, detail)
 }
@@ -248,8 +251,17 @@ func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
 // the defaults outside one.
 func problemFor(ctx context.Context, w http.ResponseWriter, r *http.Request, code, detail string) {
 	m := defaultMiddleware
-	if s := stateOf(ctx); s != nil {
+	s := stateOf(ctx)
+	if s != nil {
 		m = s.m
+	}
+	if code == CodeInProgress {
+		if s != nil {
+			s.inProgress = true
+		}
+		if w.Header().Get("Retry-After") == "" {
+			w.Header().Set("Retry-After", "1")
+		}
 	}
 	m.problem(w, r, code, detail, nil)
 }

@@ -57,6 +57,9 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 		}
 	}()
 	q.next.ServeHTTP(rec, r2)
+	if st.inProgress {
+		return rec, st, rollBack
+	}
 	switch code := rec.code(); {
 	case code >= 200 && code < 300:
 		return rec, st, commit
@@ -269,7 +272,7 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	until := time.Now().Add(q.m.o.DuplicateWait)
 	// The Gate's figures count this request once, however often it claims again.
 	tally := &dbidem.Tally{}
-	ctx = dbidem.WithTally(ctx, tally)
+	ctx = q.m.gate.WithTally(ctx, tally)
 	defer func() {
 		if p := recover(); p != nil {
 			q.m.gate.AddTally(tally, false) // an aborted handler (http.ErrAbortHandler): counted as it waited
