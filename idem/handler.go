@@ -99,8 +99,14 @@ func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
 // and duplicate members, names that differ only in case, invalid UTF-8, trailing data, nesting
 // deeper than 128 levels and exponents of more than 16 digits refused, with a key or without),
 // decoding the canonical text that was fingerprinted, so that two requests with one
-// fingerprint mean the same thing. On failure it writes 400 malformed_body or 415
-// unsupported_media_type (final answers, stored for a keyed request) and returns false.
+// fingerprint mean the same thing. Numbers keep every digit; the canonical text writes an
+// integer from 10^21 on and a fraction below 10^-6 with an exponent (1e+21). Besides the types
+// of the encoding/json v2 semantics (github.com/go-json-experiment/json) it reads
+// encoding/json's Number (the canonical text), time.Duration (an integer of nanoseconds, as
+// encoding/json does) and *big.Int (in either layout, up to 10,000 digits); a type of its own
+// that cannot read the exponent layout refuses such numbers (take them as strings). On failure
+// it writes 400 malformed_body or 415 unsupported_media_type (final answers, stored for a keyed
+// request) and returns false.
 func DecodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
 	return idemhttp.DecodeJSON(w, r, v)
 }
@@ -127,6 +133,9 @@ func WriteProblem(w http.ResponseWriter, status int, base, code, title, detail, 
 // options of the request's route: for a body that DecodeJSON accepted but the handler cannot
 // take (a required member missing: CodeMalformedBody). Any other code is answered 500
 // internal_error and logged; an application's own problems go through WriteProblem.
+// CodeInProgress, for a job the handler runs with Do that returned ErrInProgress, is 409 with
+// Retry-After: 1 (unless the handler set one) and is not the request's final answer: the work
+// is rolled back and nothing is stored, so the client's retry runs the handler again.
 func Refuse(w http.ResponseWriter, r *http.Request, code, detail string) {
 	idemhttp.Refuse(w, r, code, detail)
 }
