@@ -238,7 +238,11 @@ const clusterServerFile = "server.pid"
 // takeCluster makes this process the private cluster's server: it stops the cluster on exit.
 func (m *Main) takeCluster(dir string) {
 	m.ownsCluster = true
-	if err := os.WriteFile(filepath.Join(dir, clusterServerFile), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+	record := strconv.Itoa(os.Getpid())
+	if start, ok := processStart(os.Getpid()); ok {
+		record += " " + start
+	}
+	if err := os.WriteFile(filepath.Join(dir, clusterServerFile), []byte(record+"\n"), 0o644); err != nil {
 		m.log.Warn("could not record this server as the private cluster's", "err", err)
 	}
 }
@@ -249,25 +253,68 @@ func (m *Main) releaseCluster() {
 		return
 	}
 	path := filepath.Join(m.cluster.Dir, clusterServerFile)
-	if b, err := os.ReadFile(path); err == nil && strings.TrimSpace(string(b)) == strconv.Itoa(os.Getpid()) {
+	if b, err := os.ReadFile(path); err == nil && recordedPid(string(b)) == os.Getpid() {
 		_ = os.Remove(path)
 	}
 }
 
 // clusterServerAlive tells whether the server recorded as the private cluster's still runs.
 // No record (a cluster started by another command, or by a release without the record) is
-// a server that is gone.
+// a server that is gone. The record holds the process number and, where the system says when
+// a process started (Linux's /proc), that time: a live process with the recorded number that
+// started at another time reuses the number of a server that is gone. A record without the time
+// (written by an earlier release, or where /proc is missing) counts any live process.
 func clusterServerAlive(dir string) bool {
 	b, err := os.ReadFile(filepath.Join(dir, clusterServerFile))
 	if err != nil {
 		return false
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 0 {
+	pid := recordedPid(string(b))
+	if pid <= 0 {
 		return false
 	}
-	err = syscall.Kill(pid, 0)
-	return err == nil || errors.Is(err, syscall.EPERM)
+	if err := syscall.Kill(pid, 0); err != nil && !errors.Is(err, syscall.EPERM) {
+		return false
+	}
+	if f := strings.Fields(string(b)); len(f) > 1 {
+		if start, ok := processStart(pid); ok && start != f[1] {
+			return false
+		}
+	}
+	return true
+}
+
+// recordedPid reads the process number of a server.pid record, 0 when there is none.
+func recordedPid(record string) int {
+	f := strings.Fields(record)
+	if len(f) == 0 {
+		return 0
+	}
+	pid, err := strconv.Atoi(f[0])
+	if err != nil {
+		return 0
+	}
+	return pid
+}
+
+// processStart returns when process pid started, in the clock ticks since boot that Linux gives
+// as the 22nd field of /proc/PID/stat; false where there is no such file. The field count starts
+// after the command's name, which may hold spaces and parentheses: it ends at the last ')'.
+func processStart(pid int) (string, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return "", false
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return "", false
+	}
+	f := strings.Fields(s[i+1:])
+	if len(f) < 20 {
+		return "", false
+	}
+	return f[19], true
 }
 
 // otherClients counts the client connections to the cluster at url other than the one it

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -260,5 +262,70 @@ func TestTakeoverBesideALiveReuser(t *testing.T) {
 			code = res.StatusCode
 		}
 		t.Errorf("serve B still runs on the cluster, but serve C (started after A's kill -9) took it over and its Ctrl-C stopped it: B's /healthz %d %v\nC's log:\n%s", code, err, c.out.String())
+	}
+}
+
+// TestTakeoverPastAReusedProcessNumber: the serve that recorded itself in server.pid is killed
+// and its process number is then taken by an unrelated live process. A serve recorded the
+// number alone until D233, so the next serve took the live process for the server, did not take
+// the cluster over, and left it running on exit. The record holds the process's start time now.
+func TestTakeoverPastAReusedProcessNumber(t *testing.T) {
+	t.Parallel()
+	d := toNewData(t)
+	first := d.serve(t)
+	first.kill9()
+	p := filepath.Join(d.dir, "server.pid")
+	record, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := strings.Fields(string(record)); len(f) != 2 || f[0] != strconv.Itoa(first.cmd.Process.Pid) {
+		t.Errorf("server.pid = %q, want the first serve's process number and its start time", record)
+	}
+	// The reuser: a live process of another start time given the dead server's number.
+	reuser := exec.Command("sleep", "60")
+	if err := reuser.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = reuser.Process.Kill(); _ = reuser.Wait() })
+	f := strings.Fields(string(record))
+	f[0] = strconv.Itoa(reuser.Process.Pid)
+	if err := os.WriteFile(p, []byte(strings.Join(f, " ")+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	second := d.serve(t)
+	second.interrupt(t)
+	if !d.waitStopped(t) {
+		t.Errorf("a live process with the dead server's number kept the serve from taking the cluster over: Ctrl-C left it running:\n%s", second.out.String())
+	}
+}
+
+// TestClusterServerRecord: the record of this process says it runs; the same number with
+// another start time does not; a record of the number alone (an earlier release's) still does.
+func TestClusterServerRecord(t *testing.T) {
+	dir := t.TempDir()
+	m := &Main{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	m.takeCluster(dir)
+	if !clusterServerAlive(dir) {
+		t.Fatal("the record of this live process reads as a server that is gone")
+	}
+	b, _ := os.ReadFile(filepath.Join(dir, clusterServerFile))
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		t.Fatalf("record %q: want the process number and its start time", b)
+	}
+	_ = os.WriteFile(filepath.Join(dir, clusterServerFile), []byte(f[0]+" 1\n"), 0o644)
+	if clusterServerAlive(dir) {
+		t.Error("a live process that started at another time reads as the recorded server")
+	}
+	_ = os.WriteFile(filepath.Join(dir, clusterServerFile), []byte(f[0]+"\n"), 0o644)
+	if !clusterServerAlive(dir) {
+		t.Error("a record of the process number alone no longer counts a live process")
+	}
+	m.cluster = &pgcluster.Cluster{Dir: dir}
+	_ = os.WriteFile(filepath.Join(dir, clusterServerFile), b, 0o644)
+	m.releaseCluster()
+	if _, err := os.Stat(filepath.Join(dir, clusterServerFile)); !os.IsNotExist(err) {
+		t.Errorf("releaseCluster left this process's record: %v", err)
 	}
 }
