@@ -403,3 +403,33 @@ func TestSQLKeyStoryInsideItsOwnTransaction(t *testing.T) {
 			expired, summaryExpired)
 	}
 }
+
+// TestSQLCleanupAllUnderAStatementTimeout: PostgreSQL counts statement_timeout per statement,
+// and a CALL is one statement however many transactions the procedure commits: a role's or a
+// database's statement_timeout bounds the whole of idem_cleanup_all, as docs/sql-api.md says
+// (D233). Past it the procedure stops with 57014; every batch before it stays committed, and
+// the next call goes on from there.
+func TestSQLCleanupAllUnderAStatementTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	app, admin, _ := dbaApp(t)
+	pgtest.InsertExpired(t, admin, "alice", 20000)
+	if _, err := app.Exec(ctx, `SET statement_timeout = '300ms'`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := app.Exec(ctx, `CALL idem.idem_cleanup_all(1)`)
+	if code := sqlCode(err); code != "57014" {
+		t.Fatalf("CALL idem_cleanup_all(1) over 20,000 expired keys under a 300 ms statement_timeout: %v (SQLSTATE %q), want 57014", err, code)
+	}
+	left := pgtest.Count(t, admin, `SELECT count(*) FROM idem.idempotency_keys`)
+	if left == 0 || left == 20000 {
+		t.Fatalf("%d keys left after the cut call: want its committed batches deleted and the rest left", left)
+	}
+	if _, err := app.Exec(ctx, `SET statement_timeout = 0`); err != nil {
+		t.Fatal(err)
+	}
+	var deleted int64
+	if err := app.QueryRow(ctx, `CALL idem.idem_cleanup_all(5000)`).Scan(&deleted); err != nil || deleted != int64(left) {
+		t.Fatalf("the next call: %d deleted, %v; want the %d left", deleted, err, left)
+	}
+}
