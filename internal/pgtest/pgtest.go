@@ -88,7 +88,8 @@ func start() error {
 		c, err := tcpostgres.Run(ctx, "postgres:15",
 			tcpostgres.WithDatabase("postgres"), tcpostgres.WithUsername("postgres"),
 			tcpostgres.WithPassword("postgres"), tcpostgres.BasicWaitStrategies(),
-			testcontainers.WithCmdArgs("-c", "fsync=off", "-c", "max_connections=300"))
+			testcontainers.WithCmdArgs("-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+				"-c", "max_connections=300", "-c", "shared_buffers=64MB"))
 		if err != nil {
 			return fmt.Errorf("pgtest: Docker answers but the PostgreSQL container did not start: %w", err)
 		}
