@@ -102,7 +102,7 @@ func ClaimOf(ctx context.Context) (ClaimInfo, bool) {
 // fingerprint mean the same thing. Numbers keep every digit; the canonical text writes an
 // integer from 10^21 on and a fraction below 10^-6 with an exponent (1e+21). Besides the types
 // of the encoding/json v2 semantics (github.com/go-json-experiment/json) it reads
-// encoding/json's Number (the canonical text), time.Duration (an integer of nanoseconds, as
+// encoding/json's Number (the canonical text, or a string that is a number), time.Duration (an integer of nanoseconds, as
 // encoding/json does) and *big.Int (in either layout, up to 10,000 digits); a type of its own
 // that cannot read the exponent layout refuses such numbers (take them as strings). On failure
 // it writes 400 malformed_body or 415 unsupported_media_type (final answers, stored for a keyed

@@ -28,10 +28,10 @@ import (
 // Numbers are exact: the canonical form keeps every digit of the literal, but writes an
 // integer from 10^21 on and a fraction below 10^-6 with an exponent (1e+21, 1.5e-7). Besides
 // the v2 semantics' own types (float64, the integer types, anything with an UnmarshalJSON that
-// takes such a text), it reads encoding/json's Number (the canonical text: 12.5, 1e+21),
-// time.Duration (an integer of nanoseconds, as encoding/json does) and math/big's Int (an
-// integer, in either layout, of at most 10,000 digits). A type that cannot read the exponent
-// layout refuses those numbers: take them as strings.
+// takes such a text), it reads encoding/json's Number (the canonical text: 12.5, 1e+21; or a
+// string that is a number), time.Duration (an integer of nanoseconds, as encoding/json does)
+// and math/big's Int (an integer, in either layout, of at most 10,000 digits). A type that
+// cannot read the exponent layout refuses those numbers: take them as strings.
 //
 // On a declared route it decodes the very bytes the middleware read and fingerprinted. On
 // failure it writes the problem and returns false; both statuses are final (stored for a

@@ -15,7 +15,7 @@ import (
 // decodeOptions are DecodeJSON's: strict (unknown members refused, names matched by exact
 // case), and the Go types that handlers written for encoding/json take numbers into, which the
 // v2 semantics alone refuse or cannot read from the canonical text: encoding/json's Number (the
-// number's canonical text), time.Duration (an integer of nanoseconds, as encoding/json reads
+// number's canonical text, or a string that is a number, as encoding/json takes), time.Duration (an integer of nanoseconds, as encoding/json reads
 // it) and math/big's Int (an integer, also in the exponent form that the canonical text gives
 // integers from 10^21 on: 1e+21).
 var decodeOptions = json.JoinOptions(
@@ -51,13 +51,29 @@ func numberText(dec *jsontext.Decoder) (string, error) {
 	return "", errors.New("want a JSON number")
 }
 
+// decodeNumber reads a number's canonical text, or, as encoding/json does, a string that is a
+// valid JSON number (as sent; a map's keys too).
 func decodeNumber(dec *jsontext.Decoder, n *stdjson.Number) error {
+	if dec.PeekKind() == '"' {
+		tok, err := dec.ReadToken()
+		if err != nil {
+			return err
+		}
+		if s := tok.String(); s != strings.TrimSpace(s) || !stdjson.Valid([]byte(s)) || !isNumber(s) {
+			return errors.New("want a JSON number in the string")
+		}
+		*n = stdjson.Number(tok.String())
+		return nil
+	}
 	t, err := numberText(dec)
 	if err == nil {
 		*n = stdjson.Number(t)
 	}
 	return err
 }
+
+// isNumber tells whether valid JSON text s is a number: it starts with a digit or a minus.
+func isNumber(s string) bool { return s != "" && (s[0] == '-' || s[0] >= '0' && s[0] <= '9') }
 
 func decodeDuration(dec *jsontext.Decoder, d *time.Duration) error {
 	t, err := numberText(dec)
@@ -91,7 +107,7 @@ func decodeBigInt(dec *jsontext.Decoder, z *big.Int) error {
 	if exp < 0 {
 		return errNotInteger // the canonical text has no trailing zeros after a point
 	}
-	if len(digits)+exp > maxBigIntDigits {
+	if len(strings.TrimPrefix(digits, "-"))+exp > maxBigIntDigits {
 		return errors.New("an integer of more than 10000 digits")
 	}
 	if _, ok := z.SetString(digits+strings.Repeat("0", exp), 10); !ok {

@@ -57,7 +57,9 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 		}
 	}()
 	q.next.ServeHTTP(rec, r2)
-	if st.inProgress {
+	if st.inProgress && rec.code() == http.StatusConflict {
+		// Refuse(CodeInProgress) as the answer (not after a status the handler wrote first,
+		// which stands: a 2xx sent commits, as it always does).
 		return rec, st, rollBack
 	}
 	switch code := rec.code(); {
