@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"time"
 
@@ -68,7 +69,7 @@ func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Du
 	var err error
 	for n := 0; n < attempts; n++ {
 		if n > 0 {
-			wait := time.Duration(rand.Int64N(int64(backoff) << min(n, 10)))
+			wait := retryWait(backoff, n)
 			select {
 			case <-ctx.Done():
 				return errors.Join(err, ctx.Err())
@@ -82,6 +83,20 @@ func runTx(ctx context.Context, db Acquirer, opts TxOptions, commitBound time.Du
 		}
 	}
 	return err
+}
+
+// retryWait is the wait before the n-th retry: a random duration in [0, backoff·2^n), n capped
+// at 10, and the span at the longest a Duration holds (a Backoff of months would overflow the
+// shift and panic in rand.Int64N).
+func retryWait(backoff time.Duration, n int) time.Duration {
+	k := min(n, 10)
+	span := int64(backoff)
+	if span > math.MaxInt64>>k {
+		span = math.MaxInt64
+	} else {
+		span <<= k
+	}
+	return time.Duration(rand.Int64N(span))
 }
 
 // runOnce runs fn in one transaction; again tells whether the unit of work may run again (a
