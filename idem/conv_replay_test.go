@@ -13,12 +13,12 @@ import (
 	"github.com/pgidem/pgidem/idemclient"
 )
 
-// TestStoredReplayIsFinalWhateverItsStatus: a handler that answers with one of the
-// middleware's own codes through idem.Refuse ("writes one of the middleware's problems (a Code
-// constant) from a handler", go doc idem.Refuse), here 409 request_in_progress for work of its
-// own still running (a downstream job for the order), has its 409 stored as the key's final
-// answer (409 is a final status: "handler 400, 403, 404, 409, ... the response stored",
-// docs/http.md "What happens") and replayed with Idempotent-Replayed: true on every repeat.
+// TestStoredReplayIsFinalWhateverItsStatus: a handler that answers with a problem of its own
+// whose code is the middleware's request_in_progress (through idem.WriteProblem; Refuse with
+// CodeInProgress is not stored since D233), 409 for work of its own still running (a
+// downstream job for the order), has its 409 stored as the key's final answer (409 is a final
+// status: "handler 400, 403, 404, 409, ... the response stored", docs/http.md "What happens")
+// and replayed with Idempotent-Replayed: true on every repeat.
 // idemclient retried every 409 request_in_progress, replays included: it sent the request
 // MaxAttempts times, each answered with the same stored replay, and reported ErrGaveUp ("the
 // outcome is unknown: retry later under res.Key", go doc idemclient), which no later retry can
@@ -28,7 +28,7 @@ func TestStoredReplayIsFinalWhateverItsStatus(t *testing.T) {
 	var runs atomic.Int32
 	srv, _ := auditServer(t, idem.Options{}, idem.Route{Required: true}, func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
-		idem.Refuse(w, r, idem.CodeInProgress, "the order's payment job is still running")
+		idem.WriteProblem(w, http.StatusConflict, "", idem.CodeInProgress, "In progress", "the order's payment job is still running", "")
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
