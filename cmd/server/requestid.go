@@ -10,6 +10,7 @@ import (
 	"path"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 type requestIDKey struct{}
@@ -46,7 +47,7 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 			// the same), and no 200 was sent, whatever net/http would have defaulted to.
 			status = statusClientGone
 		}
-		log.Log(r.Context(), level, "request", "request_id", id, "method", r.Method, "path", loggedPath(r), "status", status,
+		log.Log(r.Context(), level, "request", "request_id", id, "method", clipped(r.Method, maxLoggedMethod), "path", clipped(loggedPath(r), maxLoggedPath), "status", status,
 			"replayed", sw.Header().Get("Idempotent-Replayed") == "true", "duration_ms", time.Since(start).Milliseconds())
 	})
 }
@@ -93,6 +94,26 @@ func (w *statusWriter) WriteHeader(code int) {
 	w.first()
 	w.status = code
 	w.ResponseWriter.WriteHeader(code)
+}
+
+// The longest method and path a request line logs: a client decides both (up to net/http's
+// megabyte of header), and a line that long, twice as long once a control character is escaped,
+// is what log shippers split or drop. Longer ones are cut, marked with "...".
+const (
+	maxLoggedMethod = 32
+	maxLoggedPath   = 1024
+)
+
+// clipped is s cut to at most max bytes (on a character's boundary) and marked "...", or s.
+func clipped(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	cut := max
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }
 
 // loggedPath is the path a request is logged under: as it came, but for the simulated provider's
