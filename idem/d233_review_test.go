@@ -72,7 +72,7 @@ func TestD233ReviewRefuseAfterSuccessHeader(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := context.Background()
 			pool, _ := pgtest.NewPool(t, 8)
-			pgtest.Exec(t, pool, `CREATE TABLE public.zz_effects (id serial PRIMARY KEY)`)
+			pgtest.Exec(t, pool, `CREATE TABLE public.refused_effects (id serial PRIMARY KEY)`)
 			m, err := idem.New(ctx, idem.Options{DB: pool, Principal: glAlice})
 			if err != nil {
 				t.Fatal(err)
@@ -81,12 +81,12 @@ func TestD233ReviewRefuseAfterSuccessHeader(t *testing.T) {
 			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				n := runs.Add(1)
 				if tx := idem.TxFrom(r.Context()); tx != nil {
-					if _, err := tx.Exec(r.Context(), `INSERT INTO public.zz_effects DEFAULT VALUES`); err != nil {
+					if _, err := tx.Exec(r.Context(), `INSERT INTO public.refused_effects DEFAULT VALUES`); err != nil {
 						http.Error(w, err.Error(), 500)
 						return
 					}
 				} else {
-					if _, err := pool.Exec(r.Context(), `INSERT INTO public.zz_effects DEFAULT VALUES`); err != nil { // the lease's outside effect
+					if _, err := pool.Exec(r.Context(), `INSERT INTO public.refused_effects DEFAULT VALUES`); err != nil { // the lease's outside effect
 						http.Error(w, err.Error(), 500)
 						return
 					}
@@ -107,7 +107,7 @@ func TestD233ReviewRefuseAfterSuccessHeader(t *testing.T) {
 				key = "k1"
 			}
 			first := d233Post(t, srv.URL+"/v1/x", key, `{}`)
-			effects := pgtest.Count(t, pool, `SELECT count(*) FROM public.zz_effects`)
+			effects := pgtest.Count(t, pool, `SELECT count(*) FROM public.refused_effects`)
 			t.Logf("first: %d %q Retry-After %q; runs %d, effects committed %d", first.code, first.body, first.header.Get("Retry-After"), runs.Load(), effects)
 			if first.code >= 200 && first.code < 300 && c.rt.Lease == 0 && effects == 0 {
 				t.Errorf("the client got %d %s, and the work it reports was rolled back (0 effects committed): "+
@@ -186,7 +186,7 @@ func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
 		t.Run(v.name, func(t *testing.T) {
 			ctx := context.Background()
 			pool, _ := pgtest.NewPool(t, 8)
-			pgtest.Exec(t, pool, `CREATE TABLE public.zz_effects (id serial PRIMARY KEY)`)
+			pgtest.Exec(t, pool, `CREATE TABLE public.refused_effects (id serial PRIMARY KEY)`)
 			m, err := idem.New(ctx, idem.Options{DB: pool, Principal: glAlice})
 			if err != nil {
 				t.Fatal(err)
@@ -196,7 +196,7 @@ func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
 			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				n := runs.Add(1)
 				if tx := idem.TxFrom(r.Context()); tx != nil {
-					if _, err := tx.Exec(r.Context(), `INSERT INTO public.zz_effects DEFAULT VALUES`); err != nil {
+					if _, err := tx.Exec(r.Context(), `INSERT INTO public.refused_effects DEFAULT VALUES`); err != nil {
 						http.Error(w, err.Error(), 500)
 						return
 					}
@@ -224,7 +224,7 @@ func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
 				t.Errorf("first: %d Retry-After %q %s; want %d Retry-After %q", first.code, first.header.Get("Retry-After"),
 					first.body, v.wantStatus, v.wantRetry)
 			}
-			if n := pgtest.Count(t, pool, `SELECT count(*) FROM public.zz_effects`); n != 0 {
+			if n := pgtest.Count(t, pool, `SELECT count(*) FROM public.refused_effects`); n != 0 {
 				t.Errorf("the refused run's work committed (%d rows)", n)
 			}
 			second := d233Post(t, srv.URL+"/v1/x", v.key, `{}`)
@@ -245,7 +245,7 @@ func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
 			}
 			if v.rt.Lease == 0 {
 				want := 1
-				if n := pgtest.Count(t, pool, `SELECT count(*) FROM public.zz_effects`); n != want {
+				if n := pgtest.Count(t, pool, `SELECT count(*) FROM public.refused_effects`); n != want {
 					t.Errorf("effects committed: %d, want %d", n, want)
 				}
 			}

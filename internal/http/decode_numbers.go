@@ -15,9 +15,9 @@ import (
 // decodeOptions are DecodeJSON's: strict (unknown members refused, names matched by exact
 // case), and the Go types that handlers written for encoding/json take numbers into, which the
 // v2 semantics alone refuse or cannot read from the canonical text: encoding/json's Number (the
-// number's canonical text, or a string that is a number, as encoding/json takes), time.Duration (an integer of nanoseconds, as encoding/json reads
-// it) and math/big's Int (an integer, also in the exponent form that the canonical text gives
-// integers from 10^21 on: 1e+21).
+// number's canonical text, or a string that is a number, as encoding/json takes), time.Duration
+// (an integer of nanoseconds, as encoding/json reads it) and math/big's Int (an integer, also in
+// the exponent form that the canonical text gives integers from 10^21 on: 1e+21).
 var decodeOptions = json.JoinOptions(
 	json.RejectUnknownMembers(true),
 	json.MatchCaseInsensitiveNames(false),
@@ -59,10 +59,11 @@ func decodeNumber(dec *jsontext.Decoder, n *stdjson.Number) error {
 		if err != nil {
 			return err
 		}
-		if s := tok.String(); s != strings.TrimSpace(s) || !stdjson.Valid([]byte(s)) || !isNumber(s) {
+		s := tok.String()
+		if s != strings.TrimSpace(s) || !stdjson.Valid([]byte(s)) || !isNumber(s) {
 			return errors.New("want a JSON number in the string")
 		}
-		*n = stdjson.Number(tok.String())
+		*n = stdjson.Number(s)
 		return nil
 	}
 	t, err := numberText(dec)
