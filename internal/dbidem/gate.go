@@ -119,14 +119,20 @@ func poolIdentity(db any) any {
 // answer (the flight read a committed key: a replay, or another request's answer, a mismatch;
 // or it committed its own claim with its answer); claimed is closed when the flight's claim
 // takes the key (its work runs), or finds the key's row held by a request elsewhere (in
-// progress, not answered).
+// progress, not answered). after, set as it starts, tells that it started behind a flight that
+// left the key with its answer (its request waited for that flight and saw it leave): a
+// request that comes into the line later, and so never saw that flight leave, knows as much as
+// the requests that did (D234).
 type flight struct {
 	done     chan struct{}
 	answered atomic.Bool
+	after    bool
 	claimed  chan struct{}
 }
 
-func newFlight() *flight { return &flight{done: make(chan struct{}), claimed: make(chan struct{})} }
+func newFlight(after bool) *flight {
+	return &flight{done: make(chan struct{}), claimed: make(chan struct{}), after: after}
+}
 
 // NewGate returns a Gate with these options.
 func NewGate(o GateOptions) *Gate {
@@ -180,9 +186,10 @@ func IsRefusedByGate(err error) bool {
 // enter makes the caller the one request of this process that works on (principal, key),
 // waiting at most bound for another to leave. While it waits it counts held + WaitOverhead
 // bytes toward MaxWaitingBytes; when that would pass the bound it does not wait. Once a flight
-// it waited for left the key with its answer, the bound no longer ends its wait while the
-// request ahead of it only reads that answer: it reads it next (one replay after another, the
-// last of a storm of a hundred ran out of its wait in that line, D211); only a request ahead
+// it waited for left the key with its answer (or the flight it found started behind one that
+// did: flight.after), the bound no longer ends its wait while the request ahead of it only
+// reads that answer: it reads it next (one replay after another, the last of a storm of a
+// hundred ran out of its wait in that line, D211); only a request ahead
 // that claims the key afresh (it expired or was released meanwhile), or finds it held by a
 // request elsewhere (flight.claimed), ends the wait at the bound; so does a request ahead that
 // has not left ClaimReplyMargin after the bound or after the flight before it.
@@ -199,10 +206,13 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 		g.mu.Lock()
 		f, busy := g.flights[id]
 		if !busy {
-			f = newFlight()
+			f = newFlight(answered)
 			g.flights[id] = f
 		}
 		g.mu.Unlock()
+		// A request that came into the line behind a flight that started after an answer
+		// knows the key has one, as the requests that saw it leave do (D234).
+		answered = answered || f.after
 		if !busy {
 			if deadline != nil || over {
 				stopWaiting()

@@ -38,6 +38,12 @@ type gateEnv struct {
 func newGateEnv(t *testing.T, edit func(*idemhttp.Options)) *gateEnv {
 	t.Helper()
 	pool, url := pgtest.NewPool(t, 20)
+	return newGateEnvOn(t, pool, url, edit)
+}
+
+// newGateEnvOn is newGateEnv on a pool of the test's own (on the database at url).
+func newGateEnvOn(t *testing.T, pool *pgxpool.Pool, url string, edit func(*idemhttp.Options)) *gateEnv {
+	t.Helper()
 	e := &gateEnv{t: t, pool: pool, url: url, in: make(chan string, 1000)}
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id serial PRIMARY KEY, amount int)`)
 	o := idemhttp.Options{
@@ -302,11 +308,15 @@ func TestGateMismatchLineHidesAnswer(t *testing.T) {
 			go func() { line <- e.send(ctx, "/tx", key, ahead) }()
 		}
 		untilTrue(t, "the line waits", 5*time.Second, func() bool { return e.m.GateStats().Waiting >= 25 })
+		codes := map[int]int{}
+		// The repeats come in once the line's first flight has left (its first request of the
+		// line read the key): one that came in behind that first flight, which started with no
+		// answer behind it, and found it slow (a loaded machine) got 409 at its bound.
+		codes[(<-line).status]++
 		dups := make(chan gateReply, nd)
 		for range nd {
 			go func() { dups <- e.send(ctx, "/tx", key, body) }()
 		}
-		codes := map[int]int{}
 		busy := 0
 		for range nd {
 			d := <-dups
@@ -316,7 +326,7 @@ func TestGateMismatchLineHidesAnswer(t *testing.T) {
 				t.Errorf("a repeat: %d %s", d.status, d.body)
 			}
 		}
-		for range nm {
+		for range nm - 1 {
 			codes[(<-line).status]++
 		}
 		return busy, codes
