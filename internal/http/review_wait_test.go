@@ -25,18 +25,19 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // "the unit of work of a keyed request on a transactional route, from its claim to its commit".
 // keyedOnce starts the work context's deadline (workContext) before Gate.RunDetached, so the
 // duplicate's wait in Go for the holder of its key (up to the lock timeout, itself up to
-// DuplicateWait) is taken out of its own work's time. Here: WorkTimeout 1 s; the first request
+// DuplicateWait) is taken out of its own work's time. Here: WorkTimeout 2 s; the first request
 // holds the key until its work times out and rolls back; the duplicate, which has waited about
-// 1.5 s for it, then claims and runs work of 0.6 s (well under WorkTimeout), and fails with 5xx
-// because its deadline passed while it waited. The same deadline ends a wait on another
+// 2.5 s for it, then claims and runs work of 1 s (well under WorkTimeout), and fails with 5xx
+// because its deadline passed while it waited. (With 1 s and work of 0.6 s, a machine running
+// three test suites at once took the duplicate's claim and commit past the 0.4 s left.) The same deadline ends a wait on another
 // process's row lock (a wait slot) when WorkTimeout < LockTimeout: 5xx instead of 409.
 //
 // The gap is held by the first request's handler, blocked on a channel, and the wait is seen
 // through GateStats.Waiting.
 func TestWorkTimeoutDoesNotCountTheDuplicatesWait(t *testing.T) {
 	t.Parallel()
-	a := newApp(t, func(o *idemhttp.Options) { o.WorkTimeout = time.Second })
-	const body = `{"amount":1,"sleep_ms":600}`
+	a := newApp(t, func(o *idemhttp.Options) { o.WorkTimeout = 2 * time.Second })
+	const body = `{"amount":1,"sleep_ms":1000}`
 	first := make(chan reply, 1)
 	go func() { first <- a.do("POST", "/transfers", "alice", "wt", body, "X-Block", "1") }()
 	<-a.started // the first holds the key (its claim uncommitted), its handler blocked
@@ -53,7 +54,7 @@ func TestWorkTimeoutDoesNotCountTheDuplicatesWait(t *testing.T) {
 	r := <-dup
 	t.Logf("the duplicate: %d %s", r.status, r.body)
 	if r.status != http.StatusCreated {
-		t.Fatalf("the duplicate's own work took 0.6 s of a 1 s WorkTimeout, yet it got %d %s: its wait for the "+
+		t.Fatalf("the duplicate's own work took 1 s of a 2 s WorkTimeout, yet it got %d %s: its wait for the "+
 			"first was counted against its WorkTimeout", r.status, r.body)
 	}
 }
