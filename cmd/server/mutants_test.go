@@ -162,15 +162,7 @@ func TestTakeoverBesideOneClient(t *testing.T) {
 func TestRequestLogReplayedAndPathBound(t *testing.T) {
 	t.Parallel()
 	var log opsBuf
-	db := pgtest.NewEmptyDB(t)
-	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
-	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	_ = mig.Close()
+	db := migratedAsOwner(t)
 	s := serveWith(t, db, db, nil, &log)
 	_, token := s.principal("log-lines")
 	body := `{"name":"a","currency":"EUR"}`

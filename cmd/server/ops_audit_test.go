@@ -261,15 +261,7 @@ func TestOpsKeysSummaryAsOperator(t *testing.T) {
 func TestOpsLogLines(t *testing.T) {
 	t.Parallel()
 	var log opsBuf
-	db := pgtest.NewEmptyDB(t)
-	mig := NewMain(&bytes.Buffer{}, &bytes.Buffer{})
-	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	_ = mig.Close()
+	db := migratedAsOwner(t)
 	s := serveWith(t, db, db, nil, &log)
 	_, token := s.principal("log")
 	s.call("GET", "/metrics", "", "", "", "X-Request-Id", "scrape-1")

@@ -189,25 +189,8 @@ func (l lockTimeoutsSeen) saw(err error) {
 func TestTableBusyProbesRunFourTimes(t *testing.T) {
 	defer dbidem.SetTableBusyPauses([]time.Duration{300 * time.Millisecond, 300 * time.Millisecond, 300 * time.Millisecond})()
 	ctx := context.Background()
-	url := pgtest.NewDB(t)
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
 	tracer := lockTimeoutsSeen{n: make(chan struct{}, 16)}
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	locker := pgtest.Connect(t, url)
-	ltx, err := locker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ltx.Rollback(ctx) }()
-	pgtest.Exec(t, ltx, `LOCK TABLE idem.idempotency_keys IN SHARE MODE`) // the claim's INSERT waits on the table
+	pool, ltx := lockedKeyTable(t, tracer)
 	done := make(chan error, 1)
 	var got dbidem.Decision
 	go func() {

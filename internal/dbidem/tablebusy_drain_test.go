@@ -58,26 +58,8 @@ func (l lockTimeoutTracer) saw(err error) {
 func TestTableBusyProbesOutliveTheirWait(t *testing.T) {
 	defer dbidem.SetTableBusyPauses([]time.Duration{300 * time.Millisecond, 300 * time.Millisecond, 300 * time.Millisecond})()
 	ctx := context.Background()
-	url := pgtest.NewDB(t)
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
 	tracer := lockTimeoutTracer{seen: make(chan struct{}, 1)}
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	locker := pgtest.Connect(t, url)
-	ltx, err := locker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ltx.Rollback(ctx) }()
-	// SHARE: the claim's read passes, its INSERT waits on the table.
-	pgtest.Exec(t, ltx, `LOCK TABLE idem.idempotency_keys IN SHARE MODE`)
+	pool, ltx := lockedKeyTable(t, tracer)
 
 	wait, endWait := context.WithCancel(ctx)
 	defer endWait()
@@ -111,4 +93,31 @@ func TestTableBusyProbesOutliveTheirWait(t *testing.T) {
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'busy' AND state = 'c'`); n != 1 {
 		t.Fatalf("%d completed rows for the key, want 1", n)
 	}
+}
+
+// lockedKeyTable is a pool with tracer on a new database whose key table a transaction of
+// another connection (ltx, rolled back at the test's end) locks IN SHARE MODE: a claim's read
+// passes, its INSERT waits on the table.
+func lockedKeyTable(t *testing.T, tracer pgx.QueryTracer) (pool *pgxpool.Pool, ltx pgx.Tx) {
+	t.Helper()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err = pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	locker := pgtest.Connect(t, url)
+	ltx, err = locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ltx.Rollback(ctx) })
+	pgtest.Exec(t, ltx, `LOCK TABLE idem.idempotency_keys IN SHARE MODE`)
+	return pool, ltx
 }

@@ -68,4 +68,9 @@ func TestCommitOutcomeUnknownIsSaid(t *testing.T) {
 	if r.status != 503 || problemCode(t, r) != idemhttp.CodeOutcomeUnknown || strings.Contains(r.body, "nothing was changed") {
 		t.Fatalf("%+v", r)
 	}
+	// docs/http.md, "What happens": "503 `outcome_unknown` with `Retry-After: 1`" (a mutant
+	// that set it for store_unavailable only passed the suite, D235).
+	if got := r.header.Get("Retry-After"); got != "1" {
+		t.Fatalf("outcome_unknown with Retry-After %q, want 1", got)
+	}
 }

@@ -50,27 +50,6 @@ func mutSend(t *testing.T, url, key, body string) reply {
 	return reply{st, h, b}
 }
 
-// TestCommitOutcomeUnknownHasRetryAfter: docs/http.md, "What happens": "the connection is lost
-// while the request commits | 503 `outcome_unknown` with `Retry-After: 1`". The keyed transactional
-// route's 503 outcome_unknown must carry Retry-After: 1 (kills the mutant that sets Retry-After in
-// storeError for store_unavailable only).
-func TestCommitOutcomeUnknownHasRetryAfter(t *testing.T) {
-	t.Parallel()
-	a := newApp(t, nil)
-	pgtest.Exec(t, a.pool, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$;
-		CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
-		    FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
-	done := make(chan reply, 1)
-	go func() { done <- a.do("POST", "/transfers", "alice", "k1", `{"amount":1}`) }()
-	pgtest.WaitFor(t, a.pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND datname = current_database()`)
-	pgtest.Exec(t, a.pool, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND datname = current_database()`)
-	r := <-done
-	if r.status != 503 || problemCode(t, r) != idemhttp.CodeOutcomeUnknown || r.header.Get("Retry-After") != "1" {
-		t.Fatalf("a COMMIT whose connection was lost: %d Retry-After %q %s; want 503 outcome_unknown with Retry-After: 1",
-			r.status, r.header.Get("Retry-After"), r.body)
-	}
-}
-
 // TestWorkLockTimeoutIsCountedAcquired: docs/http.md, "What happens": "the work's lock timeouts
 // (its statements' or its COMMIT's) in every run | 503 `store_unavailable` with `Retry-After: 1`,
 // nothing changed (counted `acquired`, not `store_error`: the store did not fail)". A handler whose
