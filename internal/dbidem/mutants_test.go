@@ -158,29 +158,6 @@ func TestClaimSerializationFailureRunsAgain(t *testing.T) {
 	}
 }
 
-// lockTimeoutsSeen counts the statements that ended in a lock timeout (55P03).
-type lockTimeoutsSeen struct{ n chan struct{} }
-
-func (lockTimeoutsSeen) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (l lockTimeoutsSeen) TraceQueryEnd(_ context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
-	l.saw(d.Err)
-}
-func (lockTimeoutsSeen) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	return ctx
-}
-func (lockTimeoutsSeen) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (l lockTimeoutsSeen) TraceBatchEnd(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchEndData) {
-	l.saw(d.Err)
-}
-func (l lockTimeoutsSeen) saw(err error) {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
-		l.n <- struct{}{}
-	}
-}
-
 // TestTableBusyProbesRunFourTimes: D68, "When a claim's probes (5 ms each, four within about 50 ms)
 // time out on a lock that is not a key's row ..., the Gate answers ErrStoreBusy": four probes, not
 // fewer. The table is locked through the first two and free before the third (the pauses lengthened
@@ -189,7 +166,7 @@ func (l lockTimeoutsSeen) saw(err error) {
 func TestTableBusyProbesRunFourTimes(t *testing.T) {
 	defer dbidem.SetTableBusyPauses([]time.Duration{300 * time.Millisecond, 300 * time.Millisecond, 300 * time.Millisecond})()
 	ctx := context.Background()
-	tracer := lockTimeoutsSeen{n: make(chan struct{}, 16)}
+	tracer := lockTimeoutTracer{seen: make(chan struct{}, 16)}
 	pool, ltx := lockedKeyTable(t, tracer)
 	done := make(chan error, 1)
 	var got dbidem.Decision
@@ -205,7 +182,7 @@ func TestTableBusyProbesRunFourTimes(t *testing.T) {
 	}()
 	for i := 0; i < 2; i++ {
 		select {
-		case <-tracer.n:
+		case <-tracer.seen:
 		case err := <-done:
 			t.Fatalf("the claim ended after %d probes met the locked table: %v", i, err)
 		case <-time.After(30 * time.Second):

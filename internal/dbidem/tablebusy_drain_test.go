@@ -14,7 +14,8 @@ import (
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
-// lockTimeoutTracer signals each statement that ended in a lock timeout (55P03).
+// lockTimeoutTracer signals each statement or batch that ended in a lock timeout (55P03), as
+// long as seen has room.
 type lockTimeoutTracer struct{ seen chan struct{} }
 
 func (lockTimeoutTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
@@ -29,9 +30,7 @@ func (lockTimeoutTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx
 	return ctx
 }
 
-func (l lockTimeoutTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
-	l.saw(data.Err)
-}
+func (lockTimeoutTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 
 func (l lockTimeoutTracer) TraceBatchEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
 	l.saw(data.Err)
