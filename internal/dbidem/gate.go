@@ -189,10 +189,10 @@ func IsRefusedByGate(err error) bool {
 // it waited for left the key with its answer (or the flight it found started behind one that
 // did: flight.after), the bound no longer ends its wait while the request ahead of it only
 // reads that answer: it reads it next (one replay after another, the last of a storm of a
-// hundred ran out of its wait in that line, D211); only a request ahead
-// that claims the key afresh (it expired or was released meanwhile), or finds it held by a
-// request elsewhere (flight.claimed), ends the wait at the bound; so does a request ahead that
-// has not left ClaimReplyMargin after the bound or after the flight before it.
+// hundred ran out of its wait in that line, D211); only a request ahead that claims the key
+// afresh (it expired or was released meanwhile), or finds it held by a request elsewhere
+// (flight.claimed), ends the wait at the bound; so does a request ahead that has not left
+// ClaimReplyMargin after the bound or after the flight before it.
 func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound time.Duration, held int64) (*pass, error) {
 	id := flightKey{poolIdentity(db), principal, key}
 	var deadline <-chan time.Time
