@@ -2,8 +2,6 @@ package dbidem
 
 import (
 	"io"
-	"net"
-	"path/filepath"
 	"testing"
 	"time"
 )
@@ -14,27 +12,7 @@ import (
 func TestReplyWatchSeesBytesArrive(t *testing.T) {
 	for _, network := range []string{"tcp", "unix"} {
 		t.Run(network, func(t *testing.T) {
-			addr := "127.0.0.1:0"
-			if network == "unix" {
-				addr = filepath.Join(t.TempDir(), "s")
-			}
-			ln, err := net.Listen(network, addr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			accepted := make(chan net.Conn, 1)
-			go func() {
-				c, _ := ln.Accept()
-				accepted <- c
-			}()
-			client, err := net.Dial(network, ln.Addr().String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer client.Close()
-			server := <-accepted
-			defer server.Close()
+			client, server := watchPair(t, network)
 			// A reply that came and was read before the first look: the kernel's time of the
 			// last data, after the statement was sent, tells (TCP).
 			early := newReplyWatch(client, time.Now())
