@@ -504,8 +504,10 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			if time.Now().Before(until) {
 				return
 			}
-			// A claim whose reply (a large answer) is arriving keeps its unit (D213).
-			if b := active.Load(); b != nil && b.receiving() {
+			// A claim statement under way keeps its unit while its own bound has not ended
+			// (D237): the statement was sent late (after a wait for a pool connection) and
+			// waits within its lock timeout, or its reply (a large answer) is arriving (D213).
+			if b := active.Load(); b != nil && b.live() {
 				moveTo(replyTick)
 				return
 			}

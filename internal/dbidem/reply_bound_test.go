@@ -368,3 +368,52 @@ func TestReplyUnixSocketBlackHole(t *testing.T) {
 		p.SetFault(pgtest.Forward)
 	}
 }
+
+// A lease claim that waited for a pool connection until its unit's bound was near, and whose
+// statement then waits on the key's row (within its lock timeout) past that bound, is answered:
+// the unit's bound defers to the bound of a claim statement under way, which counts from the
+// statement's sending. Before, the unit's bound (the lock timeout and about 6 s from the call)
+// gave the statement up as "no reply" 1.4 s after it was sent, on a healthy connection: what
+// CI saw as a large replay taken for lost when four callers shared two connections.
+func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url := pgtest.NewPool(t, 1)
+	other, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	job := dbidem.Job{Principal: "alice", Key: "late-sent", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	// The pool's one connection is held for 6.6 s; the key, by another caller's claim in its
+	// open transaction, from 6.4 s to 8.4 s (rolled back then): the lease claim is sent at
+	// about 6.6 s and waits on the key until 8.4 s, its lock timeout (2 s) not reached; the
+	// unit's bound passes at about 8.0 s.
+	held, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	holder := make(chan error, 1)
+	time.AfterFunc(6400*time.Millisecond, func() {
+		tx := job
+		tx.Lease = 0
+		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
+			time.Sleep(time.Until(start.Add(8400 * time.Millisecond)))
+			return "", errors.New("the holder gives the key up")
+		})
+		holder <- err
+	})
+	time.AfterFunc(6600*time.Millisecond, held.Release)
+	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
+	took := time.Since(start)
+	if herr := <-holder; herr == nil || !strings.Contains(herr.Error(), "gives the key up") {
+		t.Fatalf("the holder: %v; want its own error, the key held until 8.4 s", herr)
+	}
+	if err != nil || replayed || v != "late" {
+		t.Fatalf("a lease claim sent at 6.6 s, its key held until 8.4 s: after %s %q, replayed %v, %v; want its own run", took, v, replayed, err)
+	}
+	if took < 8400*time.Millisecond {
+		t.Fatalf("answered after %s, before the key was given up: the test did not hold the gap open", took)
+	}
+}

@@ -141,16 +141,16 @@ func (b *replyBound) fire() {
 	b.cancel(errNoReply)
 }
 
-// receiving reports whether the statement's reply has begun to arrive and is still coming:
-// an outer bound (a lease claim's whole unit) waits for it as this one does.
-func (b *replyBound) receiving() bool {
+// live reports whether the bound has not ended: its statement is under way, and the bound
+// still waits for its reply (before its end, or past it while the reply arrives). An outer
+// bound (a lease claim's whole unit) defers to it: the bound ends its own statement, counted
+// from the statement's sending, where the outer bound counts from the unit's start (a wait
+// for a pool connection, probes) and would give up a statement sent late that still waits
+// well within its lock timeout.
+func (b *replyBound) live() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.done || b.w == nil {
-		return false
-	}
-	now := time.Now()
-	return b.w.arriving(now) || b.w.began && now.Sub(b.w.last) < ClaimReplyMargin
+	return !b.done
 }
 
 // stop ends the bound and its context; the statement is over. It tells whether the bound

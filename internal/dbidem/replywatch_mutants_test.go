@@ -138,7 +138,7 @@ func TestReplyWatchTrickleWindows(t *testing.T) {
 			replyMinBytes)
 	}
 	if w.counted || w.began {
-		// fire and receiving read began.
+		// fire reads began.
 		t.Fatalf("after a trickle: counted %v, began %v; want neither", w.counted, w.began)
 	}
 	pairUnread(t, server, client, 1000)
@@ -183,7 +183,7 @@ func TestReplyWatchOneUnreadByte(t *testing.T) {
 
 // Past its bound, a reply that has begun is waited for while no gap between its bytes is
 // longer than ClaimReplyMargin: a pause of about a second (the server busy, the link's
-// buffers) neither ends the bound nor makes receiving (the lease unit's outer bound) say no;
+// buffers) neither ends the bound nor makes live (which the lease unit's outer bound asks) say no;
 // stop then tells that the bound was kept going.
 func TestReplyBoundWaitsThroughAPause(t *testing.T) {
 	t.Parallel()
@@ -203,8 +203,8 @@ func TestReplyBoundWaitsThroughAPause(t *testing.T) {
 		t.Fatalf("a reply that began and paused for under a second given up %s after the start: %v",
 			time.Since(start), err)
 	}
-	if !b.receiving() {
-		t.Fatal("a reply that began and paused for under a second: not receiving")
+	if !b.live() {
+		t.Fatal("a reply that began and paused for under a second: the bound says it ended")
 	}
 	if _, err := server.Write(make([]byte, 100<<10)); err != nil {
 		t.Fatal(err)
@@ -247,6 +247,9 @@ func TestReplyBoundCountsTheGapFromTheLastByte(t *testing.T) {
 	if !errors.Is(context.Cause(ctx), errNoReply) {
 		t.Fatalf("ended with %v, want no reply", context.Cause(ctx))
 	}
+	if b.live() {
+		t.Fatal("a bound that gave its reply up is still live: a lease unit's bound would wait on it")
+	}
 	if took < ClaimReplyMargin || took > ClaimReplyMargin+1500*time.Millisecond {
 		t.Fatalf("a reply whose last byte came at 100 ms given up after %s, want about %s", took,
 			ClaimReplyMargin+100*time.Millisecond)
@@ -254,8 +257,8 @@ func TestReplyBoundCountsTheGapFromTheLastByte(t *testing.T) {
 }
 
 // A bound that was stopped (its statement over; the connection goes back to the pool, and its
-// next statement's reply comes) says it is not receiving, and that it was not kept going.
-func TestReplyBoundStoppedIsNotReceiving(t *testing.T) {
+// next statement's reply comes) says it is not live, and that it was not kept going.
+func TestReplyBoundStoppedIsNotLive(t *testing.T) {
 	t.Parallel()
 	client, server := watchPair(t, "tcp")
 	ctx, b := newReplyBound(context.Background(), client, time.Hour)
@@ -268,8 +271,8 @@ func TestReplyBoundStoppedIsNotReceiving(t *testing.T) {
 		t.Fatal("a stopped bound's context is not done")
 	}
 	pairUnread(t, server, client, 1000)
-	if b.receiving() {
-		t.Fatal("a stopped bound is receiving the bytes of what follows on its connection")
+	if b.live() {
+		t.Fatal("a stopped bound is live while the bytes of what follows on its connection come")
 	}
 }
 
