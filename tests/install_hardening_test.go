@@ -450,7 +450,7 @@ func TestMigrateBesideALongClaim(t *testing.T) {
 		go func() { done <- migrateURL(mctx, url, idemmigrate.Options{}) }()
 		claimer := pgtest.Connect(t, url)
 		var slowest time.Duration
-		n := 0
+		n, slow := 0, 0
 		for time.Since(start) < 2500*time.Millisecond {
 			t0 := time.Now()
 			_, err := claimer.Exec(ctx, `SELECT idem.idem_begin('p', $1, 'POST /x', sha256('x'), p_lease => interval '1 minute')`, fmt.Sprintf("k%d", n))
@@ -460,15 +460,23 @@ func TestMigrateBesideALongClaim(t *testing.T) {
 				break
 			}
 			slowest = max(slowest, d)
+			if d > 100*time.Millisecond {
+				slow++
+			}
 			n++
 			time.Sleep(5 * time.Millisecond)
 		}
 		err = <-done
 		cancel()
-		t.Logf("from %s: %d claims beside the migrate, slowest %v; migrate beside the open claim: %v after %v",
-			from, n, slowest, err, time.Since(start).Round(time.Millisecond))
-		if slowest > 150*time.Millisecond {
-			t.Errorf("from %s: a claim waited %v behind the migrate", from, slowest)
+		t.Logf("from %s: %d claims beside the migrate, %d over 100 ms, slowest %v; migrate beside the open claim: %v after %v",
+			from, n, slow, slowest, err, time.Since(start).Round(time.Millisecond))
+		// Behind the migrate's lock request a claim waits at most its 20 ms lock timeout, and
+		// one in three meets one. A claim's round trip on a loaded machine can take 150 ms
+		// now and then (the claims run one after the other, so a stall slows one or two); a
+		// lock asked for with a longer timeout slows a good share of them, and one asked for
+		// without a timeout holds a claim for the whole migrate (3 s).
+		if slowest > time.Second || slow > n/20 {
+			t.Errorf("from %s: %d of %d claims waited over 100 ms, the slowest %v, behind the migrate", from, slow, n, slowest)
 		}
 		if from == "current" && err != nil {
 			t.Errorf("from %s: a migrate of an up-to-date database waited for an open claim: %v", from, err)
