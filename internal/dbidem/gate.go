@@ -43,6 +43,32 @@ const leaseClaimIdle = ClaimReplyMargin
 // ClaimReplyMargin beyond its lock timeout, nothing had come back.
 var errNoReply = errors.New("idem: no reply from the database in time; the connection was taken for lost and closed")
 
+// errNoConnection is why a lease claim's unit was given up while it waited for a connection
+// from the pool: nothing was sent, no connection was closed. IsNoReply reports it too: the
+// store did not serve the claim within its bound, as for errNoReply.
+var errNoConnection error = noConnectionError{}
+
+type noConnectionError struct{}
+
+func (noConnectionError) Error() string {
+	return "idem: no connection from the pool within the lease claim's bound; nothing was sent (a pool too small for its load?)"
+}
+
+func (noConnectionError) Is(target error) bool { return target == errNoReply }
+
+// acquireCounter is an Acquirer that counts the calls of Acquire under way: a lease claim's
+// unit tells by it whether its bound passed while it waited for the pool.
+type acquireCounter struct {
+	Acquirer
+	n *atomic.Int32
+}
+
+func (a acquireCounter) Acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	a.n.Add(1)
+	defer a.n.Add(-1)
+	return a.Acquirer.Acquire(ctx)
+}
+
 var leaseClaimIdleSQL = fmt.Sprintf("SELECT pg_catalog.set_config('idle_in_transaction_session_timeout', '%d', true)",
 	leaseClaimIdle.Milliseconds())
 
@@ -490,6 +516,8 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		// after): all of it is bounded, its probes, its wait on the key's row, and its COMMIT,
 		// which past the bound is ErrCommitUnknown (D168).
 		lctx, cancel := context.WithCancelCause(work)
+		var acquiring atomic.Int32
+		db = acquireCounter{db, &acquiring}
 		// until is the bound's end; a firing before it (the timer was moved on as it fired)
 		// does nothing.
 		var mu sync.Mutex
@@ -511,6 +539,10 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 				moveTo(replyTick)
 				return
 			}
+			if acquiring.Load() > 0 {
+				cancel(errNoConnection)
+				return
+			}
 			cancel(errNoReply)
 		})
 		mu.Unlock()
@@ -525,8 +557,8 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			mu.Unlock()
 		}
 		defer func() {
-			if err != nil && context.Cause(ctx) == errNoReply && !errors.Is(err, errNoReply) {
-				err = fmt.Errorf("%w (%w)", err, errNoReply)
+			if cause := context.Cause(ctx); err != nil && (cause == errNoReply || cause == errNoConnection) && !errors.Is(err, cause) {
+				err = fmt.Errorf("%w (%w)", err, cause)
 			}
 		}()
 	}

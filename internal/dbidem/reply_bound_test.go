@@ -417,3 +417,31 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 		t.Fatalf("answered after %s, before the key was given up: the test did not hold the gap open", took)
 	}
 }
+
+// A lease claim that gets no pool connection within its unit's bound is given up as the
+// store's failure (IsNoReply: a lease route answers 503 store_unavailable), and says what
+// happened: it waited for the pool and sent nothing, no connection was taken for lost.
+func TestLeaseClaimWithoutAPoolConnectionSaysSo(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 1)
+	held, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(10*time.Second, held.Release)
+	job := dbidem.Job{Principal: "alice", Key: "no-conn", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	start := time.Now()
+	_, _, err = dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "ran", nil })
+	took := time.Since(start)
+	if !dbidem.IsNoReply(err) || !strings.Contains(err.Error(), "no connection from the pool") ||
+		strings.Contains(err.Error(), "taken for lost") {
+		t.Fatalf("a lease claim without a pool connection for 10 s: after %s %v; want no reply, told as a wait for the pool", took, err)
+	}
+	if took < 7*time.Second || took > 9500*time.Millisecond {
+		t.Fatalf("given up after %s; want the unit's bound, about 8 s", took)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'no-conn'`); n != 0 {
+		t.Fatalf("%d rows for a claim that was never sent", n)
+	}
+}
