@@ -44,14 +44,14 @@ const leaseClaimIdle = ClaimReplyMargin
 var errNoReply = errors.New("idem: no reply from the database in time; the connection was taken for lost and closed")
 
 // errNoConnection is why a lease claim's unit was given up while it waited for a connection
-// from the pool: nothing was sent, no connection was closed. IsNoReply reports it too: the
+// from the pool: nothing was claimed, no connection was closed. IsNoReply reports it too: the
 // store did not serve the claim within its bound, as for errNoReply.
 var errNoConnection error = noConnectionError{}
 
 type noConnectionError struct{}
 
 func (noConnectionError) Error() string {
-	return "idem: no connection from the pool within the lease claim's bound; nothing was sent (a pool too small for its load?)"
+	return "idem: no connection from the pool within the lease claim's bound; nothing was claimed (a pool too small for its load?)"
 }
 
 func (noConnectionError) Is(target error) bool { return target == errNoReply }
@@ -505,12 +505,18 @@ func (g *Gate) RunDetached(wait, work context.Context, db Acquirer, opts TxOptio
 // probe, and the claim that waits on the key's row with a wait slot.
 func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOptions, c Claim, lockTimeout time.Duration,
 	keyHeld func(), fn func(tx *Tx, d Decision) error) (err error) {
-	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer;
-	// replied, for a claim whose reply kept the unit's bound going past its end, gives what
-	// follows the reply (a COMMIT, a run again) the same margin.
-	claimed, replied := func() {}, func() {}
 	// active is the bound of the claim statement under way, if any.
 	var active atomic.Pointer[replyBound]
+	// claimed, for a lease claim, gives its COMMIT ClaimReplyMargin from the claim's answer.
+	// ended ends the bound of a claim statement; for a lease claim whose statement kept the
+	// unit's bound going past its end (its reply arriving, or the statement under way when the
+	// bound passed, D237), it gives what follows (a COMMIT, the claim that waits on the key
+	// after a probe, with its ROLLBACK and a connection again, a run again) the same margin.
+	claimed := func() {}
+	ended := func(b *replyBound) {
+		active.CompareAndSwap(b, nil)
+		b.stop()
+	}
 	if c.Lease != 0 {
 		// A lease claim's unit is the claim and its COMMIT (fn returns at once; the work runs
 		// after): all of it is bounded, its probes, its wait on the key's row, and its COMMIT,
@@ -522,6 +528,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		// does nothing.
 		var mu sync.Mutex
 		var bound *time.Timer
+		var deferredTo *replyBound // the statement the bound last waited for, under mu
 		first := lockTimeout + Probe*time.Duration(len(tableBusyPauses)+1) + time.Second + ClaimReplyMargin
 		until := time.Now().Add(first)
 		moveTo := func(d time.Duration) { until = time.Now().Add(d); bound.Reset(d) }
@@ -536,6 +543,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			// (D237): the statement was sent late (after a wait for a pool connection) and
 			// waits within its lock timeout, or its reply (a large answer) is arriving (D213).
 			if b := active.Load(); b != nil && b.live() {
+				deferredTo = b
 				moveTo(replyTick)
 				return
 			}
@@ -549,12 +557,16 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		defer func() { bound.Stop(); cancel(nil) }()
 		ctx = lctx
 		claimed = func() { mu.Lock(); moveTo(ClaimReplyMargin); mu.Unlock() }
-		replied = func() {
+		ended = func(b *replyBound) {
+			// Under mu: the bound's next look sees the statement either under way or ended
+			// with the margin given.
 			mu.Lock()
-			if time.Until(until) < ClaimReplyMargin {
+			defer mu.Unlock()
+			extended := b.stop()
+			active.CompareAndSwap(b, nil)
+			if (extended || deferredTo == b) && time.Until(until) < ClaimReplyMargin {
 				moveTo(ClaimReplyMargin)
 			}
-			mu.Unlock()
 		}
 		defer func() {
 			if cause := context.Cause(ctx); err != nil && (cause == errNoReply || cause == errNoConnection) && !errors.Is(err, cause) {
@@ -571,12 +583,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		}
 		bctx, b := newReplyBound(parent, conn, c.LockTimeout+ClaimReplyMargin)
 		active.Store(b)
-		return bctx, func() {
-			active.CompareAndSwap(b, nil)
-			if b.stop() {
-				replied()
-			}
-		}
+		return bctx, func() { ended(b) }
 	}
 	// A wait slot is held for the claim statement that waits on the key's row, not for the
 	// work after it (a handler, a COMMIT): taken before RunTx (no slot, no connection), freed

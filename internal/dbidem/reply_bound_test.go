@@ -445,3 +445,69 @@ func TestLeaseClaimWithoutAPoolConnectionSaysSo(t *testing.T) {
 		t.Fatalf("%d rows for a claim that was never sent", n)
 	}
 }
+
+// A lease claim whose probe kept the unit's bound going past its end (the probe was sent late,
+// after a wait for the pool, and answered late) has ClaimReplyMargin for what follows the probe:
+// its ROLLBACK, a connection again, and the claim that waits on the key. Before, the unit's next
+// look, a tick after the probe's answer, gave it up while it waited for its connection.
+func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url := pgtest.NewPool(t, 1)
+	other, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	owner := pgtest.Connect(t, url)
+	// Every insert of this key takes a second, before it meets the key's holder.
+	pgtest.Exec(t, owner, `CREATE FUNCTION public.slow_insert() RETURNS trigger LANGUAGE plpgsql AS
+		$$BEGIN IF NEW.key = 'late-probe' THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END$$`)
+	pgtest.Exec(t, owner, `CREATE TRIGGER slow_insert BEFORE INSERT ON idem.idempotency_keys
+		FOR EACH ROW EXECUTE FUNCTION public.slow_insert()`)
+	job := dbidem.Job{Principal: "alice", Key: "late-probe", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	held, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	at := func(d time.Duration) { time.Sleep(time.Until(start.Add(d))) }
+	// Another caller's claim holds the key, in its open transaction, from about 6 s to 10 s.
+	holder := make(chan error, 1)
+	go func() {
+		at(5 * time.Second)
+		tx := job
+		tx.Lease = 0
+		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
+			at(10 * time.Second)
+			return "", errors.New("the holder gives the key up")
+		})
+		holder <- err
+	}()
+	// The pool's one connection: the test's until 7.5 s (the probe is sent then, and answered
+	// at about 8.5 s, past the unit's bound at 8.02 s), then the probe's, then the test's again
+	// until 9.5 s (asked for at 7.7 s, while the probe runs: first in line), then the claim's.
+	go func() {
+		at(7500 * time.Millisecond)
+		held.Release()
+		at(7700 * time.Millisecond)
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		at(9500 * time.Millisecond)
+		c.Release()
+	}()
+	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
+	took := time.Since(start)
+	if herr := <-holder; herr == nil || !strings.Contains(herr.Error(), "gives the key up") {
+		t.Fatalf("the holder: %v; want its own error", herr)
+	}
+	if err != nil || replayed || v != "late" {
+		t.Fatalf("a lease claim whose probe was answered past the unit's bound: after %s %q, replayed %v, %v; want its own run", took, v, replayed, err)
+	}
+	if took < 9500*time.Millisecond {
+		t.Fatalf("answered after %s, before the test gave the connection back: the test did not hold the gap open", took)
+	}
+}
