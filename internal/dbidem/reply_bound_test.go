@@ -379,11 +379,6 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 1)
-	other, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(other.Close)
 	job := dbidem.Job{Principal: "alice", Key: "late-sent", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
 	// The pool's one connection is held for 6.6 s; the key, by another caller's claim in its
 	// open transaction, from 6.4 s to 8.4 s (rolled back then): the lease claim is sent at
@@ -394,22 +389,11 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	holder := make(chan error, 1)
-	time.AfterFunc(6400*time.Millisecond, func() {
-		tx := job
-		tx.Lease = 0
-		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
-			time.Sleep(time.Until(start.Add(8400 * time.Millisecond)))
-			return "", errors.New("the holder gives the key up")
-		})
-		holder <- err
-	})
+	holder := holdKey(t, url, job, start, 6400*time.Millisecond, 8400*time.Millisecond)
 	time.AfterFunc(6600*time.Millisecond, held.Release)
 	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
 	took := time.Since(start)
-	if herr := <-holder; herr == nil || !strings.Contains(herr.Error(), "gives the key up") {
-		t.Fatalf("the holder: %v; want its own error, the key held until 8.4 s", herr)
-	}
+	holder()
 	if err != nil || replayed || v != "late" {
 		t.Fatalf("a lease claim sent at 6.6 s, its key held until 8.4 s: after %s %q, replayed %v, %v; want its own run", took, v, replayed, err)
 	}
@@ -454,11 +438,6 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 1)
-	other, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(other.Close)
 	owner := pgtest.Connect(t, url)
 	// Every insert of this key takes a second, before it meets the key's holder.
 	pgtest.Exec(t, owner, `CREATE FUNCTION public.slow_insert() RETURNS trigger LANGUAGE plpgsql AS
@@ -472,18 +451,9 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	}
 	start := time.Now()
 	at := func(d time.Duration) { time.Sleep(time.Until(start.Add(d))) }
-	// Another caller's claim holds the key, in its open transaction, from about 6 s to 10 s.
-	holder := make(chan error, 1)
-	go func() {
-		at(5 * time.Second)
-		tx := job
-		tx.Lease = 0
-		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
-			at(10 * time.Second)
-			return "", errors.New("the holder gives the key up")
-		})
-		holder <- err
-	}()
+	// Another caller's claim holds the key, in its open transaction, from about 6 s (its
+	// insert takes a second too) to 10 s.
+	holder := holdKey(t, url, job, start, 5*time.Second, 10*time.Second)
 	// The pool's one connection: the test's until 7.5 s (the probe is sent then, and answered
 	// at about 8.5 s, past the unit's bound at 8.02 s), then the probe's, then the test's again
 	// until 9.5 s (asked for at 7.7 s, while the probe runs: first in line), then the claim's.
@@ -501,13 +471,41 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	}()
 	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
 	took := time.Since(start)
-	if herr := <-holder; herr == nil || !strings.Contains(herr.Error(), "gives the key up") {
-		t.Fatalf("the holder: %v; want its own error", herr)
-	}
+	holder()
 	if err != nil || replayed || v != "late" {
 		t.Fatalf("a lease claim whose probe was answered past the unit's bound: after %s %q, replayed %v, %v; want its own run", took, v, replayed, err)
 	}
 	if took < 9500*time.Millisecond {
 		t.Fatalf("answered after %s, before the test gave the connection back: the test did not hold the gap open", took)
+	}
+}
+
+// holdKey has another caller (a pool of its own on url) claim job's key as a transactional
+// claim from..until after start, its transaction open all along, and roll it back then. The
+// function it returns waits for the holder and fails the test unless it gave the key up as
+// planned.
+func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, until time.Duration) func() {
+	t.Helper()
+	ctx := context.Background()
+	other, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	done := make(chan error, 1)
+	time.AfterFunc(time.Until(start.Add(from)), func() {
+		tx := job
+		tx.Lease = 0
+		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
+			time.Sleep(time.Until(start.Add(until)))
+			return "", errors.New("the holder gives the key up")
+		})
+		done <- err
+	})
+	return func() {
+		t.Helper()
+		if err := <-done; err == nil || !strings.Contains(err.Error(), "gives the key up") {
+			t.Fatalf("the key's holder: %v; want its own error, the key held until %s", err, until)
+		}
 	}
 }
