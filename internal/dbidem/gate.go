@@ -796,7 +796,8 @@ var errWaitEnded = errors.New("idem: the wait for another holder of the key ende
 func IsWaitEnded(err error) bool { return errors.Is(err, errWaitEnded) }
 
 // IsNoReply tells whether err is a claim's or a lease's statement given up because the
-// database did not answer within its bound (the connection taken for lost): the store's
+// database did not answer within its bound (the connection taken for lost), or a lease claim
+// given up while it still waited for a pool connection (errNoConnection): the store's
 // failure, whatever context also ended meanwhile.
 func IsNoReply(err error) bool { return errors.Is(err, errNoReply) }
 
