@@ -400,6 +400,9 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 	if took < 8400*time.Millisecond {
 		t.Fatalf("answered after %s, before the key was given up: the test did not hold the gap open", took)
 	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'late-sent' AND state = 'c'`); n != 1 {
+		t.Fatalf("%d completed rows for the key; want the lease's answer stored once", n)
+	}
 }
 
 // A lease claim that gets no pool connection within its unit's bound is given up as the
@@ -477,6 +480,9 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	}
 	if took < 9500*time.Millisecond {
 		t.Fatalf("answered after %s, before the test gave the connection back: the test did not hold the gap open", took)
+	}
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'late-probe' AND state = 'c'`); n != 1 {
+		t.Fatalf("%d completed rows for the key; want the lease's answer stored once", n)
 	}
 }
 
