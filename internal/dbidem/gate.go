@@ -412,7 +412,8 @@ func (g *Gate) Unhold(held int64) {
 // this process already hold MaxWaitingBytes: waiting longer would hold more.
 func IsFull(err error) bool { return errors.Is(err, errFull) }
 
-// LockTimeout is c.LockTimeout, or the SQL API's default (read once from db) when it is 0; a
+// LockTimeout is c.LockTimeout, or the SQL API's default (read once from db, its reply within
+// ClaimReplyMargin, or IsNoReply's error) when it is 0; a
 // negative one, or one above MaxLockTimeout, is ErrInvalidArgument, whether or not the claim
 // would wait (the SQL API refuses it only when it is sent, on a wait).
 func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Duration, error) {
@@ -430,8 +431,15 @@ func (g *Gate) LockTimeout(ctx context.Context, db Acquirer, c Claim) (time.Dura
 		return 0, err
 	}
 	defer conn.Release()
-	d, err := ReadDefaults(ctx, conn)
+	// The read waits on no lock: its reply has ClaimReplyMargin, as a claim statement's has (a
+	// caller's context may have no deadline: a lease's work, the middleware's).
+	rctx, cancel := context.WithTimeoutCause(ctx, ClaimReplyMargin, errNoReply)
+	defer cancel()
+	d, err := ReadDefaults(rctx, conn)
 	if err != nil {
+		if context.Cause(rctx) == errNoReply && ctx.Err() == nil {
+			return 0, fmt.Errorf("%w (%w)", err, errNoReply)
+		}
 		return 0, err
 	}
 	g.lock.Store(int64(d.LockTimeout))
@@ -513,6 +521,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 	// bound passed, D237), it gives what follows (a COMMIT, the claim that waits on the key
 	// after a probe, with its ROLLBACK and a connection again, a run again) the same margin.
 	claimed := func() {}
+	var giveUp func(error) // ends a lease claim's unit
 	ended := func(b *replyBound) {
 		active.CompareAndSwap(b, nil)
 		b.stop()
@@ -556,6 +565,7 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 		mu.Unlock()
 		defer func() { bound.Stop(); cancel(nil) }()
 		ctx = lctx
+		giveUp = cancel
 		claimed = func() { mu.Lock(); moveTo(ClaimReplyMargin); mu.Unlock() }
 		ended = func(b *replyBound) {
 			// Under mu: the bound's next look sees the statement either under way or ended
@@ -617,6 +627,20 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 			// callers of RunDetached run a lease's work after it), so the server may end
 			// the transaction once idle (Tx.leaseUnit).
 			tx.leaseUnit = c.Lease != 0
+			if tx.leaseUnit {
+				// What fn sends before it returns (the middleware's asks under an earlier
+				// release's fingerprint) is bounded as the claim statements are.
+				tx.bounded = func(wait time.Duration) (context.Context, context.CancelFunc) {
+					bctx, done := claimCtx(ctx, tx, Claim{LockTimeout: wait})
+					return bctx, func() {
+						lost := context.Cause(bctx) == errNoReply
+						done()
+						if lost {
+							giveUp(errNoReply)
+						}
+					}
+				}
+			}
 			if !waits {
 				// A probe: its claim statement waits at most Probe on any lock, so it runs
 				// to its end whatever becomes of wait. Ending it would turn a fresh claim

@@ -515,3 +515,35 @@ func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, un
 		}
 	}
 }
+
+// The functions' default lock timeout, which a Gate reads once when a claim names none, is
+// read on the caller's context, which may have no deadline (the middleware's work context on
+// a lease route, DoLease's): on a link that stops answering it waited for the kernel. It gets
+// ClaimReplyMargin now, and says no reply.
+func TestGateDefaultLockTimeoutReadIsBounded(t *testing.T) {
+	t.Parallel()
+	_, url := pgtest.NewPool(t, 1)
+	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
+	pool := replyPool(t, url, p.Addr)
+	if err := pool.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	p.SetFault(pgtest.Hold)
+	g := dbidem.NewGate(dbidem.GateOptions{})
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		_, err := g.LockTimeout(context.Background(), pool, dbidem.Claim{Principal: "alice", Key: "k"})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		if !dbidem.IsNoReply(err) || took < dbidem.ClaimReplyMargin {
+			t.Fatalf("the default lock timeout's read on a black-holed link: %v after %s; want no reply after %s", err, took, dbidem.ClaimReplyMargin)
+		}
+	case <-time.After(dbidem.ClaimReplyMargin + 10*time.Second):
+		t.Fatalf("the default lock timeout's read on a black-holed link had no answer after %s", time.Since(start))
+	}
+	p.SetFault(pgtest.Forward)
+}

@@ -66,6 +66,9 @@ type Tx struct {
 	// idle (leaseClaimIdleSQL). A lease claim in a caller's transaction (Tx.Claim in RunTx,
 	// with the caller's statements around it) is not: its idle time is the caller's.
 	leaseUnit bool
+	// bounded, in a lease claim's unit (the Gate's), bounds one statement fn sends (Bounded):
+	// the unit's bound, deferring to the statement's own. nil elsewhere.
+	bounded func(wait time.Duration) (context.Context, context.CancelFunc)
 	// claimOnly: the claim's round trip began the transaction, and nothing was sent through
 	// the Tx since (a statement, a savepoint, Conn handed out): a claim whose outcome was not
 	// Claimed leaves such a transaction nothing to commit (decidedOnly).
@@ -79,6 +82,21 @@ type Tx struct {
 }
 
 var _ pgx.Tx = (*Tx)(nil)
+
+// Bounded returns the context for one statement that a Gate unit's fn sends on tx before it
+// returns, and the function to call once the statement has returned. wait is the longest the
+// statement may wait on a lock (a claim's lock timeout; 0 for one that waits on none). In a
+// lease claim's unit, which is bounded as a whole (Gate.RunDetached), it is the unit's context
+// with a bound of the statement's own, wait plus ClaimReplyMargin from now (longer while its
+// reply is arriving), which the unit's bound waits for; a statement given up there closes its
+// connection and ends the unit, whose error IsNoReply reports. Elsewhere it is ctx: a
+// transactional unit's work has its caller's deadline.
+func (t *Tx) Bounded(ctx context.Context, wait time.Duration) (context.Context, context.CancelFunc) {
+	if t.bounded != nil {
+		return t.bounded(wait)
+	}
+	return context.WithCancel(ctx)
+}
 
 // acquire takes the transaction's connection from the pool unless it has one, until the unit
 // of work is over (pgx.ErrTxClosed).

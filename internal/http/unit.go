@@ -566,10 +566,28 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 	}
 	earlier := claim
 	earlier.Fingerprint, earlier.Fields = fp.Sum, fp.Fields
-	if _, err := tx.Exec(ctx, "SAVEPOINT idem_earlier_release"); err != nil {
+	// On a lease route each statement is bounded as the claim's are (Tx.Bounded): the unit's
+	// bound went on from the claim's answer, and the work context has no deadline. The asks
+	// wait on the key's row at most its lock timeout (the Gate's, read once already).
+	wait := earlier.LockTimeout
+	if wait == 0 {
+		wait, _ = q.m.gate.LockTimeout(ctx, q.m.o.DB, earlier)
+	}
+	exec := func(sql string) error {
+		sctx, done := tx.Bounded(ctx, 0)
+		defer done()
+		_, err := tx.Exec(sctx, sql)
+		return err
+	}
+	begin := func() (dbidem.Decision, error) {
+		sctx, done := tx.Bounded(ctx, wait)
+		defer done()
+		return dbidem.Begin(sctx, tx, earlier)
+	}
+	if err := exec("SAVEPOINT idem_earlier_release"); err != nil {
 		return dbidem.Decision{}, claim, false
 	}
-	d, err := dbidem.Begin(ctx, tx, earlier)
+	d, err := begin()
 	if err == nil && d.Outcome == dbidem.Claimed {
 		// Only the takeover of a lease stored under the earlier fingerprint may be claimed. A
 		// key that became free since the mismatch was read (its holder gave it up, or it
@@ -581,8 +599,8 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 		first := d.ProviderKey
 		err = errFreeUnderEarlier
 		if claim.Lease > 0 {
-			if _, err = tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
-				d, err = dbidem.Begin(ctx, tx, earlier)
+			if err = exec("ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
+				d, err = begin()
 			}
 			if err == nil && d.Outcome == dbidem.Claimed && d.ProviderKey != first {
 				err = errFreeUnderEarlier
@@ -596,7 +614,7 @@ func (q *request) earlierReleaseDecision(ctx context.Context, tx *dbidem.Tx, cla
 		tx.Redecided(earlier, d)
 		return d, earlier, true
 	}
-	if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
+	if err := exec("ROLLBACK TO SAVEPOINT idem_earlier_release"); err == nil {
 		tx.Redecided(claim, mismatch) // the mismatch stands, and nothing of the asks does
 	}
 	return dbidem.Decision{}, claim, false
