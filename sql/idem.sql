@@ -1748,9 +1748,10 @@ COMMENT ON FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval,
 -- idem_complete: store the response of a claim and mark it completed.
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
--- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
--- answer_expires_at). The answer replaces the steps' recovery point (idem_step). Updates no
--- indexed column, so the row is updated in place (HOT).
+-- and stores nothing. The key is then kept at least the TTL after the answer is stored
+-- (lease_expires_at, see answer_expires_at): after now, or after a wait on the key's row, its
+-- end (include/restamp_answer.sql). The answer replaces the steps' recovery point
+-- (idem_step). Updates no indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -1772,6 +1773,7 @@ DECLARE
     v_problem text;
     v_now     timestamptz;
     v_since   timestamptz;
+    v_stored  timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin. What is stored (the
     -- response) is checked before the UPDATE; the key only where the UPDATE finds no claim (no
@@ -1844,6 +1846,13 @@ IF v_problem IS NOT NULL THEN
             USING ERRCODE = '55000',
                   HINT = 'The claim was taken over by a later attempt, released, expired (a lease claim past its TTL), or never made.';
     END IF;
+IF clock_timestamp() > v_now + interval '1 millisecond' THEN
+        v_stored := clock_timestamp();
+        UPDATE idem.idempotency_keys AS k
+           SET lease_expires_at = idem.answer_expires_at(coalesce(k.lease_expires_at, k.expires_at), v_now, v_stored)
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
+    END IF;
+
 END
 $$;
 
@@ -1888,6 +1897,7 @@ DECLARE
     v_size    bigint;
     v_token   bigint;
     v_since   timestamptz;
+    v_stored  timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce((length(p_principal) BETWEEN 1 AND 255 AND octet_length(p_key) BETWEEN 1 AND 255 AND p_key COLLATE pg_catalog."default" !~ '[^!-~]')
@@ -1996,6 +2006,13 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
              v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING;
         IF FOUND THEN
+IF clock_timestamp() > v_now + interval '1 millisecond' THEN
+        v_stored := clock_timestamp();
+        UPDATE idem.idempotency_keys AS k
+           SET lease_expires_at = idem.answer_expires_at(coalesce(k.lease_expires_at, k.expires_at), v_now, v_stored)
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
+    END IF;
+
             RETURN true;
         END IF;
         UPDATE idem.idempotency_keys AS k
@@ -2023,6 +2040,13 @@ IF jsonb_typeof(p_request_fields) <> 'object' THEN
                     AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
         IF FOUND THEN
+IF clock_timestamp() > v_now + interval '1 millisecond' THEN
+        v_stored := clock_timestamp();
+        UPDATE idem.idempotency_keys AS k
+           SET lease_expires_at = idem.answer_expires_at(coalesce(k.lease_expires_at, k.expires_at), v_now, v_stored)
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
+    END IF;
+
             RETURN true;
         END IF;
         IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default") THEN

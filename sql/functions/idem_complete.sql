@@ -1,9 +1,10 @@
 -- idem_complete: store the response of a claim and mark it completed.
 --
 -- Fenced by p_attempt: a claim that was taken over (or released, or never made) raises 55000
--- and stores nothing. The key is then kept at least the TTL after now (lease_expires_at, see
--- answer_expires_at). The answer replaces the steps' recovery point (idem_step). Updates no
--- indexed column, so the row is updated in place (HOT).
+-- and stores nothing. The key is then kept at least the TTL after the answer is stored
+-- (lease_expires_at, see answer_expires_at): after now, or after a wait on the key's row, its
+-- end (include/restamp_answer.sql). The answer replaces the steps' recovery point
+-- (idem_step). Updates no indexed column, so the row is updated in place (HOT).
 CREATE OR REPLACE FUNCTION idem.idem_complete(
     p_principal   text,
     p_key         text,
@@ -20,6 +21,7 @@ DECLARE
     v_problem text;
     v_now     timestamptz;
     v_since   timestamptz;
+    v_stored  timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin. What is stored (the
     -- response) is checked before the UPDATE; the key only where the UPDATE finds no claim (no
@@ -56,6 +58,7 @@ BEGIN
             USING ERRCODE = '55000',
                   HINT = 'The claim was taken over by a later attempt, released, expired (a lease claim past its TTL), or never made.';
     END IF;
+{{ template "include/restamp_answer.sql" . }}
 END
 $$;
 

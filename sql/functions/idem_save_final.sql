@@ -31,6 +31,7 @@ DECLARE
     v_size    bigint;
     v_token   bigint;
     v_since   timestamptz;
+    v_stored  timestamptz;
 BEGIN
     -- Validation: one small test on the fast path; see idem_begin.
     IF NOT coalesce({{ template "include/valid_key.sql" }} AND {{ template "include/valid_request.sql" }}
@@ -72,6 +73,7 @@ BEGIN
              v_fields, p_status, p_headers, p_body, p_resource_id, p_withheld)
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING;
         IF FOUND THEN
+{{ template "include/restamp_answer.sql" . }}
             RETURN true;
         END IF;
         UPDATE idem.idempotency_keys AS k
@@ -99,6 +101,7 @@ BEGIN
                     AND k.uncompleted IS NULL)
                 OR (k.uncompleted AND k.action_hash = v_action AND k.request_sha256 = p_request_sha256));
         IF FOUND THEN
+{{ template "include/restamp_answer.sql" . }}
             RETURN true;
         END IF;
         IF EXISTS (SELECT FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default") THEN
