@@ -31,6 +31,7 @@ type busy struct {
 	rest       time.Duration // the rest of the holder's lease, when known
 	err        error         // the ErrInProgress of a transactional claim
 	claimedAt  time.Time     // when the holder claimed, when the watch saw it
+	arrived    time.Time     // when this request first claimed: the holder claimed before
 	quick      bool          // the claim came back without waiting: pause before the next
 	refused    bool          // the wait could not start: no wait slot, or the duplicates waiting here hold MaxWaitingBytes
 	retryAfter time.Duration // set by the wait: the Retry-After of the final 409
@@ -253,14 +254,20 @@ func sleep(ctx context.Context, d time.Duration) bool {
 }
 
 // estimate is the Retry-After of a 409 request_in_progress: the rest of the work, as this
-// process knows it (the typical length of this action's lease work here, less how long the
-// holder has worked), at least a second, at most the rest of the holder's lease. Without a
-// figure, a second: the retry waits for the answer again (DuplicateWait), which costs no
-// connection.
+// process knows it (the typical length of this action's work here, less how long the holder
+// has worked), at least a second, at most the rest of the holder's lease. How long the holder
+// has worked: since its claim, when a look at a lease's row saw it; else (a transactional
+// holder, whose claim no other transaction can see) at least since this request came, which
+// makes the estimate a little late, never early. Without a figure, a second: the retry waits
+// for the answer again (DuplicateWait), which costs no connection.
 func (q *request) estimate(b *busy) time.Duration {
 	est := time.Second
-	if typical := q.m.typical.get(q.action); typical > 0 && !b.claimedAt.IsZero() {
-		est = max(typical-time.Since(b.claimedAt), time.Second)
+	start := b.claimedAt
+	if start.IsZero() {
+		start = b.arrived
+	}
+	if typical := q.m.typical.get(q.action); typical > 0 && !start.IsZero() {
+		est = max(typical-time.Since(start), time.Second)
 	}
 	if b.rest > 0 {
 		est = min(est, max(b.rest, time.Second))
@@ -268,7 +275,8 @@ func (q *request) estimate(b *busy) time.Duration {
 	return est
 }
 
-// typicals keeps, per action, a moving average of how long lease work takes in this process.
+// typicals keeps, per action, a moving average of how long its work takes in this process: a
+// lease's handler, a transactional unit of work from its claim to its commit.
 type typicals struct {
 	mu sync.Mutex
 	m  map[string]time.Duration

@@ -281,12 +281,14 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 			panic(p)
 		}
 	}()
+	arrived := time.Now()
 	for {
 		st, b := q.keyedOnce(ctx, claim, until)
 		if b == nil {
 			q.m.gate.AddTally(tally, st == StateBusy)
 			return st
 		}
+		b.arrived = arrived
 		if !q.awaitAnswer(ctx, claim, b, until) {
 			if b.refused {
 				tally.Refused = true
@@ -361,6 +363,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		counted  bool // acquired was counted (a lease's handler runs after)
 		oversize bool
 		done     trace.Span // idem.complete, while the answer is recorded
+		worked   time.Time  // the last run's claim: its work's start
 	)
 	wctx, claimed, unclaimed, end := q.workContext(ctx)
 	defer end()
@@ -409,6 +412,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		acquired = true // counted once the transaction ended: an observer never runs inside it
 		q.claimed.Store(true)
 		claimed() // the route's WorkTimeout counts from here
+		worked = time.Now()
 		q.claim = &ClaimInfo{Principal: claim.Principal, Key: claim.Key, Attempt: d.Attempt,
 			ProviderKey: d.ProviderKey, RecoveryPoint: d.RecoveryPoint}
 		if q.rt.Lease > 0 {
@@ -524,6 +528,8 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		if oversize {
 			q.m.o.Metrics.Count(q.action, StateOversize)
 		}
+		// How long the work took, from its claim to its commit: a duplicate's Retry-After.
+		q.m.typical.add(q.action, time.Since(worked))
 		rec.sendTo(q.w)
 		return StateAcquired, nil
 	}
