@@ -257,15 +257,9 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 		c.AppRole = v
 	}
 	p.duration("IDEMPOTENCY_TTL", &c.TTL, time.Second)
-	p.duration("IDEMPOTENCY_LOCK_TIMEOUT", &c.LockTimeout, time.Millisecond)
-	if c.LockTimeout > maxLockTimeout {
-		p.fail("IDEMPOTENCY_LOCK_TIMEOUT", c.LockTimeout.String(), fmt.Sprintf("want at most %s, PostgreSQL's largest lock_timeout", maxLockTimeout))
-	}
+	p.durationUpTo("IDEMPOTENCY_LOCK_TIMEOUT", &c.LockTimeout, time.Millisecond, maxLockTimeout, "PostgreSQL's largest lock_timeout")
 	p.duration("IDEMPOTENCY_WORK_TIMEOUT", &c.WorkTimeout, time.Millisecond)
-	p.duration("IDEMPOTENCY_DUPLICATE_WAIT", &c.DuplicateWait, time.Millisecond)
-	if c.DuplicateWait > idem.MaxDuplicateWait {
-		p.fail("IDEMPOTENCY_DUPLICATE_WAIT", c.DuplicateWait.String(), fmt.Sprintf("want at most %s", idem.MaxDuplicateWait))
-	}
+	p.durationUpTo("IDEMPOTENCY_DUPLICATE_WAIT", &c.DuplicateWait, time.Millisecond, idem.MaxDuplicateWait, "the library's longest wait")
 	p.integer("IDEMPOTENCY_MAX_WAITING_CLAIMS", &c.MaxWaitingClaims, 1, 10_000)
 	maxBody := int(c.MaxBodyBytes)
 	p.integer("MAX_BODY_BYTES", &maxBody, 1, 1<<30)
@@ -386,13 +380,18 @@ func (p *envParser) boolean(name string, dst *bool) {
 }
 
 func (p *envParser) duration(name string, dst *time.Duration, min time.Duration) {
+	p.durationUpTo(name, dst, min, maxDuration, "the SQL API's 10 years")
+}
+
+// durationUpTo is duration for a setting with a bound of its own, max, which what names.
+func (p *envParser) durationUpTo(name string, dst *time.Duration, min, max time.Duration, what string) {
 	v := strings.TrimSpace(p.getenv(name))
 	if v == "" {
 		return
 	}
 	d, err := time.ParseDuration(v)
-	if err != nil || d < min || d > maxDuration {
-		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (the SQL API's 10 years), such as 30s or 5m", min, maxDuration))
+	if err != nil || d < min || d > max {
+		p.fail(name, v, fmt.Sprintf("want a duration from %s to %s (%s), such as 30s or 5m", min, max, what))
 		return
 	}
 	*dst = d

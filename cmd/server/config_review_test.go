@@ -185,3 +185,22 @@ func TestConfigZeroSpelledAsDuration(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigBoundsInTheMessageAreTheVariables: a bad value's message states the variable's own
+// range. IDEMPOTENCY_DUPLICATE_WAIT=0 and IDEMPOTENCY_LOCK_TIMEOUT=-1s said "from 1ms to
+// 87600h0m0s" (every duration's 10 years), where the largest each takes is 10 minutes and
+// PostgreSQL's largest lock_timeout; a value over those got the right one.
+func TestConfigBoundsInTheMessageAreTheVariables(t *testing.T) {
+	t.Parallel()
+	for name, want := range map[string]string{
+		"IDEMPOTENCY_DUPLICATE_WAIT": "to 10m0s",
+		"IDEMPOTENCY_LOCK_TIMEOUT":   "to 596h31m23.647s",
+	} {
+		for _, v := range []string{"0", "-1s", "abc", "9999h"} {
+			err := parseWith(nil, map[string]string{name: v})
+			if err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("%s=%s: %v; want the message to say %q", name, v, err, want)
+			}
+		}
+	}
+}
