@@ -48,8 +48,12 @@ func principalOf(ctx context.Context) (string, bool) {
 }
 
 // bearer reads "Authorization: Bearer <token>"; the scheme is case-insensitive (RFC 9110,
-// section 11.1).
+// section 11.1). A request with more than one Authorization field has none that counts: which
+// one a proxy or a server reads differs (RFC 6750, section 3.1: an invalid_request).
 func bearer(r *http.Request) (string, bool) {
+	if len(r.Header.Values("Authorization")) != 1 {
+		return "", false
+	}
 	scheme, token, ok := strings.Cut(strings.TrimSpace(r.Header.Get("Authorization")), " ")
 	token = strings.TrimSpace(token)
 	return token, ok && strings.EqualFold(scheme, "Bearer") && token != "" && len(token) <= 200

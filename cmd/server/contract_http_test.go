@@ -805,3 +805,24 @@ func TestContractRequestIDBounds(t *testing.T) {
 		}
 	}
 }
+
+// TestTwoAuthorizationHeadersAreRefused: a request with two Authorization fields acted as the
+// principal of the first (a black-box review: bob's token first, alice's second, acted as bob),
+// where a proxy in front may have checked the other. Neither counts: 401, nothing done.
+func TestTwoAuthorizationHeadersAreRefused(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, alice := s.principal("alice")
+	_, bob := s.principal("bob")
+	r := s.call("POST", "/v1/accounts", "", "two-auth", `{"name":"x","currency":"EUR"}`,
+		"Authorization", "Bearer "+bob, "Authorization", "Bearer "+alice, "Content-Type", "application/json")
+	if r.status != http.StatusUnauthorized {
+		t.Fatalf("two Authorization fields: %d %s; want 401", r.status, r.body)
+	}
+	if n := s.count(`SELECT count(*) FROM ledger.accounts`); n != 0 {
+		t.Fatalf("%d accounts created by a request with two Authorization fields", n)
+	}
+	if r := s.call("POST", "/v1/accounts", alice, "one-auth", `{"name":"x","currency":"EUR"}`, "Content-Type", "application/json"); r.status != http.StatusCreated {
+		t.Fatalf("one Authorization field: %d %s; want 201", r.status, r.body)
+	}
+}
