@@ -826,3 +826,37 @@ func TestTwoAuthorizationHeadersAreRefused(t *testing.T) {
 		t.Fatalf("one Authorization field: %d %s; want 201", r.status, r.body)
 	}
 }
+
+// TestAnAccountHasOnePath: an account's id written with a sign, a leading zero or an escaped
+// digit named the account (a black-box review: /v1/accounts/+2, /002 and /%32 deposited to
+// account 2), while the fingerprint hashes the path as sent, so a retry through a proxy that
+// rewrites it was another request under its key (422). Such a path names no account: 404,
+// nothing done.
+func TestAnAccountHasOnePath(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, tok := s.principal("paths")
+	a := s.call("POST", "/v1/accounts", tok, "", `{"name":"x","currency":"EUR"}`, "Content-Type", "application/json")
+	if a.status != http.StatusCreated {
+		t.Fatalf("%+v", a)
+	}
+	id := int(a.json(t)["id"].(float64))
+	if id > 9 {
+		t.Fatalf("account id %d: the test escapes a one-digit id", id)
+	}
+	for i, p := range []string{fmt.Sprintf("+%d", id), fmt.Sprintf("0%d", id), fmt.Sprintf("%%3%d", id)} {
+		if r := s.call("GET", "/v1/accounts/"+p, tok, "", ""); r.status != http.StatusNotFound || !strings.Contains(r.body, `"account_not_found"`) {
+			t.Errorf("GET /v1/accounts/%s: %d %s; want 404 account_not_found", p, r.status, r.body)
+		}
+		r := s.call("POST", "/v1/accounts/"+p+"/deposits", tok, fmt.Sprintf("path-%d", i), `{"amount":5}`, "Content-Type", "application/json")
+		if r.status != http.StatusNotFound || !strings.Contains(r.body, `"account_not_found"`) {
+			t.Errorf("POST /v1/accounts/%s/deposits: %d %s; want 404 account_not_found", p, r.status, r.body)
+		}
+	}
+	if n := s.count(`SELECT count(*) FROM ledger.deposits`); n != 0 {
+		t.Fatalf("%d deposits through paths that name no account", n)
+	}
+	if r := s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", id), tok, "path-plain", `{"amount":5}`, "Content-Type", "application/json"); r.status != http.StatusCreated {
+		t.Fatalf("the account's own path: %d %s", r.status, r.body)
+	}
+}

@@ -187,9 +187,14 @@ func missing(w http.ResponseWriter, r *http.Request, members string) {
 	idem.Refuse(w, r, idem.CodeMalformedBody, "the body must have the members "+members)
 }
 
+// pathID is the id in the path as its decimal digits, written as the API writes ids: a sign,
+// a leading zero or an escaped digit ("+2", "002", "%32") names no account (404), so that one
+// account has one path, and a retry through a proxy that rewrites the path is not another
+// request with its key (its fingerprint hashes the path as sent).
 func pathID(r *http.Request, name string) (int64, bool) {
-	id, err := strconv.ParseInt(mux.Vars(r)[name], 10, 64)
-	return id, err == nil && id > 0
+	v := mux.Vars(r)[name]
+	id, err := strconv.ParseInt(v, 10, 64)
+	return id, err == nil && id > 0 && r.URL.RawPath == "" && strconv.FormatInt(id, 10) == v
 }
 
 func (s *ledger) getAccount(w http.ResponseWriter, r *http.Request) {
