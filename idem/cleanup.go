@@ -186,7 +186,8 @@ func (c *Cleaner) Stop() { c.c.Stop() }
 // (no pauses) and Wait.
 func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) { return c.c.Pass(ctx) }
 
-// Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default) until a
+// Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default; else from 1
+// to 1,000,000, as CleanerOptions.BatchSize, or ErrInvalidArgument) until a
 // batch comes back short, and returns how many it deleted, without pauses and without the
 // cleanup lock (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so
 // that each batch is a short transaction of its own. On a Citus coordinator every worker cleans

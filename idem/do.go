@@ -235,7 +235,12 @@ var (
 	// statement sent through it ended it (COMMIT, ROLLBACK, END or ABORT as SQL), through it
 	// or through a savepoint made from it (Begin): they would run outside the claim's
 	// transaction, each committed at once. A final answer whose claim's savepoint the work
-	// removed (ROLLBACK; BEGIN as SQL) is refused with it too. Return from the function
-	// instead; nothing of the unit of work is committed.
+	// removed (ROLLBACK; BEGIN as SQL) is refused with it too, and so is a claim (Tx.Claim)
+	// after such a statement. Return from the function instead. What the database did with
+	// the COMMIT sent as SQL stands: a transaction that holds a transactional claim without
+	// its answer cannot commit (nothing of the unit of work is committed); one without such a
+	// claim (a step's, RunTx before its claim, a lease's unit) committed the statements sent
+	// before it, and the unit of work then ran for nothing: a step's writes without its
+	// recovery point, which the next attempt writes again.
 	ErrTxOwned = dbidem.ErrTxOwned
 )

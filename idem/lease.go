@@ -78,7 +78,9 @@ func (l *Lease) AnswerDeadline() time.Time { return l.l.AnswerDeadline() }
 // Lost tells whether the lease was lost: another attempt may hold the key. The work's answer
 // must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
 // succeeds, which it does only while no other attempt has taken the key over and the key has
-// not expired (its TTL past the lease's end).
+// not expired (its TTL past the lease's end). The heartbeat ends with the lease's context (the
+// parent's end, LeaseOptions.Timeout) and extends the lease no more: past End the lease is lost
+// then too, unless Stop was called before it.
 func (l *Lease) Lost() bool { return l.l.Lost() }
 
 // Extensions is how many extensions succeeded.

@@ -134,7 +134,11 @@ func decided[T any](d Decision, result *T, replayed *bool) (done bool, err error
 	switch d.Outcome {
 	case Replay:
 		*replayed = true
-		return true, json.Unmarshal(d.Response.Body, result)
+		if err := json.Unmarshal(d.Response.Body, result); err != nil {
+			// The stored result is the first call's; T is this call's (changed since?).
+			return true, fmt.Errorf("idem: decode the stored result of the first call (a replay) into %T: %w", *result, err)
+		}
+		return true, nil
 	case Mismatch:
 		return true, fmt.Errorf("%w (changed fields %v)", ErrMismatch, d.ChangedFields)
 	case Claimed:

@@ -80,6 +80,8 @@ type Lease struct {
 	beats     atomic.Int64
 	end       atomic.Pointer[time.Time]
 	lease     time.Duration
+	// stoppedAt is when Stop was first called: a lease that ran out after it was not lost.
+	stoppedAt atomic.Pointer[time.Time]
 }
 
 // KeepAlive starts the heartbeat of the lease claim (principal, key, attempt), which was made
@@ -233,7 +235,19 @@ func (l *Lease) AnswerDeadline() time.Time {
 // must not be sent as recorded unless its recording (Complete, fenced by the attempt) still
 // succeeds, which it does only while no other attempt has taken the key over and the key has
 // not expired (its TTL past the lease's end).
-func (l *Lease) Lost() bool { return l.lost.Load() }
+//
+// The heartbeat ends with the lease's context (the parent's end, LeaseOptions.Timeout) and
+// extends the lease no more: past End the lease is lost then too, unless Stop came first.
+func (l *Lease) Lost() bool {
+	if l.lost.Load() {
+		return true
+	}
+	end := l.End()
+	if s := l.stoppedAt.Load(); s != nil {
+		return !s.Before(end)
+	}
+	return !time.Now().Before(end)
+}
 
 // TakenOver tells whether the lease was lost because the database said the claim is no longer
 // this attempt's (an extension or a step found another attempt holding the key, or the claim
@@ -249,7 +263,11 @@ func (l *Lease) Extensions() int64 { return l.beats.Load() }
 // it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
 // the stop. Safe to call more than once.
 func (l *Lease) Stop() (lost bool) {
-	l.once.Do(func() { close(l.stop) })
+	l.once.Do(func() {
+		now := time.Now()
+		l.stoppedAt.Store(&now)
+		close(l.stop)
+	})
 	<-l.done
 	l.cancel(context.Canceled)
 	return l.Lost()

@@ -550,7 +550,11 @@ func Pace(ctx context.Context, duty float64, took time.Duration) error {
 // CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
 // duty of the time (Pace; on a Citus coordinator each worker paces its own batches).
 func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (int, error) {
-	if batchSize <= 0 {
+	if batchSize < 0 || batchSize > MaxCleanupBatch {
+		return 0, fmt.Errorf("%w: the cleanup's batch size must be 0 (the SQL default) or from 1 to %d, got %d",
+			ErrInvalidArgument, MaxCleanupBatch, batchSize)
+	}
+	if batchSize == 0 {
 		d, err := ReadDefaults(ctx, q)
 		if err != nil {
 			return 0, err

@@ -187,6 +187,13 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	if err := t.acquire(); err != nil {
 		return Decision{}, err
 	}
+	if t.tx != nil {
+		// A statement sent through the Tx may have ended its transaction (COMMIT as SQL): the
+		// claim would run outside it (ErrTxOwned, as every other statement is refused).
+		if err := t.ended(); err != nil {
+			return Decision{}, err
+		}
+	}
 	b := &pgx.Batch{}
 	if t.tx == nil {
 		b.BeginTx(t.opts)
