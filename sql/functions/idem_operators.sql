@@ -222,6 +222,7 @@ DECLARE
     v_names   text[] := '{}'::text[];
     v_pos     integer := 1;
     v_nul     integer;
+    v_blob    bytea;
 BEGIN
     v_problem := CASE
 {{ template "include/check_key.sql" . }}
@@ -243,10 +244,16 @@ BEGIN
     lease_expires_at := CASE WHEN v_row.state = 'p' THEN v_row.lease_expires_at END;
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
-    WHILE v_pos <= coalesce(octet_length(v_row.request_fields), 0) LOOP
-        v_nul := position(E'\\x00'::bytea IN substr(v_row.request_fields, v_pos));
+    -- Linear in the stored form's size, as idem_begin's decoding of it: one plain copy, and
+    -- each name's end looked for in a window first.
+    v_blob := v_row.request_fields || ''::bytea;
+    WHILE v_pos <= coalesce(octet_length(v_blob), 0) LOOP
+        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, 1024));
+        IF v_nul = 0 THEN
+            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos));
+        END IF;
         EXIT WHEN v_nul = 0;
-        v_names := v_names || convert_from(substr(v_row.request_fields, v_pos, v_nul - 1), 'UTF8');
+        v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;
     END LOOP;
     field_names := ARRAY(SELECT n FROM unnest(v_names) AS n ORDER BY n COLLATE pg_catalog."C"); -- by code point (D232)
