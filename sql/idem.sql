@@ -1305,6 +1305,7 @@ DECLARE
     v_pos     integer;
     v_nul     integer;
     v_blob    bytea;
+    v_win     integer;
 BEGIN
     -- PL/pgSQL sets up each expression it evaluates again in every transaction, and a claim is
     -- usually the only call of its transaction: what costs is the number of expressions a path
@@ -1668,14 +1669,16 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 -- Linear in the stored form's size: copied once into a plain value (a stored
                 -- form of some kilobytes is compressed, and each substr of it decompressed it
                 -- up to its offset: 10,000 names took seconds), each name's end looked for in a
-                -- window of 1 KiB first (a longer name searches the rest), not in a copy of the
-                -- rest of the form at every name.
+                -- window of 1 KiB, doubled while the name goes on (a cost that follows the
+                -- name's length), not in a copy of the rest of the form at every name.
                 v_blob := v_row.request_fields || ''::bytea;
                 WHILE v_pos <= octet_length(v_blob) LOOP
-                    v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, 1024));
-                    IF v_nul = 0 THEN
-                        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos));
-                    END IF;
+                    v_win := 1024;
+                    v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+                    WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
+                        v_win := v_win * 2;
+                        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+                    END LOOP;
                     EXIT WHEN v_nul = 0;
                     v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
                     v_hashes := v_hashes || substr(v_blob, v_pos + v_nul, 8);
@@ -3500,6 +3503,7 @@ DECLARE
     v_pos     integer := 1;
     v_nul     integer;
     v_blob    bytea;
+    v_win     integer;
 BEGIN
     v_problem := CASE
 WHEN p_principal IS NULL OR p_key IS NULL
@@ -3534,13 +3538,15 @@ IF v_problem IS NOT NULL THEN
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
     -- Linear in the stored form's size, as idem_begin's decoding of it: one plain copy, and
-    -- each name's end looked for in a window first.
+    -- each name's end looked for in a window of 1 KiB, doubled while the name goes on.
     v_blob := v_row.request_fields || ''::bytea;
     WHILE v_pos <= coalesce(octet_length(v_blob), 0) LOOP
-        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, 1024));
-        IF v_nul = 0 THEN
-            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos));
-        END IF;
+        v_win := 1024;
+        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
+            v_win := v_win * 2;
+            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        END LOOP;
         EXIT WHEN v_nul = 0;
         v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;

@@ -223,6 +223,7 @@ DECLARE
     v_pos     integer := 1;
     v_nul     integer;
     v_blob    bytea;
+    v_win     integer;
 BEGIN
     v_problem := CASE
 {{ template "include/check_key.sql" . }}
@@ -245,13 +246,15 @@ BEGIN
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
     -- Linear in the stored form's size, as idem_begin's decoding of it: one plain copy, and
-    -- each name's end looked for in a window first.
+    -- each name's end looked for in a window of 1 KiB, doubled while the name goes on.
     v_blob := v_row.request_fields || ''::bytea;
     WHILE v_pos <= coalesce(octet_length(v_blob), 0) LOOP
-        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, 1024));
-        IF v_nul = 0 THEN
-            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos));
-        END IF;
+        v_win := 1024;
+        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
+            v_win := v_win * 2;
+            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        END LOOP;
         EXIT WHEN v_nul = 0;
         v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;
