@@ -3,7 +3,11 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -138,5 +142,42 @@ func TestCleanupRefusesABatchSizeOutOfRange(t *testing.T) {
 	}
 	if _, err := idem.Cleanup(ctx, pool, 0); err != nil {
 		t.Errorf("Cleanup with the default batch: %v", err)
+	}
+}
+
+// TestLeaseRouteAnswerAfterItsLeaseTimeoutIsRecorded: on a lease route, a handler that runs
+// past its LeaseTimeout (which ends its context and the heartbeat) and past the lease's end,
+// then answers a final 422, had its answer stored (fenced by the token; nobody took the key
+// over). D241's first build counted that lease lost: the answer was thrown away, the claim
+// given up and the client told 409, and every retry ran the handler again (a review of the
+// change). The middleware records it as before.
+func TestLeaseRouteAnswerAfterItsLeaseTimeoutIsRecorded(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	m, err := idem.New(ctx, idem.Options{DB: pool,
+		Principal: func(*http.Request) (string, bool) { return "alice", true },
+		Logger:    slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := new(atomic.Int32)
+	mux := http.NewServeMux()
+	mux.Handle("POST /pay", m.Route(idem.Route{Required: true, Lease: time.Second, LeaseTimeout: 200 * time.Millisecond})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		time.Sleep(1500 * time.Millisecond) // ignores its context
+		w.WriteHeader(http.StatusUnprocessableEntity)
+		_, _ = w.Write([]byte("declined"))
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, _, got := pgtest.Send(t, cctx, "POST", srv.URL+"/pay", `{"a":1}`, "Idempotency-Key", "late-final", "Content-Type", "application/json")
+	st2, h2, got2 := pgtest.Send(t, cctx, "POST", srv.URL+"/pay", `{"a":1}`, "Idempotency-Key", "late-final", "Content-Type", "application/json")
+	if st != http.StatusUnprocessableEntity || st2 != http.StatusUnprocessableEntity || got2 != "declined" ||
+		h2.Get("Idempotent-Replayed") != "true" || runs.Load() != 1 {
+		t.Fatalf("first %d %q, retry %d %q (replayed %q), handler runs %d; want the 422 stored and replayed, one run",
+			st, got, st2, got2, h2.Get("Idempotent-Replayed"), runs.Load())
 	}
 }

@@ -637,7 +637,12 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 						done()
 						if lost {
 							giveUp(errNoReply)
+							return
 						}
+						// What follows (the next ask, the COMMIT) gets the margin from here,
+						// as after the claim's answer: an ask that ended just inside the
+						// unit's bound left the COMMIT what remained of it.
+						claimed()
 					}
 				}
 			}

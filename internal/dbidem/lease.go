@@ -249,6 +249,13 @@ func (l *Lease) Lost() bool {
 	return !time.Now().Before(end)
 }
 
+// RanOutAfterItsHeartbeat tells whether the lease counts as lost only because it ran out, by
+// this process's clock, after its heartbeat had ended with its context (the parent's end,
+// LeaseOptions.Timeout) and before Stop: no extension failed, none found the key taken over.
+// A caller whose recording of the answer is fenced by the attempt anyway (the middleware's)
+// may record it as for a lease not lost.
+func (l *Lease) RanOutAfterItsHeartbeat() bool { return !l.lost.Load() && l.Lost() }
+
 // TakenOver tells whether the lease was lost because the database said the claim is no longer
 // this attempt's (an extension or a step found another attempt holding the key, or the claim
 // given up): not when it ran out by this process's clock alone, with no extension heard of

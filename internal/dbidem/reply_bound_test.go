@@ -547,3 +547,39 @@ func TestGateDefaultLockTimeoutReadIsBounded(t *testing.T) {
 	}
 	p.SetFault(pgtest.Forward)
 }
+
+// TestBoundedAskLeavesItsCommitTheMargin: in a lease claim's unit, a statement fn sends through
+// Tx.Bounded (the middleware's asks under an earlier release's fingerprint) that ended just
+// inside the unit's bound (5 s from the claim's answer) left its COMMIT only what remained of
+// it: a COMMIT of 0.5 s (a deferred trigger here; a synchronous standby, a slow fsync) was
+// given up as no reply. What follows such a statement gets ClaimReplyMargin from its end now.
+func TestBoundedAskLeavesItsCommitTheMargin(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	ctx := context.Background()
+	gate := dbidem.NewGate(dbidem.GateOptions{})
+	c := dbidem.Claim{Principal: "alice", Key: "ask-then-commit", Action: "a", Lease: 30 * time.Second, LockTimeout: 2 * time.Second}
+	c.Fingerprint[0] = 1
+	ask := dbidem.ClaimReplyMargin - 300*time.Millisecond
+	err := gate.RunDetached(ctx, ctx, pool, dbidem.TxOptions{}, c, 0, func(tx *dbidem.Tx, d dbidem.Decision) error {
+		if d.Outcome != dbidem.Claimed {
+			return fmt.Errorf("outcome %v", d.Outcome)
+		}
+		sctx, done := tx.Bounded(ctx, 0)
+		_, err := tx.Exec(sctx, `CREATE TEMP TABLE slowc(x int) ON COMMIT DROP;
+CREATE FUNCTION pg_temp.slowf() RETURNS trigger LANGUAGE plpgsql AS $f$ BEGIN PERFORM pg_sleep(0.5); RETURN NULL; END $f$;
+CREATE CONSTRAINT TRIGGER slowt AFTER INSERT ON slowc DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION pg_temp.slowf();
+INSERT INTO slowc VALUES (1)`)
+		done()
+		if err != nil {
+			return err
+		}
+		sctx, done = tx.Bounded(ctx, 8*time.Second) // an ask that may wait 8 s on the key's row
+		_, err = tx.Exec(sctx, fmt.Sprintf(`SELECT pg_sleep(%g)`, ask.Seconds()))
+		done()
+		return err
+	})
+	if err != nil {
+		t.Fatalf("an ask of %s, then a COMMIT of 0.5 s: %v; want the COMMIT given the margin", ask, err)
+	}
+}

@@ -158,8 +158,16 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// fails with ErrClaimLost. Written: a handler that returns without writing anything (the
 	// documented reaction to a lost lease; net/http would send an empty 200) answers nothing.
 	// A lost lease's other answers (an error, often the handler's reaction to its context's
-	// end) are neither recorded nor used to give the claim up.
+	// end) are not recorded: the claim is given up instead where no extension found it taken
+	// over (D164), and the client told 409.
 	lost := l.Stop()
+	if lost && l.RanOutAfterItsHeartbeat() {
+		// The route's LeaseTimeout ended the handler's context, and the heartbeat with it; the
+		// handler answered after the lease ran out. Recorded as any answer, fenced by the
+		// token (a 422 stored, a handler that wrote nothing given up with its 500), as before
+		// D241: the recording fails with ErrClaimLost once another attempt holds the key.
+		lost = false
+	}
 	late := lost && v == commit && rec != nil && rec.status != 0
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), l.AnswerDeadline())
 	defer cancel()
