@@ -1666,19 +1666,18 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 v_names := '{}';
                 v_hashes := '{}';
                 v_pos := 1;
-                -- Linear in the stored form's size: copied once into a plain value (a stored
-                -- form of some kilobytes is compressed, and each substr of it decompressed it
-                -- up to its offset: 10,000 names took seconds), each name's end looked for in a
-                -- window of 1 KiB, doubled while the name goes on (a cost that follows the
-                -- name's length), not in a copy of the rest of the form at every name.
+                -- Linear in the stored form's size (D242): copied once into a plain value (a
+                -- stored form of some kilobytes is compressed), each name's end found by
+                -- include/name_end.sql.
                 v_blob := v_row.request_fields || ''::bytea;
                 WHILE v_pos <= octet_length(v_blob) LOOP
-                    v_win := 1024;
-                    v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
-                    WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
-                        v_win := v_win * 2;
-                        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
-                    END LOOP;
+v_win := 1024;
+        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
+            v_win := v_win * 2;
+            v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
+        END LOOP;
+
                     EXIT WHEN v_nul = 0;
                     v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
                     v_hashes := v_hashes || substr(v_blob, v_pos + v_nul, 8);
@@ -3537,16 +3536,17 @@ IF v_problem IS NOT NULL THEN
     lease_expires_at := CASE WHEN v_row.state = 'p' THEN v_row.lease_expires_at END;
     attempt := v_row.attempt;
     action_hash := v_row.action_hash;
-    -- Linear in the stored form's size, as idem_begin's decoding of it: one plain copy, and
-    -- each name's end looked for in a window of 1 KiB, doubled while the name goes on.
+    -- Linear in the stored form's size, as idem_begin's decoding of it (D242): one plain
+    -- copy, each name's end found by include/name_end.sql.
     v_blob := v_row.request_fields || ''::bytea;
     WHILE v_pos <= coalesce(octet_length(v_blob), 0) LOOP
-        v_win := 1024;
+v_win := 1024;
         v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
         WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
             v_win := v_win * 2;
             v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
         END LOOP;
+
         EXIT WHEN v_nul = 0;
         v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
         v_pos := v_pos + v_nul + 8;

@@ -230,19 +230,12 @@ BEGIN
                 v_names := '{}';
                 v_hashes := '{}';
                 v_pos := 1;
-                -- Linear in the stored form's size: copied once into a plain value (a stored
-                -- form of some kilobytes is compressed, and each substr of it decompressed it
-                -- up to its offset: 10,000 names took seconds), each name's end looked for in a
-                -- window of 1 KiB, doubled while the name goes on (a cost that follows the
-                -- name's length), not in a copy of the rest of the form at every name.
+                -- Linear in the stored form's size (D242): copied once into a plain value (a
+                -- stored form of some kilobytes is compressed), each name's end found by
+                -- include/name_end.sql.
                 v_blob := v_row.request_fields || ''::bytea;
                 WHILE v_pos <= octet_length(v_blob) LOOP
-                    v_win := 1024;
-                    v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
-                    WHILE v_nul = 0 AND v_pos + v_win <= octet_length(v_blob) LOOP
-                        v_win := v_win * 2;
-                        v_nul := position(E'\\x00'::bytea IN substr(v_blob, v_pos, v_win));
-                    END LOOP;
+{{ template "include/name_end.sql" }}
                     EXIT WHEN v_nul = 0;
                     v_names := v_names || convert_from(substr(v_blob, v_pos, v_nul - 1), 'UTF8');
                     v_hashes := v_hashes || substr(v_blob, v_pos + v_nul, 8);
