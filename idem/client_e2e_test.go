@@ -22,6 +22,7 @@ import (
 // a key reused for another body gets 422 once, and many goroutines of one Client under one key
 // make one effect.
 func TestClientAgainstTheMiddleware(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	pgtest.Exec(t, pool, `CREATE TABLE deposits (id serial PRIMARY KEY, account text, amount int)`)
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, DuplicateWait: 300 * time.Millisecond,

@@ -48,6 +48,7 @@ func cpServer(t *testing.T, opts idem.Options) (*httptest.Server, func(string) i
 // operation" at once (go doc idemclient: "A final answer (a 2xx, any other 4xx ...) ends the
 // operation: retrying it would get the same answer"), Attempts 1, not ErrGaveUp.
 func TestLargeBodyFinalAnswerIsNotRetried(t *testing.T) {
+	t.Parallel()
 	srv, _ := cpServer(t, idem.Options{})
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -96,6 +97,7 @@ func (z *cpRouteTo) RoundTrip(r *http.Request) (*http.Response, error) {
 // shutdown: A shuts down with a 500 ms deadline while the work runs: it rolls back, and the
 // retry on B runs the work (one effect, a 201 not replayed).
 func TestImpatientClientAcrossProcesses(t *testing.T) {
+	t.Parallel()
 	for _, shutdown := range []bool{false, true} {
 		name := "plain"
 		if shutdown {

@@ -95,6 +95,7 @@ func cfgRaw(t *testing.T, srv *httptest.Server, body string, lines ...string) (i
 // maximum, DuplicateWait at MaxDuplicateWait, a lease route at MaxDuration with LeaseTimeout
 // at math.MaxInt64. Asserted: 201, then a replay; the lease route alike.
 func TestConfigBoundsWorkAtRequestTime(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	o := idem.Options{WorkTimeout: math.MaxInt64, LockTimeout: idem.MaxLockTimeout, TTL: idem.MaxDuration,
 		MaxBodyBytes: math.MaxInt64, MaxStoredBodyBytes: math.MaxInt, MaxAttempts: math.MaxInt,
@@ -129,6 +130,7 @@ func TestConfigBoundsWorkAtRequestTime(t *testing.T) {
 // Asserted: with LockTimeout 1 minute and DuplicateWait 300ms, a duplicate of a key held by
 // another process gets 409 with Retry-After within 2 seconds.
 func TestConfigLockTimeoutAboveDuplicateWait(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	e := cfgNew(t, 4, idem.Options{LockTimeout: time.Minute, DuplicateWait: 300 * time.Millisecond}, idem.Route{Action: "POST /x"})
 	holder := pgtest.Connect(t, pgtest.URLOf(t, e.pool))
@@ -148,6 +150,7 @@ func TestConfigLockTimeoutAboveDuplicateWait(t *testing.T) {
 // nothing is stored for a refused one. Asserted per case: status and code, the handler's
 // effect count and the key rows.
 func TestConfigPrincipals(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	var mu sync.Mutex
 	principal := "alice"
@@ -202,6 +205,7 @@ func TestConfigPrincipals(t *testing.T) {
 // leave the request counted as work in flight: Shutdown returns nil at once. Asserted:
 // Shutdown with a 2 s deadline returns nil within it, and no key is stored.
 func TestConfigPanickingPrincipalLeavesNoWork(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	e := cfgNew(t, 4, idem.Options{Principal: func(r *http.Request) (string, bool) {
 		if r.Header.Get("X-Boom") != "" {
@@ -232,6 +236,7 @@ func TestConfigPanickingPrincipalLeavesNoWork(t *testing.T) {
 // lines get 400; the header name is case-insensitive (HTTP). Asserted per case: the status
 // (and the replay of the first answer when the key is the same).
 func TestConfigKeyHeaderVariants(t *testing.T) {
+	t.Parallel()
 	e := cfgNew(t, 4, idem.Options{}, idem.Route{Action: "POST /x", Required: true})
 	k255 := strings.Repeat("k", 255)
 	for _, c := range []struct {
@@ -277,6 +282,7 @@ func TestConfigKeyHeaderVariants(t *testing.T) {
 // matched by Handler: every request to the route the user believed idempotent ran every time,
 // key or not, silently. Each of them panics now.
 func TestConfigDeclareThatCannotWorkPanics(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: quietLogger()})
 	if err != nil {
@@ -301,6 +307,7 @@ func TestConfigDeclareThatCannotWorkPanics(t *testing.T) {
 // correlation_id, where Options.Logger promises "never a raw key or body: keys are logged as a
 // short hash". New refuses the combination, naming both fields.
 func TestConfigKeyHeaderThatIsTheCorrelationHeader(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	var logs strings.Builder
 	var mu sync.Mutex
@@ -335,6 +342,7 @@ func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 // TCP connection and never answers (no connect_timeout in its string) must not hold New past
 // ctx. Asserted: New returns an error within a second of ctx's 500 ms deadline.
 func TestConfigNewIsBoundedByItsContext(t *testing.T) {
+	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -367,6 +375,7 @@ func TestConfigNewIsBoundedByItsContext(t *testing.T) {
 // is 413 request_too_large before any database work, with a Content-Length or chunked, and
 // nothing is stored for it. Asserted: statuses, one effect, one key row.
 func TestConfigTinyMaxBodyBytes(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	e := cfgNew(t, 4, idem.Options{MaxBodyBytes: 2}, idem.Route{Action: "POST /x"})
 	if st, _, b := pgtest.Send(t, ctx, "POST", e.srv.URL+"/x", `{}`, "Idempotency-Key", "k1"); st != 201 {

@@ -50,6 +50,7 @@ func (c *stallConn) Write(p []byte) (int, error) {
 // the operation"), so the operation ended with a 400 and no effect. A body that did not arrive
 // whole is 408 request_body_incomplete now, which idemclient retries (D183).
 func TestBodyCutInTransitIsNotFinal(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	var runs atomic.Int32
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet})

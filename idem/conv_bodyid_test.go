@@ -94,6 +94,7 @@ func incompressibleAnswer() []byte {
 // (chi's Compress writes raw DEFLATE for "deflate"; the first build of the decoding read only
 // zlib).
 func TestCompressedWithheldBodyKeepsItsResourceID(t *testing.T) {
+	t.Parallel()
 	answer := incompressibleAnswer()
 	for _, c := range []struct {
 		name, accept string
@@ -117,6 +118,7 @@ func TestCompressedWithheldBodyKeepsItsResourceID(t *testing.T) {
 // answer whose "id" follows a big member lost its resource_id. Plain bodies are read whole
 // again.
 func TestPlainWithheldBodyIDAfter16MiB(t *testing.T) {
+	t.Parallel()
 	var b bytes.Buffer
 	b.WriteString(`{"statement":"`)
 	b.WriteString(strings.Repeat("x", 17<<20))

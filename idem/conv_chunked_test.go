@@ -78,6 +78,7 @@ func cutAnswer(t *testing.T, conn net.Conn) (int, string) {
 // request_body_unreadable, which every client takes as final, while the same request sent
 // whole succeeds. It is 408 now.
 func TestChunkedBodyCutBeforeItsLastCRLFIsIncomplete(t *testing.T) {
+	t.Parallel()
 	srv, runs := cutServer(t, 400*time.Millisecond, nil)
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	body := `{"note":"x"}`

@@ -89,6 +89,7 @@ func convDuplicate(t *testing.T, srv *httptest.Server, runs *atomic.Int32, c *id
 // body. The duplicate is told 409 request_in_progress now, as a lease route's is, and the
 // client's retry gets the first answer (D183). The effect happens once.
 func TestDuplicatePastItsRequestDeadlineIsToldToRetry(t *testing.T) {
+	t.Parallel()
 	srv, runs, effects := deadlineServer(t, idem.Route{Required: true}, time.Second, 2500*time.Millisecond)
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond}
 	first, res, err := convDuplicate(t, srv, runs, c)

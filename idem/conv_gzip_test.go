@@ -53,6 +53,7 @@ var gzipped = compressing("gzip", func(w io.Writer) io.WriteCloser { return gzip
 // and body, byte for byte"; the core promise: the retry gets the first answer, the same status
 // and body.
 func TestCompressedAnswerReplaysWithItsEncoding(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet})
 	if err != nil {

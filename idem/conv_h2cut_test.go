@@ -39,6 +39,7 @@ func (w *h2StatusWriter) WriteHeader(code int) {
 // counted) 400 request_body_unreadable, a final client error, where the same cut over HTTP/1.1
 // is 408. net/http's HTTP/2 reports are matched by their text now (transportCut).
 func TestHTTP2BodyCutIsIncomplete(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet})
 	if err != nil {

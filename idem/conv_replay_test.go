@@ -25,6 +25,7 @@ import (
 // ever change: the key's answer is known and stored. A replay is the first answer, and
 // idemclient takes every replay as final now (D183).
 func TestStoredReplayIsFinalWhateverItsStatus(t *testing.T) {
+	t.Parallel()
 	var runs atomic.Int32
 	srv, _ := auditServer(t, idem.Options{}, idem.Route{Required: true}, func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)

@@ -21,6 +21,7 @@ import (
 // line's text contained the words, and every retry of the same bytes got 408 again. The whole
 // text of net/http's own error is matched now.
 func TestMalformedTrailerIsUnreadable(t *testing.T) {
+	t.Parallel()
 	srv, runs := cutServer(t, 5*time.Second, nil)
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	body := `{"note":"x"}`

@@ -60,6 +60,7 @@ func d233Post(t *testing.T, url, key, body string) d233Resp {
 // rolled the work back (transactional route), or gave the lease up unanswered (lease route),
 // while the client got the 2xx; a Refuse after a written status changes nothing now.
 func TestD233ReviewRefuseAfterSuccessHeader(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		name  string
 		rt    idem.Route
@@ -132,6 +133,7 @@ func TestD233ReviewRefuseAfterSuccessHeader(t *testing.T) {
 // 5xx, and the client's retry runs the handler again". The first run of each handler below
 // refuses so, in one way; the second run answers 201, which is stored and replayed.
 func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
+	t.Parallel()
 	type variant struct {
 		name       string
 		rt         idem.Route
@@ -259,6 +261,7 @@ func TestD233ReviewRefuseInProgressVariants(t *testing.T) {
 // Refuse(CodeInProgress), which is not stored, and the waiting request then claims and runs the
 // handler itself.
 func TestD233ReviewGateCountsCoalescedHTTP(t *testing.T) {
+	t.Parallel()
 	for _, refuseFirst := range []bool{false, true} {
 		t.Run(fmt.Sprintf("refuseFirst=%v", refuseFirst), func(t *testing.T) {
 			ctx := context.Background()
@@ -344,6 +347,7 @@ func d233Decode(t *testing.T, text string, v any) (int, time.Duration) {
 // layout, up to 10,000 digits)", time.Duration and json.Number; it must never panic or hang,
 // never take a non-integer into a big.Int, and decode two bodies of one fingerprint alike.
 func TestD233ReviewDecodeJSONHostileNumbers(t *testing.T) {
+	t.Parallel()
 	type bigs struct {
 		N *big.Int `json:"n"`
 	}
@@ -442,6 +446,7 @@ func TestD233ReviewDecodeJSONHostileNumbers(t *testing.T) {
 // malformed_body (a stored final answer for a keyed request) in D233's first build, whose
 // bound counted the minus sign as a digit.
 func TestD233ReviewDecodeJSONNegativeDigitBound(t *testing.T) {
+	t.Parallel()
 	type bigs struct {
 		N *big.Int `json:"n"`
 	}
@@ -469,6 +474,7 @@ func TestD233ReviewDecodeJSONNegativeDigitBound(t *testing.T) {
 // semantics took both (json.Number is a string type); D233's first build refused both with 400
 // malformed_body.
 func TestD233ReviewDecodeJSONNumberFromString(t *testing.T) {
+	t.Parallel()
 	var viaStd struct {
 		N stdjson.Number `json:"n"`
 	}

@@ -19,6 +19,7 @@ var publicDirs = []string{".", "../idemclient", "idemprom", "idemmux", "idemmigr
 // every exported field of a struct and every method of an interface (a name in a documented
 // const or var group, or a field in a documented group of fields, counts as documented).
 func TestEveryNameIsDocumented(t *testing.T) {
+	t.Parallel()
 	for _, dir := range publicDirs {
 		fset := token.NewFileSet()
 		paths, err := filepath.Glob(filepath.Join(dir, "*.go"))

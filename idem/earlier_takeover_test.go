@@ -137,6 +137,7 @@ func etSetup(t *testing.T, key string, status int) *etJob {
 // it is, not replayed; the JSON retry right after (no wait) runs, under the same provider key,
 // skipping the recorded step, and gets 201; a later text/plain replays the 201.
 func TestEarlierTakeoverTakeoverRefusalUnstoredJSONGoesOnAtOnce(t *testing.T) {
+	t.Parallel()
 	for _, status := range []int{415, 409, 303, 408, 502} {
 		t.Run(http.StatusText(status), func(t *testing.T) {
 			t.Parallel()

@@ -96,6 +96,7 @@ func glCoalescedDo(t *testing.T, pool idem.Pool, g *idem.Gate, call func(key str
 // second waits in Go for the first, and the job's Gate counts it (GateStats.Coalesced: "counts
 // the requests that found their key in flight in this process and waited in line for it").
 func TestGoLibDoCoalescedCountsInItsGate(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 6)
 	g := idem.NewGate(idem.GateOptions{})
 	glCoalescedDo(t, pool, g, func(_ string, do func(ctx context.Context) (int, error)) {
@@ -116,6 +117,7 @@ func TestGoLibDoCoalescedCountsInItsGate(t *testing.T) {
 // process and waited in line for it" (GateStats), "Job.Gate coalesces concurrent calls of this
 // process with the same key" and Gate.Stats "reads the Gate's figures".
 func TestGoLibDoInHandlerCountsInItsGate(t *testing.T) {
+	t.Parallel()
 	for _, route := range []struct {
 		name string
 		rt   idem.Route
@@ -173,6 +175,7 @@ func TestGoLibDoInHandlerCountsInItsGate(t *testing.T) {
 // which big.Int's UnmarshalJSON refuses: the request got a final 400 malformed_body (stored for
 // its key) until D233, whose *big.Int reads both layouts.
 func TestGoLibDecodeJSONLargeIntegers(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: glAlice})
@@ -241,6 +244,7 @@ func glDecodeServer(t *testing.T, newV func() any) *httptest.Server {
 // into it. Until D233 DecodeJSON answered every such body 400 malformed_body (final, stored for
 // the key); it reads the canonical text into a json.Number now.
 func TestGoLibDecodeJSONNumberField(t *testing.T) {
+	t.Parallel()
 	type order struct {
 		Amount json.Number `json:"amount"`
 	}
@@ -262,6 +266,7 @@ func TestGoLibDecodeJSONNumberField(t *testing.T) {
 // has "no default representation" for it): 400 malformed_body, final. Read as encoding/json
 // reads it since D233.
 func TestGoLibDecodeJSONDurationField(t *testing.T) {
+	t.Parallel()
 	type job struct {
 		Timeout time.Duration `json:"timeout"`
 	}
@@ -281,6 +286,7 @@ func TestGoLibDecodeJSONDurationField(t *testing.T) {
 // handler, DoLease's fn)"): a transactional route's handler and Do's fn are not the work of a
 // lease, and fn must not run.
 func TestGoLibStepOutsideLeaseWork(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: glAlice})
@@ -339,6 +345,7 @@ func TestGoLibStepOutsideLeaseWork(t *testing.T) {
 // stored as the key's final answer (409 is in DefaultFinalStatus) and every retry got it
 // replayed, for the key's TTL; the first 409 also had no Retry-After.
 func TestGoLibRefuseInProgressIsNotStored(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 8)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: glAlice})
@@ -422,6 +429,7 @@ type glExotic struct {
 // struct, time.Time with its monotonic reading, *big.Int past 2^64, json.RawMessage, ",string"
 // and ",omitempty" tags, -0 and large floats) replays as the same JSON, and NaN is refused.
 func TestGoLibDoExoticResultReplays(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	n, _ := new(big.Int).SetString("123456789012345678901234567890", 10)

@@ -30,6 +30,7 @@ import (
 // Retry-After, "The handler failed". Before D173 it was 503 store_unavailable with
 // Retry-After: 1, which it is: the store cannot record anything, a retry may pass.
 func TestReviewD173ReadOnlyStoreIs503(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, url := pgtest.NewPool(t, 2)
 	cfg, err := pgxpool.ParseConfig(url)
@@ -66,6 +67,7 @@ func TestReviewD173ReadOnlyStoreIs503(t *testing.T) {
 // WriteHeader(0) gets 201 under net/http alone, and 500 internal_error, its work rolled back,
 // under the middleware.
 func TestReviewD173SuperfluousInvalidWriteHeaderIgnored(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_sup (id int)`)
@@ -105,6 +107,7 @@ func TestReviewD173SuperfluousInvalidWriteHeaderIgnored(t *testing.T) {
 // takes for a lost connection, ErrCommitUnknown. Nothing can have committed. (A keyed request
 // meets 25P02 at idem_complete instead; idem.RunTx's callers get ErrCommitUnknown too.)
 func TestReviewD173UnkeyedAbortedTxIs500(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_uniq (id int PRIMARY KEY); INSERT INTO rv_uniq VALUES (1)`)
@@ -129,6 +132,7 @@ func TestReviewD173UnkeyedAbortedTxIs500(t *testing.T) {
 // relation whose name contains "idempotency_keys" (an application's own table, e.g. a legacy
 // public.idempotency_keys or order_idempotency_keys): the handler runs 2×MaxAttempts times.
 func TestReviewD173HandlerLockTimeoutOnTableNamedLikeKeyTable(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE order_idempotency_keys (id int PRIMARY KEY); INSERT INTO order_idempotency_keys VALUES (1)`)
@@ -164,6 +168,7 @@ func TestReviewD173HandlerLockTimeoutOnTableNamedLikeKeyTable(t *testing.T) {
 // timeout) has its whole unit run again as a wait on the outer key's row: fn runs twice, and
 // the call takes two inner lock timeouts. The error is fn's (workError), not the outer claim's.
 func TestReviewD173NestedDoKeyWaitRunsOuterWorkOnce(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 6)
 	holder := pgtest.Connect(t, url)
@@ -193,6 +198,7 @@ func TestReviewD173NestedDoKeyWaitRunsOuterWorkOnce(t *testing.T) {
 // the unexported workError. Callers that compare it (err == pgx.ErrNoRows, a type switch on
 // their own error type) stop matching, although neither the error's text nor go doc changed.
 func TestReviewD173DoReturnsFnErrorAsIs(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	_, _, err := idem.Do(ctx, pool, idem.Job{Principal: "p", Key: "rv-norows", Action: "x"}, idem.TxOptions{},

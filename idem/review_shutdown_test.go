@@ -49,6 +49,7 @@ func shutdownWait(t *testing.T, c <-chan struct{}, what string) {
 // now. The gap is held open by a Route.Fingerprint that blocks. The request gets its answer:
 // Shutdown's drain ends only waits on another holder, not a fresh claim (D161).
 func TestShutdownWaitsForAKeyedRequestInTheMiddleware(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice})
@@ -125,6 +126,7 @@ func TestShutdownWaitsForAKeyedRequestInTheMiddleware(t *testing.T) {
 // process) replayed it for work that never happened (D160). The lease is given up now, the
 // client told 503 shutting_down, and the retry runs the work under the same provider key.
 func TestLeaseHandlerThatStopsOnShutdownIsGivenUp(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice})
@@ -191,6 +193,7 @@ func TestLeaseHandlerThatStopsOnShutdownIsGivenUp(t *testing.T) {
 // extra seconds: Shutdown returns ctx's error after the grace, and the unit of work, returning
 // 201 later, rolls back: nothing is stored (neither its write nor the key's answer).
 func TestTxHandlerPastTheGraceStoresNothing(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE shutdown_effects (id int)`)
@@ -239,6 +242,7 @@ func TestTxHandlerPastTheGraceStoresNothing(t *testing.T) {
 // Shutdown starts; Shutdown waits for the first; two concurrent Shutdowns both return nil;
 // after they returned (ctx alive) ... and after ctx ends, keyed requests get 503, unkeyed ones run.
 func TestShutdownDrainsDuplicatesAndWaits(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice})
@@ -306,6 +310,7 @@ func TestShutdownDrainsDuplicatesAndWaits(t *testing.T) {
 // another session: Stop returns promptly, and the batch does not delete after the lock is
 // released.
 func TestCleanerStopDuringAPass(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.InsertExpired(t, pool, "old", 50)
@@ -347,6 +352,7 @@ func TestCleanerStopDuringAPass(t *testing.T) {
 // sleep while Shutdown starts. Only waits on another holder end with the drain now: a
 // duplicate of the held request still gets 409 at once.
 func TestShutdownServesFreshKeysWhileItWaits(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 24)
 	pgtest.Exec(t, pool, `CREATE FUNCTION public.slow_claim() RETURNS trigger LANGUAGE plpgsql AS

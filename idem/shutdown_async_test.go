@@ -24,6 +24,7 @@ import (
 // and had it ended under it a moment later with ErrShutdown, in 50 of 50 rounds (D179). Such a
 // request is refused before its handler now, 503 shutting_down, as a keyed one is.
 func TestUnkeyedLeaseRequestAfterShutdownDoesNotStart(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	const rounds = 50
@@ -118,6 +119,7 @@ func (b *blockingObserver) Count(a string, s idem.State) {
 // do the work, and its 201 was recorded after the deadline, in 26 to 29 of 30 rounds (D179).
 // The work does not start now: the claim is given up, and the client told 503 shutting_down.
 func TestLeaseWorkDoesNotStartAfterShutdownsDeadline(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	const rounds = 30
@@ -192,6 +194,7 @@ func TestLeaseWorkDoesNotStartAfterShutdownsDeadline(t *testing.T) {
 // before its principal function now. The gap is held open by the request's body, which the
 // test sends in two parts.
 func TestShutdownWaitsForAKeyedRequestInItsPrincipal(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	principalIn := make(chan struct{})
@@ -259,6 +262,7 @@ func TestShutdownWaitsForAKeyedRequestInItsPrincipal(t *testing.T) {
 // (D179). Every request to a lease route is counted from its start now. The gap is held open by
 // the body, sent in two parts.
 func TestShutdownWaitsForAnUnkeyedLeaseRequestReadingItsBody(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice})

@@ -25,6 +25,7 @@ import (
 // logged at ERROR, in 96 to 211 of 240 duplicates (D179). Each duplicate is answered 409
 // request_in_progress or 503 shutting_down now.
 func TestDrainedDuplicateAtTheDeadlineIsNotAStoreFailure(t *testing.T) {
+	t.Parallel()
 	for _, after := range []time.Duration{0, 300 * time.Millisecond} {
 		t.Run(fmt.Sprintf("deadline_after=%v", after), func(t *testing.T) { drainAtDeadline(t, after) })
 	}

@@ -19,6 +19,7 @@ import (
 // handler, nested middleware, 400/413/415/422/428 refusals, two key headers) must all be
 // uncounted afterwards: Shutdown then returns nil at once.
 func TestShutdownLeavesNoCountBehind(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	type tc struct {
@@ -100,6 +101,7 @@ func TestShutdownLeavesNoCountBehind(t *testing.T) {
 // keyed requests run, under -race; none deadlocks, and once one deadline passed a new keyed
 // request is refused.
 func TestManyShutdownsAtOnce(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 8)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: bearerOK})

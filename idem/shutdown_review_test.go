@@ -72,6 +72,7 @@ func bearerOK(r *http.Request) (string, bool) {
 // same request without the header is the control. The gap is held by a handler blocked on a
 // channel.
 func TestAnonymousRequestWithKeyHeaderDoesNotHoldShutdown(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	for _, withKey := range []bool{false, true} {
@@ -123,6 +124,7 @@ func TestAnonymousRequestWithKeyHeaderDoesNotHoldShutdown(t *testing.T) {
 // grace waits only for requests that began their claim or their work now. The gap is held by
 // the body, an io.Pipe written in two parts.
 func TestSlowArrivalDoesNotHoldShutdownPastItsDeadline(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	cases := []struct {
@@ -228,6 +230,7 @@ func leaseGap(t *testing.T, mA *idem.Middleware, obs *eventObserver, key string,
 // under the provider key of the claim that was given up, not wait out the lease (409). Also
 // records what the observer and the traces were told.
 func TestLeaseGivenUpAtStartIsFreeForTheRetry(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	spans := tracetest.NewSpanRecorder()
@@ -301,6 +304,7 @@ func TestLeaseGivenUpAtStartIsFreeForTheRetry(t *testing.T) {
 // claim stands until its lease runs out, so the client is told to retry after the lease, not
 // after a second (a retry then would get 409 for the rest of the lease).
 func TestLeaseGiveUpFailsAtStart(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 6)
 	obs := &eventObserver{blockAction: "POST /pay", in: make(chan struct{}), release: make(chan struct{})}
@@ -355,6 +359,7 @@ func TestLeaseGiveUpFailsAtStart(t *testing.T) {
 // request after the deadline, a claim ended under way (the pool's only connection held), an
 // unkeyed lease request after the deadline. None may be counted.
 func TestShutdownPathsCountNothing(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 1)
 	spans := tracetest.NewSpanRecorder()
@@ -423,6 +428,7 @@ func TestShutdownPathsCountNothing(t *testing.T) {
 // at once and the middleware refuse new keyed requests; the first returns once the work is
 // gone.
 func TestShutdownTwiceOneEnded(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice})
@@ -484,6 +490,7 @@ func TestShutdownTwiceOneEnded(t *testing.T) {
 // outer middleware, which counts it, and the inner, which hands it on. None may stay counted:
 // Shutdown afterwards returns nil at once.
 func TestNestedHandlerAndRouteLeaveNoCount(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m, err := idem.New(ctx, idem.Options{DB: pool, Principal: bearerOK})

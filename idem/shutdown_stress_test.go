@@ -34,6 +34,7 @@ type shutdownEvent struct {
 //   - the tx route's effects match its 2xx answers, one per key at most; no key is left in
 //     progress.
 func TestShutdownStressInvariants(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 8)
 	pgtest.Exec(t, pool, `CREATE TABLE stress_effects (id serial PRIMARY KEY, k text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`)

@@ -43,6 +43,7 @@ func quietMiddleware(t *testing.T, o idem.Options) *idem.Middleware {
 // transaction committed and the 200 (with the error text as body) was stored and replayed for
 // the TTL. The recorder panics as net/http does now: 500, rolled back.
 func TestReviewSilentInvalidStatusRollsBack(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE zz_effects (id int)`)
@@ -91,6 +92,7 @@ func TestReviewSilentInvalidStatusRollsBack(t *testing.T) {
 // the same work context, which Shutdown ends with ErrShutdown, but its silent handler was sent
 // net/http's empty 200: the client was told the work succeeded although it never ran.
 func TestReviewSilentUnkeyedLeaseRequestSilentAtShutdown(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})
@@ -129,6 +131,7 @@ func TestReviewSilentUnkeyedLeaseRequestSilentAtShutdown(t *testing.T) {
 // route's handler: its context ends then". A request without a key on a lease route ran
 // without that bound: its handler's context did not end at LeaseTimeout.
 func TestReviewSilentUnkeyedLeaseRequestNotBoundedByLeaseTimeout(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})

@@ -24,6 +24,7 @@ type svProviderAnswer struct {
 // and failed again. Asserts the first DoLease succeeds and the provider is called once over two
 // calls.
 func TestStepValueEmptyOmittedSlice(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	var calls atomic.Int32

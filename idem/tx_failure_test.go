@@ -21,6 +21,7 @@ import (
 // database is down). The same for a deferred constraint that fails at COMMIT. PostgreSQL's
 // refusals of the work's own statements are 500 internal_error now (D173).
 func TestReviewSilentTxHandlerFailureIs500(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rs_uniq (id int PRIMARY KEY); INSERT INTO rs_uniq VALUES (1);
@@ -73,6 +74,7 @@ func TestReviewSilentTxHandlerFailureIs500(t *testing.T) {
 // answer to the same handler at Shutdown) nor a timeout of the work. Now 503 shutting_down at
 // Shutdown, 500 internal_error at WorkTimeout (D173).
 func TestReviewSilentTxContextEndedAnswer(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	m := quietMiddleware(t, idem.Options{DB: pool})
@@ -112,6 +114,7 @@ func TestReviewSilentTxContextEndedAnswer(t *testing.T) {
 // runs in all, and answered "the idempotency store is locked for maintenance". The work's
 // errors are its own now: the handler runs MaxAttempts times, then its answer is sent.
 func TestReviewSilentHandlerLockTimeoutRunsMaxAttempts(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rs_held (id int PRIMARY KEY); INSERT INTO rs_held VALUES (1)`)

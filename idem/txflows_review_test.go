@@ -14,6 +14,7 @@ import (
 // TestTxLegitimateFlows: flows a handler or a Do's fn uses that end no transaction must
 // still commit after D195's ended() checks.
 func TestTxLegitimateFlows(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 4)
 	pgtest.Exec(t, pool, `CREATE TABLE rv_t (k text PRIMARY KEY)`)

@@ -21,6 +21,7 @@ import (
 // for work that ran and whose result was stored; a lease route answered 409). The read is
 // tried again now, as the completion is.
 func TestPersistAnswerReadsALandedAnswerAgain(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		// kill: answered's read, caught waiting on the table lock, has its backend terminated;

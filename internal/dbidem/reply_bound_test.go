@@ -498,6 +498,11 @@ func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, un
 		t.Fatal(err)
 	}
 	t.Cleanup(other.Close)
+	// connected now: a connection made when the hold starts may come late on a loaded machine,
+	// and the claim it should wait for go through first
+	if err := other.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
 	done := make(chan error, 1)
 	time.AfterFunc(time.Until(start.Add(from)), func() {
 		tx := job

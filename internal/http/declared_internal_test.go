@@ -5,6 +5,7 @@ import "testing"
 // TestDeclaredKey: a declared route's key leaves the variables' patterns out, nested braces
 // included, and upper-cases the method.
 func TestDeclaredKey(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[[2]string]string{
 		{"post", "/orders"}:                             "POST /orders",
 		{"POST", "/accounts/{id:[0-9]+}/deposits"}:      "POST /accounts/{id}/deposits",

@@ -17,6 +17,7 @@ import (
 // string that is a number, as encoding/json does; any other string, a fraction or a runaway
 // exponent is 400.
 func TestDecodeJSONNumberTypes(t *testing.T) {
+	t.Parallel()
 	decode := func(t *testing.T, text string, v any) int {
 		t.Helper()
 		r := httptest.NewRequest(http.MethodPost, "/", strings.NewReader(text))

@@ -26,6 +26,7 @@ import (
 // of D211 read the abort as an answer and let them claim side by side (a wait slot on the key's
 // row, and the ones without a slot 409 at once).
 func TestGateAbortedHandlerIsNoAnswer(t *testing.T) {
+	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 12)
 	pgtest.Exec(t, pool, `CREATE TABLE effects (id serial PRIMARY KEY, amount int)`)
 	var runs atomic.Int32

@@ -25,6 +25,7 @@ import (
 // (201). In a build of D211 it was refused for want of a slot (taken again by a rerun): 409
 // request_in_progress, at once, for a key nobody held, and the handler never ran again.
 func TestGateRerunAfter40001IsNot409(t *testing.T) {
+	t.Parallel()
 	pool, url := pgtest.NewPool(t, 10)
 	ctx := context.Background()
 

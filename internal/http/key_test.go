@@ -13,6 +13,7 @@ import (
 )
 
 func TestParseKey(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		in             []string
 		key            string

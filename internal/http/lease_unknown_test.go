@@ -34,6 +34,7 @@ import (
 // in flight: fn runs again (an outside call in it repeats), then the first COMMIT lands and the
 // second try ends with ErrStepRecorded, the very symptom D168 says it fixed.
 func TestStepAgainWhileCommitInFlightRunsFnOnce(t *testing.T) {
+	t.Parallel()
 	const lease = 20 * time.Second // long: the lease stays alive all along
 	z := newGapApp(t, lease, nil)
 	hold := z.proxy.rule("commit\x00", gapHoldRequest)
@@ -77,6 +78,7 @@ func TestStepAgainWhileCommitInFlightRunsFnOnce(t *testing.T) {
 // ErrCommitUnknown again and does not run fn (D168). Called once more after the COMMIT has
 // landed, it returns the saved value: fn ran once, one row.
 func TestStepAgainWhileCommitHeldPastLockTimeout(t *testing.T) {
+	t.Parallel()
 	const lease = 20 * time.Second
 	z := newGapApp(t, lease, nil)
 	hold := z.proxy.rule("commit\x00", gapHoldRequest)
@@ -130,6 +132,7 @@ func TestStepAgainWhileCommitHeldPastLockTimeout(t *testing.T) {
 // COMMIT did not land"). The COMMIT then lands (within the 5 s idle timeout), and the next
 // DoLease of the job gets ErrInProgress for the whole lease: the stall D168 meant to remove.
 func TestDoLeaseClaimCommitInFlightIsGivenUp(t *testing.T) {
+	t.Parallel()
 	const lease = 10 * time.Second
 	z := newGapApp(t, lease, nil)
 	hold := z.proxy.rule("commit\x00", gapHoldRequest)
@@ -180,6 +183,7 @@ func TestDoLeaseClaimCommitInFlightIsGivenUp(t *testing.T) {
 // idempotency_misconfigured; the lease route should too (and give the claim up), or the
 // resource id should be made storable (U+0000 replaced, as defaultAction does).
 func TestLeaseAnswerWithNulResourceIDConverges(t *testing.T) {
+	t.Parallel()
 	const lease = time.Second
 	direct, _ := pgtest.NewPool(t, 10)
 	m, err := idemhttp.New(idemhttp.Options{DB: direct, Principal: func(r *http.Request) (string, bool) { return "alice", true },

@@ -12,6 +12,7 @@ import (
 // docs/http.md agree, and every code has its own section there (the anchor its type URI
 // points at).
 func TestProblemTableMatchesDocs(t *testing.T) {
+	t.Parallel()
 	raw, err := os.ReadFile("../../docs/http.md")
 	if err != nil {
 		t.Fatal(err)

@@ -61,6 +61,7 @@ func clientReq(t *testing.T, url, body string) *http.Request {
 // the client retries under the same key and body and gets the first answer, replayed; one
 // effect, one key.
 func TestReviewClientLostResponseConverges(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, nil)
 	p := cutFirstAnswer(t, a.srv.URL)
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond, AttemptTimeout: 5 * time.Second}
@@ -78,6 +79,7 @@ func TestReviewClientLostResponseConverges(t *testing.T) {
 // TestReviewClientMismatchAndBadKeyAreFinal: another body under a used key is 422 (one attempt);
 // a key the server refuses (too long, a space) is 400 (one attempt).
 func TestReviewClientMismatchAndBadKeyAreFinal(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, nil)
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond}
 	ctx := context.Background()
@@ -101,6 +103,7 @@ func TestReviewClientMismatchAndBadKeyAreFinal(t *testing.T) {
 // final answer: the client should end after one attempt with the 413, not retry and report
 // "outcome unknown" (ErrGaveUp).
 func TestReviewClientOversizeBodyIsFinal(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, nil) // MaxBodyBytes 1024
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -117,6 +120,7 @@ func TestReviewClientOversizeBodyIsFinal(t *testing.T) {
 // DuplicateWait (409 request_in_progress with Retry-After), keeps retrying and gets the first
 // answer once it is stored.
 func TestReviewClientInProgressConverges(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, func(o *idemhttp.Options) { o.DuplicateWait = 100 * time.Millisecond })
 	key := idemclient.NewKey()
 	first := make(chan idemclient.Result, 1)
@@ -142,6 +146,7 @@ func TestReviewClientInProgressConverges(t *testing.T) {
 
 // TestReviewClientImpatientAgainstMiddleware: attempts shorter than the work converge.
 func TestReviewClientImpatientAgainstMiddleware(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, nil)
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond, AttemptTimeout: 300 * time.Millisecond, MaxAttempts: -1}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -156,6 +161,7 @@ func TestReviewClientImpatientAgainstMiddleware(t *testing.T) {
 // TestReviewClientLostResponseOnLeaseRoute: the same on a lease route (work outside the
 // database): the retry replays the stored 202.
 func TestReviewClientLostResponseOnLeaseRoute(t *testing.T) {
+	t.Parallel()
 	a := newApp(t, nil)
 	p := cutFirstAnswer(t, a.srv.URL)
 	c := &idemclient.Client{Backoff: 10 * time.Millisecond, AttemptTimeout: 5 * time.Second}

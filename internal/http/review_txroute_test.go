@@ -44,6 +44,7 @@ func TestKeyWithUnicodeSpaceIsInvalid(t *testing.T) {
 // TestDecodeJSONRefusesCaseVariantNames: DecodeJSON, the one strict decoder, refuses
 // member names that differ only in case, whatever the target.
 func TestDecodeJSONRefusesCaseVariantNames(t *testing.T) {
+	t.Parallel()
 	req := httptest.NewRequest("POST", "/x", strings.NewReader(`{"amount":1,"Amount":500}`))
 	req.Header.Set("Content-Type", "application/json")
 	w := httptest.NewRecorder()

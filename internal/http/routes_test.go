@@ -191,6 +191,7 @@ func TestMetricStatesForBusyAndOversize(t *testing.T) {
 // TestGoldenFingerprint: the exact fingerprint of a fixed request, so that a change to the
 // canonical form cannot pass unnoticed (it would turn every stored key into a mismatch).
 func TestGoldenFingerprint(t *testing.T) {
+	t.Parallel()
 	fp := canon.Compute("post", "/v1/transfers", []byte(`{ "to": 2, "amount": 1.50, "from": 1, "memo": "caf\u00e9 \ud83d\ude00" }`))
 	want := sha256.Sum256([]byte("POST\n/v1/transfers\n" + `{"amount":1.5,"from":1,"memo":"café 😀","to":2}`))
 	if fp.Sum != want {

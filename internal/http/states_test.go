@@ -20,6 +20,7 @@ var frozenStates = []string{"acquired", "replayed", "busy", "key_reused", "store
 // all, and no state value is written as a literal outside the declared constants (a typo
 // there would add a label value silently).
 func TestStatesAreFrozen(t *testing.T) {
+	t.Parallel()
 	var got []string
 	for _, s := range States {
 		got = append(got, string(s))

@@ -20,6 +20,7 @@ import (
 // (recovery_saved -> name); its value must be jsonb's form, as on every other path, and fn
 // must not run again.
 func TestStepLostCommitThenRecordedGetsTheStoredForm(t *testing.T) {
+	t.Parallel()
 	const lease = 20 * time.Second
 	z := newGapApp(t, lease, nil)
 	hold := z.proxy.rule("commit\x00", gapHoldRequest)

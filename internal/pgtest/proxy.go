@@ -32,7 +32,8 @@ var commitQuery = []byte("Q\x00\x00\x00\x0bcommit\x00")
 // Proxy forwards connections to a PostgreSQL server, with the faults of a network between an
 // application and its database: a query or a reply black-holed, a COMMIT swallowed, a slow
 // link, a link that dies midway, a reply that trickles. Its settings apply to every connection
-// at once and may change while they run. Every connection is closed when the test ends.
+// at once and may change while they run. Every connection is closed when the test's function
+// ends, before its cleanups run.
 type Proxy struct {
 	// Addr is the address to connect to (host:port, or a Unix socket's path).
 	Addr string
@@ -75,11 +76,22 @@ func NewProxyOn(t testing.TB, network, laddr, target string) *Proxy {
 		t.Fatal(err)
 	}
 	p := &Proxy{Addr: ln.Addr().String(), TrickleEvery: 4 * time.Second, closed: make(chan struct{})}
-	t.Cleanup(func() {
-		close(p.closed)
-		ln.Close()
-		p.CloseAll()
-	})
+	// Closed when the test's function ends, before its cleanups run: a pool made after the
+	// proxy is closed after it, and would otherwise wait out pgx's 15 s bound on the cancel
+	// request of every connection the proxy holds silent.
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			close(p.closed)
+			ln.Close()
+			p.CloseAll()
+		})
+	}
+	t.Cleanup(stop)
+	go func() {
+		<-t.Context().Done()
+		stop()
+	}()
 	go func() {
 		for {
 			c, err := ln.Accept()
