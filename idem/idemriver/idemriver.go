@@ -31,6 +31,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
@@ -95,6 +96,8 @@ type Options struct {
 	DB idem.Pool
 	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
 	// Give each River database's jobs (each sequence of job ids) a principal of its own.
+	// Middleware refuses one the SQL API would refuse for every job: over 255 characters, with
+	// a NUL, or not UTF-8.
 	Principal string
 	// PrincipalOf, when set, names each job's principal instead of Principal: the customer
 	// the job works for, read from its arguments (a key table whose principal_id has a
@@ -140,7 +143,8 @@ type Options struct {
 
 // check returns an error naming the first option that no job can run with: a Lease above 0 and
 // under a second, or over idem.MaxDuration; a TTL over idem.MaxDuration; a LockTimeout below 0
-// or over idem.MaxLockTimeout (D224). A Lease, TTL or Snooze of 0 or below is the default.
+// or over idem.MaxLockTimeout (D224); a Principal the SQL API refuses (over 255 characters,
+// a NUL, not UTF-8: D243). A Lease, TTL or Snooze of 0 or below is the default.
 func (o Options) check() error {
 	switch {
 	case o.Lease > 0 && o.Lease < time.Second, o.Lease > idem.MaxDuration:
@@ -149,6 +153,8 @@ func (o Options) check() error {
 		return fmt.Errorf("idemriver: Options.TTL must be at most 10 years, got %s", o.TTL)
 	case o.LockTimeout < 0 || o.LockTimeout > idem.MaxLockTimeout:
 		return fmt.Errorf("idemriver: Options.LockTimeout must be 0 (the SQL API's default) or up to %s, got %s", idem.MaxLockTimeout, o.LockTimeout)
+	case !utf8.ValidString(o.Principal) || strings.IndexByte(o.Principal, 0) >= 0 || utf8.RuneCountInString(o.Principal) > 255:
+		return fmt.Errorf("idemriver: Options.Principal must be \"\" (%q) or 1 to 255 characters of UTF-8 without NUL, got %q", DefaultPrincipal, o.Principal)
 	}
 	return nil
 }
@@ -227,7 +233,9 @@ func ranBefore(job *rivertype.JobRow) bool {
 //   - an error when this run's lease was lost (idem.ErrLeaseLost: a worker that hung past its
 //     lease, whose key another run may have taken over; fn returned an error, or another run
 //     holds the key: nothing of this run is stored, and River's retry finds the other run's
-//     result, or the key; when fn returned nil, no other run had taken the key over and the
+//     result, or the key; fn's own error is wrapped in it, so errors.Is finds both, River
+//     records fn's reason, and a river.JobCancel or river.JobSnooze that fn returned still
+//     cancels or snoozes the job, as it would have with the lease held; when fn returned nil, no other run had taken the key over and the
 //     key had not expired (its TTL past the lease's end), the result is stored all the same
 //     and the job completes), or when its result could not be stored by the lease's
 //     AnswerDeadline (an error wrapping context.DeadlineExceeded: the
@@ -309,6 +317,11 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		// fn's own error, as it is, whatever it wraps (an inner DoLease's ErrLeaseLost is not
 		// this job's lease): DoLease returns ErrLeaseLost itself when this job's lease was lost.
 		return err
+	case errors.Is(err, idem.ErrLeaseLost) && fnFailed:
+		// fn's reason and its wish (River finds a JobCancel or JobSnooze with errors.As):
+		// a snooze turned into an error would spend an attempt, and the last one discards
+		// the job (D243).
+		return fmt.Errorf("idemriver: job %d under key %q: %w; fn returned: %w", job.ID, key, err, fnErr)
 	case errors.Is(err, idem.ErrLeaseLost):
 		return fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err)
 	case fnFailed:
@@ -346,9 +359,12 @@ func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
 // worker's Work method runs under the job's lease, and finds its claim with ClaimOf. Install
 // it for some kinds of job with their worker's Middleware method (embed
 // river.WorkerDefaults and return it), or for every job in river.Config.Middleware. It panics
-// on options no job can run with (Options), as idem's Route does on a declaration that
-// cannot work.
+// on options no job can run with (Options, a nil DB included), as idem's Route does on a
+// declaration that cannot work.
 func Middleware(o Options) rivertype.WorkerMiddleware {
+	if o.DB == nil {
+		panic("idemriver: Options.DB is nil") // every job would fail until River discards it
+	}
 	if err := o.check(); err != nil {
 		panic(err.Error()) // as idem's Route does on a declaration that cannot work
 	}

@@ -756,22 +756,41 @@ func TestMiddlewareHungPastJobTimeout(t *testing.T) {
 }
 
 // TestMiddlewarePanicsOnOptionsNoJobCanRunWith: Middleware, like idem's Route, panics at
-// construction on options with which Work would cancel every job (D224), and takes the
-// defaults' edges.
+// construction on options with which Work would cancel or fail every job (D224, D243: no DB, a
+// principal the SQL API refuses), and takes the defaults' edges.
 func TestMiddlewarePanicsOnOptionsNoJobCanRunWith(t *testing.T) {
-	for _, o := range []idemriver.Options{{Lease: 500 * time.Millisecond}, {LockTimeout: -time.Second},
-		{TTL: 11 * 365 * 24 * time.Hour}, {Lease: idem.MaxDuration + time.Hour}} {
+	t.Parallel()
+	// never connected: pgxpool connects on first use
+	db, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	for _, c := range []struct {
+		o    idemriver.Options
+		want string
+	}{
+		{idemriver.Options{DB: db, Lease: 500 * time.Millisecond}, "Options.Lease"},
+		{idemriver.Options{DB: db, LockTimeout: -time.Second}, "Options.LockTimeout"},
+		{idemriver.Options{DB: db, TTL: 11 * 365 * 24 * time.Hour}, "Options.TTL"},
+		{idemriver.Options{DB: db, Lease: idem.MaxDuration + time.Hour}, "Options.Lease"},
+		{idemriver.Options{}, "Options.DB"},
+		{idemriver.Options{DB: db, Principal: strings.Repeat("é", 256)}, "Options.Principal"},
+		{idemriver.Options{DB: db, Principal: "a\x00b"}, "Options.Principal"},
+		{idemriver.Options{DB: db, Principal: "a\xffb"}, "Options.Principal"},
+	} {
 		func() {
 			defer func() {
-				if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), "idemriver: Options.") {
-					t.Errorf("Middleware(%+v): recovered %v; want a panic naming the option", o, p)
+				if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), "idemriver: "+c.want) {
+					t.Errorf("Middleware(%+v): recovered %v; want a panic naming %s", c.o, p, c.want)
 				}
 			}()
-			idemriver.Middleware(o)
+			idemriver.Middleware(c.o)
 		}()
 	}
-	for _, o := range []idemriver.Options{{}, {Lease: -time.Second, TTL: -time.Hour, Snooze: -1, Timeout: -1},
-		{Lease: time.Second, TTL: idem.MaxDuration, LockTimeout: idem.MaxLockTimeout}} {
+	for _, o := range []idemriver.Options{{DB: db}, {DB: db, Lease: -time.Second, TTL: -time.Hour, Snooze: -1, Timeout: -1},
+		{DB: db, Lease: time.Second, TTL: idem.MaxDuration, LockTimeout: idem.MaxLockTimeout},
+		{DB: db, Principal: strings.Repeat("é", 255)}} {
 		if idemriver.Middleware(o) == nil {
 			t.Errorf("Middleware(%+v) is nil", o)
 		}
