@@ -99,6 +99,12 @@ func migrate1(ctx context.Context, conn *pgx.Conn, opts Options) (err error) {
 	if err != nil {
 		return err
 	}
+	// The caller's transaction would be committed by the first online step, and its work with
+	// it, or end in an error midway (D245).
+	if st := conn.PgConn().TxStatus(); st != 'I' {
+		return fmt.Errorf("idem migrate: the connection is in a transaction (status %q): "+
+			"commit or roll it back first, then migrate; nothing was changed", st)
+	}
 	restore, err := pinSearchPath(ctx, conn)
 	if err != nil {
 		return err
@@ -220,18 +226,18 @@ const pinLocal = "SET LOCAL search_path = pg_catalog, pg_temp;\n"
 
 // pinSearchPath pins the session's search_path (as pinLocal does a transaction's) for the
 // statements a migrate sends outside its transaction (the online parts, tern's own), and lifts
-// its statement_timeout: a role's or a database's guard rail for the application's queries
-// would cut a migrate's wait for its turn on tern's lock (several migrates take turns) and its
-// long steps, whose waits have lock timeouts of their own (D227). It returns the function that
-// puts the session's values back.
+// its statement_timeout and lock_timeout: a role's or a database's guard rails for the
+// application's queries would cut a migrate's wait for its turn on tern's lock (several
+// migrates take turns) and its long steps, whose waits have lock timeouts of their own (D227,
+// D245). It returns the function that puts the session's values back.
 func pinSearchPath(ctx context.Context, conn *pgx.Conn) (restore func() error, err error) {
-	var old, oldTimeout string
-	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path'), pg_catalog.current_setting('statement_timeout')").
-		Scan(&old, &oldTimeout); err != nil {
+	var old, oldTimeout, oldLockTimeout string
+	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path'), pg_catalog.current_setting('statement_timeout'), "+
+		"pg_catalog.current_setting('lock_timeout')").Scan(&old, &oldTimeout, &oldLockTimeout); err != nil {
 		return nil, fmt.Errorf("idem migrate: read search_path: %w", err)
 	}
 	if _, err := conn.Exec(ctx, "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), "+
-		"pg_catalog.set_config('statement_timeout', '0', false)"); err != nil {
+		"pg_catalog.set_config('statement_timeout', '0', false), pg_catalog.set_config('lock_timeout', '0', false)"); err != nil {
 		return nil, fmt.Errorf("idem migrate: pin search_path: %w", err)
 	}
 	return func() error {
@@ -239,7 +245,8 @@ func pinSearchPath(ctx context.Context, conn *pgx.Conn) (restore func() error, e
 			return nil
 		}
 		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.set_config('search_path', $1, false), "+
-			"pg_catalog.set_config('statement_timeout', $2, false)", old, oldTimeout); err != nil {
+			"pg_catalog.set_config('statement_timeout', $2, false), pg_catalog.set_config('lock_timeout', $3, false)",
+			old, oldTimeout, oldLockTimeout); err != nil {
 			return fmt.Errorf("idem migrate: restore search_path: %w", err)
 		}
 		return nil

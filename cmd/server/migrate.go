@@ -35,13 +35,13 @@ func (m *Main) migrate(ctx context.Context) error {
 		return err
 	}
 	defer conn.Release()
-	// A role's or a database's statement_timeout, a guard rail for the API's queries, would cut
-	// the wait for another migrate below and the migrations' long steps; their lock waits are
-	// bounded on their own (D227).
-	if _, err := conn.Exec(ctx, "SET statement_timeout = 0"); err != nil {
+	// A role's or a database's statement_timeout or lock_timeout, guard rails for the API's
+	// queries, would cut the wait for another migrate below and the migrations' long steps;
+	// their lock waits are bounded on their own (D227, D245).
+	if _, err := conn.Exec(ctx, "SET statement_timeout = 0; SET lock_timeout = 0"); err != nil {
 		return err
 	}
-	defer func() { _, _ = conn.Exec(context.WithoutCancel(ctx), "RESET statement_timeout") }()
+	defer func() { _, _ = conn.Exec(context.WithoutCancel(ctx), "RESET statement_timeout; RESET lock_timeout") }()
 	// One migrate at a time, all of it: idem and the ledger take turns on tern's lock, but the
 	// steps between them and River's migrations (CREATE SCHEMA IF NOT EXISTS, River's own
 	// tables) do not, and two processes running them at once failed on each other's catalog

@@ -49,11 +49,13 @@ type Options struct {
 // columns; from 0.1.0 the new key table beside the old one and the trigger that fills it:
 // docs/operations.md, "Upgrades"); the next run goes on from them. It is safe to run any
 // number of times and from several processes at once (they take turns on tern's advisory
-// lock, whatever statement_timeout the role or the database sets: Migrate lifts it on conn
-// while it runs, and puts it back). conn's role becomes the owner of what it creates, and
-// the SECURITY DEFINER functions run with its rights: run it as the role that should own
-// schema idem (not a superuser in production, not the services' role). conn must not be in a
-// transaction. When a role is missing and conn's role may not create it, the error (SQLSTATE
+// lock, whatever statement_timeout or lock_timeout the role or the database sets: Migrate
+// lifts them on conn while it runs, and puts them back), also in several databases of one
+// cluster at once (the first installs there create the roles, which are the cluster's, once).
+// conn's role becomes the owner of what it creates, and the SECURITY DEFINER functions run
+// with its rights: run it as the role that should own schema idem (not a superuser in
+// production, not the services' role). conn must not be in a transaction: Migrate refuses
+// one that is, and changes nothing. When a role is missing and conn's role may not create it, the error (SQLSTATE
 // 42501) carries a hint that names the superuser step; the error's text ends with it,
 // "(hint: ...)".
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {

@@ -23,16 +23,43 @@ func LoginRole(t testing.TB, db, group string) string {
 	owner := Connect(t, db)
 	name := fmt.Sprintf("idem_login_%d_%d", os.Getpid(), loginRoles.Add(1))
 	Exec(t, owner, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE IN ROLE %s`, name, group))
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c, err := pgx.Connect(ctx, db)
-		if err != nil {
+	t.Cleanup(func() { dropRole(t, db, name, "") })
+	return AsRole(t, db, name, "app-secret")
+}
+
+// dropRole drops a role the test made, first what it owns (reassigned to the test's role when
+// reassign is set) and the privileges granted to it, and fails the test when it cannot: a
+// login role with a known password must not stay on a shared server. A role that is not a
+// superuser (CREATEROLE and CREATEDB, as TEST_DATABASE_URL's may be) may drop what another
+// role owns only as a member of it: it makes itself one first.
+func dropRole(t testing.TB, db, name, reassign string) {
+	ctx := context.Background()
+	c, err := pgx.Connect(ctx, db)
+	if err != nil {
+		// a server the test stopped (a failover's old primary) takes its roles with it
+		t.Logf("pgtest: drop role %s: %v", name, err)
+		return
+	}
+	defer c.Close(ctx)
+	var super bool
+	if err := c.QueryRow(ctx, `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super); err != nil {
+		t.Errorf("pgtest: drop role %s: %v", name, err)
+		return
+	}
+	stmts := []string{}
+	if !super {
+		stmts = append(stmts, `GRANT `+name+` TO current_user`)
+	}
+	if reassign != "" {
+		stmts = append(stmts, `REASSIGN OWNED BY `+name+` TO `+reassign)
+	}
+	stmts = append(stmts, `DROP OWNED BY `+name, `DROP ROLE `+name)
+	for _, stmt := range stmts {
+		if _, err := c.Exec(ctx, stmt); err != nil {
+			t.Errorf("pgtest: drop role %s: %s: %v", name, stmt, err)
 			return
 		}
-		defer c.Close(ctx)
-		_, _ = c.Exec(ctx, `DROP OWNED BY `+name+`; DROP ROLE `+name)
-	})
-	return AsRole(t, db, name, "app-secret")
+	}
 }
 
 // AsRole returns the connection string of db as role with this password: db's own string,
@@ -71,14 +98,6 @@ func OwnerRole(t testing.TB, db string) string {
 	name := fmt.Sprintf("idem_owner_%d_%d", os.Getpid(), loginRoles.Add(1))
 	Exec(t, admin, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE;
 		ALTER DATABASE %s OWNER TO %[1]s`, name, cfg.Database))
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c, err := pgx.Connect(ctx, db)
-		if err != nil {
-			return
-		}
-		defer c.Close(ctx)
-		_, _ = c.Exec(ctx, `REASSIGN OWNED BY `+name+` TO current_user; DROP OWNED BY `+name+`; DROP ROLE `+name)
-	})
+	t.Cleanup(func() { dropRole(t, db, name, "current_user") })
 	return AsRole(t, db, name, "app-secret")
 }
