@@ -205,16 +205,16 @@ const DefaultCleanupDuty = 0.4
 const MinCleanupDuty = 0.01
 
 // CleanupPaced is Cleanup with a pause after every batch, so that the batches take at most
-// duty of the time (DefaultCleanupDuty beside the API; 1: no pause; below MinCleanupDuty
-// counts as it; on a Citus coordinator each worker paces its own batches). When ctx ends,
+// duty of the time, as Pace counts it (DefaultCleanupDuty beside the API; 1 or more, or NaN:
+// no pause; below MinCleanupDuty counts as it; on a Citus coordinator each worker paces its own batches). When ctx ends,
 // during a batch or a pause, it returns the count so far and ctx.Err().
 func CleanupPaced(ctx context.Context, db Querier, batchSize int, duty float64) (int, error) {
 	return dbidem.CleanupPaced(ctx, db, batchSize, duty)
 }
 
 // Pace waits, after a batch of cleanup that took took, so that batches take at most duty of
-// the time. A duty of 1 or more means no wait; one below MinCleanupDuty counts as
-// MinCleanupDuty; a pause is at most an hour. It returns early with ctx.Err() when ctx ends.
+// the time. A duty of 1 or more (or NaN) means no wait; one below MinCleanupDuty (0 and
+// negative ones included) counts as MinCleanupDuty; a pause is at most an hour. It returns early with ctx.Err() when ctx ends.
 func Pace(ctx context.Context, duty float64, took time.Duration) error {
 	return dbidem.Pace(ctx, duty, took)
 }

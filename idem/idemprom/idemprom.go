@@ -30,10 +30,10 @@ import (
 // idempotency_leases_lost_total{action} and idempotency_lease_work_seconds{action}. It never
 // blocks.
 //
-// The action label takes at most MaxActions values: the routes' actions are a bounded set,
-// but a route whose action comes from the URL path (a router whose template the middleware
-// is not given) makes one per path; past MaxActions distinct actions, the others are counted
-// under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
+// The action label takes at most MaxActions values besides "other": the routes' actions are a
+// bounded set, but a route whose action comes from the URL path (a router whose template the
+// middleware is not given) makes one per path; past MaxActions distinct actions, the others
+// are counted under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
 //
 // An action's idempotency_requests_total series start together, every state at 0, when its
 // first request is counted, and idempotency_request_duration_seconds has every state from
@@ -51,8 +51,8 @@ type Observer struct {
 	started map[string]bool   // the labels whose every requests series exists
 }
 
-// MaxActions is the most distinct values of the action label an Observer exports; past it,
-// new actions are counted under "other".
+// MaxActions is the most distinct actions an Observer exports as values of the action label;
+// past it, new actions are counted under "other", one more value.
 const MaxActions = 500
 
 // label is the action label of action.
@@ -225,7 +225,8 @@ func (c *CleanupObserver) Vacuumed() { c.vacuums.Inc() }
 // cleanup falls behind or a claim is stuck: idempotency_keys_in_progress,
 // idempotency_leases_run_out, idempotency_oldest_in_progress_seconds,
 // idempotency_cleanup_backlog, idempotency_key_table_bytes, idempotency_keys_estimated. A
-// failed read exports nothing (the gauges go absent) and is logged once.
+// failed read exports nothing (the gauges go absent) and is logged, once until a read
+// succeeds again (which is logged too).
 type HealthCollector struct {
 	db       idem.Querier
 	interval time.Duration
@@ -235,7 +236,7 @@ type HealthCollector struct {
 	read   time.Time
 	health idem.Health
 	ok     bool
-	failed sync.Once
+	failed bool // a read failed and was logged; the next success is logged
 
 	inProgress, runOut, oldest, backlog, bytes, estimated *prometheus.Desc
 }
@@ -243,8 +244,8 @@ type HealthCollector struct {
 var _ prometheus.Collector = (*HealthCollector)(nil)
 
 // NewHealthCollector returns the collector of db's key figures (register it with
-// reg.MustRegister), read at most every interval (0: 15 seconds); log receives a failed read
-// once (nil: slog.Default()).
+// reg.MustRegister), read at most every interval (0: 15 seconds); log receives the first failed
+// read of each outage and the read that ends it (nil: slog.Default()).
 func NewHealthCollector(db idem.Querier, interval time.Duration, log *slog.Logger) *HealthCollector {
 	if interval <= 0 {
 		interval = 15 * time.Second
@@ -263,6 +264,10 @@ func NewHealthCollector(db idem.Querier, interval time.Duration, log *slog.Logge
 	}
 }
 
+// healthReadTimeout bounds a read of the key gauges: idem_health's lock timeout (2 s) and a
+// second for the round trip.
+const healthReadTimeout = 3 * time.Second
+
 // Describe implements prometheus.Collector.
 func (g *HealthCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{g.inProgress, g.runOut, g.oldest, g.backlog, g.bytes, g.estimated} {
@@ -275,14 +280,22 @@ func (g *HealthCollector) Describe(ch chan<- *prometheus.Desc) {
 func (g *HealthCollector) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
 	if time.Since(g.read) >= g.interval {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		// longer than idem_health's own lock timeout (2 s), so that a locked key table is
+		// told as such (ErrStoreBusy), not as this context's end
+		ctx, cancel := context.WithTimeout(context.Background(), healthReadTimeout)
 		h, err := idem.ReadHealth(ctx, g.db)
 		cancel()
 		g.read, g.ok = time.Now(), err == nil
-		if err == nil {
+		switch {
+		case err == nil:
 			g.health = h
-		} else {
-			g.failed.Do(func() { g.log.Warn("the key gauges could not read idem.idem_health()", "error", err) })
+			if g.failed {
+				g.failed = false
+				g.log.Info("the key gauges read idem.idem_health() again")
+			}
+		case !g.failed:
+			g.failed = true
+			g.log.Warn("the key gauges could not read idem.idem_health()", "error", err)
 		}
 	}
 	h, ok := g.health, g.ok

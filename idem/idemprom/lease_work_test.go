@@ -95,7 +95,8 @@ var healthGauges = []string{"idempotency_keys_in_progress", "idempotency_leases_
 // of the last read) ... A failed read exports nothing (the gauges go absent) and is logged
 // once." As a login in idem_app (ReadHealth: "The application role (idem_app) may"). Asserted:
 // all six gauges present; the figures of the last read between reads; absent while
-// idem_health is missing, one log line for two failed reads; present again after it is back.
+// idem_health is missing, one log line for two failed reads; present again after it is back,
+// which is logged; a second outage (the key table locked) logged again, with its cause.
 func TestHealthCollectorAbsentWhileFailingAndBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -148,6 +149,24 @@ func TestHealthCollectorAbsentWhileFailingAndBack(t *testing.T) {
 	if got := present(); len(got) != len(healthGauges) {
 		t.Errorf("gauges after idem_health is back: %v, want all six", got)
 	}
-	_ = ctx
+	if n := strings.Count(logs.String(), "\n"); n != 2 || !strings.Contains(logs.String(), "again") {
+		t.Errorf("%d log lines after the read succeeded again, want 2 (the outage, its end): %s", n, logs.String())
+	}
+	// A second outage is logged too (D246), with its cause: a lock on the key table held past
+	// idem_health's own lock timeout of 2 s, which the read's bound outlasts.
+	locker, err := owner.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	time.Sleep(interval + 50*time.Millisecond)
+	got := present()
+	_ = locker.Rollback(ctx)
+	if len(got) != 0 {
+		t.Errorf("gauges present while the key table is locked: %v, want none", got)
+	}
+	if lines := strings.Split(strings.TrimSpace(logs.String()), "\n"); len(lines) != 3 || !strings.Contains(lines[2], "the key table is locked") {
+		t.Errorf("the log after a second outage, behind a locked key table: %q; want a third line that says the key table is locked", lines)
+	}
 	_ = io.Discard
 }

@@ -231,7 +231,7 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	total, ran, workers, err := c.workersPass(ctx, batch)
 	if err != nil {
 		c.observer.PassEnded(failure(ctx), total, time.Since(start))
-		return total, true, classify(err)
+		return total, true, classifyRead(err)
 	}
 	if !ran {
 		c.observer.PassEnded(PassSkipped, 0, 0)
@@ -255,7 +255,7 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 		}
 		if err != nil {
 			c.observer.PassEnded(failure(ctx), total, time.Since(start))
-			return total, true, classify(batchError(bctx, err))
+			return total, true, classifyRead(batchError(bctx, err))
 		}
 		if n == nil {
 			if total == 0 {

@@ -217,9 +217,10 @@ func ReadStuck(ctx context.Context, q interface {
 	return out, classifyRead(err)
 }
 
-// classifyRead is classify for the operators' reads: their lock_timeout (2 s) runs out only
-// behind a lock on the key table itself (a VACUUM FULL, a LOCK TABLE), never behind a claim
-// in progress, so a 55P03 is ErrStoreBusy.
+// classifyRead is classify for the operators' reads and the cleanup: their lock_timeout (2 s)
+// runs out only behind a lock on the key table itself (a VACUUM FULL, a LOCK TABLE), never
+// behind a claim in progress (the cleanup skips locked rows), so a 55P03 is ErrStoreBusy
+// (D246).
 func classifyRead(err error) error {
 	if isLockTimeout(err) {
 		return fmt.Errorf("%w: %w", ErrStoreBusy, err)

@@ -582,7 +582,7 @@ func CleanupPaced(ctx context.Context, q Querier, batchSize int, duty float64) (
 			if ctx.Err() != nil {
 				return total, ctx.Err()
 			}
-			return total, classify(err)
+			return total, classifyRead(err)
 		}
 		total += n
 		if n < batchSize {
@@ -614,7 +614,7 @@ func CleanupWorkers(ctx context.Context, q Querier, batchSize int, duty float64,
 		if ctx.Err() != nil {
 			return 0, false, false, ctx.Err()
 		}
-		return 0, false, false, classify(err)
+		return 0, false, false, classifyRead(err)
 	}
 	if r == nil {
 		return 0, false, false, nil

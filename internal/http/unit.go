@@ -272,12 +272,21 @@ func topLevelID(body io.Reader) string {
 // idem.request span when tracing.
 func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	until := time.Now().Add(q.m.o.DuplicateWait)
-	// The Gate's figures count this request once, however often it claims again.
+	// The Gate's figures count this request once, however often it claims again. A lease
+	// route's duplicate is not a coalesced one, whatever the timing: it waits on the lease's
+	// answer, and a wait in the Gate's line behind the first request's claim is a part of its
+	// claim (D246).
 	tally := &dbidem.Tally{}
 	ctx = q.m.gate.WithTally(ctx, tally)
+	count := func(answeredBusy bool) {
+		if claim.Lease > 0 {
+			tally.Coalesced = false
+		}
+		q.m.gate.AddTally(tally, answeredBusy)
+	}
 	defer func() {
 		if p := recover(); p != nil {
-			q.m.gate.AddTally(tally, false) // an aborted handler (http.ErrAbortHandler): counted as it waited
+			count(false) // an aborted handler (http.ErrAbortHandler): counted as it waited
 			panic(p)
 		}
 	}()
@@ -285,15 +294,17 @@ func (q *request) keyed(ctx context.Context, claim dbidem.Claim) State {
 	for {
 		st, b := q.keyedOnce(ctx, claim, until)
 		if b == nil {
-			q.m.gate.AddTally(tally, st == StateBusy)
+			count(st == StateBusy)
 			return st
 		}
 		b.arrived = arrived
 		if !q.awaitAnswer(ctx, claim, b, until) {
-			if b.refused {
+			// refused: its wait could not start, or (a lease's duplicate, which waits without
+			// the database) it ran out, as a transactional duplicate's wait in the Gate does
+			if b.refused || b.lease && !time.Now().Before(until) {
 				tally.Refused = true
 			}
-			q.m.gate.AddTally(tally, true)
+			count(true)
 			q.m.o.Metrics.Count(q.action, StateBusy)
 			q.inProgress(b.retryAfter)
 			return StateBusy
