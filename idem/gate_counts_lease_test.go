@@ -46,7 +46,7 @@ func TestLeaseDuplicatesAreNotCoalesced(t *testing.T) {
 	}
 	wg.Add(1)
 	go post(0)
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%idem_begin%' AND wait_event = 'PgSleep'`)
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE '%idem_begin%' AND wait_event = 'PgSleep'`)
 	for i := 1; i < 4; i++ {
 		wg.Add(1)
 		go post(i)

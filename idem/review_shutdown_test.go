@@ -326,7 +326,7 @@ func TestCleanerStopDuringAPass(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%idem_cleanup%'`)
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%idem_cleanup%'`)
 	start := time.Now()
 	c.Stop()
 	took := time.Since(start)
@@ -377,7 +377,7 @@ func TestShutdownServesFreshKeysWhileItWaits(t *testing.T) {
 	held := shutdownSend(t, srv.URL, `{"a":1}`, "held")
 	shutdownWait(t, hIn, "the held request's handler")
 	slow := shutdownSend(t, srv.URL, `{"a":1}`, "slow")
-	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'`)
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'PgSleep'`)
 	sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	done := make(chan error, 1)

@@ -3927,7 +3927,11 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_app') THEN
         BEGIN
             CREATE ROLE "idem_app" NOLOGIN;
-        EXCEPTION WHEN insufficient_privilege THEN
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            -- created meanwhile by an install in another database of the cluster (roles are
+            -- the cluster's; tern's advisory lock is the database's): it exists, go on (D245)
+            NULL;
+        WHEN insufficient_privilege THEN
             RAISE EXCEPTION 'idem: the role "idem_app" does not exist, and the installing role % may not create it', current_user
                 USING ERRCODE = 'insufficient_privilege',
                       HINT = 'Have a superuser run once: CREATE ROLE "idem_app" NOLOGIN; '
@@ -3945,7 +3949,11 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
         BEGIN
             CREATE ROLE "idem_operator" NOLOGIN;
-        EXCEPTION WHEN insufficient_privilege THEN
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            -- created meanwhile by an install in another database of the cluster (roles are
+            -- the cluster's; tern's advisory lock is the database's): it exists, go on (D245)
+            NULL;
+        WHEN insufficient_privilege THEN
             RAISE EXCEPTION 'idem: the role "idem_operator" does not exist, and the installing role % may not create it', current_user
                 USING ERRCODE = 'insufficient_privilege',
                       HINT = 'Have a superuser run once: CREATE ROLE "idem_operator" NOLOGIN; '

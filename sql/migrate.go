@@ -228,8 +228,10 @@ const pinLocal = "SET LOCAL search_path = pg_catalog, pg_temp;\n"
 // statements a migrate sends outside its transaction (the online parts, tern's own), and lifts
 // its statement_timeout and lock_timeout: a role's or a database's guard rails for the
 // application's queries would cut a migrate's wait for its turn on tern's lock (several
-// migrates take turns) and its long steps, whose waits have lock timeouts of their own (D227,
-// D245). It returns the function that puts the session's values back.
+// migrates take turns) and its online steps, whose waits have lock timeouts of their own (D227,
+// D245); tern runs RESET ALL after each migration it applies, which gives the rest of its
+// transaction the role's or the database's values again. It returns the function that puts
+// the session's values back.
 func pinSearchPath(ctx context.Context, conn *pgx.Conn) (restore func() error, err error) {
 	var old, oldTimeout, oldLockTimeout string
 	if err := conn.QueryRow(ctx, "SELECT pg_catalog.current_setting('search_path'), pg_catalog.current_setting('statement_timeout'), "+

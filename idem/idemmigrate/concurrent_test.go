@@ -27,12 +27,16 @@ func TestFirstInstallsInTwoDatabasesAtOnce(t *testing.T) {
 			AppRole:      fmt.Sprintf("race_app_%d_%d", os.Getpid(), round),
 			OperatorRole: fmt.Sprintf("race_op_%d_%d", os.Getpid(), round),
 		}
+		// registered before the databases are made, so run after they are dropped (cleanups
+		// run last first): the roles hold nothing then, and drop
+		admin := pgtest.Connect(t, pgtest.NewEmptyDB(t))
+		t.Cleanup(func() {
+			if _, err := admin.Exec(context.Background(), `DROP ROLE IF EXISTS "`+opts.AppRole+`", "`+opts.OperatorRole+`"`); err != nil {
+				t.Errorf("drop the test's roles: %v", err)
+			}
+		})
 		urls := []string{pgtest.NewEmptyDB(t), pgtest.NewEmptyDB(t)}
 		conns := []*pgx.Conn{pgtest.Connect(t, urls[0]), pgtest.Connect(t, urls[1])}
-		// after the databases are dropped (cleanups run last first): the roles own nothing then
-		t.Cleanup(func() {
-			_, _ = conns[0].Exec(context.Background(), `DROP ROLE IF EXISTS "`+opts.AppRole+`", "`+opts.OperatorRole+`"`)
-		})
 		errs := make([]error, len(conns))
 		start := make(chan struct{})
 		var wg sync.WaitGroup

@@ -50,14 +50,15 @@ type Options struct {
 // docs/operations.md, "Upgrades"); the next run goes on from them. It is safe to run any
 // number of times and from several processes at once (they take turns on tern's advisory
 // lock, whatever statement_timeout or lock_timeout the role or the database sets: Migrate
-// lifts them on conn while it runs, and puts them back), also in several databases of one
-// cluster at once (the first installs there create the roles, which are the cluster's, once).
-// conn's role becomes the owner of what it creates, and the SECURITY DEFINER functions run
-// with its rights: run it as the role that should own schema idem (not a superuser in
-// production, not the services' role). conn must not be in a transaction: Migrate refuses
-// one that is, and changes nothing. When a role is missing and conn's role may not create it, the error (SQLSTATE
-// 42501) carries a hint that names the superuser step; the error's text ends with it,
-// "(hint: ...)".
+// lifts them on conn for its waits for its turn and its online steps, and puts them back;
+// tern sets the session's own values again after each migration it applies), also in
+// several databases of one cluster at once (a role they all miss, which is the cluster's, is
+// created once). conn's role becomes the owner of what it creates, and the SECURITY DEFINER
+// functions run with its rights: run it as the role that should own schema idem (not a
+// superuser in production, not the services' role). conn must not be in a transaction:
+// Migrate refuses one that is, and changes nothing. When a role is missing and conn's role
+// may not create it, the error (SQLSTATE 42501) carries a hint that names the superuser step;
+// the error's text ends with it, "(hint: ...)".
 func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) error {
 	return idemsql.Migrate(ctx, conn, idemsql.Options{AppRole: opts.AppRole, OperatorRole: opts.OperatorRole})
 }

@@ -96,8 +96,8 @@ type Options struct {
 	DB idem.Pool
 	// Principal owns the key space of the jobs. Default "": DefaultPrincipal, "river".
 	// Give each River database's jobs (each sequence of job ids) a principal of its own.
-	// Middleware refuses one the SQL API would refuse for every job: over 255 characters, with
-	// a NUL, or not UTF-8.
+	// Middleware refuses one the SQL API would refuse for every job (when PrincipalOf is nil):
+	// over 255 characters, with a NUL, or not UTF-8.
 	Principal string
 	// PrincipalOf, when set, names each job's principal instead of Principal: the customer
 	// the job works for, read from its arguments (a key table whose principal_id has a
@@ -144,7 +144,7 @@ type Options struct {
 // check returns an error naming the first option that no job can run with: a Lease above 0 and
 // under a second, or over idem.MaxDuration; a TTL over idem.MaxDuration; a LockTimeout below 0
 // or over idem.MaxLockTimeout (D224); a Principal the SQL API refuses (over 255 characters,
-// a NUL, not UTF-8: D243). A Lease, TTL or Snooze of 0 or below is the default.
+// a NUL, not UTF-8: D243), unless PrincipalOf names every job's instead. A Lease, TTL or Snooze of 0 or below is the default.
 func (o Options) check() error {
 	switch {
 	case o.Lease > 0 && o.Lease < time.Second, o.Lease > idem.MaxDuration:
@@ -153,7 +153,8 @@ func (o Options) check() error {
 		return fmt.Errorf("idemriver: Options.TTL must be at most 10 years, got %s", o.TTL)
 	case o.LockTimeout < 0 || o.LockTimeout > idem.MaxLockTimeout:
 		return fmt.Errorf("idemriver: Options.LockTimeout must be 0 (the SQL API's default) or up to %s, got %s", idem.MaxLockTimeout, o.LockTimeout)
-	case !utf8.ValidString(o.Principal) || strings.IndexByte(o.Principal, 0) >= 0 || utf8.RuneCountInString(o.Principal) > 255:
+	case o.PrincipalOf == nil && (!utf8.ValidString(o.Principal) || strings.IndexByte(o.Principal, 0) >= 0 ||
+		utf8.RuneCountInString(o.Principal) > 255):
 		return fmt.Errorf("idemriver: Options.Principal must be \"\" (%q) or 1 to 255 characters of UTF-8 without NUL, got %q", DefaultPrincipal, o.Principal)
 	}
 	return nil

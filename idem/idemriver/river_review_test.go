@@ -790,7 +790,9 @@ func TestMiddlewarePanicsOnOptionsNoJobCanRunWith(t *testing.T) {
 	}
 	for _, o := range []idemriver.Options{{DB: db}, {DB: db, Lease: -time.Second, TTL: -time.Hour, Snooze: -1, Timeout: -1},
 		{DB: db, Lease: time.Second, TTL: idem.MaxDuration, LockTimeout: idem.MaxLockTimeout},
-		{DB: db, Principal: strings.Repeat("é", 255)}} {
+		{DB: db, Principal: strings.Repeat("é", 255)},
+		// a Principal that PrincipalOf replaces for every job is never sent
+		{DB: db, Principal: "a\x00b", PrincipalOf: func(*rivertype.JobRow) string { return "tenant" }}} {
 		if idemriver.Middleware(o) == nil {
 			t.Errorf("Middleware(%+v) is nil", o)
 		}
