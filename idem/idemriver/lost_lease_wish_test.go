@@ -18,9 +18,9 @@ import (
 
 // loseLease runs Work with an fn that locks the job's key row from another session (no
 // extension lands), waits until its lease is lost, and returns ret(). The row lock is
-// released 300 ms after fn returns. It returns Work's error, fn's context's cause and the
-// claim's provider key.
-func loseLease(t *testing.T, pool *pgxpool.Pool, job *rivertype.JobRow, opts idemriver.Options, ret func() error) (err, cause error, pk string) {
+// released 300 ms after fn returns. It returns fn's context's cause, the claim's provider key
+// and Work's error.
+func loseLease(t *testing.T, pool *pgxpool.Pool, job *rivertype.JobRow, opts idemriver.Options, ret func() error) (cause error, pk string, err error) {
 	t.Helper()
 	ctx := context.Background()
 	locker, lerr := pool.Begin(ctx)
@@ -48,7 +48,7 @@ func loseLease(t *testing.T, pool *pgxpool.Pool, job *rivertype.JobRow, opts ide
 	case <-time.After(5 * time.Second):
 		_ = locker.Rollback(ctx)
 	}
-	return err, cause, pk
+	return cause, pk, err
 }
 
 // TestWorkAfterALostLeaseKeepsFnsReasonAndWish: a worker whose lease was lost (its key's row
@@ -74,7 +74,7 @@ func TestWorkAfterALostLeaseKeepsFnsReasonAndWish(t *testing.T) {
 		{"plain", func() error { return declined }, false, false},
 	} {
 		job := jobRow(t, client, ReceiptArgs{Order: int64(700 + i)})
-		err, cause, pk := loseLease(t, pool, job, opts, c.ret)
+		cause, pk, err := loseLease(t, pool, job, opts, c.ret)
 		if !errors.Is(cause, idem.ErrLeaseLost) {
 			t.Fatalf("%s: fn's context ended with %v; want the lease lost (the test did not hold the gap open)", c.name, cause)
 		}
