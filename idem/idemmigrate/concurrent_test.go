@@ -37,20 +37,7 @@ func TestFirstInstallsInTwoDatabasesAtOnce(t *testing.T) {
 		})
 		urls := []string{pgtest.NewEmptyDB(t), pgtest.NewEmptyDB(t)}
 		conns := []*pgx.Conn{pgtest.Connect(t, urls[0]), pgtest.Connect(t, urls[1])}
-		errs := make([]error, len(conns))
-		start := make(chan struct{})
-		var wg sync.WaitGroup
-		for i := range conns {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				errs[i] = idemmigrate.Migrate(ctx, conns[i], opts)
-			}()
-		}
-		close(start)
-		wg.Wait()
-		for i, err := range errs {
+		for i, err := range migrateAtOnce(ctx, conns, opts) {
 			if err != nil {
 				t.Fatalf("round %d: the first install in database %d of 2, at once: %v", round, i+1, err)
 			}
@@ -79,20 +66,7 @@ func TestMigratesTakeTurnsUnderADatabaseLockTimeout(t *testing.T) {
 	for i := range conns {
 		conns[i] = pgtest.Connect(t, url)
 	}
-	errs := make([]error, len(conns))
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			errs[i] = idemmigrate.Migrate(ctx, conns[i], idemmigrate.Options{})
-		}()
-	}
-	close(start)
-	wg.Wait()
-	for i, err := range errs {
+	for i, err := range migrateAtOnce(ctx, conns, idemmigrate.Options{}) {
 		if err != nil {
 			t.Errorf("migrate %d of 3 at once, the database's lock_timeout 200ms: %v", i+1, err)
 		}
@@ -124,4 +98,23 @@ func TestMigrateRefusesAConnectionInATransaction(t *testing.T) {
 	if err := idemmigrate.Migrate(ctx, conn, idemmigrate.Options{}); err != nil {
 		t.Fatalf("Migrate after the caller's ROLLBACK: %v", err)
 	}
+}
+
+// migrateAtOnce runs Migrate on every connection at once (released together from a barrier)
+// and returns their errors.
+func migrateAtOnce(ctx context.Context, conns []*pgx.Conn, opts idemmigrate.Options) []error {
+	errs := make([]error, len(conns))
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			errs[i] = idemmigrate.Migrate(ctx, conns[i], opts)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return errs
 }
