@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -99,7 +100,8 @@ func Example() {
 }
 
 // A route whose meaning is narrower than its body: the client's trace id is not part of the
-// request, so the fingerprint leaves it out, and a retry with a new trace id replays.
+// request, so the fingerprint leaves it out, and a retry with a new trace id replays. Another
+// amount is another request, however close: the rewritten body keeps every digit.
 func ExampleRoute_fingerprint() {
 	pool, done := exampleDB()
 	defer done()
@@ -108,11 +110,16 @@ func ExampleRoute_fingerprint() {
 		log.Fatal(err)
 	}
 	withoutTrace := func(r *http.Request, body []byte) idem.Fingerprint {
+		// json.Number keeps every number's digits: through float64, amounts of 2^53 and more,
+		// or of 17 significant digits, would share a fingerprint with their neighbours
+		dec := json.NewDecoder(bytes.NewReader(body))
+		dec.UseNumber()
 		var v map[string]any
-		if json.Unmarshal(body, &v) == nil {
-			delete(v, "trace")
-			body, _ = json.Marshal(v)
+		if dec.Decode(&v) != nil || dec.More() {
+			return idem.RequestFingerprint(r, body) // not one JSON object: the default
 		}
+		delete(v, "trace")
+		body, _ = json.Marshal(v)
 		return idem.ComputeFingerprint(r.Method, r.URL.EscapedPath(), body)
 	}
 	var runs int
@@ -125,11 +132,13 @@ func ExampleRoute_fingerprint() {
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
-	send(srv.URL+"/notes", "n1", `{"text":"hi","trace":"t-1"}`)
-	send(srv.URL+"/notes", "n1", `{"text":"hi","trace":"t-2"}`)
+	send(srv.URL+"/notes", "n1", `{"text":"hi","amount":9007199254740993,"trace":"t-1"}`)
+	send(srv.URL+"/notes", "n1", `{"text":"hi","amount":9007199254740993,"trace":"t-2"}`)
+	send(srv.URL+"/notes", "n1", `{"text":"hi","amount":9007199254740992,"trace":"t-3"}`) // another amount
 	// Output:
 	// 201 false {"run":1}
 	// 201 true {"run":1}
+	// 422 false {"type":"https://github.com/pgidem/pgidem/blob/main/docs/http.md#idempotency_key_reuse","title":"Idempotency key reused for another request","status":422,"detail":"this Idempotency-Key was used for another request","code":"idempotency_key_reuse","changed_fields":["amount"]}
 }
 
 // A lease route for work outside the database: the provider deduplicates by the claim's

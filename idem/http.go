@@ -197,7 +197,9 @@ type Route struct {
 	// (Options.WorkTimeout, which it overrides). Default 0: Options.WorkTimeout. Not negative.
 	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body,
-	// ComputeFingerprint) for a route whose meaning is narrower than its body. Default nil.
+	// RequestFingerprint) for a route whose meaning is narrower than its body: build it on
+	// RequestFingerprint, or on ComputeFingerprint for a JSON body it rewrites (keeping every
+	// number's digits). Default nil.
 	// The body is still judged on its own, whatever the function hashed: one sent as JSON
 	// that is not strictly valid JSON, or ambiguous (Fingerprint.Ambiguous), is refused with
 	// 400 malformed_body before any claim, as with the default fingerprint; an Ambiguous set

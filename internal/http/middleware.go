@@ -333,7 +333,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	var fp canon.Fingerprint
 	var bodyJSON bool
 	var ambiguous string
-	asJSON := sentAsJSON(r)
+	asJSON := SentAsJSON(r)
 	if rt.Fingerprint != nil {
 		if !m.guarded(w, r, "the route's fingerprint function", func() { fp = rt.Fingerprint(r, body) }) {
 			return
@@ -458,9 +458,10 @@ func (b *bodyTee) room() int64 { return min(b.max, math.MaxInt64-1) - int64(len(
 
 func (b *bodyTee) Close() error { return b.src.Close() }
 
-// sentAsJSON tells whether r's body is sent as JSON: a JSON Content-Type, or none, which
-// DecodeJSON takes as JSON. Any other body is its handler's to read as it is (D178).
-func sentAsJSON(r *http.Request) bool {
+// SentAsJSON tells whether r's body is sent as JSON: a JSON Content-Type, or none, which
+// DecodeJSON takes as JSON. Any other body is its handler's to read as it is (D178), and the
+// default fingerprint hashes its bytes (canon.ComputeRaw).
+func SentAsJSON(r *http.Request) bool {
 	return jsonContent(r) || r.Header.Get("Content-Type") == ""
 }
 
