@@ -198,6 +198,19 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 			q.m.o.Metrics.Count(q.action, StateOversize)
 		}
 		err = q.complete(ctx, db, claim, attempt, resp)
+		if errors.Is(err, dbidem.ErrClaimLost) && v != rollBack {
+			// The claim is gone: another attempt holds the key, or the key expired under this
+			// one (its lease and its TTL ran out: a handler that went on past them, or
+			// extensions that did not land that long) and nobody took it. In the second case
+			// the answer is stored all the same, for the key nobody holds (a new generation
+			// with this answer, which the work's provider call had), instead of a 409 whose
+			// retry would run the work again under a new provider key (D249). SaveFinal
+			// overwrites no live row: another attempt's key stays its own.
+			if saved, serr := dbidem.SaveFinal(ctx, db, claim, resp); serr == nil && saved {
+				err = nil
+				llog.Warn("idem: a lease's key expired before its work ended, and no other attempt had taken it: its answer was stored for the key")
+			}
+		}
 	}
 	// unanswered: the client gets 409, another attempt answers. lost: the lease was lost and
 	// its answer not recorded (a late 2xx that could not be recorded by the deadline is
