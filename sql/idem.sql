@@ -198,7 +198,11 @@ BEGIN
             CREATE TRIGGER idempotency_keys_copy_to_v3
                 AFTER INSERT OR UPDATE OR DELETE ON idem.idempotency_keys
                 FOR EACH ROW EXECUTE FUNCTION idem.copy_to_v3();
-        EXCEPTION WHEN lock_not_available THEN
+        EXCEPTION WHEN duplicate_object THEN
+            -- another migrate's rebuild created it while this one waited for the table's lock
+            -- (its check above came before that commit): it exists, go on
+            NULL;
+        WHEN lock_not_available THEN
             v_tries := v_tries + 1;
             IF v_tries >= 600 THEN
                 RAISE EXCEPTION 'idem rebuild 003: idem.idempotency_keys stayed locked through % tries of 100 ms', v_tries
@@ -678,7 +682,11 @@ BEGIN
             CREATE TRIGGER idempotency_keys_copy_to_v3
                 AFTER INSERT OR UPDATE OR DELETE ON idem.idempotency_keys
                 FOR EACH ROW EXECUTE FUNCTION idem.copy_to_v3();
-        EXCEPTION WHEN lock_not_available THEN
+        EXCEPTION WHEN duplicate_object THEN
+            -- another migrate's rebuild created it while this one waited for the table's lock
+            -- (its check above came before that commit): it exists, go on
+            NULL;
+        WHEN lock_not_available THEN
             v_tries := v_tries + 1;
             IF v_tries >= 600 THEN
                 RAISE EXCEPTION 'idem rebuild 003: idem.idempotency_keys stayed locked through % tries of 100 ms', v_tries
