@@ -38,6 +38,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/internal/canon"
 )
 
 // ErrNoTx is Insert's error outside the transactional unit of work of a keyed request: there
@@ -254,9 +255,13 @@ func ranBefore(job *rivertype.JobRow) bool {
 // idem.ErrMismatch of an idem.Do inside fn is fn's failure, retried by River's policy, not a
 // snooze or a cancel of this job.
 //
-// Inside a run of Middleware (or of an outer Work) that holds the same principal and key, Work
-// runs fn at once under that run's claim: the job is claimed once, however many layers call
-// Work (a Middleware in river.Config.Middleware and a worker that calls Work itself).
+// Inside a run of Middleware (or of an outer Work) for the same job that holds the same
+// principal and key, Work runs fn at once under that run's claim: the job is claimed once,
+// however many layers call Work (a Middleware in river.Config.Middleware and a worker that
+// calls Work itself). Inside a run for another job under the same principal and key (a Key
+// function that gives both one key), Work answers as a claim of its own would, without running
+// fn: river.JobCancel of idem.ErrMismatch when the kinds or the arguments differ, and
+// river.JobSnooze when they are the same (the outer run is doing that work).
 //
 // fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
 // (cause idem.ErrLeaseLost); fn should stop then. Under Middleware, River's job timeout ends
@@ -283,10 +288,21 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	if o.Key != nil {
 		key = o.Key(job)
 	}
-	if held, ok := ctx.Value(claimKey{}).(idem.LeaseClaim); ok && held.Principal == principal && held.Key == key {
-		// An outer layer (Middleware) holds this job's key: claiming it again would find the
-		// outer claim in progress and snooze the job, every time.
-		return fn(ctx, held)
+	if h, ok := ctx.Value(heldKey{}).(held); ok && h.claim.Principal == principal && h.claim.Key == key {
+		switch {
+		case h.job == job.ID:
+			// An outer layer (Middleware) holds this job's key: claiming it again would find
+			// the outer claim in progress and snooze the job, every time.
+			return fn(ctx, h.claim)
+		case jobSum(h.kind, h.args) != jobSum(job.Kind, job.EncodedArgs):
+			// Another job (a Key function that gives two jobs one key) with another kind or
+			// other arguments: what a claim of its own would be told (D251).
+			return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q (held by job %d): %w", job.ID, key, h.job, idem.ErrMismatch))
+		default:
+			// Another job with the same kind and arguments: the outer run is doing its work,
+			// and holds the key; as a claim of its own would be, it is snoozed.
+			return river.JobSnooze(o.Snooze)
+		}
 	}
 	// The first run of the job claimed its key no earlier than the job was created, and every
 	// later run's claim kept it at least the TTL past that claim: while the job is younger
@@ -307,7 +323,8 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
-			err := fn(context.WithValue(ctx, claimKey{}, claim), claim)
+			ctx = context.WithValue(ctx, claimKey{}, claim)
+			err := fn(context.WithValue(ctx, heldKey{}, held{claim: claim, job: job.ID, kind: job.Kind, args: job.EncodedArgs}), claim)
 			fnFailed, fnErr = err != nil, err
 			return struct{}{}, err
 		})
@@ -348,6 +365,23 @@ const storeBusySnooze = 5 * time.Second
 
 // claimKey is the context key of ClaimOf.
 type claimKey struct{}
+
+// heldKey is the context key of the held claim a nested Work compares its job with.
+type heldKey struct{}
+
+// held is a claim Work holds while fn runs, with the job it holds it for.
+type held struct {
+	claim idem.LeaseClaim
+	job   int64
+	kind  string
+	args  []byte
+}
+
+// jobSum is a job's request as Work claims it: its kind and its arguments as canonical JSON
+// (key order and spacing do not count), as DoLease fingerprints them.
+func jobSum(kind string, args []byte) [32]byte {
+	return canon.Compute("DO", kind, args).Sum
+}
 
 // ClaimOf returns the claim of the job that the worker middleware (Middleware) or Work runs,
 // or false outside them. Hand an outside provider its ProviderKey.
