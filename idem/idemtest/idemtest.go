@@ -95,5 +95,7 @@ func AppPool(t testing.TB, owner *pgxpool.Pool) *pgxpool.Pool {
 
 // ExampleDB creates a database with schema idem installed for an Example function (which has
 // no testing.T) and returns its connection string; it is dropped when the test binary ends.
-// Call it only from a package whose TestMain calls Main.
+// Call it only from a package whose TestMain calls Main. Where no server can be had (or the
+// database cannot be created) it panics, which ends the whole test binary with the reason: an
+// Example has no testing.T to fail alone. A private cluster it started is stopped all the same.
 func ExampleDB() string { return pgtest.ExampleDB() }

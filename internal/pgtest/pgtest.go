@@ -233,7 +233,9 @@ func NewDB(t testing.TB) string {
 
 // ExampleDB creates a migrated database for an Example function (which has no testing.T)
 // and returns its connection string. It is dropped when the test binary ends. Call it only
-// from a package whose TestMain uses Main.
+// from a package whose TestMain uses Main. It panics where no server can be had or the
+// database cannot be created (an Example has no testing.T); the watchdog stops a private
+// cluster when the binary ends.
 func ExampleDB() string {
 	setupOnce.Do(func() { setupErr = start() })
 	if setupErr != nil {
