@@ -2820,8 +2820,9 @@ COMMENT ON FUNCTION idem.cleanup_workers(integer[], integer) IS
 -- 'group:deleted:drained'. What each Citus worker runs for idem_cleanup_workers, through
 -- cleanup_pass_on_workers: a procedure (so that it can commit), called outside any
 -- transaction block. Internal: SECURITY INVOKER without SET clauses (a procedure with either
--- cannot commit); it calls only the schema-qualified internal functions, which run as the
--- owner, and only the owner may call those.
+-- cannot commit); it pins search_path for each of its transactions instead (first thing and
+-- after each COMMIT: include/pin_path.sql, D252), and calls only the schema-qualified internal
+-- functions, which run as the owner, and only the owner may call those.
 CREATE OR REPLACE PROCEDURE idem.cleanup_node(
     p_batch_size integer,
     p_duty       double precision,
@@ -2838,6 +2839,8 @@ DECLARE
     v_n       integer;
     v_deleted bigint := 0::bigint;
 BEGIN
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
     v_problem := CASE
         WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_seconds IS NULL
             THEN '22004 p_batch_size, p_duty and p_seconds must not be NULL'
@@ -2861,12 +2864,16 @@ IF v_problem IS NOT NULL THEN
         v_n := idem.cleanup_relations(idem.key_relations(), p_batch_size);
         v_deleted := v_deleted + v_n;
         COMMIT;
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
         EXIT WHEN v_n < p_batch_size OR clock_timestamp() >= v_until;
         IF v_duty < 1 THEN
             v_pause := least(extract(epoch FROM clock_timestamp() - v_began)::double precision * (1 - v_duty) / v_duty,
                              extract(epoch FROM v_until - clock_timestamp())::double precision);
             PERFORM pg_catalog.pg_sleep(v_pause);
             COMMIT; -- no snapshot held between batches
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
             EXIT WHEN clock_timestamp() >= v_until;
         END IF;
     END LOOP;
@@ -3021,7 +3028,8 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
 -- cannot commit; it calls only the schema-qualified idem_cleanup_workers and idem_cleanup,
 -- which run as the owner, and names every other function, operator and type with its schema
--- (pg_catalog): the caller's search_path picks none of them.
+-- (pg_catalog): the caller's search_path picks none of them. It pins search_path for each of
+-- its transactions all the same (include/pin_path.sql, D252).
 CREATE OR REPLACE PROCEDURE idem.idem_cleanup_all(
     p_batch_size integer DEFAULT 1000,
     INOUT p_deleted bigint DEFAULT NULL)
@@ -3033,6 +3041,8 @@ DECLARE
     v_done    boolean;
     v_problem pg_catalog.text;
 BEGIN
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
     v_problem := CASE
         WHEN p_batch_size IS NULL
             THEN '22004 p_batch_size must not be NULL'
@@ -3048,6 +3058,8 @@ BEGIN
         -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
@@ -3062,6 +3074,8 @@ BEGIN
         -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
@@ -3814,8 +3828,11 @@ COMMENT ON FUNCTION idem.idem_stuck(interval, integer) IS
 -- secret's tokens are 2^32 draws away; run it again.
 --
 -- A procedure: it commits, so it cannot be SECURITY DEFINER or pin search_path with a SET
--- clause; every name is qualified. Call it outside a transaction block, as the schema's owner
--- (nothing is granted).
+-- clause. It pins search_path for each of its transactions instead (include/pin_path.sql),
+-- first thing and again after its COMMIT: a function or operator of a schema on the caller's
+-- path that matches a call more exactly than PostgreSQL's own (format(text, text),
+-- ||(text[], text)) would otherwise run with the owner's rights (D252). Call it outside a
+-- transaction block, as the schema's owner (nothing is granted).
 CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret(p_wait interval DEFAULT '10 minutes')
 LANGUAGE plpgsql
 AS $$
@@ -3829,6 +3846,8 @@ DECLARE
     v_until timestamptz;
     v_grantee oid;
 BEGIN
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
     IF p_wait IS NULL THEN
         RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
     END IF;
@@ -3893,6 +3912,8 @@ COMMENT ON FUNCTION idem.installation_secret_seqs() IS
     ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
     ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
 
     -- The transactions of this database only: one in another database of the cluster (a
     -- pg_dump of it, a long report) claims no key here.

@@ -275,8 +275,9 @@ COMMENT ON FUNCTION idem.cleanup_workers(integer[], integer) IS
 -- 'group:deleted:drained'. What each Citus worker runs for idem_cleanup_workers, through
 -- cleanup_pass_on_workers: a procedure (so that it can commit), called outside any
 -- transaction block. Internal: SECURITY INVOKER without SET clauses (a procedure with either
--- cannot commit); it calls only the schema-qualified internal functions, which run as the
--- owner, and only the owner may call those.
+-- cannot commit); it pins search_path for each of its transactions instead (first thing and
+-- after each COMMIT: include/pin_path.sql, D252), and calls only the schema-qualified internal
+-- functions, which run as the owner, and only the owner may call those.
 CREATE OR REPLACE PROCEDURE idem.cleanup_node(
     p_batch_size integer,
     p_duty       double precision,
@@ -293,6 +294,7 @@ DECLARE
     v_n       integer;
     v_deleted bigint := 0::bigint;
 BEGIN
+{{ template "include/pin_path.sql" }}
     v_problem := CASE
         WHEN p_batch_size IS NULL OR p_duty IS NULL OR p_seconds IS NULL
             THEN '22004 p_batch_size, p_duty and p_seconds must not be NULL'
@@ -313,12 +315,14 @@ BEGIN
         v_n := idem.cleanup_relations(idem.key_relations(), p_batch_size);
         v_deleted := v_deleted + v_n;
         COMMIT;
+{{ template "include/pin_path.sql" }}
         EXIT WHEN v_n < p_batch_size OR clock_timestamp() >= v_until;
         IF v_duty < 1 THEN
             v_pause := least(extract(epoch FROM clock_timestamp() - v_began)::double precision * (1 - v_duty) / v_duty,
                              extract(epoch FROM v_until - clock_timestamp())::double precision);
             PERFORM pg_catalog.pg_sleep(v_pause);
             COMMIT; -- no snapshot held between batches
+{{ template "include/pin_path.sql" }}
             EXIT WHEN clock_timestamp() >= v_until;
         END IF;
     END LOOP;
@@ -457,7 +461,8 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
 -- cannot commit; it calls only the schema-qualified idem_cleanup_workers and idem_cleanup,
 -- which run as the owner, and names every other function, operator and type with its schema
--- (pg_catalog): the caller's search_path picks none of them.
+-- (pg_catalog): the caller's search_path picks none of them. It pins search_path for each of
+-- its transactions all the same (include/pin_path.sql, D252).
 CREATE OR REPLACE PROCEDURE idem.idem_cleanup_all(
     p_batch_size integer DEFAULT {{ template "default_batch_size" }},
     INOUT p_deleted bigint DEFAULT NULL)
@@ -469,6 +474,7 @@ DECLARE
     v_done    boolean;
     v_problem pg_catalog.text;
 BEGIN
+{{ template "include/pin_path.sql" }}
     v_problem := CASE
         WHEN p_batch_size IS NULL
             THEN '22004 p_batch_size must not be NULL'
@@ -484,6 +490,7 @@ BEGIN
         -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+{{ template "include/pin_path.sql" }}
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
@@ -498,6 +505,7 @@ BEGIN
         -- The wait lasts the maintenance window, whatever lock_timeout the session has (a
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+{{ template "include/pin_path.sql" }}
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;

@@ -17,8 +17,11 @@
 -- secret's tokens are 2^32 draws away; run it again.
 --
 -- A procedure: it commits, so it cannot be SECURITY DEFINER or pin search_path with a SET
--- clause; every name is qualified. Call it outside a transaction block, as the schema's owner
--- (nothing is granted).
+-- clause. It pins search_path for each of its transactions instead (include/pin_path.sql),
+-- first thing and again after its COMMIT: a function or operator of a schema on the caller's
+-- path that matches a call more exactly than PostgreSQL's own (format(text, text),
+-- ||(text[], text)) would otherwise run with the owner's rights (D252). Call it outside a
+-- transaction block, as the schema's owner (nothing is granted).
 CREATE OR REPLACE PROCEDURE idem.idem_new_installation_secret(p_wait interval DEFAULT '10 minutes')
 LANGUAGE plpgsql
 AS $$
@@ -32,6 +35,7 @@ DECLARE
     v_until timestamptz;
     v_grantee oid;
 BEGIN
+{{ template "include/pin_path.sql" }}
     IF p_wait IS NULL THEN
         RAISE EXCEPTION 'idem_new_installation_secret: p_wait must not be NULL' USING ERRCODE = '22004';
     END IF;
@@ -83,6 +87,7 @@ BEGIN
     ALTER FUNCTION idem.idem_begin(text, text, text, bytea, interval, interval, jsonb, interval) COST 100;
     ALTER FUNCTION idem.idem_stuck(interval, integer) COST 100;
     COMMIT;
+{{ template "include/pin_path.sql" }}
 
     -- The transactions of this database only: one in another database of the cluster (a
     -- pg_dump of it, a long report) claims no key here.
