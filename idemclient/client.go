@@ -12,7 +12,8 @@
 // answer, end the operation with ErrGaveUp, whatever MaxAttempts), honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
 // answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
-// answer marked Idempotent-Replayed: true is stored, whatever its status) ends the operation:
+// answer marked Idempotent-Replayed: true is stored, whatever its status; a replayed redirect
+// is not the answer, the request it leads to answers for itself) ends the operation:
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
 // certificate, TLS to a plain server before the request was written, a redirect that the HTTP
 // client's CheckRedirect refuses, ten of them in a row by default, or one net/http cannot
@@ -22,7 +23,7 @@
 // that net/http would refuse to send (a ContentLength above 0 without a body, a
 // URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
-// value, the URL or the key, a RequestURI: a server's request handed on as it came; two key
+// value, the URL or the key (a tab but in the URL, which HTTP allows in a header's value), a RequestURI: a server's request handed on as it came; two key
 // headers), which Do refuses before sending anything. An answer whose body is longer than
 // MaxResponseBytes (64 MiB by default) ends it too, with ErrResponseTooLarge: its body is not
 // read whole. The HTTP client follows redirects: one that sends the request again (307, 308)
@@ -116,7 +117,8 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
 // Every attempt carries the same key and the same body: req's body is read once (from
 // req.GetBody when it is set, which wins over req.Body, as on net/http's retries; req.Body is
-// then closed unread) and sent again as it was; a body without GetBody is left readable again
+// then closed unread), whole, into memory (bound a large one yourself), and sent again as it
+// was, with its own length as Content-Length; a body without GetBody is left readable again
 // (Do sets req.Body and req.GetBody to the bytes it read), so req can be given to a later Do
 // under Result.Key. When Do ends before it has read such a body whole, nothing was sent and the
 // body is left refusing every read (part of it is gone): build the request again. An empty key means the key req already carries in the key header (under
@@ -171,7 +173,9 @@ func (r Result) JSON(v any) error { return json.Unmarshal(r.Body, v) }
 func (r Result) Code() string { return client.Result(r).Code() }
 
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its
-// outcome still unknown; the last attempt's error or answer is wrapped.
+// outcome still unknown; the last attempt's error or answer is wrapped. When that attempt ran
+// out of Client.AttemptTimeout, errors.Is(err, context.DeadlineExceeded) is true too, though
+// the caller's context is still live: test ErrGaveUp first.
 var ErrGaveUp = client.ErrGaveUp
 
 // NewKey returns a new idempotency key: a UUID of version 7 (RFC 9562), a 48-bit Unix

@@ -387,9 +387,11 @@ func TestTooLargeAfterReplayedRedirect(t *testing.T) {
 	}
 }
 
-// TestReplayedRedirectToA503IsFinal pins what Do does: a replayed 303 whose GET
-// answers 503 ends the operation (a replay is final), with Status 503, Replayed true, no error.
-func TestReplayedRedirectToA503IsFinal(t *testing.T) {
+// TestReplayedRedirectToA503IsRetried pins what Do does: a replayed 303 whose GET answers 503
+// leaves the outcome open (the GET's answer is not a replay), so Do retries, here until it
+// gives up, with Status 503 and Replayed true (D253; it used to end the operation there, with
+// no error, as if the 503 were the stored answer).
+func TestReplayedRedirectToA503IsRetried(t *testing.T) {
 	var posts atomic.Int32
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
@@ -406,7 +408,8 @@ func TestReplayedRedirectToA503IsFinal(t *testing.T) {
 	req, _ := http.NewRequest("POST", srv.URL+"/a", strings.NewReader(`{}`))
 	res, err := (&idemclient.Client{Backoff: time.Millisecond}).Do(rbCtx(t), req, "")
 	t.Logf("%d replayed %v attempts %d err %v", res.Status, res.Replayed, res.Attempts, err)
-	if err != nil || res.Status != 503 || !res.Replayed || res.Attempts != 1 || posts.Load() != 1 {
+	if !errors.Is(err, idemclient.ErrGaveUp) || res.Status != 503 || !res.Replayed || res.Attempts != idemclient.DefaultMaxAttempts ||
+		posts.Load() != int32(idemclient.DefaultMaxAttempts) {
 		t.Errorf("%d replayed %v attempts %d err %v", res.Status, res.Replayed, res.Attempts, err)
 	}
 }

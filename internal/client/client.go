@@ -347,7 +347,7 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 		attempt += sent
 		wait := jitter(doubled(backoff, try-1, maxBackoff))
 		switch {
-		case err == nil && !retryable(r):
+		case err == nil && !retryable(r, c.replayedHeader()):
 			r.Attempts, r.Key = attempt, key
 			return r, nil
 		case err == nil:
@@ -440,6 +440,11 @@ func getBody(ctx context.Context, getBody func() (io.ReadCloser, error)) (io.Rea
 		if g.err != nil {
 			return nil, fmt.Errorf("idemclient: read body: %w", g.err)
 		}
+		if g.body == nil {
+			// Called only for a req.Body that is not empty: net/http refuses such a request
+			// too ("with nil Body"). Nothing was sent.
+			return nil, errNilGetBody
+		}
 		return g.body, nil
 	case p := <-panicked:
 		panic(p)
@@ -457,6 +462,10 @@ func getBody(ctx context.Context, getBody func() (io.ReadCloser, error)) (io.Rea
 		return nil, ctx.Err() // nothing was sent
 	}
 }
+
+// errNilGetBody is Do's error when req.GetBody returns neither a body nor an error for a
+// request whose Body is not empty.
+var errNilGetBody = errors.New("idemclient: read body: req.GetBody returned a nil body and no error for a request with a body")
 
 // readBody reads body whole and closes it. The read stops when ctx ends: the body is closed
 // (which ends a read blocked on a pipe or on a server request's body) and ctx's error is
@@ -628,10 +637,16 @@ func (f *firstTrip) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err == nil && resp.StatusCode >= 300 && resp.StatusCode < 400 && resp.Header.Get("Location") != "" {
 		f.redirect.Store(resp)
 	}
-	if err == nil && strings.EqualFold(strings.TrimSpace(resp.Header.Get(f.replayedHeader)), "true") {
+	if err == nil && marked(resp.Header, f.replayedHeader) {
 		f.replayed.Store(true)
 	}
 	return resp, err
+}
+
+// marked tells whether an answer's header carries the replay mark: replayedHeader "true", in
+// any case.
+func marked(h http.Header, replayedHeader string) bool {
+	return strings.EqualFold(strings.TrimSpace(h.Get(replayedHeader)), "true")
 }
 
 // followable refuses a redirect's URL that no attempt could follow (urlProblem): net/http
@@ -897,10 +912,12 @@ func (l *Ledger) Send(ctx context.Context, method, path, key string, body any) (
 // if it is the handler's own 409, the retry gets it replayed, final. Every other answer is
 // final, and so is every replay: a stored answer comes back the same to every retry, whatever
 // its status (a handler's own 409 request_in_progress, stored as its answer, was retried until
-// ErrGaveUp).
-func retryable(r Result) bool {
+// ErrGaveUp). A replay is the answer itself marked so (replayedHeader), not a redirect on the
+// way to it: a replayed 303 or 307 leads to a request of its own, whose 503 leaves the outcome
+// open as any other does (Result.Replayed, which counts the redirect, took that 503 for final).
+func retryable(r Result, replayedHeader string) bool {
 	switch {
-	case r.Replayed:
+	case marked(r.Header, replayedHeader):
 		return false
 	case r.Status == http.StatusNotImplemented, r.Status == http.StatusHTTPVersionNotSupported:
 		return false
