@@ -104,7 +104,10 @@ func newShop(ctx context.Context, pool *pgxpool.Pool) (*shop, error) {
 // createOrder writes through the request's transaction, which commits with the key.
 func createOrder(w http.ResponseWriter, r *http.Request) {
 	customer, ok := idem.ClaimOf(r.Context())
-	if !ok { // no customer: Required asks a key of a request with a principal only
+	// On this Required route every request with a principal has a claim, so no claim means no
+	// customer. On a route whose key is optional, a request without a key has no claim either:
+	// read the principal from your own authentication there, not from ClaimOf.
+	if !ok {
 		http.Error(w, "say who you are (X-Customer)", http.StatusUnauthorized)
 		return
 	}

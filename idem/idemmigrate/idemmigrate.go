@@ -38,7 +38,9 @@ type Options struct {
 	AppRole string
 	// OperatorRole is the role granted the operators' functions (idem_summary, idem_health,
 	// idem_key with bodies, idem_stuck, idem_release_stuck). Default "idem_operator"; the same
-	// rules as AppRole, and another name.
+	// rules as AppRole, and another name. AppRole is granted idem_summary, idem_health,
+	// idem_replication and idem_key without bodies too, so a service's own metrics
+	// (idemprom's health collector) read them on its pool.
 	OperatorRole string
 }
 

@@ -59,7 +59,8 @@ func NewEmptyDB(t testing.TB) string {
 }
 
 // NewPool creates a database with NewDB and returns a pool on it (at most 8 connections, as
-// the owner), closed when the test ends.
+// the owner), closed when the test ends. pool.Config().ConnString() is the owner's connection
+// string (for AppURL, or a migrate step of the service's own tables).
 func NewPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	pool, _ := pgtest.NewPool(t, 8)
@@ -71,11 +72,17 @@ func NewPool(t testing.TB) *pgxpool.Pool {
 // dropped when the test ends. Grant it the privileges on the service's own tables as the
 // service's migrate step grants its login role (not idem_app: that role holds the SQL API
 // only, docs/http.md "Two roles"). The role's name is the URL's user (pgx.ParseConfig's User),
-// or, on a pool, current_user:
+// or, on a pool, current_user. Grant what the service's statements use, the sequences of its
+// serial columns too (nextval), or its inserts fail and the requests get 500:
 //
 //	var role string
-//	_ = app.QueryRow(ctx, "SELECT current_user").Scan(&role)
-//	_, _ = owner.Exec(ctx, "GRANT SELECT, INSERT ON orders TO "+pgx.Identifier{role}.Sanitize())
+//	if err := app.QueryRow(ctx, "SELECT current_user").Scan(&role); err != nil {
+//		t.Fatal(err)
+//	}
+//	r := pgx.Identifier{role}.Sanitize()
+//	if _, err := owner.Exec(ctx, "GRANT SELECT, INSERT ON orders TO "+r+"; GRANT USAGE ON SEQUENCE orders_id_seq TO "+r); err != nil {
+//		t.Fatal(err)
+//	}
 func AppURL(t testing.TB, url string) string {
 	t.Helper()
 	return pgtest.LoginRole(t, url, "idem_app")
