@@ -158,10 +158,12 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // commits on its own, fn runs outside any transaction while a heartbeat extends the lease,
 // and its result is stored afterwards, fenced by the claim's token. fn's context ends with
 // cause ErrLeaseLost when the lease is lost; DoLease then returns ErrLeaseLost, unless fn
-// still returns a result, no other attempt has taken the key over (the lease ran out
-// without an extension landing) and the key has not expired (its TTL past the lease's end: an
-// expired key is free, its next DoLease a new generation with a new provider key), when
-// the result is recorded, fenced by the token, and returned: fn that stops because its
+// still returns a result and no other attempt has taken the key over (the lease ran out
+// without an extension landing), when the result is recorded, fenced by the token, and
+// returned; when the key has expired meanwhile too (its TTL past the lease's end) and nobody
+// took it, the result is recorded for the key all the same, as a new generation's answer that
+// the next DoLease replays, rather than let it run fn again under a new provider key. fn that
+// stops because its
 // context ended returns an error (context.Cause(ctx)), since a nil error makes its result the
 // answer. Keep the TTL longer than a lease, so that a late result finds its key. When fn
 // fails, its lease ends at once (Yield) and a later DoLease of the same job runs it again

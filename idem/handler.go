@@ -44,9 +44,10 @@ type ClaimInfo struct {
 // of DoLease, when the lease was lost: another attempt may hold the key, so the work should
 // stop. A 2xx the handler still writes, or a result DoLease's fn still returns with a nil
 // error, is recorded, fenced by the claim's token, only while no other attempt has taken the
-// key over (the lease ran out without an extension landing) and the key has not expired (its
-// TTL past the lease's end: an expired key is free for the next request); otherwise it is
-// neither recorded nor sent. A handler that returns without writing, or an error, records
+// key over (the lease ran out without an extension landing); when the key has expired
+// meanwhile too (its TTL past the lease's end) and nobody took it, it is recorded for the key
+// as a new generation's answer. Once another attempt holds the key it is neither recorded nor
+// sent. A handler that returns without writing, or an error, records
 // nothing.
 var ErrLeaseLost = idemhttp.ErrLeaseLost
 

@@ -31,8 +31,10 @@ type LeaseOptions struct {
 	// Default zero: now, which is late by the claim's round trips and waits (a takeover may
 	// then begin before this process sees its lease as lost).
 	Start time.Time
-	// Interval is the time between extensions. Default 0: a third of Lease, so that two
-	// extensions in a row may fail before the lease runs out.
+	// Interval is the time between extensions. Default 0: a third of Lease, so that one
+	// extension may fail and the next still lands before the lease runs out. Two in a row lose
+	// it (the third would be due at its end): an outage of the database longer than Interval
+	// that covers two beats ends the lease, though the database is back before its end.
 	Interval time.Duration
 	// Timeout bounds the work: the context ends then (cause context.DeadlineExceeded),
 	// whether the lease holds or not. Default 0: no bound.

@@ -237,9 +237,10 @@ func ranBefore(job *rivertype.JobRow) bool {
 //     holds the key: nothing of this run is stored, and River's retry finds the other run's
 //     result, or the key; fn's own error is wrapped in it, so errors.Is finds both, River
 //     records fn's reason, and a river.JobCancel or river.JobSnooze that fn returned still
-//     cancels or snoozes the job, as it would have with the lease held; when fn returned nil, no other run had taken the key over and the
-//     key had not expired (its TTL past the lease's end), the result is stored all the same
-//     and the job completes), or when its result could not be stored by the lease's
+//     cancels or snoozes the job, as it would have with the lease held; when fn returned nil
+//     and no other run had taken the key over, the result is stored all the same (for the
+//     key as a new generation's, when it had expired meanwhile) and the job completes), or
+//     when its result could not be stored by the lease's
 //     AnswerDeadline (an error wrapping context.DeadlineExceeded: the
 //     database was unreachable that long; the key stays in progress until its lease runs
 //     out, and River's retry then takes it over with the same provider key);

@@ -165,8 +165,10 @@ type Pool interface {
 // DoLease returns ErrLeaseLost and stores nothing. When fn returns a result all the same, it is
 // recorded, fenced by the claim's token, if no other attempt has taken the key over (the lease
 // ran out without an extension landing: the database could not be reached, or the key's row
-// was locked) and the key has not expired (its TTL past the lease's end), and DoLease returns
-// it; once another attempt holds the key, DoLease returns
+// was locked), and DoLease returns it: for the claim while the key has not expired (its TTL
+// past the lease's end), and once it has expired with nobody holding it, for the key as a new
+// generation's answer (idem_save_final), which the next DoLease replays; once another attempt
+// holds the key, DoLease returns
 // ErrLeaseLost and stores nothing. So fn that stops because its context ended returns an
 // error (context.Cause(ctx)): a nil error makes its result the answer, whatever ended the
 // context (Timeout, ctx, a lost lease). The result is recorded through failures that pass (Persist) until the
@@ -302,8 +304,20 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 	// key over, and then the recording, fenced by the token, fails with ErrClaimLost.
 	done, cancel := context.WithDeadline(context.WithoutCancel(ctx), lease.AnswerDeadline())
 	defer cancel()
-	err = PersistAnswer(done, db, db, claim, attempt,
-		Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
+	answer := Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body}
+	err = PersistAnswer(done, db, db, claim, attempt, answer)
+	if errors.Is(err, ErrClaimLost) {
+		// The claim is gone: another attempt holds the key, or the key expired under this one
+		// (its lease and its TTL ran out while fn went on, or while no extension landed) and
+		// nobody took it. In the second case the result is stored all the same, for the key
+		// nobody holds (a new generation with this result, which the work's provider call
+		// had), instead of ErrLeaseLost and a next DoLease that runs fn again under a new
+		// provider key (D255, as D249 does for a lease route). SaveFinal overwrites no live
+		// row: another attempt's key stays its own.
+		if saved, serr := SaveFinal(done, db, claim, answer); serr == nil && saved {
+			return result, false, nil
+		}
+	}
 	switch {
 	case errors.Is(err, ErrClaimLost):
 		var zero T

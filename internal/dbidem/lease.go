@@ -23,9 +23,10 @@ import (
 // extension found the claim no longer in progress with its token, or the lease ran out before
 // an extension succeeded (the database could not be reached), so another attempt may have
 // taken the key over. The work should stop. A result it still returns with a nil error
-// (DoLease), or a 2xx a lease route's handler still writes, is recorded only if the recording,
-// fenced by the token, succeeds: only while no other attempt has taken the key over and the
-// key has not expired (its TTL past the lease's end).
+// (DoLease), or a 2xx a lease route's handler still writes, is recorded only while no other
+// attempt has taken the key over: by the recording fenced by the token while the key has not
+// expired (its TTL past the lease's end), and, once it has expired with nobody holding it, for
+// the key as a new generation's answer (idem_save_final).
 var ErrLeaseLost = errors.New("idem: lease lost")
 
 // extendSQL reads the lease's new end in microseconds (microsSQL).
@@ -55,8 +56,9 @@ type LeaseOptions struct {
 	// by the claim's round trips and waits (a takeover may then begin before this process
 	// sees its lease as lost).
 	Start time.Time
-	// Interval is the time between extensions. 0: a third of Lease, so that two extensions in
-	// a row may fail before the lease runs out.
+	// Interval is the time between extensions. 0: a third of Lease, so that one extension may
+	// fail and the next still lands before the lease runs out; two in a row lose it (the third
+	// would be due at its end).
 	Interval time.Duration
 	// Timeout bounds the work: the context ends then (cause context.DeadlineExceeded), whether
 	// the lease holds or not. 0: no bound.
