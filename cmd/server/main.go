@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 )
 
 func main() {
@@ -36,12 +37,21 @@ func main() {
 	// the private cluster if this process started it (pg_ctl runs it in a session of its own,
 	// which no signal of the terminal reaches).
 	go func() {
-		<-sigs
+		first := <-sigs
+		at := time.Now()
 		stop()
-		<-sigs
-		fmt.Fprintln(os.Stderr, "server: a second signal: stopping at once")
-		m.Abort()
-		os.Exit(1)
+		for {
+			sig := <-sigs
+			if sig == first && time.Since(at) < sameStop {
+				// One stop delivered twice: a kill of the process group reaches this process
+				// and the one that runs it, which passes it on (make, timeout). Not a second
+				// request to stop at once (D256).
+				continue
+			}
+			fmt.Fprintln(os.Stderr, "server: a second signal: stopping at once")
+			m.Abort()
+			os.Exit(1)
+		}
 	}()
 	if err := m.ParseFlags(os.Args[1:], os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "server:", err)
@@ -59,6 +69,10 @@ func main() {
 		os.Exit(code)
 	}
 }
+
+// sameStop is how long after the first signal the same signal again is taken for the same
+// stop, delivered twice, rather than for a second signal.
+const sameStop = 200 * time.Millisecond
 
 // exitCode is the process's exit status for a command that ended with err, signaled when a
 // signal ended its context: 0 when it did its work; 1 when it failed, or when a signal stopped
