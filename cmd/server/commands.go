@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -52,6 +53,16 @@ func (m *Main) Run(ctx context.Context) error {
 	case "version":
 		_, err := fmt.Fprintln(m.stdout, Version)
 		return err
+	}
+	if m.Command == "serve" {
+		// A port another program holds is said before the database is opened, migrated or a
+		// private cluster started: serve would fail on it only after all that (D257). The
+		// port is bound again, for good, once the routes are ready.
+		ln, err := net.Listen("tcp", m.Config.ListenAddr)
+		if err != nil {
+			return fmt.Errorf("LISTEN_ADDR=%s: %w", m.Config.ListenAddr, err)
+		}
+		ln.Close()
 	}
 	if err := m.openDatabase(ctx); err != nil {
 		return err

@@ -5,10 +5,14 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"os"
 	"path"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 )
@@ -35,16 +39,22 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 		r.Header.Set("X-Request-Id", id)
 		w.Header().Set("X-Request-Id", id)
 		sw := &statusWriter{ResponseWriter: w, status: http.StatusOK, ctx: r.Context()}
+		body := &bodyWatch{ReadCloser: r.Body}
+		if r.Body != nil && r.Body != http.NoBody {
+			r.Body = body
+		}
 		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id)))
 		level := slog.LevelInfo
 		if r.URL.Path == "/metrics" || r.URL.Path == "/healthz" {
 			level = slog.LevelDebug
 		}
 		status := sw.status
-		if sw.goneFirst || !sw.wrote && r.Context().Err() != nil {
+		if (sw.goneFirst || !sw.wrote && r.Context().Err() != nil) && !body.timedOut.Load() {
 			// The client was gone before anything was answered (it disconnected while the
 			// request waited): what was written went nowhere (a duplicate is written its 409 all
-			// the same), and no 200 was sent, whatever net/http would have defaulted to.
+			// the same), and no 200 was sent, whatever net/http would have defaulted to. Not
+			// when the body's read ran out of the server's read timeout: net/http ends the
+			// request's context then too, with the client still there to read the 408 (D257).
 			status = statusClientGone
 		}
 		log.Log(r.Context(), level, "request", "request_id", id, "method", clipped(r.Method, maxLoggedMethod), "path", clipped(loggedPath(r), maxLoggedPath), "status", status,
@@ -62,6 +72,25 @@ func validRequestID(id string) bool {
 		}
 	}
 	return true
+}
+
+// bodyWatch notes whether a read of the request's body ran out of the server's read timeout
+// (the client was there, too slow), which ends the request's context as a client that left
+// does.
+type bodyWatch struct {
+	io.ReadCloser
+	timedOut atomic.Bool
+}
+
+func (b *bodyWatch) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil {
+		var ne net.Error
+		if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
+			b.timedOut.Store(true)
+		}
+	}
+	return n, err
 }
 
 // statusClientGone is the status logged for a request whose client went away before anything

@@ -177,6 +177,7 @@ func (s *ledger) healthz(w http.ResponseWriter, r *http.Request) {
 		if errors.Is(err, errNotMigrated) || errors.Is(err, errNewer) || errors.Is(err, idem.ErrPermissionDenied) {
 			reason = err.Error()
 		}
+		w.Header().Set("Retry-After", "1") // as the API's own 503s: a probe or a client asks again
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unavailable", "reason": reason})
 		return
 	}

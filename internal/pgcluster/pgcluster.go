@@ -105,10 +105,29 @@ func (c *Cluster) prepare() error {
 		if err := os.MkdirAll(filepath.Dir(d), 0o755); err != nil {
 			return fmt.Errorf("pgcluster: %w", err)
 		}
-		if err := os.Mkdir(d, 0o700); err != nil && !os.IsExist(err) {
+		err := os.Mkdir(d, 0o700)
+		if err != nil && !os.IsExist(err) {
 			return fmt.Errorf("pgcluster: %w", err)
 		}
+		created := err == nil
+		if c.cred == nil {
+			// Not root: a directory a run as root handed to postgres (or another user's) is
+			// closed to this user, and initdb would fail on it with a bare "permission denied".
+			if _, err := os.ReadDir(d); err != nil {
+				return fmt.Errorf("pgcluster: cannot use %s: %w; it belongs to %s: run as the user that made it "+
+					"(a run as root hands it to postgres), or choose another directory (IDEM_DATA_DIR for the server)", d, err, ownerOf(d))
+			}
+		}
 		if c.cred != nil {
+			// Handed to postgres only when it is the cluster's: made now, postgres's already,
+			// or root's with nothing but a cluster's files in it. Another user's directory (a
+			// .data that user's own runs made), or a directory of other files, is not taken
+			// over: the user would be locked out of it (D257).
+			if !created && !clusterDir(d, c.uid) {
+				return fmt.Errorf("pgcluster: %s belongs to %s, or holds files that are not a private cluster's; as root the "+
+					"cluster runs as the user postgres and would take the directory over: run as the user that made it, "+
+					"or choose another directory (IDEM_DATA_DIR for the server)", d, ownerOf(d))
+			}
 			if err := os.Chown(d, c.uid, c.gid); err != nil {
 				return fmt.Errorf("pgcluster: %w", err)
 			}
@@ -120,6 +139,80 @@ func (c *Cluster) prepare() error {
 		}
 	}
 	return nil
+}
+
+// clusterDir tells whether root may hand the existing directory d to postgres (uid): it is
+// postgres's already, or it is root's and holds a cluster (data/PG_VERSION), or nothing but what
+// a private cluster puts there (its data directory, its log, its socket and lock files), or
+// nothing at all.
+func clusterDir(d string, uid int) bool {
+	var st syscall.Stat_t
+	if syscall.Stat(d, &st) != nil {
+		return false
+	}
+	if int(st.Uid) == uid {
+		return true
+	}
+	if st.Uid != 0 {
+		return false
+	}
+	if _, err := os.Stat(filepath.Join(d, "data", "PG_VERSION")); err == nil {
+		return true // a cluster's directory, whatever else its users keep beside it (server.pid)
+	}
+	entries, err := os.ReadDir(d)
+	if err != nil {
+		return false
+	}
+	for _, e := range entries {
+		switch name := e.Name(); {
+		case name == "data", name == "postgres.log", name == lockName, strings.HasPrefix(name, ".s.PGSQL."):
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// ownerOf names the owner of path: "user NAME", or "user id N" when the name is unknown.
+func ownerOf(path string) string {
+	var st syscall.Stat_t
+	if syscall.Stat(path, &st) != nil {
+		return "another user"
+	}
+	id := strconv.Itoa(int(st.Uid))
+	if u, err := user.LookupId(id); err == nil {
+		return "user " + u.Username
+	}
+	return "user id " + id
+}
+
+// lockName is the file in Dir whose lock Init and Start hold: two processes that find the
+// cluster stopped (a server and a command started together) take turns, and the second finds
+// it created, or running, instead of failing on the first's postmaster.pid (D257).
+const lockName = "pgcluster.lock"
+
+// lock takes the lock of Dir, waiting for it until ctx ends; the returned function releases it.
+func (c *Cluster) lock(ctx context.Context) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(c.Dir, lockName), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("pgcluster: %w", err)
+	}
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) && !errors.Is(err, syscall.EINTR) {
+			f.Close()
+			return nil, fmt.Errorf("pgcluster: lock %s: %w", f.Name(), err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("pgcluster: wait for another process that starts the cluster in %s: %w", c.Dir, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // PostgresUser is who a private PostgreSQL program runs as: nobody else (nil, -1, -1) when
@@ -193,6 +286,11 @@ func (c *Cluster) Init(ctx context.Context) error {
 	if err := c.prepare(); err != nil {
 		return err
 	}
+	unlock, err := c.lock(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	if c.Initialized() {
 		return nil
 	}
@@ -208,6 +306,11 @@ func (c *Cluster) Start(ctx context.Context) error {
 	if err := c.prepare(); err != nil {
 		return err
 	}
+	unlock, err := c.lock(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	c.started = false
 	if c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status") == nil {
 		if port, ok := c.runningPort(); ok {

@@ -1,0 +1,130 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// TestBodyReadTimeoutLogs408: a request whose body stops arriving is answered 408 when the
+// server's read timeout passes, and the client, still connected, reads that 408; net/http ends
+// the request's context at the timeout as it does when a client leaves, and the request line
+// logged 499 ("the client went away, nothing was sent"). It now logs the 408 that was sent; a
+// client that really left mid-body is still logged 499. D257.
+func TestBodyReadTimeoutLogs408(t *testing.T) {
+	t.Parallel()
+	for _, leave := range []bool{false, true} {
+		buf := &lockedWriter{w: &strings.Builder{}}
+		log := slog.New(slog.NewJSONHandler(buf, nil))
+		handled := make(chan struct{})
+		h := correlate(log, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			defer close(handled)
+			if _, err := io.ReadAll(r.Body); err != nil {
+				w.WriteHeader(http.StatusRequestTimeout) // as the middleware's request_body_incomplete
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		}))
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: h, ReadTimeout: 500 * time.Millisecond}
+		go func() { _ = srv.Serve(ln) }()
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = c.Write([]byte("POST /v1/transfers HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n{"))
+		status := 0
+		if leave {
+			time.Sleep(100 * time.Millisecond)
+			c.Close()
+		} else {
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+			if err != nil {
+				t.Fatalf("the client's answer: %v", err)
+			}
+			status = resp.StatusCode
+			c.Close()
+		}
+		select {
+		case <-handled:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handler did not end")
+		}
+		_ = srv.Close()
+		var line map[string]any
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			raw := strings.TrimSpace(buf.String())
+			if raw != "" {
+				if err := json.Unmarshal([]byte(raw), &line); err != nil {
+					t.Fatalf("log line %q: %v", raw, err)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("no request line was logged")
+			}
+		}
+		want := float64(http.StatusRequestTimeout)
+		if leave {
+			want = statusClientGone
+		} else if status != http.StatusRequestTimeout {
+			t.Fatalf("the client read %d, want 408", status)
+		}
+		if line["status"] != want {
+			t.Errorf("client left %v: the request line logged %v, want %v (the client read %d)", leave, line["status"], want, status)
+		}
+	}
+}
+
+// TestServeSaysAPortInUseFirst: serve on a LISTEN_ADDR another program holds failed on it only
+// after opening the database (starting and migrating a private cluster, with DATABASE_URL
+// unset). It now says so before touching the database: here a DATABASE_URL that nothing
+// answers is never reached. D257.
+func TestServeSaysAPortInUseFirst(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	m := NewMain(io.Discard, io.Discard)
+	env := map[string]string{"DATABASE_URL": "host=127.0.0.1 port=1 user=postgres dbname=none connect_timeout=5",
+		"LISTEN_ADDR": ln.Addr().String(), "CLEANUP_INTERVAL": "0"}
+	if err := m.ParseFlags(nil, func(k string) string { return env[k] }); err != nil {
+		t.Fatal(err)
+	}
+	err = m.Run(t.Context())
+	_ = m.Close()
+	if err == nil || !strings.Contains(err.Error(), "LISTEN_ADDR="+ln.Addr().String()) || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("serve on a port in use: %v; want LISTEN_ADDR's error, before the database", err)
+	}
+}
+
+// TestHealthz503SaysWhenToAskAgain: /healthz's 503 (the database does not answer) carries
+// Retry-After, as the API's own 503s do.
+func TestHealthz503SaysWhenToAskAgain(t *testing.T) {
+	t.Parallel()
+	probe, err := pgxpool.New(t.Context(), "host=127.0.0.1 port=1 user=postgres dbname=none connect_timeout=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer probe.Close()
+	rec := httptest.NewRecorder()
+	(&ledger{probe: probe}).healthz(rec, httptest.NewRequest(http.MethodGet, "/healthz", nil))
+	if rec.Code != http.StatusServiceUnavailable || rec.Header().Get("Retry-After") != "1" {
+		t.Fatalf("/healthz with no database: %d, Retry-After %q; want 503 with Retry-After 1", rec.Code, rec.Header().Get("Retry-After"))
+	}
+}
