@@ -128,3 +128,39 @@ func TestHealthz503SaysWhenToAskAgain(t *testing.T) {
 		t.Fatalf("/healthz with no database: %d, Retry-After %q; want 503 with Retry-After 1", rec.Code, rec.Header().Get("Retry-After"))
 	}
 }
+
+// TestExpectContinueRefusedAtOnceThroughTheLog: a request that sends Expect: 100-continue and
+// is refused before its body is read (413 by its Content-Length, 400 for a bad key) is answered
+// at once, without its body (D184). The request log's body watch, put on net/http's own
+// request in the first build of D257, made net/http read the body first, which the client never
+// sends before 100 Continue: the answer waited for the server's read timeout. D258.
+func TestExpectContinueRefusedAtOnceThroughTheLog(t *testing.T) {
+	t.Parallel()
+	h := correlate(slog.New(slog.NewJSONHandler(io.Discard, nil)), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusRequestEntityTooLarge) // refused by its Content-Length, unread
+	}))
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: h, ReadTimeout: 3 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	_, _ = c.Write([]byte("POST /v1/transfers HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2000000\r\n\r\n"))
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("the answer: %v", err)
+	}
+	took := time.Since(start)
+	if resp.StatusCode != http.StatusRequestEntityTooLarge || took > time.Second {
+		t.Fatalf("an Expect: 100-continue request refused unread: %d after %s; want 413 at once (the read timeout is 3 s)",
+			resp.StatusCode, took.Round(time.Millisecond))
+	}
+}

@@ -39,17 +39,22 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 		r.Header.Set("X-Request-Id", id)
 		w.Header().Set("X-Request-Id", id)
 		sw := &statusWriter{ResponseWriter: w, status: http.StatusOK, ctx: r.Context()}
+		// The watch goes on the request handed on, never on net/http's own: net/http tells by
+		// its body's type whether to answer an unread Expect: 100-continue body at once (D184)
+		// or to close the connection after a large unread one, and a body of another type
+		// made it read the body first (D258).
 		body := &bodyWatch{ReadCloser: r.Body}
+		r2 := r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
 		if r.Body != nil && r.Body != http.NoBody {
-			r.Body = body
+			r2.Body = body
 		}
-		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id)))
+		next.ServeHTTP(sw, r2)
 		level := slog.LevelInfo
 		if r.URL.Path == "/metrics" || r.URL.Path == "/healthz" {
 			level = slog.LevelDebug
 		}
 		status := sw.status
-		if (sw.goneFirst || !sw.wrote && r.Context().Err() != nil) && !body.timedOut.Load() {
+		if (sw.goneFirst || !sw.wrote && r.Context().Err() != nil) && !body.timedOut(start) {
 			// The client was gone before anything was answered (it disconnected while the
 			// request waited): what was written went nowhere (a duplicate is written its 409 all
 			// the same), and no 200 was sent, whatever net/http would have defaulted to. Not
@@ -74,23 +79,32 @@ func validRequestID(id string) bool {
 	return true
 }
 
-// bodyWatch notes whether a read of the request's body ran out of the server's read timeout
-// (the client was there, too slow), which ends the request's context as a client that left
-// does.
+// bodyWatch notes how a read of the request's body failed, to tell a read that ran out of the
+// server's read timeout (the client was there, too slow), which ends the request's context as
+// a client that left does.
 type bodyWatch struct {
 	io.ReadCloser
-	timedOut atomic.Bool
+	deadline atomic.Bool // a read failed with a timeout
+	failed   atomic.Bool // a read failed, with any error but io.EOF
 }
 
 func (b *bodyWatch) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
-	if err != nil {
+	if err != nil && err != io.EOF {
+		b.failed.Store(true)
 		var ne net.Error
 		if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
-			b.timedOut.Store(true)
+			b.deadline.Store(true)
 		}
 	}
 	return n, err
+}
+
+// timedOut tells whether the body's read ran out of the server's read timeout: a read failed
+// with a timeout, or failed at all once the timeout had passed since the request began
+// (net/http reports a chunked body cut by it as "unexpected EOF reading trailer").
+func (b *bodyWatch) timedOut(began time.Time) bool {
+	return b.deadline.Load() || b.failed.Load() && time.Since(began) >= readTimeout
 }
 
 // statusClientGone is the status logged for a request whose client went away before anything

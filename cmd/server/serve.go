@@ -15,6 +15,9 @@ import (
 	"github.com/pgidem/pgidem/idem/idemprom"
 )
 
+// readTimeout is the HTTP server's bound on reading a request, its body included.
+const readTimeout = time.Minute
+
 func (m *Main) serve(ctx context.Context) (err error) {
 	if err := m.openProbePool(ctx); err != nil {
 		return err
@@ -38,7 +41,7 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("LISTEN_ADDR=%s: %w", m.Config.ListenAddr, err)
 	}
-	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: time.Minute,
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: readTimeout,
 		IdleTimeout: 2 * time.Minute}
 
 	var stopCleanup func()

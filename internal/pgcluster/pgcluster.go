@@ -193,7 +193,9 @@ const lockName = "pgcluster.lock"
 
 // lock takes the lock of Dir, waiting for it until ctx ends; the returned function releases it.
 func (c *Cluster) lock(ctx context.Context) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(c.Dir, lockName), os.O_CREATE|os.O_RDWR, 0o600)
+	// Read-only (flock needs no more) and readable by all: a run as root makes it in the
+	// directory it handed to postgres, and a later run as postgres must open it too.
+	f, err := os.OpenFile(filepath.Join(c.Dir, lockName), os.O_CREATE|os.O_RDONLY, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("pgcluster: %w", err)
 	}
