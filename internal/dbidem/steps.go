@@ -48,24 +48,28 @@ func RecordStep(ctx context.Context, q Querier, principal, key string, attempt i
 	return classifyStep(err)
 }
 
-// storedStepSQL is stepSQL that also returns the value as the database stores it: jsonb's own
-// text (object members in jsonb's order, its spacing, numbers as numeric writes them), which
-// is what a takeover reads back (Decision.Steps, idem_recovery). It also bounds the rest of the
-// step's transaction idle, as a lease claim's own (leaseClaimIdle): idem_step holds the key's
-// row until the COMMIT that follows at once, and a COMMIT lost on the way (a connection that
-// stopped answering) otherwise left the server holding the row, every retry of the work told
-// "in progress", until its TCP stack noticed, hours later with its defaults (D254). Set only
-// here, after fn: fn may call out between its statements with the transaction open.
-var storedStepSQL = `SELECT idem.idem_step(p_principal => $1::text, p_key => $2::text, p_attempt => $3::bigint,
-       p_step => $4::text, p_saved => $5::jsonb), $5::jsonb::text, ` +
-	strings.TrimPrefix(leaseClaimIdleSQL, "SELECT ")
+// storedStepSQL is the value as the database stores it: jsonb's own text (object members in
+// jsonb's order, its spacing, numbers as numeric writes them), which is what a takeover reads
+// back (Decision.Steps, idem_recovery).
+const storedStepSQL = `SELECT $1::jsonb::text`
 
 // recordStepStored is RecordStep for Step: it returns the saved value as stored, so that the
-// attempt that records a step gets the value every later attempt of the generation gets.
-func recordStepStored(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) (json.RawMessage, error) {
+// attempt that records a step gets the value every later attempt of the generation gets. One
+// round trip of three statements: idem_step alone in its statement (Citus delegates a call only
+// when it is the statement's one column, and then runs it on the worker under the function's
+// own lock timeout), the stored form, and a bound on the rest of the step's transaction idle,
+// as a lease claim's own has (leaseClaimIdle): idem_step holds the key's row until the COMMIT
+// that follows at once, and a COMMIT lost on the way (a connection that stopped answering)
+// otherwise left the server holding the row, every retry of the work told "in progress", until
+// its TCP stack noticed, hours later with its defaults (D254). Set only here, after fn: fn may
+// call out between its statements with the transaction open.
+func recordStepStored(ctx context.Context, tx pgx.Tx, principal, key string, attempt int64, name string, saved json.RawMessage) (json.RawMessage, error) {
 	var stored string
-	err := q.QueryRow(ctx, storedStepSQL, principal, key, attempt, name, string(saved)).Scan(nil, &stored, nil)
-	if err != nil {
+	b := &pgx.Batch{}
+	b.Queue(stepSQL, principal, key, attempt, name, string(saved))
+	b.Queue(storedStepSQL, string(saved)).QueryRow(func(row pgx.Row) error { return row.Scan(&stored) })
+	b.Queue(leaseClaimIdleSQL)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, classifyStep(err)
 	}
 	return json.RawMessage(stored), nil
