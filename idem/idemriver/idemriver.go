@@ -261,8 +261,9 @@ func ranBefore(job *rivertype.JobRow) bool {
 // however many layers call Work (a Middleware in river.Config.Middleware and a worker that
 // calls Work itself). Inside a run for another job under the same principal and key (a Key
 // function that gives both one key), Work answers as a claim of its own would, without running
-// fn: river.JobCancel of idem.ErrMismatch when the kinds or the arguments differ, and
-// river.JobSnooze when they are the same (the outer run is doing that work).
+// fn, with an error for the outer fn, not a wish of River's (returned on, a cancel or a snooze
+// would be the outer job's): one wrapping idem.ErrMismatch when the kinds or the arguments
+// differ, idem.ErrInProgress when they are the same (the outer run is doing that work).
 //
 // fn's context ends at River's job timeout, at Options.Timeout, or when the lease is lost
 // (cause idem.ErrLeaseLost); fn should stop then. Under Middleware, River's job timeout ends
@@ -297,12 +298,15 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 			return fn(ctx, h.claim)
 		case jobSum(h.kind, h.args) != jobSum(job.Kind, job.EncodedArgs):
 			// Another job (a Key function that gives two jobs one key) with another kind or
-			// other arguments: what a claim of its own would be told (D251).
-			return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q (held by job %d): %w", job.ID, key, h.job, idem.ErrMismatch))
+			// other arguments: what a claim of its own would be told (D251). A plain error,
+			// not River's cancel: it goes to the outer job's fn, and a JobCancel returned on
+			// from there would cancel the outer job (D258).
+			return fmt.Errorf("idemriver: job %d under key %q, held by job %d around this call: %w", job.ID, key, h.job, idem.ErrMismatch)
 		default:
 			// Another job with the same kind and arguments: the outer run is doing its work,
-			// and holds the key; as a claim of its own would be, it is snoozed.
-			return river.JobSnooze(o.Snooze)
+			// and holds the key, as a claim of its own would be told. Not a JobSnooze, which
+			// returned on from the outer fn would snooze the outer job, for ever.
+			return fmt.Errorf("idemriver: job %d under key %q, held by job %d around this call: %w", job.ID, key, h.job, idem.ErrInProgress)
 		}
 	}
 	// The first run of the job claimed its key no earlier than the job was created, and every
