@@ -3066,6 +3066,8 @@ PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_deleted;
         COMMIT;
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
         IF v_done THEN
             RETURN;
         END IF;
@@ -3080,6 +3082,8 @@ PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
         COMMIT;
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
         EXIT WHEN v_n OPERATOR(pg_catalog.<) p_batch_size;
     END LOOP;
 END
@@ -3938,6 +3942,8 @@ PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
         PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
     END IF;
     COMMIT;
+PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
 END
 $$;
 

@@ -497,6 +497,7 @@ BEGIN
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_deleted;
         COMMIT;
+{{ template "include/pin_path.sql" }}
         IF v_done THEN
             RETURN;
         END IF;
@@ -510,6 +511,7 @@ BEGIN
         v_n := idem.idem_cleanup(p_batch_size);
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
         COMMIT;
+{{ template "include/pin_path.sql" }}
         EXIT WHEN v_n OPERATOR(pg_catalog.<) p_batch_size;
     END LOOP;
 END

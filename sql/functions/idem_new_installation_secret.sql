@@ -112,6 +112,7 @@ BEGIN
         PERFORM pg_catalog.setval('idem.token_seq', v_from, false);
     END IF;
     COMMIT;
+{{ template "include/pin_path.sql" }}
 END
 $$;
 
