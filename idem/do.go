@@ -160,8 +160,8 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // cause ErrLeaseLost when the lease is lost; DoLease then returns ErrLeaseLost, unless fn
 // still returns a result and no other attempt has taken the key over (the lease ran out
 // without an extension landing), when the result is recorded, fenced by the token, and
-// returned; when the key has expired meanwhile too (its TTL past the lease's end) and nobody
-// took it, the result is recorded for the key all the same, as a new generation's answer that
+// returned; when the key has expired meanwhile too (its TTL past the lease's end), or was
+// released, and nobody took it, the result is recorded for the key all the same, as a new generation's answer that
 // the next DoLease replays, rather than let it run fn again under a new provider key. fn that
 // stops because its
 // context ended returns an error (context.Cause(ctx)), since a nil error makes its result the

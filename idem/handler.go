@@ -45,8 +45,8 @@ type ClaimInfo struct {
 // stop. A 2xx the handler still writes, or a result DoLease's fn still returns with a nil
 // error, is recorded, fenced by the claim's token, only while no other attempt has taken the
 // key over (the lease ran out without an extension landing); when the key has expired
-// meanwhile too (its TTL past the lease's end) and nobody took it, it is recorded for the key
-// as a new generation's answer. Once another attempt holds the key it is neither recorded nor
+// meanwhile too (its TTL past the lease's end), or was released, and nobody took it, it is
+// recorded for the key as a new generation's answer. Once another attempt holds the key it is neither recorded nor
 // sent. A handler that returns without writing, or an error, records
 // nothing.
 var ErrLeaseLost = idemhttp.ErrLeaseLost

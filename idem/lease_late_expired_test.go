@@ -12,8 +12,8 @@ import (
 
 // TestLateResultPastTheKeysTTLIsStored: DoLease records a result fn returns after its lease
 // was lost while nobody took the key over. Past the TTL after the lease's end too (the key's
-// row locked so that no extension landed, and fn returning 600 ms after the loss with a 300 ms
-// TTL), where the key is free: the result is stored for it (a new generation's answer) and
+// row locked so that no extension landed, and fn returning 2.3 s after the loss with a 2 s
+// TTL, which leaves the stored answer 2 s for the replay below), where the key is free: the result is stored for it (a new generation's answer) and
 // returned, and the next DoLease of the job replays it instead of running fn again under a new
 // provider key, which an outside provider would have taken for new work (D255, as D249 for a
 // lease route). On the previous code DoLease returned ErrLeaseLost and the next one ran fn.
@@ -22,7 +22,7 @@ func TestLateResultPastTheKeysTTLIsStored(t *testing.T) {
 	ctx := context.Background()
 	pool, url := pgtest.NewPool(t, 8)
 	job := idem.Job{Principal: "alice", Key: "late-expired", Action: "payout", Input: map[string]int{"amount": 5},
-		Lease: time.Second, TTL: 300 * time.Millisecond, LockTimeout: 100 * time.Millisecond}
+		Lease: time.Second, TTL: 2 * time.Second, LockTimeout: 100 * time.Millisecond}
 	locker := pgtest.Connect(t, url)
 	var firstKey string
 	n, _, err := idem.DoLease(ctx, pool, job, func(ctx context.Context, c idem.LeaseClaim) (int, error) {
@@ -40,7 +40,7 @@ func TestLateResultPastTheKeysTTLIsStored(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			return 0, errors.New("the lease was not lost while its row was locked")
 		}
-		time.Sleep(600 * time.Millisecond) // past the lease's end plus the TTL
+		time.Sleep(2300 * time.Millisecond) // past the lease's end plus the TTL
 		if err := tx.Rollback(context.Background()); err != nil {
 			return 0, err
 		}

@@ -166,8 +166,8 @@ type Pool interface {
 // recorded, fenced by the claim's token, if no other attempt has taken the key over (the lease
 // ran out without an extension landing: the database could not be reached, or the key's row
 // was locked), and DoLease returns it: for the claim while the key has not expired (its TTL
-// past the lease's end), and once it has expired with nobody holding it, for the key as a new
-// generation's answer (idem_save_final), which the next DoLease replays; once another attempt
+// past the lease's end), and once it has expired (or was released) with nobody holding it, for
+// the key as a new generation's answer (idem_save_final), which the next DoLease replays; once another attempt
 // holds the key, DoLease returns
 // ErrLeaseLost and stores nothing. So fn that stops because its context ended returns an
 // error (context.Cause(ctx)): a nil error makes its result the answer, whatever ended the

@@ -25,8 +25,8 @@ import (
 // taken the key over. The work should stop. A result it still returns with a nil error
 // (DoLease), or a 2xx a lease route's handler still writes, is recorded only while no other
 // attempt has taken the key over: by the recording fenced by the token while the key has not
-// expired (its TTL past the lease's end), and, once it has expired with nobody holding it, for
-// the key as a new generation's answer (idem_save_final).
+// expired (its TTL past the lease's end), and, once it has expired (or was released) with
+// nobody holding it, for the key as a new generation's answer (idem_save_final).
 var ErrLeaseLost = errors.New("idem: lease lost")
 
 // extendSQL reads the lease's new end in microseconds (microsSQL).
