@@ -46,19 +46,12 @@ func TestUnreachableDirectoryIsNamed(t *testing.T) {
 		}
 		return
 	}
-	parent, err := os.MkdirTemp("", "idem-pgcluster-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(parent)
-	if err := os.Chmod(parent, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	parent := searchableTemp(t)
 	locked := filepath.Join(parent, "locked")
 	if err := os.Mkdir(locked, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	err = (&Cluster{Dir: filepath.Join(locked, "pg")}).prepare()
+	err := (&Cluster{Dir: filepath.Join(locked, "pg")}).prepare()
 	if err == nil || !strings.Contains(err.Error(), "cannot reach") || !strings.Contains(err.Error(), locked+" is closed") {
 		t.Fatalf("a cluster under a closed directory: %v", err)
 	}

@@ -66,14 +66,7 @@ func TestRootLeavesAnotherUsersDirectory(t *testing.T) {
 		t.Fatalf("the user nobody: %v", err)
 	}
 	uid, _ := strconv.Atoi(nobody.Uid)
-	parent, err := os.MkdirTemp("", "idem-pgcluster-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(parent)
-	if err := os.Chmod(parent, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	parent := searchableTemp(t)
 	owned := filepath.Join(parent, "owned")
 	if err := os.Mkdir(owned, 0o700); err != nil {
 		t.Fatal(err)
@@ -109,4 +102,19 @@ func TestRootLeavesAnotherUsersDirectory(t *testing.T) {
 	if err := (&Cluster{Dir: empty}).prepare(); err != nil {
 		t.Errorf("root's own empty directory: %v; want it used", err)
 	}
+}
+
+// searchableTemp is a temporary directory that the postgres user may search (a cluster's
+// directory may sit in it when the test is root), removed when the test ends.
+func searchableTemp(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "idem-pgcluster-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }
