@@ -50,14 +50,15 @@ func RecordStep(ctx context.Context, q Querier, principal, key string, attempt i
 
 // storedStepSQL is the value as the database stores it: jsonb's own text (object members in
 // jsonb's order, its spacing, numbers as numeric writes them), which is what a takeover reads
-// back (Decision.Steps, idem_recovery).
-const storedStepSQL = `SELECT $1::jsonb::text`
+// back (Decision.Steps, idem_recovery); and the rest of the step's transaction bounded idle
+// (leaseClaimIdleSQL's setting).
+var storedStepSQL = `SELECT $1::jsonb::text, ` + strings.TrimPrefix(leaseClaimIdleSQL, "SELECT ")
 
 // recordStepStored is RecordStep for Step: it returns the saved value as stored, so that the
 // attempt that records a step gets the value every later attempt of the generation gets. One
-// round trip of three statements: idem_step alone in its statement (Citus delegates a call only
+// round trip of two statements: idem_step alone in its statement (Citus delegates a call only
 // when it is the statement's one column, and then runs it on the worker under the function's
-// own lock timeout), the stored form, and a bound on the rest of the step's transaction idle,
+// own lock timeout), then the stored form with a bound on the rest of the step's transaction idle,
 // as a lease claim's own has (leaseClaimIdle): idem_step holds the key's row until the COMMIT
 // that follows at once, and a COMMIT lost on the way (a connection that stopped answering)
 // otherwise left the server holding the row, every retry of the work told "in progress", until
@@ -67,8 +68,7 @@ func recordStepStored(ctx context.Context, tx pgx.Tx, principal, key string, att
 	var stored string
 	b := &pgx.Batch{}
 	b.Queue(stepSQL, principal, key, attempt, name, string(saved))
-	b.Queue(storedStepSQL, string(saved)).QueryRow(func(row pgx.Row) error { return row.Scan(&stored) })
-	b.Queue(leaseClaimIdleSQL)
+	b.Queue(storedStepSQL, string(saved)).QueryRow(func(row pgx.Row) error { return row.Scan(&stored, nil) })
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, classifyStep(err)
 	}
