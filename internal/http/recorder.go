@@ -2,9 +2,11 @@ package idemhttp
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
+	"sync"
 )
 
 // recorder buffers the handler's response so that nothing reaches the client before the
@@ -19,21 +21,67 @@ type recorder struct {
 	head   bool // the request is a HEAD: a Content-Length without a body is its GET's
 	// badLength: the handler's Content-Length did not hold what it wrote (a write refused).
 	badLength bool
+	// mu and returned: once the handler has returned (close), what it still writes from a
+	// goroutine of its own goes nowhere (Write says errHandlerReturned): the response is
+	// stored and sent from here then, and a late write reached the first client but not the
+	// stored answer, racing with the send (D259).
+	mu       sync.Mutex
+	returned bool
 }
+
+// errHandlerReturned is a Write's error once the handler has returned: a ResponseWriter may
+// not be used after ServeHTTP returns.
+var errHandlerReturned = errors.New("idem: write after the handler returned; a ResponseWriter may not be used after ServeHTTP returns")
 
 func newRecorder(head bool) *recorder { return &recorder{header: http.Header{}, head: head} }
 
-func (rec *recorder) Header() http.Header { return rec.header }
+// close marks the handler returned: the recorder takes no more from it.
+func (rec *recorder) close() {
+	rec.mu.Lock()
+	rec.returned = true
+	rec.mu.Unlock()
+}
 
-// headers is the response's header as sent: as at WriteHeader, or as now before it.
-func (rec *recorder) headers() http.Header {
-	if rec.sent != nil {
-		return rec.sent
+func (rec *recorder) Header() http.Header {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if rec.returned {
+		return http.Header{} // changes after the handler returned go nowhere
 	}
 	return rec.header
 }
 
+// headers is the response's header as sent: as at WriteHeader, or as now before it; its
+// names canonical (a handler that set w.Header()["location"] had it sent, and dropped from
+// the stored answer, which keeps the allowlist's canonical names: D259).
+func (rec *recorder) headers() http.Header {
+	if rec.sent != nil {
+		return rec.sent
+	}
+	return canonicalClone(rec.header)
+}
+
+// canonicalClone is a copy of h with every name canonical (values of names that differ only
+// in case joined, in the map's order of names).
+func canonicalClone(h http.Header) http.Header {
+	c := make(http.Header, len(h))
+	for k, v := range h {
+		ck := http.CanonicalHeaderKey(k)
+		c[ck] = append(c[ck], v...)
+	}
+	return c
+}
+
 func (rec *recorder) WriteHeader(status int) {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if rec.returned {
+		return
+	}
+	rec.writeHeader(status)
+}
+
+func (rec *recorder) writeHeader(status int) {
 	if rec.status != 0 {
 		return // superfluous, as net/http ignores it (before it checks the code)
 	}
@@ -45,7 +93,7 @@ func (rec *recorder) WriteHeader(status int) {
 	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
-		rec.sent = rec.header.Clone()
+		rec.sent = canonicalClone(rec.header)
 	}
 }
 
@@ -56,7 +104,12 @@ func (rec *recorder) WriteHeader(status int) {
 // drop, made a 204's repeat 409 response_not_replayable, or a repeat whole where the first
 // answer was cut.
 func (rec *recorder) Write(b []byte) (int, error) {
-	rec.WriteHeader(http.StatusOK)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if rec.returned {
+		return 0, errHandlerReturned
+	}
+	rec.writeHeader(http.StatusOK)
 	if len(b) == 0 {
 		return 0, nil
 	}

@@ -56,7 +56,10 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 			rec, v = nil, rollBack
 		}
 	}()
-	q.next.ServeHTTP(rec, r2)
+	func() {
+		defer rec.close() // a panic too: what the handler's goroutines write later goes nowhere
+		q.next.ServeHTTP(rec, r2)
+	}()
 	if st.inProgress && rec.code() == http.StatusConflict {
 		// Refuse(CodeInProgress) as the answer (not after a status the handler wrote first,
 		// which stands: a 2xx sent commits, as it always does).
