@@ -72,7 +72,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 			RETURNING id, created_at`, principal, out.AccountID, amt, ref, claim.Key).Scan(&out.ID, &out.CreatedAt)
 	})
 	if err != nil {
-		s.serverError(w, r, err)
+		s.unrecordedPayout(w, r, err)
 		return
 	}
 	w.Header().Set("Location", fmt.Sprintf("/v1/payouts/%d", out.ID))

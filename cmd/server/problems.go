@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/idem"
 )
@@ -54,7 +57,40 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; retry with the same Idempotency-Key")
 		return
 	}
+	if poolerCacheError(err) {
+		// pgx's statement cache through a pooler that does not keep prepared statements: the
+		// database failed, not the request, as the middleware answers it for its own
+		// statements (D259); the log names the fix (database.go).
+		w.Header().Set("Retry-After", "1")
+		problem(w, r, http.StatusServiceUnavailable, "service_unavailable",
+			"the database connection's prepared statements failed (a connection pooler; see the server's log); retry with the same Idempotency-Key")
+		return
+	}
 	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")
+}
+
+// unrecordedPayout is serverError for a payout the provider made whose row could not be
+// written: "nothing was changed" would not be true. The retry runs under the same provider key,
+// which the provider answers from its record, and records the payout (D259).
+func (s *ledger) unrecordedPayout(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || poolerCacheError(err) {
+		s.serverError(w, r, err)
+		return
+	}
+	if r.Context().Err() == nil {
+		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	problem(w, r, http.StatusInternalServerError, "internal_error",
+		"the provider was paid under the payout's provider key, but the payout could not be recorded; retry with the same Idempotency-Key: "+
+			"the provider answers the retry from its record, and the payout is recorded once")
+}
+
+// poolerCacheError tells whether err is pgx's statement cache failing through a connection
+// pooler that does not keep prepared statements (PgBouncer 1.18 in transaction mode):
+// SQLSTATE 26000 or 42P05 about one of pgx's own statements.
+func poolerCacheError(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "26000" || pgErr.Code == "42P05") && strings.Contains(pgErr.Message, "stmtcache_")
 }
 
 // stepError is serverError for a stepped payout that failed after its first step: the steps
