@@ -29,6 +29,27 @@ func ledgerFS() fs.FS {
 
 // migrate installs idem (migrations and functions), then the ledger's own migrations, then
 // River's (the receipts' job queue, schema river).
+// ledgerNotNewer refuses a database whose ledger schema is newer than this release's, before
+// anything is changed. (0.1.0 kept its version table in public; no release since is older.)
+func ledgerNotNewer(ctx context.Context, conn *pgx.Conn) error {
+	var exists bool
+	if err := conn.QueryRow(ctx, `SELECT to_regclass('`+ledgerVersionTable+`') IS NOT NULL`).Scan(&exists); err != nil {
+		return fmt.Errorf("ledger migrate: %w", err)
+	}
+	if !exists {
+		return nil
+	}
+	var have int32
+	if err := conn.QueryRow(ctx, `SELECT coalesce((SELECT version FROM `+ledgerVersionTable+`), 0)`).Scan(&have); err != nil {
+		return fmt.Errorf("ledger migrate: read the version: %w", err)
+	}
+	if n := countMigrations(ledgerFS()); int(have) > n {
+		return fmt.Errorf("ledger migrate: the database's ledger is at schema version %d, newer than this release's %d: "+
+			"run the migrate of the release that made it (or a later one); nothing was changed", have, n)
+	}
+	return nil
+}
+
 func (m *Main) migrate(ctx context.Context) error {
 	conn, err := m.pool.Acquire(ctx)
 	if err != nil {
@@ -52,6 +73,12 @@ func (m *Main) migrate(ctx context.Context) error {
 	defer func() {
 		_, _ = conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtextextended('pgidem server migrate', 0))`)
 	}()
+	// A newer release's ledger is refused before idem is touched: idem's migrate would
+	// otherwise install this release's functions over the newer release's first, and the
+	// ledger's migrations refuse only after (D259).
+	if err := ledgerNotNewer(ctx, conn.Conn()); err != nil {
+		return err
+	}
 	if err := idemmigrate.Migrate(ctx, conn.Conn(), idemmigrate.Options{AppRole: m.Config.AppRole}); err != nil {
 		return err
 	}
