@@ -16,9 +16,13 @@
 -- (schema version 7 is the last), then the functions are installed. It pins this session's
 -- search_path to PostgreSQL's own schema (and the temporary one, last): its statements run as
 -- the owner, and a schema that the database's or the role's search_path names could hold a
--- function that matches one of their calls more exactly than PostgreSQL's own does.
+-- function that matches one of their calls more exactly than PostgreSQL's own does. It sets
+-- psql's AUTOCOMMIT on, whatever a psqlrc says: its online steps commit on their own (a
+-- procedure that commits, a column added with a short lock), which AUTOCOMMIT off would
+-- keep in one transaction, or refuse.
 
 \set ON_ERROR_STOP on
+\set AUTOCOMMIT on
 SET search_path = pg_catalog, pg_temp;
 
 -- idem needs a UTF8 database (docs/sql-api.md, "Installing"): nothing is changed in another.
