@@ -37,8 +37,11 @@ type Options struct {
 	// read the body (a form's access_token through r.FormValue), put it back (to check a
 	// webhook's signature) or wrap it (http.MaxBytesReader): the body fingerprinted and given
 	// to the handler is what the client sent, every byte read from the connection, whatever
-	// reader it leaves in r.Body. A form that a handler before the middleware parsed took
-	// the body with it, and a keyed request then gets 500 idempotency_misconfigured.
+	// reader it leaves in r.Body (a body past the limit of a MaxBytesReader it wrapped, or
+	// one it closed, is then answered 400 request_body_unreadable: the body could not be read
+	// whole; bound the size with Options.MaxBodyBytes instead, answered 413). A form that a
+	// handler before the middleware parsed took the body with it, and a keyed request then
+	// gets 500 idempotency_misconfigured.
 	Principal func(*http.Request) (string, bool)
 	// RouteTemplate returns the route template of a request ("/v1/accounts/{id}/deposits"),
 	// which names the route in its default Route.Action and finds the routes declared with
@@ -147,7 +150,9 @@ type Options struct {
 	// middleware logs from inside its recoveries, where nothing may stop an answer or the
 	// release of a key.
 	Logger *slog.Logger
-	// Metrics observes every keyed request. Default nil: none. The Prometheus adapter is
+	// Metrics observes every keyed request that reaches its claim (one refused before it, for
+	// its key, its body or its size, or after Shutdown's deadline, is counted in no state).
+	// Default nil: none. The Prometheus adapter is
 	// package github.com/pgidem/pgidem/idem/idemprom. A panic of the Observer is recovered
 	// (Observer).
 	Metrics Observer

@@ -170,9 +170,9 @@ const (
 	// StateReplayed: a stored response was sent again (or 409 for a stored response whose
 	// body is withheld).
 	StateReplayed State = "replayed"
-	// StateBusy: the request was told 409 request_in_progress: another request held the key,
-	// or (on top of acquired) its own lease ran out before its work started or was lost while
-	// it ran.
+	// StateBusy: the request was told 409 request_in_progress: another request held the key
+	// (or it would have been told so: a duplicate whose client left while it waited), or (on
+	// top of acquired) its own lease ran out before its work started or was lost while it ran.
 	StateBusy State = "busy"
 	// StateKeyReused: the key belongs to another request: 422 idempotency_key_reuse.
 	StateKeyReused State = "key_reused"

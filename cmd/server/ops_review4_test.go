@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -12,7 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
 )
 
 // TestBodyReadTimeoutLogs408: a request whose body stops arriving is answered 408 when the
@@ -162,5 +166,66 @@ func TestExpectContinueRefusedAtOnceThroughTheLog(t *testing.T) {
 	if resp.StatusCode != http.StatusRequestEntityTooLarge || took > time.Second {
 		t.Fatalf("an Expect: 100-continue request refused unread: %d after %s; want 413 at once (the read timeout is 3 s)",
 			resp.StatusCode, took.Round(time.Millisecond))
+	}
+}
+
+// TestPoolerCacheFailureIs503: pgx's statement cache through a pooler that keeps no prepared
+// statements fails the ledger's own statements with 26000 or 42P05; they were answered 500
+// internal_error ("nothing was changed", without Retry-After), where docs/operations.md says
+// 503, as the middleware answers the same failure of its own statements. And a payout the
+// provider made whose row could not be written no longer says "nothing was changed". D259.
+func TestPoolerCacheFailureIs503(t *testing.T) {
+	t.Parallel()
+	s := &ledger{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	for _, code := range []string{"26000", "42P05"} {
+		rec := httptest.NewRecorder()
+		err := &pgconn.PgError{Code: code, Message: `prepared statement "stmtcache_0123" does not exist`}
+		s.serverError(rec, httptest.NewRequest(http.MethodPost, "/v1/transfers", nil), err)
+		if rec.Code != http.StatusServiceUnavailable || rec.Header().Get("Retry-After") != "1" || !strings.Contains(rec.Body.String(), "service_unavailable") {
+			t.Errorf("%s from pgx's statement cache: %d, Retry-After %q, %s; want 503 service_unavailable with Retry-After 1",
+				code, rec.Code, rec.Header().Get("Retry-After"), rec.Body.String())
+		}
+	}
+	rec := httptest.NewRecorder()
+	s.unrecordedPayout(rec, httptest.NewRequest(http.MethodPost, "/v1/payouts", nil), &pgconn.PgError{Code: "23505", Message: "duplicate key"})
+	if rec.Code != http.StatusInternalServerError || strings.Contains(rec.Body.String(), "nothing was changed") || !strings.Contains(rec.Body.String(), "provider") {
+		t.Errorf("a payout made but not recorded: %d %s; want 500 that says the provider was paid", rec.Code, rec.Body.String())
+	}
+}
+
+// TestMigrateRefusesANewerLedgerBeforeIdem: docs/sql-api.md: "A database at a later schema
+// version than the release is refused before anything is changed". With only the ledger ahead
+// (a newer release that added a ledger migration), `server migrate` committed idem's whole
+// transaction first (this release's functions over the newer release's) and failed on the
+// ledger after, with tern's message. It now refuses first, saying so, and idem is untouched.
+// D259.
+func TestMigrateRefusesANewerLedgerBeforeIdem(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewEmptyDB(t)
+	run := func() error {
+		m := NewMain(io.Discard, io.Discard)
+		if err := m.ParseFlags([]string{"migrate"}, func(k string) string { return map[string]string{"DATABASE_URL": url}[k] }); err != nil {
+			t.Fatal(err)
+		}
+		err := m.Run(ctx)
+		_ = m.Close()
+		return err
+	}
+	if err := run(); err != nil {
+		t.Fatal(err)
+	}
+	conn := pgtest.Connect(t, url)
+	pgtest.Exec(t, conn, `UPDATE ledger.schema_version SET version = version + 1`)
+	// Stands for the newer release's function bodies.
+	pgtest.Exec(t, conn, `COMMENT ON FUNCTION idem.idem_defaults() IS 'the newer release''s'`)
+	err := run()
+	var comment string
+	if qerr := conn.QueryRow(ctx, `SELECT obj_description('idem.idem_defaults()'::regprocedure, 'pg_proc')`).Scan(&comment); qerr != nil {
+		t.Fatal(qerr)
+	}
+	if err == nil || !strings.Contains(err.Error(), "newer than this release's") || !strings.Contains(err.Error(), "nothing was changed") ||
+		comment != "the newer release's" {
+		t.Fatalf("server migrate over a newer ledger: %v; idem_defaults' comment %q; want refused first, idem untouched", err, comment)
 	}
 }

@@ -127,7 +127,9 @@ type Options struct {
 	// middleware logs from inside its recoveries, where nothing may stop an answer or the
 	// release of a key.
 	Logger *slog.Logger
-	// Metrics observes every keyed request. Default: none.
+	// Metrics observes every keyed request that reaches its claim (one refused before it, for
+	// its key, its body or its size, or after Shutdown's deadline, is counted in no state).
+	// Default: none.
 	Metrics Observer
 	// TracerProvider, when set, traces every keyed request with OpenTelemetry: the spans
 	// idem.claim, idem.handler and idem.complete under the request's span, with the action,
