@@ -24,9 +24,13 @@ func TestWriteAfterTheHandlerReturnedGoesNowhere(t *testing.T) {
 	lateErr := make(chan error, 1)
 	mux := http.NewServeMux()
 	mux.Handle("POST /a", m.Route(idem.Route{Required: true})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		returned := make(chan struct{})
+		defer close(returned)
 		w.WriteHeader(http.StatusCreated)
 		_, _ = w.Write([]byte("A"))
 		go func() {
+			<-returned
+			time.Sleep(20 * time.Millisecond) // past the middleware's end of the handler, which follows its return
 			var err error
 			for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(time.Millisecond) {
 				w.Header().Set("X-Late", "1")

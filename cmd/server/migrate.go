@@ -27,8 +27,6 @@ func ledgerFS() fs.FS {
 	return sub
 }
 
-// migrate installs idem (migrations and functions), then the ledger's own migrations, then
-// River's (the receipts' job queue, schema river).
 // ledgerNotNewer refuses a database whose ledger schema is newer than this release's, before
 // anything is changed. (0.1.0 kept its version table in public; no release since is older.)
 func ledgerNotNewer(ctx context.Context, conn *pgx.Conn) error {
@@ -50,6 +48,8 @@ func ledgerNotNewer(ctx context.Context, conn *pgx.Conn) error {
 	return nil
 }
 
+// migrate installs idem (migrations and functions), then the ledger's own migrations, then
+// River's (the receipts' job queue, schema river).
 func (m *Main) migrate(ctx context.Context) error {
 	conn, err := m.pool.Acquire(ctx)
 	if err != nil {

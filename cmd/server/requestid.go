@@ -84,14 +84,15 @@ func validRequestID(id string) bool {
 // a client that left does.
 type bodyWatch struct {
 	io.ReadCloser
-	deadline atomic.Bool // a read failed with a timeout
-	failed   atomic.Bool // a read failed, with any error but io.EOF
+	deadline atomic.Bool               // a read failed with a timeout
+	failedAt atomic.Pointer[time.Time] // when a read first failed, with any error but io.EOF
 }
 
 func (b *bodyWatch) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	if err != nil && err != io.EOF {
-		b.failed.Store(true)
+		now := time.Now()
+		b.failedAt.CompareAndSwap(nil, &now)
 		var ne net.Error
 		if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
 			b.deadline.Store(true)
@@ -101,10 +102,13 @@ func (b *bodyWatch) Read(p []byte) (int, error) {
 }
 
 // timedOut tells whether the body's read ran out of the server's read timeout: a read failed
-// with a timeout, or failed at all once the timeout had passed since the request began
-// (net/http reports a chunked body cut by it as "unexpected EOF reading trailer").
+// with a timeout, or failed at all about when the timeout passed (net/http reports a chunked
+// body cut by it as "unexpected EOF reading trailer"). net/http counts the timeout from before
+// the request's headers came, which take at most readHeaderTimeout, and began is the handler's
+// start: a failure at least readTimeout less that after it is the timeout's.
 func (b *bodyWatch) timedOut(began time.Time) bool {
-	return b.deadline.Load() || b.failed.Load() && time.Since(began) >= readTimeout
+	at := b.failedAt.Load()
+	return b.deadline.Load() || at != nil && at.Sub(began) >= readTimeout-readHeaderTimeout
 }
 
 // statusClientGone is the status logged for a request whose client went away before anything

@@ -15,8 +15,12 @@ import (
 	"github.com/pgidem/pgidem/idem/idemprom"
 )
 
-// readTimeout is the HTTP server's bound on reading a request, its body included.
-const readTimeout = time.Minute
+// readTimeout is the HTTP server's bound on reading a request, its body included;
+// readHeaderTimeout its bound on the headers.
+const (
+	readTimeout       = time.Minute
+	readHeaderTimeout = 10 * time.Second
+)
 
 func (m *Main) serve(ctx context.Context) (err error) {
 	if err := m.openProbePool(ctx); err != nil {
@@ -41,7 +45,7 @@ func (m *Main) serve(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("LISTEN_ADDR=%s: %w", m.Config.ListenAddr, err)
 	}
-	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: readTimeout,
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: readHeaderTimeout, ReadTimeout: readTimeout,
 		IdleTimeout: 2 * time.Minute}
 
 	var stopCleanup func()

@@ -55,7 +55,7 @@ func TestStepCommitLostFreesTheKey(t *testing.T) {
 	// The step's statements are in; its COMMIT is swallowed: the server's transaction is idle,
 	// holding the key's row.
 	pgtest.WaitFor(t, direct, `SELECT count(*) FROM pg_stat_activity
-		WHERE datname = current_database() AND state = 'idle in transaction'`)
+		WHERE datname = current_database() AND state = 'idle in transaction' AND query LIKE '%jsonb::text%'`)
 	lost := time.Now()
 	var got string
 	for {

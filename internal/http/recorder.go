@@ -35,11 +35,17 @@ var errHandlerReturned = errors.New("idem: write after the handler returned; a R
 
 func newRecorder(head bool) *recorder { return &recorder{header: http.Header{}, head: head} }
 
-// close marks the handler returned: the recorder takes no more from it.
+// close marks the handler returned: the recorder takes no more from it. A header never
+// written with a status is taken now, once: the stored and the sent answer read the same copy,
+// not the map a goroutine of the handler may still hold (which must not be used after the
+// handler returned either).
 func (rec *recorder) close() {
 	rec.mu.Lock()
+	defer rec.mu.Unlock()
 	rec.returned = true
-	rec.mu.Unlock()
+	if rec.sent == nil {
+		rec.sent = canonicalClone(rec.header)
+	}
 }
 
 func (rec *recorder) Header() http.Header {
