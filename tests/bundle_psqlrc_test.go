@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgidem/pgidem/internal/pgtest"
 	"github.com/pgidem/pgidem/internal/release010"
 )
@@ -18,11 +20,7 @@ import (
 func TestBundleUnderAutocommitOff(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	if err := release010.Fill(ctx, conn, 100); err != nil {
 		t.Fatal(err)
 	}
@@ -47,4 +45,16 @@ func TestBundleUnderAutocommitOff(t *testing.T) {
 	if err := conn.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err != nil || v != 7 {
 		t.Fatalf("schema version after the bundle: %d (%v), want 7", v, err)
 	}
+}
+
+// at010 is an empty database with release 0.1.0 installed as its `server migrate` did, and a
+// connection to it as the owner.
+func at010(t *testing.T) (string, *pgx.Conn) {
+	t.Helper()
+	url := pgtest.NewEmptyDB(t)
+	conn := pgtest.Connect(t, url)
+	if err := release010.Install(context.Background(), conn); err != nil {
+		t.Fatal(err)
+	}
+	return url, conn
 }

@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
-	"github.com/pgidem/pgidem/internal/release010"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
 
@@ -19,11 +18,7 @@ import (
 func TestRebuildTakesATriggerCreatedMeanwhile(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	data, err := idemsql.TemplateData(idemsql.Options{})
 	if err != nil {
 		t.Fatal(err)

@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
-	"github.com/pgidem/pgidem/internal/release010"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
 
@@ -30,11 +29,7 @@ import (
 func TestSwapWaitsOnAReferencedTableHoldingTheKeyTable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_alice', 'alice')`)
 
 	// A reader of principals, in an open transaction. It holds nothing on the key table.
@@ -111,11 +106,7 @@ func TestSwapWaitsOnAReferencedTableHoldingTheKeyTable(t *testing.T) {
 func TestSQLBundleBesideAMigrate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	// The other migrate's session holds tern's lock first.
 	other := pgtest.Connect(t, url)
 	pgtest.Exec(t, other, `SELECT pg_advisory_lock($1)`, idemsql.TernLock)
@@ -155,11 +146,7 @@ func TestSQLBundleBesideAMigrate(t *testing.T) {
 func TestOnlineRebuildKeepsChangesDuringAPausedBackfill(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_a', 'a'), ('p_a2', 'a2'), ('p_b', 'b'), ('p_c', 'c'), ('p_d', 'd')`)
 	pgtest.Exec(t, conn, `INSERT INTO idem.idempotency_keys (principal_id, key, state, attempt, created_at, expires_at,
 		action, request_sha256, completed_at, response_status, response_headers, response_body)

@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
-	"github.com/pgidem/pgidem/internal/release010"
 	"github.com/pgidem/pgidem/internal/release020"
 	idemsql "github.com/pgidem/pgidem/sql"
 )
@@ -350,11 +349,7 @@ func TestUpgrade020RowsOfEveryState(t *testing.T) {
 func TestUpgrade010RowsOfEveryState(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := pgtest.NewEmptyDB(t)
-	conn := pgtest.Connect(t, url)
-	if err := release010.Install(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
+	url, conn := at010(t)
 	pgtest.Exec(t, conn, `INSERT INTO principals VALUES ('p_a', 'a')`)
 	fields := `{"amount": "` + upHex("100") + `", "to": "` + upHex("2") + `"}`
 	for _, sql := range []string{
