@@ -328,7 +328,6 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 	_, _, err := idem.DoLease(ctx, o.DB, idem.Job{Principal: principal, Key: key, Action: job.Kind, Input: input,
 		TTL: o.TTL, LockTimeout: o.LockTimeout, Gate: o.Gate, Lease: o.Lease, Timeout: o.Timeout},
 		func(ctx context.Context, claim idem.LeaseClaim) (struct{}, error) {
-			ctx = context.WithValue(ctx, claimKey{}, claim)
 			err := fn(context.WithValue(ctx, heldKey{}, held{claim: claim, job: job.ID, kind: job.Kind, args: job.EncodedArgs}), claim)
 			fnFailed, fnErr = err != nil, err
 			return struct{}{}, err
@@ -368,10 +367,8 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 // storeBusySnooze is the longest a job waits when the key table was locked for maintenance.
 const storeBusySnooze = 5 * time.Second
 
-// claimKey is the context key of ClaimOf.
-type claimKey struct{}
-
-// heldKey is the context key of the held claim a nested Work compares its job with.
+// heldKey is the context key of the claim Work holds while fn runs (ClaimOf), with the job it
+// holds it for, which a nested Work compares its own with.
 type heldKey struct{}
 
 // held is a claim Work holds while fn runs, with the job it holds it for.
@@ -391,8 +388,8 @@ func jobSum(kind string, args []byte) [32]byte {
 // ClaimOf returns the claim of the job that the worker middleware (Middleware) or Work runs,
 // or false outside them. Hand an outside provider its ProviderKey.
 func ClaimOf(ctx context.Context) (idem.LeaseClaim, bool) {
-	c, ok := ctx.Value(claimKey{}).(idem.LeaseClaim)
-	return c, ok
+	h, ok := ctx.Value(heldKey{}).(held)
+	return h.claim, ok
 }
 
 // Middleware returns a River worker middleware that runs every job it wraps with Work: the
