@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"strings"
@@ -94,6 +95,20 @@ func signalled(t *testing.T, s *testServer, bin, shutdownTimeout, logLevel strin
 		t.Fatal(err)
 	}
 	_, _ = c.Write([]byte("POST /v1/accounts HTTP/1.1\r\nHost: x\r\n"))
+	// The server has accepted that connection (and http.Server.Shutdown will wait for it)
+	// once it has answered a request on a connection dialled after it: it accepts in the
+	// order of the listen queue, and tracks a connection as it accepts it. Until then a stop
+	// found nothing in flight, and the process could end before it read a second signal.
+	after, err := net.Dial("tcp", p.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer after.Close()
+	_ = after.SetDeadline(time.Now().Add(20 * time.Second))
+	_, _ = after.Write([]byte("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+	if b, err := io.ReadAll(after); err != nil || !bytes.HasPrefix(b, []byte("HTTP/1.1 ")) {
+		t.Fatalf("a request after the half-sent one: %q %v", b, err)
+	}
 	return p, out, c, exited
 }
 
