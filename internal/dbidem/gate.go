@@ -110,8 +110,13 @@ type GateOptions struct {
 // default lock timeout it reads once are shared; give a pool of its own settings a Gate of its
 // own.
 type Gate struct {
-	mu       sync.Mutex
-	flights  map[flightKey]*flight
+	mu      sync.Mutex
+	flights map[flightKey]*flight
+	// recent holds, for a moment (lineMemory), the keys whose last flight left with the
+	// answer while requests waited for it: the next flight of the key starts knowing it,
+	// whoever starts it (D260). swept is when recent was last swept of what is older.
+	recent   map[flightKey]time.Time
+	swept    time.Time
 	slots    chan struct{}
 	maxBytes int64
 	lock     atomic.Int64 // the SQL API's default lock timeout once read, in nanoseconds
@@ -140,6 +145,11 @@ func poolIdentity(db any) any {
 	return nil
 }
 
+// lineMemory is how long the Gate remembers that a key's line left it with its answer (Gate.recent):
+// the moment between one flight's leaving and the next one's start, however slow a loaded
+// machine makes it, not the answer's life.
+const lineMemory = time.Second
+
 // flight is the one request of this process that works on a key: done is closed when it
 // leaves; answered, set before, tells the requests that wait for it that the key has its
 // answer (the flight read a committed key: a replay, or another request's answer, a mismatch;
@@ -148,12 +158,14 @@ func poolIdentity(db any) any {
 // progress, not answered). after, set as it starts, tells that it started behind a flight that
 // left the key with its answer (its request waited for that flight and saw it leave): a
 // request that comes into the line later, and so never saw that flight leave, knows as much as
-// the requests that did (D234).
+// the requests that did (D234). waited, guarded by the Gate's mutex, is set when a request
+// waits for it.
 type flight struct {
 	done     chan struct{}
 	answered atomic.Bool
 	after    bool
 	claimed  chan struct{}
+	waited   bool
 }
 
 func newFlight(after bool) *flight {
@@ -168,7 +180,7 @@ func NewGate(o GateOptions) *Gate {
 	if o.MaxWaitingBytes <= 0 {
 		o.MaxWaitingBytes = DefaultMaxWaitingBytes
 	}
-	return &Gate{flights: map[flightKey]*flight{}, slots: make(chan struct{}, o.MaxWaitingClaims),
+	return &Gate{flights: map[flightKey]*flight{}, recent: map[flightKey]time.Time{}, slots: make(chan struct{}, o.MaxWaitingClaims),
 		maxBytes: o.MaxWaitingBytes}
 }
 
@@ -232,8 +244,17 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 		g.mu.Lock()
 		f, busy := g.flights[id]
 		if !busy {
-			f = newFlight(answered)
+			// A request that starts the key's next flight, whether it waited in the line or
+			// came in between two flights, knows what the line's last flight read (D260).
+			after := answered
+			if at, ok := g.recent[id]; ok {
+				delete(g.recent, id)
+				after = after || time.Since(at) < lineMemory
+			}
+			f = newFlight(after)
 			g.flights[id] = f
+		} else {
+			f.waited = true
 		}
 		g.mu.Unlock()
 		// A request that came into the line behind a flight that started after an answer
@@ -332,11 +353,27 @@ func (p *pass) claimed() {
 // told nothing, and the requests behind it keep their bound).
 func (p *pass) leave(returned, committed bool, outcome Outcome, lease bool) {
 	g := p.g
-	if returned && (outcome == Replay || outcome == Mismatch || committed && outcome == Claimed && !lease) {
+	answered := returned && (outcome == Replay || outcome == Mismatch || committed && outcome == Claimed && !lease)
+	if answered {
 		p.f.answered.Store(true)
 	}
+	now := time.Now()
 	g.mu.Lock()
 	delete(g.flights, p.id)
+	// A line's flight that leaves the key answered: whoever starts the next flight, one of
+	// the requests that waited or one that came in just now, starts it knowing (D260). Only
+	// a line's: a key nobody waited for is not remembered.
+	if answered && p.f.waited {
+		g.recent[p.id] = now
+	}
+	if len(g.recent) > 0 && now.Sub(g.swept) > lineMemory {
+		for id, at := range g.recent {
+			if now.Sub(at) >= lineMemory {
+				delete(g.recent, id)
+			}
+		}
+		g.swept = now
+	}
 	g.mu.Unlock()
 	close(p.f.done)
 }
