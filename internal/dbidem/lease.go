@@ -146,19 +146,26 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 	end := start.Add(lease) // by this process's clock: never later than the database's end
 	next := time.NewTimer(time.Until(start.Add(interval)))
 	defer next.Stop()
-	expiry := time.NewTimer(time.Until(end))
+	// The lease's end is watched by a timer of its own, not by this loop, which waits through
+	// each extension: an extension still in flight at the end (blocked on a locked table, on a
+	// connection that does not answer) returns only once its cancel has gone through, or when
+	// a Querier that ignores its context gives up, and the work would learn of the loss that
+	// much after the database's lease had ended, when another process may already hold the
+	// key (D261).
+	expiry := time.AfterFunc(time.Until(end), func() {
+		// Not when Stop came first (the work ended before the loss was seen), nor when the
+		// context ended first (the parent, the Timeout): the heartbeat ended with it, and
+		// Lost tells the rest by the clock.
+		if !l.stopped() && l.ctx.Err() == nil {
+			l.lose(false)
+		}
+	})
 	defer expiry.Stop()
 	for {
 		select {
 		case <-l.stop:
 			return
 		case <-l.ctx.Done():
-			return
-		case <-expiry.C:
-			if l.stopped() {
-				return // Stop came first, or together: the work ended before the loss was seen
-			}
-			l.lose(false)
 			return
 		case <-next.C:
 		}
@@ -180,6 +187,11 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 		cancel()
 		switch {
 		case err == nil:
+			if !expiry.Stop() {
+				// The lease ran out by this process's clock while the extension was on its
+				// way: it is lost, and an extension heard of after that does not undo it.
+				return
+			}
 			end = began.Add(lease) // sent after began: never later than the database's new end
 			e := end
 			l.end.Store(&e)
