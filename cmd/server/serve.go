@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -66,14 +67,7 @@ func (m *Main) serve(ctx context.Context) (err error) {
 		m.log.Warn(note)
 	}
 	if m.cluster != nil {
-		// The commands find the running cluster of their IDEM_DATA_DIR, wherever it listens.
-		env := ""
-		if m.Config.DataDir != defaultConfig().DataDir {
-			env = "IDEM_DATA_DIR=" + m.Config.DataDir + " "
-		}
-		m.log.Info("quickstart: create a principal with `" + env + "go run ./cmd/server principal create alice` " +
-			"(PostgreSQL at " + m.cluster.ConnString("postgres") + "), then: curl -s http://" + addr +
-			"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'")
+		m.log.Info(quickstartHint(m.Config.DataDir, addr, m.cluster.ConnString("postgres")))
 	}
 	m.Addr <- addr
 	errc := make(chan error, 1)
@@ -139,4 +133,35 @@ func (m *Main) logReplication(ctx context.Context) {
 	default:
 		m.log.Info("replication", "replication", h.Replication, "standbys", h.Standbys)
 	}
+}
+
+// quickstartHint is the line serve logs on a private cluster: the commands that create a
+// principal and an account. The commands find the running cluster of their IDEM_DATA_DIR,
+// wherever it listens, so a directory other than the default is named, quoted for a POSIX
+// shell (a path with a space or a quote pasted as it is would name another directory).
+func quickstartHint(dataDir, addr, postgresURL string) string {
+	env := ""
+	if dataDir != defaultConfig().DataDir {
+		env = "IDEM_DATA_DIR=" + shellQuote(dataDir) + " "
+	}
+	return "quickstart: create a principal with `" + env + "go run ./cmd/server principal create alice` " +
+		"(PostgreSQL at " + postgresURL + "), then: curl -s http://" + addr +
+		"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'"
+}
+
+// shellQuote is s as one word of a POSIX shell: as it is when it holds only characters no
+// shell reads specially, else in single quotes, each single quote inside closing them, escaped
+// with a backslash, and opening them again.
+func shellQuote(s string) string {
+	safe := s != ""
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("_./-+:,@%=", r)) {
+			safe = false
+			break
+		}
+	}
+	if safe {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
