@@ -57,6 +57,13 @@ func main() {
 		fmt.Fprintln(os.Stderr, "server:", err)
 		os.Exit(2)
 	}
+	if m.Command == "serve" {
+		// The log's reader may go away (`server serve | head`, a log shipper or journald
+		// that restarts): the server keeps serving, and the lines it writes meanwhile are
+		// lost, rather than the process dying of SIGPIPE with its requests in flight (D262).
+		// The other commands end as a Unix command does when its output is closed.
+		signal.Ignore(syscall.SIGPIPE)
+	}
 	err := m.Run(ctx)
 	if cerr := m.Close(); err == nil {
 		err = cerr
