@@ -362,8 +362,9 @@ func (p *pass) leave(returned, committed bool, outcome Outcome, lease bool) {
 	delete(g.flights, p.id)
 	// A line's flight that leaves the key answered: whoever starts the next flight, one of
 	// the requests that waited or one that came in just now, starts it knowing (D260). Only
-	// a line's: a key nobody waited for is not remembered.
-	if answered && p.f.waited {
+	// a line's (a flight that was waited for, or started knowing: a newcomer's in a line's
+	// gap, which passes the note on): a key nobody waited for is not remembered.
+	if answered && (p.f.waited || p.f.after) {
 		g.recent[p.id] = now
 	}
 	if len(g.recent) > 0 && now.Sub(g.swept) > lineMemory {

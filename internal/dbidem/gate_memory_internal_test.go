@@ -9,8 +9,9 @@ import (
 // TestGateLineMemory (D260): what the Gate keeps of a key between two flights. A flight that
 // leaves the key answered while a request waited for it is remembered, and the next flight,
 // whoever starts it, starts knowing (flight.after); a flight nobody waited for is not
-// remembered; a memory is taken by the flight that reads it, and one nobody read is swept
-// once it is older than lineMemory, so the Gate holds nothing for a key once its line is over.
+// remembered; a memory is taken by the flight that reads it, which passes it on when it
+// leaves the key answered, and one nobody read is swept (as flights leave) once it is older
+// than lineMemory.
 func TestGateLineMemory(t *testing.T) {
 	ctx := context.Background()
 	g := NewGate(GateOptions{})
@@ -65,7 +66,27 @@ func TestGateLineMemory(t *testing.T) {
 	if n := recent(); n != 0 {
 		t.Errorf("the memory was not taken by the next flight: %d left", n)
 	}
+	// That flight, a newcomer's nobody waited behind, passes the note on: the next newcomer,
+	// in the same gap of the line, starts knowing too.
 	next.leave(true, true, Replay, false)
+	if n := recent(); n != 1 {
+		t.Errorf("a flight that started knowing left %d memories, want 1", n)
+	}
+	if p := enter("line"); !p.f.after {
+		t.Error("the second newcomer after a line that left the key answered starts knowing nothing")
+	} else {
+		p.leave(true, true, Replay, false)
+	}
+	if p := enter("line"); !p.f.after {
+		t.Error("the third newcomer after a line that left the key answered starts knowing nothing")
+	} else {
+		p.leave(false, false, Replay, false) // a panic: answered nothing, passes nothing on
+	}
+	if p := enter("line"); p.f.after {
+		t.Error("a flight after one that answered nothing starts knowing")
+	} else {
+		p.leave(true, true, Replay, false)
+	}
 	// A line whose flight answered nothing (a fresh claim rolled back) is not remembered.
 	line("unanswered", Claimed, false)
 	if n := recent(); n != 0 {

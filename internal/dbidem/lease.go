@@ -152,7 +152,9 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 	// a Querier that ignores its context gives up, and the work would learn of the loss that
 	// much after the database's lease had ended, when another process may already hold the
 	// key (D261).
+	fired := make(chan struct{})
 	expiry := time.AfterFunc(time.Until(end), func() {
+		defer close(fired)
 		// Not when Stop came first (the work ended before the loss was seen), nor when the
 		// context ended first (the parent, the Timeout): the heartbeat ended with it, and
 		// Lost tells the rest by the clock.
@@ -160,7 +162,13 @@ func (l *Lease) beat(q Querier, principal, key string, attempt int64, start time
 			l.lose(false)
 		}
 	})
-	defer expiry.Stop()
+	defer func() {
+		// The heartbeat ends with the timer's decision made: Stop, which waits for the
+		// heartbeat, reports the loss the work was told, and nothing changes it after.
+		if !expiry.Stop() {
+			<-fired
+		}
+	}()
 	for {
 		select {
 		case <-l.stop:
