@@ -36,7 +36,8 @@ import (
 // are counted under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
 //
 // An action's idempotency_requests_total series start together, every state at 0, when its
-// first request is counted, and idempotency_request_duration_seconds has every state from
+// first request is counted (its lease counters, idempotency_lease_extensions_total and
+// idempotency_leases_lost_total, at 0 with them), and idempotency_request_duration_seconds has every state from
 // NewObserver on: the first store_error of an action is an increase that rate() sees, not a
 // new series it cannot.
 type Observer struct {
@@ -79,6 +80,11 @@ func (o *Observer) label(action string) string {
 		for _, s := range idem.States() {
 			o.requests.WithLabelValues(l, string(s)) // every state's series at 0
 		}
+		// The lease counters at 0 too, from the action's first request (its claim) on: a
+		// route's first lost lease is an increase, not a series born at 1 that increase()
+		// reads as 0 (the dashboard's panel missed it).
+		o.extensions.WithLabelValues(l)
+		o.lost.WithLabelValues(l)
 	}
 	return l
 }
@@ -139,7 +145,7 @@ func (o *Observer) LeaseExtended(action string) {
 // LeaseEnded implements idem.Observer.
 func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
 	action = o.label(action)
-	c := o.lost.WithLabelValues(action) // exported from the first lease on, at 0 until one is lost
+	c := o.lost.WithLabelValues(action) // exported at 0 from the action's first request on
 	if lost {
 		c.Inc()
 		return // counted lost, not timed

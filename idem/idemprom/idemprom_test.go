@@ -75,7 +75,7 @@ func TestEveryMetricIsExported(t *testing.T) {
 	want := []string{"idem_cleanup_deleted_total", "idem_cleanup_pass_duration_seconds", "idem_cleanup_passes_total",
 		"idem_cleanup_vacuums_total", "idempotency_cleanup_backlog", "idempotency_coalesced_total",
 		"idempotency_key_table_bytes", "idempotency_keys_estimated", "idempotency_keys_in_progress",
-		"idempotency_lease_work_seconds", "idempotency_leases_lost_total", "idempotency_leases_run_out",
+		"idempotency_lease_extensions_total", "idempotency_lease_work_seconds", "idempotency_leases_lost_total", "idempotency_leases_run_out",
 		"idempotency_oldest_in_progress_seconds", "idempotency_refused_total", "idempotency_request_duration_seconds",
 		"idempotency_requests_total", "idempotency_waiting_duplicate_bytes", "idempotency_waiting_duplicates"}
 	slices.Sort(names)
