@@ -30,13 +30,13 @@ type payout struct {
 func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var in struct {
-		Account *int64          `json:"account"`
+		Account *jsontext.Value `json:"account"`
 		Amount  *jsontext.Value `json:"amount"`
 	}
 	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
-	if in.Account == nil || !isNumber(in.Amount) {
+	if !isNumber(in.Account) || !isNumber(in.Amount) {
 		missing(w, r, "account and amount (numbers)")
 		return
 	}
@@ -45,10 +45,15 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		invalidAmount(w, r)
 		return
 	}
+	account, ok := bodyAccountID(*in.Account)
+	if !ok {
+		invalid(w, r, "account must be an account id")
+		return
+	}
 	principal, _ := principalOf(ctx)
 	var exists bool
 	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM ledger.accounts WHERE id = $1 AND principal_id = $2)`,
-		*in.Account, principal).Scan(&exists); err != nil {
+		account, principal).Scan(&exists); err != nil {
 		s.serverError(w, r, err)
 		return
 	}
@@ -64,7 +69,7 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 		s.serverError(w, r, err)
 		return
 	}
-	out := payout{AccountID: *in.Account, Amount: amt, ProviderRef: ref, ProviderKey: claim.ProviderKey}
+	out := payout{AccountID: account, Amount: amt, ProviderRef: ref, ProviderKey: claim.ProviderKey}
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		return tx.QueryRow(ctx, `INSERT INTO ledger.payouts (principal_id, account_id, amount, provider_ref, idempotency_key)
 			VALUES ($1, $2, $3, $4, $5)

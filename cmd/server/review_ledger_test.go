@@ -211,15 +211,23 @@ func TestLedgerReviewUncleanPathIsNotFound(t *testing.T) {
 	s := startServer(t, nil)
 	_, token := s.principal("zz")
 	a := reviewAccount(t, s, token, "EUR")
-	for _, path := range []string{"//v1/accounts", "/v1/./accounts", fmt.Sprintf("/v1/accounts/%d%%2F/deposits", a)} {
+	for i, path := range []string{"//v1/accounts", "/v1/./accounts", fmt.Sprintf("/v1/accounts/%d%%2F/deposits", a),
+		fmt.Sprintf("/v1/accounts/%d%%2Fdeposits", a), fmt.Sprintf("/v1/accounts/%d%%2fdeposits", a)} {
 		body := `{"name":"x","currency":"EUR"}`
 		if strings.HasSuffix(path, "deposits") {
 			body = `{"amount":5}`
 		}
-		r := s.call("POST", path, token, "", body)
+		r := s.call("POST", path, token, fmt.Sprintf("unclean-%d", i), body)
 		if r.status != 404 || !strings.Contains(r.body, `"code":"not_found"`) {
 			t.Errorf("POST %s: %d Location %q body %q, want 404 not_found", path, r.status, r.header.Get("Location"), r.body)
 		}
+		if r := s.call("GET", path, token, "", ""); r.status != 404 || !strings.Contains(r.body, `"code":"not_found"`) {
+			t.Errorf("GET %s: %d body %q, want 404 not_found", path, r.status, r.body)
+		}
+	}
+	// Nothing was claimed: an unclean path is refused before the middleware.
+	if n := pgtest.Count(t, s.pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key LIKE 'unclean-%'`); n != 0 {
+		t.Errorf("%d keys stored for paths that are no route", n)
 	}
 }
 

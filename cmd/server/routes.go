@@ -66,6 +66,15 @@ func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error
 	// in an id) is no route, answered 404 not_found. gorilla/mux would answer it with a bare
 	// 301 to the cleaned path, another route than the client wrote (D162).
 	r := mux.NewRouter().SkipClean(true)
+	// An escaped slash is no route either: gorilla/mux matches the decoded path, so
+	// /v1/accounts/1%2Fdeposits reached the deposits route (a keyed POST's 404
+	// account_not_found stored as its answer, a GET's 405). The first route, before any
+	// middleware: nothing is claimed.
+	r.MatcherFunc(func(req *http.Request, _ *mux.RouteMatch) bool {
+		return strings.Contains(strings.ToUpper(req.URL.EscapedPath()), "%2F")
+	}).HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		problem(w, req, http.StatusNotFound, "not_found", "no such route")
+	})
 	r.HandleFunc("/healthz", s.healthz).Methods(http.MethodGet, http.MethodHead) // HEAD: load balancers probe with it
 	r.HandleFunc("/version", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"version": Version})

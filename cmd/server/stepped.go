@@ -34,13 +34,13 @@ var (
 func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var in struct {
-		Account *int64          `json:"account"`
+		Account *jsontext.Value `json:"account"`
 		Amount  *jsontext.Value `json:"amount"`
 	}
 	if !idem.DecodeJSON(w, r, &in) {
 		return
 	}
-	if in.Account == nil || !isNumber(in.Amount) {
+	if !isNumber(in.Account) || !isNumber(in.Amount) {
 		missing(w, r, "account and amount (numbers)")
 		return
 	}
@@ -49,9 +49,13 @@ func (s *ledger) createSteppedPayout(w http.ResponseWriter, r *http.Request) {
 		invalidAmount(w, r)
 		return
 	}
+	account, ok := bodyAccountID(*in.Account)
+	if !ok {
+		invalid(w, r, "account must be an account id")
+		return
+	}
 	principal, _ := principalOf(ctx)
 	claim, _ := idem.ClaimOf(ctx)
-	account := *in.Account
 
 	reservation, err := idem.Step(ctx, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 		tag, err := tx.Exec(ctx, `UPDATE ledger.accounts SET balance = balance - $1, `+nextRevision+`
