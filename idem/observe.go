@@ -112,6 +112,17 @@ type Observer interface {
 	LeaseEnded(action string, lost bool, worked time.Duration)
 }
 
+// LeaseObserver is an Observer that is also told of each lease claim of a lease route (a
+// fresh claim or a takeover), as its work is about to start: it can then export its lease
+// figures from a route's first lease on, so that the route's first lease lost is an increase
+// from 0, not a series born at 1 that increase() reads as none (package idemprom's Observer
+// is one). Optional: an Observer without it hears of leases at their extensions and their end.
+type LeaseObserver interface {
+	Observer
+	// LeaseClaimed is called once per lease claim of a lease route, before its work starts.
+	LeaseClaimed(action string)
+}
+
 // observer adapts an Observer to the implementation's. A panic of the Observer is recovered
 // (the first one logged at error level, with its stack): an Observer is called from the
 // request's path and from a lease's heartbeat, where a panic would cut a client's answer or
@@ -134,6 +145,16 @@ func (a observer) Done(s idemhttp.State, d time.Duration) {
 func (a observer) LeaseExtended(action string) {
 	defer a.recovered("LeaseExtended")
 	a.o.LeaseExtended(action)
+}
+
+// LeaseClaimed tells a LeaseObserver of a lease claim; other Observers hear nothing.
+func (a observer) LeaseClaimed(action string) {
+	lo, ok := a.o.(LeaseObserver)
+	if !ok {
+		return
+	}
+	defer a.recovered("LeaseClaimed")
+	lo.LeaseClaimed(action)
 }
 
 func (a observer) LeaseEnded(action string, lost bool, worked time.Duration) {

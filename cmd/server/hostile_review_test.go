@@ -135,14 +135,14 @@ func TestHostileBodiesEveryRoute(t *testing.T) {
 		tc{name: "transfer between currencies", path: tr, body: fmt.Sprintf(`{"from":%d,"to":%d,"amount":1}`, a, usd), status: 422, code: "currency_mismatch", stored: true},
 		tc{name: "transfer overdraft", path: tr, body: fmt.Sprintf(`{"from":%d,"to":%d,"amount":1001}`, a, b), status: 422, code: "insufficient_funds", stored: true},
 		tc{name: "transfer from string", path: tr, body: fmt.Sprintf(`{"from":"%d","to":%d,"amount":1}`, a, b), status: 400, code: "malformed_body", stored: true},
-		tc{name: "transfer from 2^63", path: tr, body: fmt.Sprintf(`{"from":9223372036854775808,"to":%d,"amount":1}`, b), status: 400, code: "malformed_body", stored: true},
-		tc{name: "transfer from fraction", path: tr, body: fmt.Sprintf(`{"from":%d.5,"to":%d,"amount":1}`, a, b), status: 400, code: "malformed_body", stored: true},
+		tc{name: "transfer from 2^63", path: tr, body: fmt.Sprintf(`{"from":9223372036854775808,"to":%d,"amount":1}`, b), status: 422, code: "validation_failed", stored: true},
+		tc{name: "transfer from fraction", path: tr, body: fmt.Sprintf(`{"from":%d.5,"to":%d,"amount":1}`, a, b), status: 422, code: "validation_failed", stored: true},
 		tc{name: "transfer from 0", path: tr, body: fmt.Sprintf(`{"from":0,"to":%d,"amount":1}`, b), status: 422, code: "validation_failed", stored: true},
 		tc{name: "transfer from -1", path: tr, body: fmt.Sprintf(`{"from":-1,"to":%d,"amount":1}`, b), status: 422, code: "validation_failed", stored: true},
 		tc{name: "payout account string", path: po, body: fmt.Sprintf(`{"account":"%d","amount":1}`, a), status: 400, code: "malformed_body", stored: true},
-		tc{name: "payout account 0", path: po, body: `{"account":0,"amount":1}`, status: 404, code: "account_not_found", stored: true},
+		tc{name: "payout account 0", path: po, body: `{"account":0,"amount":1}`, status: 422, code: "validation_failed", stored: true},
 		tc{name: "stepped payout overdraft", path: sp, body: fmt.Sprintf(`{"account":%d,"amount":1001}`, a), status: 422, code: "insufficient_funds", stored: true},
-		tc{name: "stepped payout account -1", path: sp, body: `{"account":-1,"amount":1}`, status: 404, code: "account_not_found", stored: true},
+		tc{name: "stepped payout account -1", path: sp, body: `{"account":-1,"amount":1}`, status: 422, code: "validation_failed", stored: true},
 	)
 
 	before := ledgerState(t, s)

@@ -69,9 +69,12 @@ func (m *Main) router(ctx context.Context) (*mux.Router, *idem.Middleware, error
 	// An escaped slash is no route either: gorilla/mux matches the decoded path, so
 	// /v1/accounts/1%2Fdeposits reached the deposits route (a keyed POST's 404
 	// account_not_found stored as its answer, a GET's 405). The first route, before any
-	// middleware: nothing is claimed.
+	// middleware: nothing is claimed. RawPath, not EscapedPath: with a byte that is no valid
+	// encoding beside it ("{%2F", "é%2F"), EscapedPath escapes the decoded path afresh and the
+	// %2F is a slash there; RawPath keeps what the client wrote whenever it wrote an escape
+	// the default encoding would not (and it never writes %2F).
 	r.MatcherFunc(func(req *http.Request, _ *mux.RouteMatch) bool {
-		return strings.Contains(strings.ToUpper(req.URL.EscapedPath()), "%2F")
+		return strings.Contains(strings.ToUpper(req.URL.RawPath), "%2F")
 	}).HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		problem(w, req, http.StatusNotFound, "not_found", "no such route")
 	})

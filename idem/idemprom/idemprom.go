@@ -36,8 +36,8 @@ import (
 // are counted under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
 //
 // An action's idempotency_requests_total series start together, every state at 0, when its
-// first request is counted (its lease counters, idempotency_lease_extensions_total and
-// idempotency_leases_lost_total, at 0 with them), and idempotency_request_duration_seconds has every state from
+// first request is counted (a lease route's lease counters, idempotency_lease_extensions_total
+// and idempotency_leases_lost_total, at 0 from its first lease claim: LeaseClaimed), and idempotency_request_duration_seconds has every state from
 // NewObserver on: the first store_error of an action is an increase that rate() sees, not a
 // new series it cannot.
 type Observer struct {
@@ -80,16 +80,11 @@ func (o *Observer) label(action string) string {
 		for _, s := range idem.States() {
 			o.requests.WithLabelValues(l, string(s)) // every state's series at 0
 		}
-		// The lease counters at 0 too, from the action's first request (its claim) on: a
-		// route's first lost lease is an increase, not a series born at 1 that increase()
-		// reads as 0 (the dashboard's panel missed it).
-		o.extensions.WithLabelValues(l)
-		o.lost.WithLabelValues(l)
 	}
 	return l
 }
 
-var _ idem.Observer = (*Observer)(nil)
+var _ idem.LeaseObserver = (*Observer)(nil)
 
 // NewObserver registers the middleware's metrics with reg and returns the observer to put in
 // idem.Options.Metrics. It panics when reg already has them (prometheus.MustRegister).
@@ -142,10 +137,19 @@ func (o *Observer) LeaseExtended(action string) {
 	o.extensions.WithLabelValues(o.label(action)).Inc()
 }
 
+// LeaseClaimed implements idem.LeaseObserver: a lease route's lease counters are exported at
+// 0 from its first lease claim on, so that its first lost lease is an increase that increase()
+// and rate() see, not a series born at 1.
+func (o *Observer) LeaseClaimed(action string) {
+	l := o.label(action)
+	o.extensions.WithLabelValues(l)
+	o.lost.WithLabelValues(l)
+}
+
 // LeaseEnded implements idem.Observer.
 func (o *Observer) LeaseEnded(action string, lost bool, worked time.Duration) {
 	action = o.label(action)
-	c := o.lost.WithLabelValues(action) // exported at 0 from the action's first request on
+	c := o.lost.WithLabelValues(action) // exported at 0 from the route's first lease claim on
 	if lost {
 		c.Inc()
 		return // counted lost, not timed
