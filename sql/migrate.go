@@ -43,7 +43,7 @@ type Options struct {
 	// 63 bytes); it is created NOLOGIN when it does not exist.
 	AppRole string
 	// OperatorRole is the role granted the operators' functions (idem_summary, idem_health,
-	// idem_key with bodies, idem_release_stuck). Default DefaultOperatorRole; the same rules as
+	// idem_key with bodies, idem_stuck, idem_release_stuck). Default DefaultOperatorRole; the same rules as
 	// AppRole, and another name.
 	OperatorRole string
 }

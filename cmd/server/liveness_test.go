@@ -33,7 +33,7 @@ const (
 
 // slowWork makes every deposit and transfer of the database take liveWork, in the claim's
 // transaction: a trigger of the test's own (schema livetest), which the server knows nothing
-// of. A client that hangs up cancels the statement, as it would cancel any slow work.
+// of. The work outlives a client that hangs up (the middleware's WorkTimeout bounds it).
 const slowWork = `
 CREATE SCHEMA livetest;
 CREATE FUNCTION livetest.slow() RETURNS trigger LANGUAGE plpgsql AS $$

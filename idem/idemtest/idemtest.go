@@ -20,11 +20,12 @@
 //  2. a PostgreSQL container (testcontainers-go, postgres:15), when a Docker engine answers
 //     (PGTEST_NO_DOCKER=1 skips this step);
 //  3. a private throwaway cluster from the local PostgreSQL server binaries (initdb and
-//     pg_ctl on the PATH or in PG_BINDIR; as root, run as the postgres user), removed when the
-//     tests end.
+//     pg_ctl in PG_BINDIR, else on the PATH, else in the newest /usr/lib/postgresql/N/bin;
+//     as root, run as the postgres user), removed when the tests end.
 //
-// When none can be had, the test fails with a message that says how to get one; it never
-// skips.
+// When none can be had, the test fails with a message that says what failed and what to do
+// (a server that does not answer, a container that did not start: PGTEST_NO_DOCKER=1 goes on
+// to the local binaries; no binaries: how to get them); it never skips.
 //
 // It imports testcontainers-go (and with it a Docker client): a service's go.mod gains those
 // modules when its tests import this package; its binaries do not link them.

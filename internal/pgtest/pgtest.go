@@ -91,7 +91,8 @@ func start() error {
 			testcontainers.WithCmdArgs("-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
 				"-c", "max_connections=300", "-c", "shared_buffers=64MB"))
 		if err != nil {
-			return fmt.Errorf("pgtest: Docker answers but the PostgreSQL container did not start: %w", err)
+			return fmt.Errorf("pgtest: Docker answers but the PostgreSQL container did not start "+
+				"(PGTEST_NO_DOCKER=1 uses the local server binaries instead): %w", err)
 		}
 		teardown = append(teardown, func() { _ = testcontainers.TerminateContainer(c) })
 		url, err := c.ConnectionString(ctx, "sslmode=disable")
@@ -120,6 +121,10 @@ func start() error {
 	}
 	template = fmt.Sprintf("idem_template_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)
 	if err := adminExec(ctx, "CREATE DATABASE "+template); err != nil {
+		if source == "TEST_DATABASE_URL" {
+			return fmt.Errorf("pgtest: create a template database on TEST_DATABASE_URL (does the server answer, "+
+				"and may its role create databases and roles?): %w", err)
+		}
 		return fmt.Errorf("pgtest: create template on %s: %w", source, err)
 	}
 	teardown = append(teardown, func() {

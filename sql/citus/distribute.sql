@@ -234,5 +234,5 @@ $cmd$, current_database()));
 -- 8. Check: every worker has the functions, the sequence and the shards it should.
 SELECT nodename, nodeport, success, result
   FROM run_command_on_workers($$SELECT count(*) || ' local shards, tokens from ' || (SELECT min_value FROM pg_sequences
-       WHERE schemaname = 'idem' AND sequencename = 'attempt_seq') || ', plan_cache_mode ' || current_setting('plan_cache_mode')
+       WHERE schemaname = 'idem' AND sequencename = 'token_seq') || ', plan_cache_mode ' || current_setting('plan_cache_mode')
        FROM unnest(idem.key_relations())$$);

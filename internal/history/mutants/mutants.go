@@ -51,7 +51,7 @@ var All = []Mutant{
 		File:     "sql/functions/idem_begin.sql",
 		Search:   "v_expires := coalesce(v_lease, greatest(statement_timestamp(), transaction_timestamp()))\n",
 		Replace:  "v_expires := greatest(statement_timestamp(), transaction_timestamp())\n",
-		Expected: "TestSQLHistory, TestDoHistory: expiry edge lease",
+		Expected: "TestSQLHistory: expiry edge lease",
 	},
 	{
 		Name: "sql-cleanup-early", Promise: "cleanup deletes only expired keys (it deletes them a second early)",
