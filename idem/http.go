@@ -130,7 +130,9 @@ type Options struct {
 	// name). Default nil: Content-Type, Location, ETag, Content-Location, Last-Modified. A
 	// stored body's Content-Encoding (a handler behind a compressing middleware) is stored
 	// with it whatever the list says: it is part of the body; so is a 206's or 416's
-	// Content-Range.
+	// Content-Range. The fields of one connection or of one response's framing (Connection,
+	// Keep-Alive, Proxy-Connection, Transfer-Encoding, TE, Trailer, Upgrade,
+	// Proxy-Authenticate, Proxy-Authorization) are refused: New returns an error.
 	StoredHeaders []string
 	// FinalStatus tells which error statuses are final: rolled back, then stored and
 	// replayed. Default nil: DefaultFinalStatus (400, 403, 404, 409, 410, 412, 413, 415,

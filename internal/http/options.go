@@ -28,6 +28,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -275,9 +276,18 @@ func (o Options) check() error {
 		if !httpsyntax.IsToken(h) {
 			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
 		}
+		if slices.ContainsFunc(connectionHeaders, func(c string) bool { return strings.EqualFold(c, h) }) {
+			return fmt.Errorf("idem: Options.StoredHeaders: %s belongs to one connection or to the framing of one "+
+				"response (RFC 9110 7.6.1, 6.5): it cannot be replayed on another; net/http sets what a response needs", h)
+		}
 	}
 	return nil
 }
+
+// connectionHeaders are the header fields of one connection (hop-by-hop) or of the framing of
+// one response, which a stored answer cannot carry to another: StoredHeaders refuses them.
+var connectionHeaders = []string{"Connection", "Keep-Alive", "Proxy-Connection", "Transfer-Encoding", "TE", "Trailer",
+	"Upgrade", "Proxy-Authenticate", "Proxy-Authorization"}
 
 // The defaults and bounds of the waits and deadlines of keyed requests.
 const (
