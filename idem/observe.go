@@ -87,7 +87,7 @@ const (
 )
 
 // Observer receives the events of keyed requests, for metrics (package idemprom adapts it to
-// Prometheus). Implementations must be safe for concurrent use and must not block: the
+// Prometheus). One that also implements LeaseObserver is told of each lease claim too. Implementations must be safe for concurrent use and must not block: the
 // middleware calls them on the request's path, though never while it holds a transaction,
 // a row lock or a connection. A panic of theirs is recovered (the first logged at error
 // level), and the event is lost.
@@ -113,15 +113,21 @@ type Observer interface {
 }
 
 // LeaseObserver is an Observer that is also told of each lease claim of a lease route (a
-// fresh claim or a takeover), as its work is about to start: it can then export its lease
-// figures from a route's first lease on, so that the route's first lease lost is an increase
-// from 0, not a series born at 1 that increase() reads as none (package idemprom's Observer
-// is one). Optional: an Observer without it hears of leases at their extensions and their end.
+// fresh claim or a takeover): it can then export its lease figures from a route's first lease
+// on, so that the route's first lease lost is an increase from 0, not a series born at 1 that
+// increase() reads as none (package idemprom's Observer is one). Optional: an Observer without
+// it hears of leases at their extensions and their end.
 type LeaseObserver interface {
 	Observer
-	// LeaseClaimed is called once per lease claim of a lease route, before its work starts.
+	// LeaseClaimed is called once per committed lease claim of a lease route, before its work
+	// would start, also for a claim whose work never starts. Each is followed by one
+	// LeaseEnded, except for a claim given up at a shutdown before its work started (no
+	// LeaseEnded, as Observer says); a claim whose COMMIT's outcome is unknown is counted
+	// acquired and given up without a LeaseClaimed.
 	LeaseClaimed(action string)
 }
+
+var _ idemhttp.LeaseClaimObserver = observer{}
 
 // observer adapts an Observer to the implementation's. A panic of the Observer is recovered
 // (the first one logged at error level, with its stack): an Observer is called from the

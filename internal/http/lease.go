@@ -38,7 +38,7 @@ import (
 //     does not repeat; another request under the key gets 422 until the key expires.
 func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decision) State {
 	start := time.Now()
-	if lo, ok := q.m.o.Metrics.(interface{ LeaseClaimed(action string) }); ok {
+	if lo, ok := q.m.o.Metrics.(LeaseClaimObserver); ok {
 		lo.LeaseClaimed(q.action) // an Observer that exports its lease figures from the first lease on
 	}
 	attempt := d.Attempt

@@ -69,6 +69,12 @@ type Observer interface {
 	LeaseEnded(action string, lost bool, worked time.Duration)
 }
 
+// LeaseClaimObserver is an Observer that is told of each lease claim of a lease route, before
+// its work would start (idem.LeaseObserver's adapter is one).
+type LeaseClaimObserver interface {
+	LeaseClaimed(action string)
+}
+
 type nopObserver struct{}
 
 func (nopObserver) Count(string, State)                    {}
