@@ -8,7 +8,10 @@
 //   - Insert enqueues a River job in the transaction of a keyed request (idem.TxFrom): the job
 //     commits together with the request's effect and its key, or not at all, and a replay of
 //     the request runs no handler, so it enqueues nothing. One job per key, with no unique
-//     job options and no outbox table of your own.
+//     job options and no outbox table of your own. (Two inserts outside such a request are
+//     two jobs, and two units of work under the default Key, which names the job: for "once
+//     per user" or "once per order", make Key a function of the arguments, or use River's
+//     unique options.)
 //   - Work (or the worker middleware Middleware) runs a job's outside work under
 //     idem.DoLease, keyed by the job: River's retries, a worker killed in the middle of the
 //     job and River's rescue of it reach the outside world under one provider key
@@ -88,6 +91,11 @@ var ErrKeyExpired = errors.New("idemriver: the job ran before and is older than 
 // Middleware panic when it is built; Work cancels each job it is given with them
 // (river.JobCancel of an error wrapping idem.ErrInvalidArgument), as for a key the SQL API
 // refuses.
+//
+// Principal, PrincipalOf and Key name the unit of work that a job's runs share, and with it
+// the provider key they hand the outside world: keep them unchanged while jobs are queued or
+// running (a rolling deploy that changes one makes a retry of a job that ran before another
+// unit of work, under another provider key).
 type Options struct {
 	// DB is the pool of the database with schema idem installed (usually River's own).
 	// Required: Work returns an error without it. Each job running holds up to one of its

@@ -33,8 +33,10 @@ package idemtest
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/pgtest"
@@ -46,10 +48,33 @@ func Main(m *testing.M) int { return pgtest.Main(m) }
 
 // NewDB creates a database for this test with schema idem installed (at this module's
 // version), drops it when the test ends, and returns its connection string, as the role that
-// owns schema idem (TEST_DATABASE_URL's role, or a superuser).
+// owns schema idem (TEST_DATABASE_URL's role, or a superuser). Each database is an
+// installation of its own, with its own installation secret, as a database of its own is in
+// production: the same principal, key and generation get other provider keys in each (the
+// databases are copies of one template, which a copy's CALL idem.idem_new_installation_secret()
+// makes distinct), so tests that share a fake provider do not see each other's keys.
 func NewDB(t testing.TB) string {
 	t.Helper()
-	return pgtest.NewDB(t)
+	url := pgtest.NewDB(t)
+	if err := ownInstallation(url); err != nil {
+		t.Fatalf("idemtest: %v", err)
+	}
+	return url
+}
+
+// ownInstallation gives the database url names a secret of its own (it was cloned from the
+// migrated template, with the template's).
+func ownInstallation(url string) error {
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `CALL idem.idem_new_installation_secret()`); err != nil {
+		return fmt.Errorf("a secret of its own for the test's database: %w", err)
+	}
+	return nil
 }
 
 // NewEmptyDB creates an empty database for this test (no schema idem: for tests of a migrate
@@ -64,7 +89,10 @@ func NewEmptyDB(t testing.TB) string {
 // string (for AppURL, or a migrate step of the service's own tables).
 func NewPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
-	pool, _ := pgtest.NewPool(t, 8)
+	pool, url := pgtest.NewPool(t, 8)
+	if err := ownInstallation(url); err != nil {
+		t.Fatalf("idemtest: %v", err)
+	}
 	return pool
 }
 
@@ -106,4 +134,10 @@ func AppPool(t testing.TB, owner *pgxpool.Pool) *pgxpool.Pool {
 // Call it only from a package whose TestMain calls Main. Where no server can be had (or the
 // database cannot be created) it panics, which ends the whole test binary with the reason: an
 // Example has no testing.T to fail alone. A private cluster it started is stopped all the same.
-func ExampleDB() string { return pgtest.ExampleDB() }
+func ExampleDB() string {
+	url := pgtest.ExampleDB()
+	if err := ownInstallation(url); err != nil {
+		panic(fmt.Sprintf("idemtest: %v", err))
+	}
+	return url
+}
