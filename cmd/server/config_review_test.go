@@ -151,6 +151,7 @@ func TestKeysArgsCheckedEarly(t *testing.T) {
 		{"keys", "by-principal", "x"},
 		{"keys", "stuck", "abc"},
 		{"keys", "stuck", "-5m"},
+		{"keys", "stuck", "100000h"}, // past the SQL API's 10 years: refused here, not by idem_stuck
 		{"keys", "release", "p", "k", "notanumber"},
 	} {
 		if err := parseWith(args, nil); err == nil {

@@ -151,6 +151,10 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		reason := strings.Join(args[4:], " ")
 		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, reason); err != nil {
+			if pgErr := (*pgconn.PgError)(nil); errors.Is(err, idem.ErrStoreBusy) || errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+				return fmt.Errorf("keys release: the key table is locked (a VACUUM FULL, CLUSTER, pg_repack, a migration's swap "+
+					"or a LOCK TABLE holds it); nothing was released: try again once it ends [%w]", err)
+			}
 			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 				return fmt.Errorf("keys release: %s", pgErr.Message) // the function's own words
 			}
@@ -158,7 +162,7 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		why := ""
 		if reason != "" {
-			why = fmt.Sprintf(", reason %q, in the server log", reason)
+			why = fmt.Sprintf(", reason %q, in PostgreSQL's log", reason)
 		}
 		fmt.Fprintf(out, "released the lease claim of key %q of principal %q (token %d%s): a retry runs the work again\n", args[2], args[1], token, why)
 		return nil
@@ -180,11 +184,15 @@ func printable(v string) string {
 	return v
 }
 
-// stuckAge reads the AGE of `keys stuck AGE`: a duration, not negative.
+// stuckAge reads the AGE of `keys stuck AGE`: a duration, not negative, at most the SQL
+// API's bound (10 years).
 func stuckAge(v string) (time.Duration, error) {
 	age, err := time.ParseDuration(v)
 	if err != nil || age < 0 {
 		return 0, fmt.Errorf("keys stuck: AGE must be a duration such as 5m, got %q", v)
+	}
+	if age > idem.MaxDuration {
+		return 0, fmt.Errorf("keys stuck: AGE must be at most 10 years (86400h, as PostgreSQL counts them), got %q", v)
 	}
 	return age, nil
 }
