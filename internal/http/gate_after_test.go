@@ -105,7 +105,7 @@ func TestGateLateRepeatBehindAnsweredLine(t *testing.T) {
 	// The line: a mismatch held on its way to the database (the first flight), and a second
 	// mismatch waiting behind it in the Gate.
 	h1 := arm()
-	m1, m2, rep := make(chan gateReply, 1), make(chan gateReply, 1), make(chan gateReply, 1)
+	m1, m2 := make(chan gateReply, 1), make(chan gateReply, 1)
 	go func() { m1 <- e.send(ctx, "/tx", key, other) }()
 	<-h1.arrived
 	go func() { m2 <- e.send(ctx, "/tx", key, other) }()
@@ -119,22 +119,7 @@ func TestGateLateRepeatBehindAnsweredLine(t *testing.T) {
 	}
 	<-h2.arrived
 	// The repeat comes into the line now: it never saw a flight leave with the answer.
-	go func() { rep <- e.send(ctx, "/tx", key, body) }()
-	untilTrue(t, "the repeat waits behind the second mismatch", 5*time.Second, func() bool { return e.m.GateStats().Waiting >= 1 })
-	select {
-	case r := <-rep:
-		t.Fatalf("the repeat answered %d %s after %v, while the flight ahead of it was held (its DuplicateWait is %v)",
-			r.status, r.body, r.took, wait)
-	case <-time.After(3 * wait):
-	}
-	h2.free()
-	if r := within(t, "the second mismatch", m2); r.status != 422 {
-		t.Errorf("the second mismatch: %d %s", r.status, r.body)
-	}
-	r := within(t, "the repeat", rep)
-	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "true" {
-		t.Errorf("the repeat: %d %s (replayed %q), want the stored 201", r.status, r.body, r.header.Get("Idempotent-Replayed"))
-	}
+	repeatBehindHeldFlight(t, e, key, body, wait, h2, "the second mismatch", m2)
 	if n := pgtest.Count(t, e.pool, `SELECT count(*) FROM effects`); n != 1 {
 		t.Errorf("effects: %d, want 1", n)
 	}
@@ -163,7 +148,7 @@ func TestGateRepeatBehindANewcomerAfterALine(t *testing.T) {
 	// A line: a mismatch held on its way to the database, and one behind it that is refused
 	// at its bound (it never saw a flight leave).
 	h1 := arm()
-	m1, m2, m3, rep := make(chan gateReply, 1), make(chan gateReply, 1), make(chan gateReply, 1), make(chan gateReply, 1)
+	m1, m2, m3 := make(chan gateReply, 1), make(chan gateReply, 1), make(chan gateReply, 1)
 	go func() { m1 <- e.send(ctx, "/tx", key, other) }()
 	<-h1.arrived
 	go func() { m2 <- e.send(ctx, "/tx", key, other) }()
@@ -180,24 +165,34 @@ func TestGateRepeatBehindANewcomerAfterALine(t *testing.T) {
 	h2 := arm()
 	go func() { m3 <- e.send(ctx, "/tx", key, other) }()
 	<-h2.arrived
-	go func() { rep <- e.send(ctx, "/tx", key, body) }()
-	untilTrue(t, "the repeat waits behind the newcomer", 5*time.Second, func() bool { return e.m.GateStats().Waiting >= 1 })
+	repeatBehindHeldFlight(t, e, key, body, wait, h2, "the newcomer", m3)
+	if n := pgtest.Count(t, e.pool, `SELECT count(*) FROM effects`); n != 1 {
+		t.Errorf("effects: %d, want 1", n)
+	}
+	e.gateIdle(t)
+}
+
+// repeatBehindHeldFlight sends a repeat of the answered request (key, body) behind the flight
+// that h holds, the mismatch whose reply comes on ahead: the repeat must wait past its
+// DuplicateWait while that flight is held, and replay the stored 201 once it is let go (the
+// mismatch gets 422).
+func repeatBehindHeldFlight(t *testing.T, e *gateEnv, key, body string, wait time.Duration, h gateHold, aheadName string, ahead <-chan gateReply) {
+	t.Helper()
+	rep := make(chan gateReply, 1)
+	go func() { rep <- e.send(context.Background(), "/tx", key, body) }()
+	untilTrue(t, "the repeat waits behind "+aheadName, 5*time.Second, func() bool { return e.m.GateStats().Waiting >= 1 })
 	select {
 	case r := <-rep:
-		t.Fatalf("the repeat answered %d %s after %v, while the flight ahead of it was held (its DuplicateWait is %v)",
-			r.status, r.body, r.took, wait)
+		t.Fatalf("the repeat answered %d %s after %v, while the flight ahead of it (%s) was held (its DuplicateWait is %v)",
+			r.status, r.body, r.took, aheadName, wait)
 	case <-time.After(3 * wait):
 	}
-	h2.free()
-	if r := within(t, "the newcomer", m3); r.status != 422 {
-		t.Errorf("the newcomer: %d %s", r.status, r.body)
+	h.free()
+	if r := within(t, aheadName, ahead); r.status != 422 {
+		t.Errorf("%s: %d %s", aheadName, r.status, r.body)
 	}
 	r := within(t, "the repeat", rep)
 	if r.status != 201 || r.header.Get("Idempotent-Replayed") != "true" {
 		t.Errorf("the repeat: %d %s (replayed %q), want the stored 201", r.status, r.body, r.header.Get("Idempotent-Replayed"))
 	}
-	if n := pgtest.Count(t, e.pool, `SELECT count(*) FROM effects`); n != 1 {
-		t.Errorf("effects: %d, want 1", n)
-	}
-	e.gateIdle(t)
 }
