@@ -130,13 +130,15 @@ type Options struct {
 	// name). Default nil: Content-Type, Location, ETag, Content-Location, Last-Modified. A
 	// stored body's Content-Encoding (a handler behind a compressing middleware) is stored
 	// with it whatever the list says: it is part of the body; so is a 206's or 416's
-	// Content-Range. The fields of one connection or of one response's framing (Connection,
-	// Keep-Alive, Proxy-Connection, Transfer-Encoding, TE, Trailer, Upgrade,
-	// Proxy-Authenticate, Proxy-Authorization) are refused: New returns an error.
+	// Content-Range. The fields of one connection, or of one response's framing or moment
+	// (Connection, Keep-Alive, Proxy-Connection, Transfer-Encoding, TE, Trailer, Upgrade,
+	// Proxy-Authenticate, Proxy-Authorization, Content-Length, Date), are refused: New
+	// returns an error.
 	StoredHeaders []string
 	// FinalStatus tells which error statuses are final: rolled back, then stored and
 	// replayed. Default nil: DefaultFinalStatus (400, 403, 404, 409, 410, 412, 413, 415,
-	// 422).
+	// 422). It is asked only of statuses up to 599 (the key table stores 100 to 599): a
+	// status above is never final.
 	FinalStatus func(status int) bool
 	// ProblemBase is the prefix of the problem type URIs; a problem's type is ProblemBase
 	// followed by its code, which is also an anchor of docs/http.md. Default

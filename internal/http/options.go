@@ -277,17 +277,19 @@ func (o Options) check() error {
 			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
 		}
 		if slices.ContainsFunc(connectionHeaders, func(c string) bool { return strings.EqualFold(c, h) }) {
-			return fmt.Errorf("idem: Options.StoredHeaders: %s belongs to one connection or to the framing of one "+
-				"response (RFC 9110 7.6.1, 6.5): it cannot be replayed on another; net/http sets what a response needs", h)
+			return fmt.Errorf("idem: Options.StoredHeaders: %s belongs to one connection, or to the framing or the "+
+				"moment of one response (RFC 9110 7.6.1, 6.6.1, 8.6): it cannot be replayed on another; net/http sets "+
+				"what each response needs", h)
 		}
 	}
 	return nil
 }
 
-// connectionHeaders are the header fields of one connection (hop-by-hop) or of the framing of
-// one response, which a stored answer cannot carry to another: StoredHeaders refuses them.
+// connectionHeaders are the header fields of one connection (hop-by-hop), or of the framing
+// or the moment of one response (its length, its Date), which a stored answer cannot carry to
+// another: StoredHeaders refuses them.
 var connectionHeaders = []string{"Connection", "Keep-Alive", "Proxy-Connection", "Transfer-Encoding", "TE", "Trailer",
-	"Upgrade", "Proxy-Authenticate", "Proxy-Authorization"}
+	"Upgrade", "Proxy-Authenticate", "Proxy-Authorization", "Content-Length", "Date"}
 
 // The defaults and bounds of the waits and deadlines of keyed requests.
 const (

@@ -97,6 +97,12 @@ func (rec *recorder) writeHeader(status int) {
 	if status < 100 || status > 999 {
 		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
 	}
+	// 101 is a final status to net/http (the connection is then the handler's, hijacked):
+	// nothing a key can store or replay, and ignored as an informational status it left an
+	// implicit 200 that committed the work.
+	if status == http.StatusSwitchingProtocols {
+		panic("idem: WriteHeader(101): a keyed route's answer cannot switch protocols")
+	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
 		rec.sent = canonicalClone(rec.header)

@@ -68,7 +68,7 @@ func (q *request) run(ctx context.Context, tx *dbidem.Tx, keyed bool) (rec *reco
 	switch code := rec.code(); {
 	case code >= 200 && code < 300:
 		return rec, st, commit
-	case keyed && q.m.o.FinalStatus(code):
+	case keyed && code <= 599 && q.m.o.FinalStatus(code): // the key table stores 100 to 599
 		return rec, st, final
 	}
 	return rec, st, rollBack
