@@ -152,9 +152,36 @@ func (m *Main) Close() error {
 			}
 		}
 	}
-	if m.cluster != nil && (m.cluster.Started() || m.ownsCluster) {
-		m.releaseCluster()
-		return m.cluster.Stop(context.Background())
+	if m.cluster == nil {
+		return nil
 	}
-	return nil
+	owns := m.cluster.Started() || m.ownsCluster
+	// A serve that reuses the cluster of a server that has stopped since (and left it to the
+	// servers still using it, below) is the last one out: it stops it, when nobody else uses it.
+	lastOut := !owns && m.Command == "serve" && !clusterServerAlive(m.cluster.Dir)
+	if !owns && !lastOut {
+		return nil
+	}
+	m.releaseCluster()
+	// Another server may use the cluster (a second `make run` on another LISTEN_ADDR): its
+	// stop would take the database away from it. Left running then; the last server out stops
+	// it (D264).
+	switch n, err := otherClients(context.Background(), m.cluster.ConnString("postgres")); {
+	case err != nil && lastOut:
+		return nil // not ours, and gone already or unreachable
+	case err != nil:
+		if m.log != nil {
+			m.log.Warn("could not tell whether other clients use the private cluster: stopping it", "err", err)
+		}
+	case n > 0:
+		if m.log != nil {
+			m.log.Info("other clients use the private cluster: leaving it running (the last server to stop stops it)",
+				"dir", m.cluster.Dir, "clients", n)
+		}
+		return nil
+	}
+	if m.log != nil && m.Command == "serve" {
+		m.log.Info("stopping the private PostgreSQL cluster", "dir", m.cluster.Dir)
+	}
+	return m.cluster.Stop(context.Background())
 }

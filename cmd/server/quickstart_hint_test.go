@@ -15,7 +15,7 @@ import (
 func TestQuickstartHintQuotesTheDirectory(t *testing.T) {
 	for _, dir := range []string{"/tmp/plain-dir_1.x", "/tmp/my data", "/tmp/it's", `/tmp/$HOME and "q" \ *`, "rel/dir"} {
 		hint := quickstartHint(dir, "127.0.0.1:8080", "postgres://x")
-		m := regexp.MustCompile("`(.*) go run ./cmd/server principal create alice`").FindStringSubmatch(hint)
+		m := regexp.MustCompile("`TOKEN=\\$\\((.*) go run ./cmd/server principal create alice \\| awk").FindStringSubmatch(hint)
 		if m == nil {
 			t.Fatalf("%q: no command in the hint %q", dir, hint)
 		}

@@ -144,8 +144,8 @@ func quickstartHint(dataDir, addr, postgresURL string) string {
 	if dataDir != defaultConfig().DataDir {
 		env = "IDEM_DATA_DIR=" + shellQuote(dataDir) + " "
 	}
-	return "quickstart: create a principal with `" + env + "go run ./cmd/server principal create alice` " +
-		"(PostgreSQL at " + postgresURL + "), then: curl -s http://" + addr +
+	return "quickstart: create a principal and keep its token with `TOKEN=$(" + env + "go run ./cmd/server principal create alice " +
+		"| awk '/^token/ {print $2}')` (PostgreSQL at " + postgresURL + "), then: curl -s http://" + addr +
 		"/v1/accounts -H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json' -d '{\"name\":\"main\",\"currency\":\"EUR\"}'"
 }
 

@@ -329,3 +329,29 @@ func TestClusterServerRecord(t *testing.T) {
 		t.Errorf("releaseCluster left this process's record: %v", err)
 	}
 }
+
+// TestCtrlCOfTheFirstServeLeavesTheSecondItsDatabase (D264): README: "LISTEN_ADDR=127.0.0.1:8081
+// make run serves elsewhere", on the same private cluster. Ctrl-C of the first serve, the one
+// that started the cluster, stopped it under the second, whose requests then found no
+// database. The first now leaves it running while another client uses it, and the second, the
+// last server out, stops it.
+func TestCtrlCOfTheFirstServeLeavesTheSecondItsDatabase(t *testing.T) {
+	t.Parallel()
+	d := toNewData(t)
+	first := d.serve(t)
+	second := d.serve(t)
+	first.interrupt(t)
+	time.Sleep(300 * time.Millisecond)
+	if res, err := http.Get("http://" + second.addr + "/healthz"); err != nil || res.StatusCode != 200 {
+		code := 0
+		if err == nil {
+			code = res.StatusCode
+			res.Body.Close()
+		}
+		t.Fatalf("after the first serve's Ctrl-C, the second's /healthz: %d %v\nfirst's log:\n%s", code, err, first.out.String())
+	}
+	second.interrupt(t)
+	if !d.waitStopped(t) {
+		t.Errorf("after the last serve's Ctrl-C the cluster still runs:\nfirst's log:\n%s\nsecond's log:\n%s", first.out.String(), second.out.String())
+	}
+}
