@@ -35,6 +35,7 @@ type Main struct {
 	log            *slog.Logger
 	cluster        *pgcluster.Cluster
 	ownsCluster    bool // a serve that started the private cluster, or took it over: it stops it on exit
+	clusterUp      bool // the private cluster's Start succeeded: it runs, and its clients can be counted
 	pool           *pgxpool.Pool
 	probe          *pgxpool.Pool // serve's pool for /healthz and the key gauges (openProbePool), or nil
 	registry       *prometheus.Registry
@@ -156,27 +157,35 @@ func (m *Main) Close() error {
 		return nil
 	}
 	owns := m.cluster.Started() || m.ownsCluster
+	if owns && !m.clusterUp {
+		// Its start failed: nothing of ours to count clients on (the port may be another
+		// server's); a server that pg_ctl left behind is stopped, as before.
+		return m.cluster.Stop(context.Background())
+	}
 	// A serve that reuses the cluster of a server that has stopped since (and left it to the
-	// servers still using it, below) is the last one out: it stops it, when nobody else uses it.
-	lastOut := !owns && m.Command == "serve" && !clusterServerAlive(m.cluster.Dir)
+	// clients still using it, below) is the last one out: it stops it, when nobody else uses it.
+	lastOut := !owns && m.clusterUp && m.Command == "serve" && !clusterServerAlive(m.cluster.Dir)
 	if !owns && !lastOut {
 		return nil
 	}
 	m.releaseCluster()
 	// Another server may use the cluster (a second `make run` on another LISTEN_ADDR): its
-	// stop would take the database away from it. Left running then; the last server out stops
+	// stop would take the database away from it. Left running then; the last serve out stops
 	// it (D264).
 	switch n, err := otherClients(context.Background(), m.cluster.ConnString("postgres")); {
 	case err != nil && lastOut:
-		return nil // not ours, and gone already or unreachable
+		if m.log != nil {
+			m.log.Warn("could not tell whether other clients use the private cluster: leaving it running", "err", err)
+		}
+		return nil
 	case err != nil:
 		if m.log != nil {
 			m.log.Warn("could not tell whether other clients use the private cluster: stopping it", "err", err)
 		}
 	case n > 0:
 		if m.log != nil {
-			m.log.Info("other clients use the private cluster: leaving it running (the last server to stop stops it)",
-				"dir", m.cluster.Dir, "clients", n)
+			m.log.Info("other clients use the private cluster: leaving it running (a serve that stops after them, "+
+				"or the next one, stops it)", "dir", m.cluster.Dir, "clients", n)
 		}
 		return nil
 	}

@@ -47,6 +47,7 @@ func (m *Main) openDatabase(ctx context.Context) error {
 		if err := m.cluster.Start(ctx); err != nil {
 			return err
 		}
+		m.clusterUp = true
 		if m.cluster.Started() {
 			m.log.Info("started the private PostgreSQL cluster", "dir", dir, "port", m.cluster.Port)
 			if m.Command == "serve" {
@@ -65,9 +66,9 @@ func (m *Main) openDatabase(ctx context.Context) error {
 				// second serve beside the one killed), which its stop would cut off.
 				switch n, err := otherClients(ctx, m.cluster.ConnString("postgres")); {
 				case err != nil:
-					m.log.Warn("could not tell whether other clients use the private cluster: leaving it running on exit", "err", err)
+					m.log.Warn("could not tell whether other clients use the private cluster: this server stops it on exit only if nobody else uses it then", "err", err)
 				case n > 0:
-					m.log.Info("the server that started the private cluster is gone, but other clients use it: this server leaves it running on exit",
+					m.log.Info("the server that started the private cluster is gone, but other clients use it: this server stops it on exit only if nobody else uses it then",
 						"dir", dir, "clients", n)
 				default:
 					m.takeCluster(dir)
@@ -317,6 +318,9 @@ func processStart(pid int) (string, bool) {
 	return f[19], true
 }
 
+// clientsCheckName is the application_name of otherClients' own connection.
+const clientsCheckName = "idem-server-clients-check"
+
 // otherClients counts the client connections to the cluster at url other than the one it
 // opens to ask. The backends of a process that was just killed (the server whose cluster this
 // one takes over) end when they find their socket closed, which takes a moment: the count is
@@ -324,7 +328,14 @@ func processStart(pid int) (string, bool) {
 func otherClients(ctx context.Context, url string) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return 0, err
+	}
+	// Named, so that two servers that stop at once do not count each other's question as a
+	// client, and both leave the cluster running.
+	cfg.RuntimeParams["application_name"] = clientsCheckName
+	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return 0, err
 	}
@@ -332,7 +343,8 @@ func otherClients(ctx context.Context, url string) (int, error) {
 	var n int
 	for try := 0; ; try++ {
 		err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_catalog.pg_stat_activity
-			WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid()`).Scan(&n)
+			WHERE backend_type = 'client backend' AND pid <> pg_catalog.pg_backend_pid()
+			AND application_name IS DISTINCT FROM $1`, clientsCheckName).Scan(&n)
 		if err != nil || n == 0 || try == 20 {
 			return n, err
 		}

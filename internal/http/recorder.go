@@ -101,7 +101,7 @@ func (rec *recorder) writeHeader(status int) {
 	// nothing a key can store or replay, and ignored as an informational status it left an
 	// implicit 200 that committed the work.
 	if status == http.StatusSwitchingProtocols {
-		panic("idem: WriteHeader(101): a keyed route's answer cannot switch protocols")
+		panic("idem: WriteHeader(101): a declared route's answer cannot switch protocols (Hijack is not supported)")
 	}
 	if rec.status == 0 && status >= 200 {
 		rec.status = status
