@@ -87,8 +87,8 @@ const (
 )
 
 // Observer receives the events of keyed requests, for metrics (package idemprom adapts it to
-// Prometheus). One that also implements LeaseObserver is told of each lease claim too. Implementations must be safe for concurrent use and must not block: the
-// middleware calls them on the request's path, though never while it holds a transaction,
+// Prometheus); one that also implements LeaseObserver is told of each lease claim too.
+// Implementations must be safe for concurrent use and must not block: the middleware calls them on the request's path, though never while it holds a transaction,
 // a row lock or a connection. A panic of theirs is recovered (the first logged at error
 // level), and the event is lost.
 type Observer interface {

@@ -20,11 +20,21 @@ import (
 // tableLocked explains a read of the keys that met a lock on the key table: the operator
 // functions wait for it at most their lock_timeout (2 s), then raise 55P03.
 func tableLocked(err error) error {
-	if errors.Is(err, idem.ErrStoreBusy) {
-		return fmt.Errorf("the key table is locked (a VACUUM FULL, CLUSTER, pg_repack, a migration's swap or a LOCK TABLE holds it); "+
-			"nothing was read: try again once it ends [%w]", err)
+	if locked, ok := tableLockedFor(err, "nothing was read"); ok {
+		return locked
 	}
 	return err
+}
+
+// tableLockedFor explains an operator's call that met a lock on the key table (55P03, which a
+// read reports as idem.ErrStoreBusy), saying what was not done; false for another error.
+func tableLockedFor(err error, nothing string) (error, bool) {
+	var pgErr *pgconn.PgError
+	if errors.Is(err, idem.ErrStoreBusy) || errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+		return fmt.Errorf("the key table is locked (a VACUUM FULL, CLUSTER, pg_repack, a migration's swap or a LOCK TABLE holds it); "+
+			"%s: try again once it ends [%w]", nothing, err), true
+	}
+	return nil, false
 }
 
 // healthEvery is how often, at most, the key gauges (idemprom.HealthCollector) ask the
@@ -151,9 +161,8 @@ func keysCommand(ctx context.Context, pool *pgxpool.Pool, out io.Writer, args []
 		}
 		reason := strings.Join(args[4:], " ")
 		if err := idem.ReleaseStuck(ctx, pool, args[1], args[2], token, reason); err != nil {
-			if pgErr := (*pgconn.PgError)(nil); errors.Is(err, idem.ErrStoreBusy) || errors.As(err, &pgErr) && pgErr.Code == "55P03" {
-				return fmt.Errorf("keys release: the key table is locked (a VACUUM FULL, CLUSTER, pg_repack, a migration's swap "+
-					"or a LOCK TABLE holds it); nothing was released: try again once it ends [%w]", err)
+			if locked, ok := tableLockedFor(err, "nothing was released"); ok {
+				return fmt.Errorf("keys release: %w", locked)
 			}
 			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
 				return fmt.Errorf("keys release: %s", pgErr.Message) // the function's own words

@@ -36,10 +36,10 @@ import (
 // are counted under action "other". An action that is not valid UTF-8 is counted with its bytes replaced.
 //
 // An action's idempotency_requests_total series start together, every state at 0, when its
-// first request is counted (a lease route's lease counters, idempotency_lease_extensions_total
-// and idempotency_leases_lost_total, at 0 from its first lease claim: LeaseClaimed), and idempotency_request_duration_seconds has every state from
+// first request is counted, and idempotency_request_duration_seconds has every state from
 // NewObserver on: the first store_error of an action is an increase that rate() sees, not a
-// new series it cannot.
+// new series it cannot. So do a lease route's idempotency_lease_extensions_total and
+// idempotency_leases_lost_total, at 0 from its first lease claim (LeaseClaimed).
 type Observer struct {
 	requests   *prometheus.CounterVec
 	duration   *prometheus.HistogramVec
