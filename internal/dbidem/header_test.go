@@ -45,9 +45,21 @@ func TestStoredHeadersKeepEveryLineAndByte(t *testing.T) {
 	if h, err := decodeHeader([]byte(`{"Location":"/a\n/b"}`)); err != nil || !reflect.DeepEqual(h, http.Header{"Location": {"/a\n/b"}}) {
 		t.Fatalf("a row of the previous release with a line feed: %q %v", h, err)
 	}
-	// A header with no line is not stored (nothing was sent).
-	if s := encodeHeader(http.Header{"X-None": {}}); s != `{}` {
-		t.Fatalf("a header with no line: %s", s)
+	// A header with no line (a handler's w.Header()["Content-Type"] = nil, which keeps net/http
+	// from sniffing one) is stored as U+0001 alone, and read back as a name with no line
+	// (D265); an empty line stays an empty line.
+	for _, none := range []http.Header{{"Content-Type": nil}, {"Content-Type": {}}} {
+		s := encodeHeader(none)
+		if s != `{"Content-Type":"\u0001"}` {
+			t.Fatalf("a header with no line: %s", s)
+		}
+		h, err := decodeHeader([]byte(s))
+		if v, ok := h["Content-Type"]; err != nil || !ok || len(v) != 0 {
+			t.Fatalf("a header with no line, read back: %q %v", h, err)
+		}
+	}
+	if h, err := decodeHeader([]byte(encodeHeader(http.Header{"X-Empty": {""}}))); err != nil || !reflect.DeepEqual(h, http.Header{"X-Empty": {""}}) {
+		t.Fatalf("an empty line: %q %v", h, err)
 	}
 	// UTF-8 text is stored as it is; a string from another client is one line, as it is.
 	if s := encodeHeader(http.Header{"X-Utf8": {"café"}}); s != `{"X-Utf8":"café"}` {

@@ -118,12 +118,16 @@ func nullable(s string) *string {
 // U+0001 or U+0002 (which no valid header value does). A single line of UTF-8 text, the usual
 // case, is stored as it is, as the previous release stored it; a string without the leading
 // U+0002, whatever it holds, is one line (a row of the previous release, which stored a line
-// feed of a value as it was: net/http sent it as a space, and sends it so again).
+// feed of a value as it was: net/http sent it as a space, and sends it so again). A name with
+// no line (a handler's w.Header()["Content-Type"] = nil, which keeps net/http from adding a
+// Content-Type of its own) is stored as U+0001 alone, which no line is stored as (an empty line
+// is the empty string), and read back as the name with no line (D265).
 func encodeHeader(h http.Header) string {
 	m := make(map[string]string, len(h))
 	for k, v := range h {
 		if len(v) == 0 {
-			continue // no line: nothing was sent, nothing to replay
+			m[k] = noLine
+			continue
 		}
 		lines := make([]string, len(v))
 		for i, line := range v {
@@ -148,6 +152,9 @@ func encodeHeader(h http.Header) string {
 	return string(b)
 }
 
+// noLine is the stored form of a header name with no line.
+const noLine = "\x01"
+
 // headerNewlineToSpace is what net/http does to a line feed or carriage return in a header
 // value as it writes it.
 var headerNewlineToSpace = strings.NewReplacer("\n", " ", "\r", " ")
@@ -155,7 +162,7 @@ var headerNewlineToSpace = strings.NewReplacer("\n", " ", "\r", " ")
 // decodeHeader reads a stored answer's headers: an object of strings (the functions accept
 // nothing else), or NULL, read as none; each string as encodeHeader wrote it (a string written
 // by another client or the previous release, with no leading U+0001 or U+0002, is one line as
-// it is).
+// it is; U+0001 alone is the name with no line).
 func decodeHeader(b []byte) (http.Header, error) {
 	if b == nil {
 		return http.Header{}, nil
@@ -166,6 +173,10 @@ func decodeHeader(b []byte) (http.Header, error) {
 	}
 	h := make(http.Header, len(m))
 	for k, v := range m {
+		if v == noLine {
+			h[k] = []string{}
+			continue
+		}
 		lines := []string{v}
 		if rest, ok := strings.CutPrefix(v, "\x02"); ok {
 			lines = strings.Split(rest, "\n")

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"math"
+	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -129,7 +131,9 @@ func (q *request) replay(resp dbidem.Response) {
 		return
 	}
 	for k, v := range resp.Header {
-		q.w.Header()[k] = v
+		if replayable(k, v, resp.Body, q.r.Method == http.MethodHead) {
+			q.w.Header()[k] = v
+		}
 	}
 	if ct, _, _ := strings.Cut(resp.Header.Get("Content-Type"), ";"); strings.EqualFold(strings.TrimSpace(ct), problemMediaType) {
 		// A stored problem goes out as every problem does (WriteProblem), though the header
@@ -141,4 +145,17 @@ func (q *request) replay(resp dbidem.Response) {
 	}
 	q.w.WriteHeader(resp.Status)
 	_, _ = q.w.Write(resp.Body)
+}
+
+// replayable tells whether a stored header goes out on a replay. The middleware stores none of
+// the fields of one connection or of one response's framing or moment (StoredHeaders refuses
+// them), but a row stored by an earlier configuration, or by another client through the SQL
+// API, may hold them: a Content-Length that does not say the body's length cut a replay short
+// or left its client waiting, a Date or Connection of the first answer went out again. They are
+// left for net/http to set, but a HEAD's Content-Length with no body, its GET's (D265).
+func replayable(name string, lines []string, body []byte, head bool) bool {
+	if strings.EqualFold(name, "Content-Length") {
+		return len(lines) == 1 && (head && len(body) == 0 || lines[0] == strconv.Itoa(len(body)))
+	}
+	return !slices.ContainsFunc(connectionHeaders, func(c string) bool { return strings.EqualFold(c, name) })
 }

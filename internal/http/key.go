@@ -63,7 +63,7 @@ func validKey(k string) bool {
 }
 
 // keyHash is what logs show of a key: a short hash, never the key.
-func keyHash(principal, key string) string {
+func KeyHash(principal, key string) string {
 	h := sha256.Sum256([]byte(principal + "\x00" + key))
 	return hex.EncodeToString(h[:6])
 }

@@ -43,7 +43,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	}
 	attempt := d.Attempt
 	// Every line this lease logs names the key's hash, the attempt and the request.
-	llog := q.m.o.Logger.With("key_hash", keyHash(claim.Principal, claim.Key), "attempt", attempt,
+	llog := q.m.o.Logger.With("key_hash", KeyHash(claim.Principal, claim.Key), "attempt", attempt,
 		"request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	timeout := q.rt.LeaseTimeout
 	if timeout <= 0 {

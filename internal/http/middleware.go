@@ -375,7 +375,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	claim := dbidem.Claim{Principal: principal, Key: key, Action: q.action, Fingerprint: fp.Sum, Fields: fp.Fields,
 		TTL: m.o.TTL, Lease: rt.Lease, LockTimeout: m.o.LockTimeout}
 	if m.tracer != nil {
-		q.keyHash = keyHash(principal, key)
+		q.keyHash = KeyHash(principal, key)
 	}
 	working, ok := m.work.begin()
 	if !ok {
@@ -414,14 +414,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, rt Route, nex
 	}
 	if st == "" {
 		endSpan(span, CodePrincipalUnknown, nil)
-		m.o.Logger.Info("idem", "state", CodePrincipalUnknown, "action", q.action, "key_hash", keyHash(principal, key),
+		m.o.Logger.Info("idem", "state", CodePrincipalUnknown, "action", q.action, "key_hash", KeyHash(principal, key),
 			"request_id", r.Header.Get(m.o.CorrelationHeader))
 		return
 	}
 	endSpan(span, string(st), nil)
 	m.o.Metrics.Done(st, time.Since(start))
 	if st != StateAcquired && st != StateReplayed {
-		m.o.Logger.Info("idem", "state", string(st), "action", q.action, "key_hash", keyHash(principal, key),
+		m.o.Logger.Info("idem", "state", string(st), "action", q.action, "key_hash", KeyHash(principal, key),
 			"request_id", r.Header.Get(m.o.CorrelationHeader))
 	}
 }

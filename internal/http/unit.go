@@ -156,8 +156,11 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	h := http.Header{}
 	sent := rec.headers()
 	for _, name := range q.m.o.StoredHeaders {
-		if v := sent.Values(name); len(v) > 0 {
-			h[http.CanonicalHeaderKey(name)] = v
+		name = http.CanonicalHeaderKey(name)
+		if v, ok := sent[name]; ok {
+			// A name the handler left with no value (w.Header()["Content-Type"] = nil, which
+			// keeps net/http from sniffing one) is stored so, and replayed so (D265).
+			h[name] = v
 		}
 	}
 	if v := sent.Values("Content-Range"); len(v) > 0 && (rec.code() == http.StatusPartialContent ||
@@ -166,9 +169,10 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 		// without it a replay is bytes whose place nothing tells, whatever the allowlist says.
 		h["Content-Range"] = v
 	}
-	if v := sent.Values("Content-Length"); len(v) > 0 && rec.head && rec.body.Len() == 0 {
-		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again.
-		h["Content-Length"] = v
+	if cl := rec.headLength(); rec.head && cl != "" {
+		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again:
+		// the handler's, or the length of the body it wrote, which is not kept (D265).
+		h["Content-Length"] = []string{cl}
 	}
 	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(rec.body.Bytes()), ResourceID: st.resourceID}
 	big := false
@@ -362,7 +366,7 @@ func (q *request) giveUpUnknownClaim(ctx context.Context, claim dbidem.Claim, at
 	defer cancel()
 	if _, err := dbidem.GiveUpUnknown(ctx, q.m.o.DB, claim, attempt); err != nil && !errors.Is(err, dbidem.ErrClaimLost) {
 		q.m.o.Logger.Warn("idem: a lease claim whose commit was not confirmed could not be given up; the key waits for its lease to run out",
-			"error", err, "key_hash", keyHash(claim.Principal, claim.Key), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
+			"error", err, "key_hash", KeyHash(claim.Principal, claim.Key), "request_id", q.r.Header.Get(q.m.o.CorrelationHeader))
 	}
 }
 
