@@ -371,3 +371,9 @@ type GateStats struct {
 
 // GateStats reads the figures of the middleware's duplicates, now.
 func (m *Middleware) GateStats() GateStats { return GateStats(m.m.GateStats()) }
+
+// KeyHash is what the middleware's logs and traces (key_hash, idem.key_hash) and idemriver's
+// errors show of a key: 12 hex digits of a SHA-256 of the principal and the key, never the
+// key itself, which a client may have built from personal data. Compute it for a key a client
+// names to find its lines.
+func KeyHash(principal, key string) string { return idemhttp.KeyHash(principal, key) }

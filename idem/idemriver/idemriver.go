@@ -309,12 +309,12 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 			// other arguments: what a claim of its own would be told (D251). A plain error,
 			// not River's cancel: it goes to the outer job's fn, and a JobCancel returned on
 			// from there would cancel the outer job (D258).
-			return fmt.Errorf("idemriver: job %d under key %q, held by job %d around this call: %w", job.ID, key, h.job, idem.ErrMismatch)
+			return fmt.Errorf("idemriver: job %d under key_hash %s, held by job %d around this call: %w", job.ID, idem.KeyHash(principal, key), h.job, idem.ErrMismatch)
 		default:
 			// Another job with the same kind and arguments: the outer run is doing its work,
 			// and holds the key, as a claim of its own would be told. Not a JobSnooze, which
 			// returned on from the outer fn would snooze the outer job, for ever.
-			return fmt.Errorf("idemriver: job %d under key %q, held by job %d around this call: %w", job.ID, key, h.job, idem.ErrInProgress)
+			return fmt.Errorf("idemriver: job %d under key_hash %s, held by job %d around this call: %w", job.ID, idem.KeyHash(principal, key), h.job, idem.ErrInProgress)
 		}
 	}
 	// The first run of the job claimed its key no earlier than the job was created, and every
@@ -351,9 +351,9 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		// fn's reason and its wish (River finds a JobCancel or JobSnooze with errors.As):
 		// a snooze turned into an error would spend an attempt, and the last one discards
 		// the job (D243).
-		return fmt.Errorf("idemriver: job %d under key %q: %w; fn returned: %w", job.ID, key, err, fnErr)
+		return fmt.Errorf("idemriver: job %d under key_hash %s: %w; fn returned: %w", job.ID, idem.KeyHash(principal, key), err, fnErr)
 	case errors.Is(err, idem.ErrLeaseLost):
-		return fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err)
+		return fmt.Errorf("idemriver: job %d under key_hash %s: %w", job.ID, idem.KeyHash(principal, key), err)
 	case fnFailed:
 		return err
 	case errors.Is(err, idem.ErrInProgress):
@@ -367,7 +367,7 @@ func Work(ctx context.Context, job *rivertype.JobRow, o Options, fn func(ctx con
 		// refuses (Options.Key, PrincipalOf), or a principal the application's foreign key on
 		// the key table does not know (deleted since the job was enqueued): no retry would
 		// run it.
-		return river.JobCancel(fmt.Errorf("idemriver: job %d under key %q: %w", job.ID, key, err))
+		return river.JobCancel(fmt.Errorf("idemriver: job %d under key_hash %s: %w", job.ID, idem.KeyHash(principal, key), err))
 	}
 	return err
 }
