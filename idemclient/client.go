@@ -11,7 +11,8 @@
 // replayed, final; DefaultMaxAttempts of them in a row, not counting attempts that got no
 // answer, end the operation with ErrGaveUp, whatever MaxAttempts), honouring Retry-After
 // (seconds or a date, up to a minute), at most MaxAttempts times (10 by default). A final
-// answer (a 2xx, any other 4xx, 501, 505, 500 idempotency_misconfigured, and any replay: an
+// answer (every answer not retried above: a 2xx, a 3xx the HTTP client does not follow, any
+// other 4xx, 501, 505, 500 idempotency_misconfigured, a status above 599, and any replay: an
 // answer marked Idempotent-Replayed: true is stored, whatever its status; a replayed redirect
 // is not the answer, the request it leads to answers for itself) ends the operation:
 // retrying it would get the same answer; so does an error no retry mends (an untrusted
@@ -24,7 +25,11 @@
 // URL that is not http or https or has no host, a port out of range, a method
 // or header or trailer name that is not a token, a control character in a header or trailer
 // value, the URL or the key (a tab but in the URL, which HTTP allows in a header's value), a RequestURI: a server's request handed on as it came; two key
-// headers), which Do refuses before sending anything. An answer whose body is longer than
+// headers; a key that begins or ends with a space or tab, which HTTP drops from a header's
+// value, so that the server would get another key), which Do refuses before sending
+// anything; a request that net/http's HTTP/2 transport refuses to send (a Connection header
+// other than close or keep-alive, a Transfer-Encoding other than chunked, headers larger than
+// the server takes) ends the operation at the try it refuses, of which nothing was sent. An answer whose body is longer than
 // MaxResponseBytes (64 MiB by default) ends it too, with ErrResponseTooLarge: its body is not
 // read whole. The HTTP client follows redirects: one that sends the request again (307, 308)
 // carries the key and the body to the new URL (the same operation); one that turns it into a
@@ -66,7 +71,10 @@ type Client struct {
 	// HTTP sends the requests. Default nil: http.DefaultClient.
 	HTTP *http.Client
 	// KeyHeader is the request header that carries the key. Default "Idempotency-Key"; a
-	// header name (an RFC 9110 token), or Do refuses every request.
+	// header name (an RFC 9110 token) that a request's header can carry, or Do refuses every
+	// request: not one net/http writes itself (Host, Content-Length, Transfer-Encoding,
+	// Trailer) nor one of a single connection (Connection, Keep-Alive, TE, Upgrade and the
+	// like), which proxies drop and HTTP/2 refuses.
 	KeyHeader string
 	// AttemptTimeout bounds one attempt. Default 0: no bound beyond the operation's context.
 	// A client that gives up on an attempt does not know its outcome, and retries with the
@@ -116,8 +124,9 @@ const DefaultMaxAttempts = client.DefaultMaxAttempts
 // Do sends req as one logical operation under key, and retries it until its answer is final,
 // the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
 // Every attempt carries the same key and the same body: req's body is read once (from
-// req.GetBody when it is set, which wins over req.Body, as on net/http's retries; req.Body is
-// then closed unread), whole, into memory (bound a large one yourself), and sent again as it
+// req.GetBody when it is set and req.Body is not nil, which then wins over req.Body, as on
+// net/http's retries; req.Body is then closed unread; a nil req.Body is no body, whatever
+// GetBody says, as net/http sends it), whole, into memory (bound a large one yourself), and sent again as it
 // was, with its own length as Content-Length; a body without GetBody is left readable again
 // (Do sets req.Body and req.GetBody to the bytes it read), so req can be given to a later Do
 // under Result.Key. When Do ends before it has read such a body whole, nothing was sent and the

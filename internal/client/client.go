@@ -554,6 +554,15 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 	if !httpsyntax.IsToken(c.keyHeader()) {
 		return fmt.Errorf("idemclient: Client.KeyHeader %q is not a header name", c.keyHeader())
 	}
+	for _, name := range keylessHeaders {
+		if strings.EqualFold(name, c.keyHeader()) {
+			// net/http writes these itself (Host, Content-Length, Transfer-Encoding, Trailer:
+			// the request's own fields, not req.Header's), or they belong to one connection,
+			// which a proxy drops and HTTP/2 refuses: no attempt would carry the key.
+			return fmt.Errorf("idemclient: Client.KeyHeader %q is a header that net/http writes itself or that belongs to one connection: "+
+				"no attempt would carry the key; name another, such as Idempotency-Key", c.keyHeader())
+		}
+	}
 	if req.Header.Get("Upgrade") != "" || connectionHas(req.Header, "upgrade") {
 		// A 101 would hand the connection over, an answer Do cannot read or retry.
 		return errors.New("idemclient: the request asks for a protocol upgrade (Upgrade, Connection: upgrade), which is not an operation Do sends")
@@ -599,8 +608,18 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 	if !httpsyntax.ValidFieldValue(key) {
 		return fmt.Errorf("idemclient: the key %q has a control character, which no header may carry", key)
 	}
+	if strings.Trim(key, " \t") != key {
+		// HTTP drops the whitespace around a field's value: the server would get another key
+		// than Result.Key ("abc" for " abc "), or an empty one for a blank key.
+		return fmt.Errorf("idemclient: the key %q begins or ends with a space or tab, which HTTP drops from a header's value: "+
+			"the server would get another key", key)
+	}
 	return nil
 }
+
+// keylessHeaders are the header names no key can travel in (Client.KeyHeader).
+var keylessHeaders = []string{"Host", "Content-Length", "Transfer-Encoding", "Trailer", "Connection", "Keep-Alive",
+	"Proxy-Connection", "TE", "Upgrade", "Proxy-Authorization", "Proxy-Authenticate"}
 
 // firstTrip counts the times the transport wrote an attempt's request (not the requests of
 // the redirects it follows): net/http writes a request again on its own when a kept-alive
@@ -727,7 +746,17 @@ func permanent(err error, wrote bool) bool {
 		return true
 	}
 	var record tls.RecordHeaderError
-	return !wrote && (errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &record))
+	return !wrote && (errors.Is(err, http.ErrSchemeMismatch) || errors.As(err, &record) || http2Refused(err))
+}
+
+// http2Refused tells whether err is net/http's HTTP/2 transport refusing, before it wrote
+// anything, a request it refuses on every try: a Connection header other than close or
+// keep-alive, a Transfer-Encoding other than chunked (fields HTTP/1 sends or drops), or
+// headers larger than the server said it takes. Its errors have no type of their own: they
+// are told by their text.
+func http2Refused(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "http2: invalid ") || strings.Contains(msg, "http2: request header list larger than")
 }
 
 // tooLarge is ErrResponseTooLarge for resp, whose body is longer than limit.
