@@ -375,5 +375,6 @@ func (m *Middleware) GateStats() GateStats { return GateStats(m.m.GateStats()) }
 // KeyHash is what the middleware's logs and traces (key_hash, idem.key_hash) and idemriver's
 // errors show of a key: 12 hex digits of a SHA-256 of the principal and the key, never the
 // key itself, which a client may have built from personal data. Compute it for a key a client
-// names to find its lines.
+// names to find its lines: the key as the middleware takes it (a quoted header value without
+// its quotes, as ClaimOf's Key says it).
 func KeyHash(principal, key string) string { return idemhttp.KeyHash(principal, key) }

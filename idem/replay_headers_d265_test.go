@@ -1,12 +1,17 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -40,12 +45,13 @@ func d265Do(method, url, key string) (*http.Response, string, error) {
 	return res, string(b), nil
 }
 
-// TestKeyedHeadKeepsNoBody (D265): a GET's handler serving a HEAD writes its GET's body, which
-// net/http discards. The recorder kept it, and stored it: a body over MaxStoredBodyBytes made
-// the repeat 409 response_not_replayable where the first answer was 200, and a smaller one took
-// room for nothing. Now nothing of it is kept; the first answer and every repeat say its length
-// as Content-Length (net/http's own says it only for a body that fits its buffer).
-func TestKeyedHeadKeepsNoBody(t *testing.T) {
+// TestKeyedHeadReplaysItsHeaders (D265): a GET's handler serving a HEAD writes its GET's body,
+// which net/http discards but reads to decide the answer's headers (a Content-Length for a
+// body of at most 2048 bytes, a sniffed Content-Type). The recorder stored that body whole: one
+// over MaxStoredBodyBytes made every repeat 409 response_not_replayable where the first answer
+// was 200. Now at most its first 2049 bytes are stored, never withheld, and every repeat gets
+// the first answer's headers; a handler's Content-Length that is no length is not sent.
+func TestKeyedHeadReplaysItsHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 8)
 	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: auditQuiet, MaxStoredBodyBytes: 1000})
@@ -54,14 +60,34 @@ func TestKeyedHeadKeepsNoBody(t *testing.T) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/doc/{n}", m.Route(idem.Route{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n := map[string]int{"small": 100, "large": 5000}[r.PathValue("n")]
-		w.Header().Set("Content-Type", "text/plain")
-		_, _ = io.WriteString(w, strings.Repeat("x", n))
+		switch r.PathValue("n") {
+		case "small":
+			w.Header().Set("Content-Type", "text/plain")
+			_, _ = io.WriteString(w, strings.Repeat("x", 100))
+		case "large":
+			w.Header().Set("Content-Type", "text/plain")
+			_, _ = io.WriteString(w, strings.Repeat("x", 5000))
+		case "sniffed":
+			_, _ = io.WriteString(w, "<html><body>"+strings.Repeat("x", 3000)+"</body></html>")
+		case "notalength":
+			w.Header().Set("Content-Length", "abc")
+			_, _ = io.WriteString(w, "abc")
+		case "notalength-nobody":
+			w.Header().Set("Content-Length", "abc")
+		}
 	})))
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
-	for _, c := range []struct{ name, length string }{{"small", "100"}, {"large", "5000"}} {
-		var got []string
+	for _, c := range []struct {
+		name, length, ctype string
+		stored              int
+	}{
+		{"small", "100", "text/plain", 100},
+		{"large", "", "text/plain", 2049},
+		{"sniffed", "", "text/html; charset=utf-8", 2049},
+		{"notalength", "3", "text/plain; charset=utf-8", 3},
+		{"notalength-nobody", "", "", 0},
+	} {
 		for i := range 3 {
 			res, body := d265Send(t, http.MethodHead, srv.URL+"/doc/"+c.name, "head-"+c.name)
 			if res.StatusCode != http.StatusOK || body != "" {
@@ -70,12 +96,8 @@ func TestKeyedHeadKeepsNoBody(t *testing.T) {
 			if i > 0 && res.Header.Get("Idempotent-Replayed") != "true" {
 				t.Errorf("HEAD %s, answer %d: not a replay: %v", c.name, i+1, res.Header)
 			}
-			got = append(got, res.Header.Get("Content-Length"))
-		}
-		for i, cl := range got {
-			if cl != c.length {
-				t.Errorf("HEAD %s: Content-Length of the answers %q, want %s in every one (answer %d)", c.name, got, c.length, i+1)
-				break
+			if cl, ct := res.Header.Get("Content-Length"), res.Header.Get("Content-Type"); cl != c.length || ct != c.ctype {
+				t.Errorf("HEAD %s, answer %d: Content-Length %q, Content-Type %q; want %q and %q", c.name, i+1, cl, ct, c.length, c.ctype)
 			}
 		}
 		var stored *int
@@ -83,9 +105,23 @@ func TestKeyedHeadKeepsNoBody(t *testing.T) {
 			`SELECT octet_length(response_body) FROM idem.idempotency_keys WHERE key = $1`, "head-"+c.name).Scan(&stored); err != nil {
 			t.Fatal(err)
 		}
-		if stored != nil && *stored != 0 {
-			t.Errorf("HEAD %s: %d bytes of body stored, want none (net/http sends none)", c.name, *stored)
+		n := 0
+		if stored != nil {
+			n = *stored
 		}
+		if n != c.stored {
+			t.Errorf("HEAD %s: %d bytes of body stored, want %d", c.name, n, c.stored)
+		}
+	}
+	// A HEAD row stored before, its GET's body withheld as too large: a repeat gets its
+	// status and headers, not 409.
+	if _, err := pool.Exec(context.Background(), `UPDATE idem.idempotency_keys SET response_body = NULL, withheld = 'too_large'
+		WHERE key = 'head-large'`); err != nil {
+		t.Fatal(err)
+	}
+	if res, _ := d265Send(t, http.MethodHead, srv.URL+"/doc/large", "head-large"); res.StatusCode != http.StatusOK ||
+		res.Header.Get("Content-Type") != "text/plain" {
+		t.Errorf("HEAD of a row withheld as too large: %d %v, want 200 text/plain", res.StatusCode, res.Header)
 	}
 }
 
@@ -149,7 +185,6 @@ func TestReplayLeavesFramingToNetHTTP(t *testing.T) {
 	}{
 		{"longer", `{"Content-Type":"text/plain","Content-Length":"10","Date":"Mon, 01 Jan 2001 00:00:00 GMT","Connection":"close","Keep-Alive":"timeout=1"}`, "5"},
 		{"shorter", `{"Content-Type":"text/plain","content-length":"3","Transfer-Encoding":"chunked"}`, "5"},
-		{"right", `{"Content-Type":"text/plain","Content-Length":"5"}`, "5"},
 	} {
 		key := "stale-" + c.name
 		if res, body := d265Send(t, http.MethodPost, srv.URL+"/x", key); res.StatusCode != http.StatusCreated || body != "hello" {
@@ -184,5 +219,49 @@ func TestReplayLeavesFramingToNetHTTP(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatalf("%s: the replay's body did not end within 5 s", c.name)
 		}
+	}
+}
+
+// TestKeyHashIsWhatTheLogsShow: idem.KeyHash of the principal and the key (unquoted) is the
+// key_hash of the middleware's log line for that key.
+func TestKeyHashIsWhatTheLogsShow(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	logger := slog.New(slog.NewJSONHandler(lockedWriter{&mu, &logs}, nil))
+	m, err := idem.New(context.Background(), idem.Options{DB: pool, Principal: alice, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(m.Route(idem.Route{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	for _, body := range []string{`{"a":1}`, `{"a":2}`} { // the second: key_reused, logged
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader(body))
+		req.Header.Set("Idempotency-Key", `"mail:ada@example.com"`)
+		req.Header.Set("Content-Type", "application/json")
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res.Body.Close()
+	}
+	want := idem.KeyHash("alice", "mail:ada@example.com")
+	mu.Lock()
+	defer mu.Unlock()
+	var seen []string
+	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		var rec map[string]any
+		if json.Unmarshal([]byte(line), &rec) == nil && rec["key_hash"] != nil {
+			seen = append(seen, fmt.Sprint(rec["key_hash"]))
+		}
+		if strings.Contains(line, "ada@example.com") {
+			t.Errorf("a log line holds the key: %s", line)
+		}
+	}
+	if len(seen) == 0 || slices.ContainsFunc(seen, func(h string) bool { return h != want }) {
+		t.Errorf("key_hash in the logs %q, want %s (idem.KeyHash) in each", seen, want)
 	}
 }

@@ -126,9 +126,13 @@ func (q *request) replay(resp dbidem.Response) {
 			"it cannot be sent again; to get a secret, send a new request with a new key", func(p *Problem) { p.ResourceID = id })
 		return
 	case dbidem.WithheldTooLarge:
-		q.m.problem(q.w, q.r, CodeNotReplayable, "the response to this request was too large to store",
-			func(p *Problem) { p.ResourceID = id })
-		return
+		if q.r.Method != http.MethodHead {
+			q.m.problem(q.w, q.r, CodeNotReplayable, "the response to this request was too large to store",
+				func(p *Problem) { p.ResourceID = id })
+			return
+		}
+		// A HEAD's answer has no body: one stored before D265 kept its GET's body, withheld
+		// when it was too large, and its status and headers are the answer.
 	}
 	for k, v := range resp.Header {
 		if replayable(k, v, resp.Body, q.r.Method == http.MethodHead) {
@@ -155,7 +159,7 @@ func (q *request) replay(resp dbidem.Response) {
 // left for net/http to set, but a HEAD's Content-Length with no body, its GET's (D265).
 func replayable(name string, lines []string, body []byte, head bool) bool {
 	if strings.EqualFold(name, "Content-Length") {
-		return len(lines) == 1 && (head && len(body) == 0 || lines[0] == strconv.Itoa(len(body)))
+		return len(lines) == 1 && (head && len(body) == 0 && validLength(lines[0]) || lines[0] == strconv.Itoa(len(body)))
 	}
 	return !slices.ContainsFunc(connectionHeaders, func(c string) bool { return strings.EqualFold(c, name) })
 }

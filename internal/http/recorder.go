@@ -18,11 +18,7 @@ type recorder struct {
 	sent   http.Header
 	status int
 	body   bytes.Buffer
-	// head: the request is a HEAD. net/http sends no body for it, so none is kept (a GET's
-	// handler writes its GET's body): headLen counts what was written, the Content-Length the
-	// answer carries (headLength), sent and stored.
-	head    bool
-	headLen uint64
+	head   bool // the request is a HEAD: a Content-Length without a body is its GET's
 	// badLength: the handler's Content-Length did not hold what it wrote (a write refused).
 	badLength bool
 	// mu and returned: once the handler has returned (close), what it still writes from a
@@ -135,31 +131,12 @@ func (rec *recorder) Write(b []byte) (int, error) {
 	// Parsed as net/http parses it: a value it cannot read ("3 ", "-1") it drops, and sends
 	// the whole body.
 	if cl := rec.headers().Get("Content-Length"); cl != "" {
-		if n, err := strconv.ParseUint(cl, 10, 63); err == nil && uint64(rec.body.Len())+rec.headLen+uint64(len(b)) > n {
+		if n, err := strconv.ParseUint(cl, 10, 63); err == nil && uint64(rec.body.Len())+uint64(len(b)) > n {
 			rec.badLength = true
 			return 0, http.ErrContentLength
 		}
 	}
-	if rec.head {
-		rec.headLen += uint64(len(b))
-		return len(b), nil
-	}
 	return rec.body.Write(b)
-}
-
-// headLength is the Content-Length of a HEAD's answer, sent and stored: the handler's own (a
-// value net/http cannot read it drops, on the first answer as on a replay), or the length of
-// the body the handler wrote, its GET's, which net/http discards; "" for neither. net/http
-// itself sets the second only for a body that fits its buffer; here every answer to a HEAD
-// says it, the first as its repeats.
-func (rec *recorder) headLength() string {
-	if cl := rec.headers().Get("Content-Length"); cl != "" {
-		return cl
-	}
-	if rec.headLen > 0 {
-		return strconv.FormatUint(rec.headLen, 10)
-	}
-	return ""
 }
 
 // Flush implements http.Flusher; the response is sent when the unit of work ends.
@@ -175,19 +152,24 @@ func (rec *recorder) code() int {
 // sendTo sends the response as it was written (its header as at WriteHeader), but for a
 // Content-Length that does not say the body's length (a write it refused, fewer bytes than it
 // declared, a value net/http cannot read): net/http sets the true one, so the first answer is
-// whole, as its repeats are. A HEAD's answer carries headLength, its GET's.
+// whole, as its repeats are. A HEAD's Content-Length with no body is its GET's, and kept when
+// it is a length (net/http would send one it cannot read as it is, and log it).
 func (rec *recorder) sendTo(w http.ResponseWriter) {
 	h := rec.headers()
 	for k, v := range h {
 		w.Header()[k] = v
 	}
-	if rec.head {
-		if cl := rec.headLength(); cl != "" {
-			w.Header().Set("Content-Length", cl)
-		}
-	} else if cl := h.Get("Content-Length"); cl != "" && (rec.badLength || cl != strconv.Itoa(rec.body.Len())) {
+	if cl := h.Get("Content-Length"); cl != "" && !(rec.head && rec.body.Len() == 0 && validLength(cl)) &&
+		(rec.badLength || cl != strconv.Itoa(rec.body.Len())) {
 		w.Header().Del("Content-Length")
 	}
 	w.WriteHeader(rec.code())
 	_, _ = w.Write(rec.body.Bytes())
+}
+
+// validLength tells whether a Content-Length is one that net/http reads: a non-negative
+// decimal number.
+func validLength(cl string) bool {
+	n, err := strconv.ParseInt(cl, 10, 64)
+	return err == nil && n >= 0
 }

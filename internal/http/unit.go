@@ -157,10 +157,12 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	sent := rec.headers()
 	for _, name := range q.m.o.StoredHeaders {
 		name = http.CanonicalHeaderKey(name)
-		if v, ok := sent[name]; ok {
-			// A name the handler left with no value (w.Header()["Content-Type"] = nil, which
-			// keeps net/http from sniffing one) is stored so, and replayed so (D265).
+		if v := sent[name]; len(v) > 0 {
 			h[name] = v
+		} else if _, ok := sent[name]; ok && name == "Content-Type" {
+			// The handler set it to no value (w.Header()["Content-Type"] = nil), which keeps
+			// net/http from sniffing one: stored so, and replayed so (D265).
+			h[name] = []string{}
 		}
 	}
 	if v := sent.Values("Content-Range"); len(v) > 0 && (rec.code() == http.StatusPartialContent ||
@@ -169,17 +171,22 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 		// without it a replay is bytes whose place nothing tells, whatever the allowlist says.
 		h["Content-Range"] = v
 	}
-	if cl := rec.headLength(); rec.head && cl != "" {
-		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again:
-		// the handler's, or the length of the body it wrote, which is not kept (D265).
-		h["Content-Length"] = []string{cl}
+	if v := sent.Values("Content-Length"); len(v) == 1 && rec.head && rec.body.Len() == 0 && validLength(v[0]) {
+		// A HEAD's Content-Length is its GET's, and it has no body to be computed from again.
+		h["Content-Length"] = v
 	}
-	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(rec.body.Bytes()), ResourceID: st.resourceID}
+	body := rec.body.Bytes()
+	if rec.head && len(body) > headKept {
+		// net/http sends no body for a HEAD: what the handler wrote (its GET's body) is kept
+		// only as far as it decides the answer's headers (D265).
+		body = body[:headKept]
+	}
+	resp := dbidem.Response{Status: rec.code(), Header: h, Body: bytes.Clone(body), ResourceID: st.resourceID}
 	big := false
 	switch {
 	case st.secret:
 		resp.Body, resp.Withheld = nil, dbidem.WithheldOneTimeSecret
-	case rec.body.Len() > q.m.o.MaxStoredBodyBytes:
+	case len(body) > q.m.o.MaxStoredBodyBytes && !rec.head:
 		resp.Body, resp.Withheld, big = nil, dbidem.WithheldTooLarge, true
 	}
 	if v := sent.Values("Content-Encoding"); len(v) > 0 && resp.Withheld == "" {
@@ -199,6 +206,15 @@ func (q *request) stored(rec *recorder, st *state) (dbidem.Response, bool) {
 	resp.ResourceID = storableText(resp.ResourceID)
 	return resp, big
 }
+
+// headKept is how much of a HEAD's body is stored: net/http sends none, but reads the body a
+// handler writes to decide the answer's headers. It sniffs a Content-Type from the first 512
+// bytes, and sets a Content-Length only for a body that fits its 2048-byte buffer: a replay
+// that writes the first 2049 bytes (or the whole of a shorter body, in one write as the first
+// answer was written) gets from net/http, and from a middleware outside this one, the headers
+// the first answer got from the whole body. A HEAD's answer is then never withheld as too
+// large (its repeats got 409 response_not_replayable), and its GET's body is not stored whole.
+const headKept = 2049
 
 // storableText is s with what PostgreSQL's text cannot hold, bytes that are not UTF-8 and
 // U+0000, replaced by U+FFFD.
