@@ -73,8 +73,9 @@ type Client struct {
 	// KeyHeader is the request header that carries the key. Default "Idempotency-Key"; a
 	// header name (an RFC 9110 token) that a request's header can carry, or Do refuses every
 	// request: not one net/http writes itself (Host, Content-Length, Transfer-Encoding,
-	// Trailer) nor one of a single connection (Connection, Keep-Alive, TE, Upgrade and the
-	// like), which proxies drop and HTTP/2 refuses.
+	// Trailer), one of a single connection (Connection, Keep-Alive, TE, Upgrade and the like),
+	// which proxies drop and HTTP/2 refuses, nor one it drops on a redirect to another host
+	// (Authorization, Cookie and the like).
 	KeyHeader string
 	// AttemptTimeout bounds one attempt. Default 0: no bound beyond the operation's context.
 	// A client that gives up on an attempt does not know its outcome, and retries with the

@@ -18,7 +18,8 @@ import (
 // TestKeyHeaderThatNoRequestCarries: a KeyHeader that net/http writes itself (Host,
 // Content-Length, Transfer-Encoding, Trailer) or that belongs to one connection never reached
 // the server as the key: a 503 and its retry ran the operation twice, unkeyed, and Do reported
-// the 201 under a key nobody saw. Do now refuses such a KeyHeader before sending anything.
+// the 201 under a key nobody saw. Authorization and Cookie are dropped on a redirect to another
+// host. Do now refuses such a KeyHeader before sending anything.
 func TestKeyHeaderThatNoRequestCarries(t *testing.T) {
 	t.Parallel()
 	var requests atomic.Int32
@@ -27,7 +28,8 @@ func TestKeyHeaderThatNoRequestCarries(t *testing.T) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}))
 	defer srv.Close()
-	for _, kh := range []string{"Host", "content-length", "Transfer-Encoding", "Trailer", "Connection", "Keep-Alive", "TE", "Upgrade"} {
+	for _, kh := range []string{"Host", "content-length", "Transfer-Encoding", "Trailer", "Connection", "Keep-Alive", "TE", "Upgrade",
+		"Authorization", "cookie"} {
 		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader(`{"amount":1}`))
 		res, err := (&idemclient.Client{KeyHeader: kh, Backoff: time.Millisecond}).Do(context.Background(), req, "")
 		if err == nil || !strings.Contains(err.Error(), "KeyHeader") || errors.Is(err, idemclient.ErrGaveUp) || res.Attempts != 0 {

@@ -558,9 +558,10 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 		if strings.EqualFold(name, c.keyHeader()) {
 			// net/http writes these itself (Host, Content-Length, Transfer-Encoding, Trailer:
 			// the request's own fields, not req.Header's), or they belong to one connection,
-			// which a proxy drops and HTTP/2 refuses: no attempt would carry the key.
-			return fmt.Errorf("idemclient: Client.KeyHeader %q is a header that net/http writes itself or that belongs to one connection: "+
-				"no attempt would carry the key; name another, such as Idempotency-Key", c.keyHeader())
+			// which a proxy drops and HTTP/2 refuses, or net/http drops them on a redirect to
+			// another host: an attempt would not carry the key.
+			return fmt.Errorf("idemclient: Client.KeyHeader %q is a header that net/http writes itself, that belongs to one connection, "+
+				"or that it drops on a redirect to another host: an attempt would not carry the key; name another, such as Idempotency-Key", c.keyHeader())
 		}
 	}
 	if req.Header.Get("Upgrade") != "" || connectionHas(req.Header, "upgrade") {
@@ -617,9 +618,13 @@ func (c *Client) checkRequest(req *http.Request, key string) error {
 	return nil
 }
 
-// keylessHeaders are the header names no key can travel in (Client.KeyHeader).
+// keylessHeaders are the header names no key can travel in (Client.KeyHeader): those net/http
+// writes itself, those of one connection, and those it drops on a redirect to another host
+// (a 307 or 308 that carries the operation on) or changes (a Jar rewrites Cookie, HTTP/2 splits
+// it at each ';').
 var keylessHeaders = []string{"Host", "Content-Length", "Transfer-Encoding", "Trailer", "Connection", "Keep-Alive",
-	"Proxy-Connection", "TE", "Upgrade", "Proxy-Authorization", "Proxy-Authenticate"}
+	"Proxy-Connection", "TE", "Upgrade", "Proxy-Authorization", "Proxy-Authenticate",
+	"Authorization", "Www-Authenticate", "Cookie", "Cookie2"}
 
 // firstTrip counts the times the transport wrote an attempt's request (not the requests of
 // the redirects it follows): net/http writes a request again on its own when a kept-alive
