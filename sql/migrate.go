@@ -181,6 +181,9 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 	// each, so they commit together with the functions.
 	m, err := migrate.NewMigratorEx(ctx, conn, VersionTable, &migrate.MigratorOptions{DisableTx: true})
 	if err != nil {
+		// tern takes its lock here too (to create its version table), and releases it with
+		// the same context: one that ended in between left the lock held (D268).
+		releaseTernLock(ctx, conn, tx)
 		return fmt.Errorf("idem migrate: %w", err)
 	}
 	m.Data = data
@@ -196,14 +199,7 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 		mig.UpSQL = pinLocal + mig.UpSQL
 	}
 	if err := m.Migrate(ctx); err != nil {
-		// tern took its advisory lock for the session and releases it in this transaction,
-		// which the error aborted: the release failed, and the lock would outlive the
-		// migrate, holding every later one of this connection's pool or process. The
-		// transaction is rolled back first, then the lock released (at most the one tern took).
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		_, _ = conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.pg_advisory_unlock($1) FROM pg_catalog.pg_locks"+
-			" WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted"+
-			" AND classid = ($1 >> 32)::oid AND objid = ($1 & 4294967295)::oid AND objsubid = 1 LIMIT 1", TernLock)
+		releaseTernLock(ctx, conn, tx)
 		return fmt.Errorf("idem migrate: %w", err)
 	}
 	if _, err := tx.Exec(ctx, install); err != nil {
@@ -213,6 +209,19 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, data map[string]any, insta
 		return fmt.Errorf("idem migrate: commit: %w", err)
 	}
 	return nil
+}
+
+// releaseTernLock is what a migrate does when tern failed: tern took its advisory lock for the
+// session and releases it with the context it was given, in this transaction, which the error
+// aborted (or after the context ended): the release failed, and the lock would outlive the
+// migrate, holding every later one of this connection's pool or process for ever (a migrate
+// waits for its turn without a lock timeout). The transaction is rolled back first, then the
+// lock released (at most the one tern took), whatever the context.
+func releaseTernLock(ctx context.Context, conn *pgx.Conn, tx pgx.Tx) {
+	_ = tx.Rollback(context.WithoutCancel(ctx))
+	_, _ = conn.Exec(context.WithoutCancel(ctx), "SELECT pg_catalog.pg_advisory_unlock($1) FROM pg_catalog.pg_locks"+
+		" WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted"+
+		" AND classid = ($1 >> 32)::oid AND objid = ($1 & 4294967295)::oid AND objsubid = 1 LIMIT 1", TernLock)
 }
 
 // pinLocal pins the search_path of a migration's or the install's transaction: PostgreSQL's

@@ -172,7 +172,11 @@ func TestCancelledMigrateRunsAgain(t *testing.T) {
 			}
 		}
 		c2 := pgtest.Connect(t, url)
-		if err := idemmigrate.Migrate(context.Background(), c2, idemmigrate.Options{}); err != nil {
+		// Bounded: a lock the cut one left held would keep it waiting without end (D268).
+		again, stop := context.WithTimeout(context.Background(), time.Minute)
+		err = idemmigrate.Migrate(again, c2, idemmigrate.Options{})
+		stop()
+		if err != nil {
 			t.Fatalf("cut at %v, then again: %v", d, err)
 		}
 		if err := idem.CheckSchema(context.Background(), c2); err != nil {
