@@ -78,8 +78,9 @@ type LeaseClaim struct {
 }
 
 // Gate coalesces concurrent work of this process under the same key (Job.Gate): duplicates
-// wait in Go for the first, without a connection, and a bounded number wait on a key's row
-// lock held by another process. Safe for concurrent use.
+// of a Do wait in Go for the first, without a connection, and a bounded number wait on a key's
+// row lock held by another process (a DoLease's duplicate finds the lease and returns
+// ErrInProgress). Safe for concurrent use.
 type Gate struct{ g *dbidem.Gate }
 
 // GateOptions bound what a Gate lets wait. The zero value has the defaults.
@@ -125,7 +126,10 @@ func checkOnce(ctx context.Context, db Pool) error {
 
 // Do runs fn for job.Key in the same transaction as the key's claim, and stores its result as
 // JSON with it, so that its effect on the database commits at most once; a repeat returns the
-// stored result with replayed true. fn runs again when that transaction is: after a
+// stored result with replayed true. The first call returns the stored result too, fn's value
+// as its JSON decodes into T (as every repeat gets it: a number in an interface is a float64, a
+// []string in one a []any, a json.RawMessage compact), so that every caller gets one value;
+// DoLease does the same. fn runs again when that transaction is: after a
 // serialization failure or a deadlock (TxOptions), so what fn does outside the transaction
 // may happen more than once.
 // Another Input under the key is ErrMismatch, and so is a key whose work DoLease began for the
@@ -184,7 +188,11 @@ func Do[T any](ctx context.Context, db Pool, job Job, opts TxOptions, fn func(ct
 // (Options.MaxWaitingClaims): each waits on a connection of db's own while its key's row, or
 // the key table, is locked, so jobs whose rows are locked hold as many connections, and a pool
 // that they fill holds up the extensions of every other job. Give db more connections
-// than the jobs that run at once, plus what else shares it (River's own).
+// than the jobs that run at once, plus the steps each runs at once and what else shares it
+// (River's own). A DoLease of the job while another, in this process or another, holds its
+// lease returns ErrInProgress at once: a lease claim commits before fn runs, and a duplicate
+// is not held back to wait for its answer (unlike a lease route's duplicate, which waits up to
+// Options.DuplicateWait); retry it later, as River's snooze does.
 func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.Context, claim LeaseClaim) (T, error)) (result T, replayed bool, err error) {
 	if err := checkOnce(ctx, db); err != nil {
 		return result, false, err

@@ -85,10 +85,11 @@ func Do[T any](ctx context.Context, db Acquirer, job Job, opts TxOptions, fn fun
 		if result, err = fn(ctx, tx); err != nil {
 			return err
 		}
-		body, err := encodeResult(result)
+		body, stored, err := encodeResult(result)
 		if err != nil {
 			return err
 		}
+		result = stored
 		tx.CompleteOnCommit(Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/json"}}, Body: body})
 		return nil
 	})
@@ -292,7 +293,11 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 				panic(p)
 			}
 		}()
-		return encodeResult(result)
+		body, stored, err := encodeResult(result)
+		if err == nil {
+			result = stored
+		}
+		return body, err
 	}()
 	if err != nil {
 		giveUp()
@@ -336,18 +341,22 @@ func DoLease[T any](ctx context.Context, db Pool, job Job, fn func(ctx context.C
 // UTF-8 would be stored as encoding/json writes it, each bad byte as the escape \ufffd, and
 // every replay would get another value than the first call (D178), as for Input and a step's
 // value. So is the escape itself, which encoding/json never writes for a U+FFFD of valid text
-// (it writes the character), only a json.RawMessage or a MarshalJSON method does.
-func encodeResult[T any](result T) ([]byte, error) {
-	body, err := json.Marshal(result)
+// (it writes the character), only a json.RawMessage or a MarshalJSON method does. stored is
+// the result as every replay decodes it, which the first call returns too: fn's value and its
+// JSON's may differ where the JSON is the same (a number in an interface comes back a
+// float64, a []string in one a []any, a json.RawMessage compact), and the first caller and
+// its repeats get one value (D269).
+func encodeResult[T any](result T) (body []byte, stored T, err error) {
+	body, err = json.Marshal(result)
 	if err != nil {
-		return nil, fmt.Errorf("%w: idem: encode result: %w", ErrInvalidArgument, err)
+		return nil, stored, fmt.Errorf("%w: idem: encode result: %w", ErrInvalidArgument, err)
 	}
 	if holdsEscape(body, `\ufffd`) {
-		return nil, fmt.Errorf("%w: the result holds a string that is not UTF-8 (or the escape \\ufffd): "+
+		return nil, stored, fmt.Errorf("%w: the result holds a string that is not UTF-8 (or the escape \\ufffd): "+
 			"a replay would decode another value; return such bytes encoded (base64, hex)", ErrInvalidArgument)
 	}
-	if err := roundTrips(result, body); err != nil {
-		return nil, fmt.Errorf("%w: the result %w", ErrInvalidArgument, err)
+	if stored, err = roundTrips(result, body); err != nil {
+		return nil, stored, fmt.Errorf("%w: the result %w", ErrInvalidArgument, err)
 	}
-	return body, nil
+	return body, stored, nil
 }

@@ -15,23 +15,23 @@ import (
 // another value (a large integer in an interface, which decodes as a float64, or a struct
 // whose fields are not exported, which encodes as {}). The JSON that what decodes encodes
 // to must be the same JSON: byte for byte, or the same values once both are read with their
-// numbers as written (objects whose members come back in another order, as a map's do).
-func roundTrips[T any](v T, raw []byte) error {
+// numbers as written (objects whose members come back in another order, as a map's do). back
+// is what a replay decodes: the value every caller gets (D269).
+func roundTrips[T any](v T, raw []byte) (back T, err error) {
 	if dropsEverything(v, raw) {
-		return fmt.Errorf("encodes as {} (%T has no field JSON writes: none is exported): a replay would give its zero value", v)
+		return back, fmt.Errorf("encodes as {} (%T has no field JSON writes: none is exported): a replay would give its zero value", v)
 	}
-	var back T
 	if err := json.Unmarshal(raw, &back); err != nil {
-		return fmt.Errorf("does not decode back into %T, so every replay would fail: %w", v, err)
+		return back, fmt.Errorf("does not decode back into %T, so every replay would fail: %w", v, err)
 	}
 	again, err := json.Marshal(back)
 	if err != nil {
-		return fmt.Errorf("decodes into a %T that does not encode again: %w", back, err)
+		return back, fmt.Errorf("decodes into a %T that does not encode again: %w", back, err)
 	}
 	if bytes.Equal(again, raw) || sameJSON(again, raw) {
-		return nil
+		return back, nil
 	}
-	return fmt.Errorf("does not come back the same from its JSON into %T (a number in an interface decodes as a float64, "+
+	return back, fmt.Errorf("does not come back the same from its JSON into %T (a number in an interface decodes as a float64, "+
 		"which keeps 53 bits; a custom MarshalJSON or UnmarshalJSON may change it): a replay would give another value", v)
 }
 

@@ -198,15 +198,18 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	}
 	// The connection is taken when fn first sends a statement, or for the recovery point
 	// after it: fn's calls outside the database hold none.
+	var fnFailed bool // the error is fn's own, whatever it wraps (D269)
 	err := runTx(ctx, s.db, s.opts, commitBound, true, func(tx *Tx) error {
 		var err error
 		if result, err = fn(ctx, tx); err != nil {
+			fnFailed = true
 			return err
 		}
+		fnFailed = false
 		if raw, err = json.Marshal(result); err != nil {
 			return fmt.Errorf("%w: idem: step %s: encode its saved value: %w", ErrInvalidArgument, name, err)
 		}
-		if err := roundTrips(result, raw); err != nil {
+		if _, err := roundTrips(result, raw); err != nil {
 			// Recorded, it would stop every later attempt of the generation at this step.
 			return fmt.Errorf("%w: step %s: its value %w", ErrInvalidArgument, name, err)
 		}
@@ -234,19 +237,30 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 		}
 		return nil
 	})
+	if err != nil && !fnFailed && errors.Is(err, ErrCommitUnknown) && s.claim != nil {
+		s.mu.Lock()
+		s.unsure[name] = true
+		s.mu.Unlock()
+	}
 	switch {
-	case errors.Is(err, ErrClaimLost):
+	case errors.Is(err, ErrClaimLost) && !fnFailed:
 		// Taken over (or yielded, completed): this step's writes rolled back, and the work
-		// stops; the lease's holder (a lease route, DoLease) does not record its answer.
+		// stops; the lease's holder (a lease route, DoLease) does not record its answer. Only
+		// the step's own fencing says so: fn's error that wraps ErrClaimLost (another claim's,
+		// from a call of its own) is fn's failure, and this lease stands (D269).
 		if s.lease != nil {
 			s.lease.lose(true)
 		}
 		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
-	case errors.Is(err, ErrCommitUnknown) && s.claim != nil:
-		s.mu.Lock()
-		s.unsure[name] = true
-		s.mu.Unlock()
-		return zero, err
+	case err != nil && s.lease != nil && s.lease.Lost():
+		// The lease was lost while the step ran (an extension found the claim taken over, or
+		// its end passed by this process's clock): fn's context ended with it, and its error
+		// (context.Canceled, a statement cut) says the lease's loss, as every later Step does
+		// (D269).
+		if s.lease.TakenOver() && !errors.Is(err, ErrClaimLost) {
+			return zero, fmt.Errorf("%w: %w: %w", ErrLeaseLost, ErrClaimLost, err)
+		}
+		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
 	case err != nil:
 		return zero, err
 	}
