@@ -127,9 +127,11 @@ func checkOnce(ctx context.Context, db Pool) error {
 // Do runs fn for job.Key in the same transaction as the key's claim, and stores its result as
 // JSON with it, so that its effect on the database commits at most once; a repeat returns the
 // stored result with replayed true. The first call returns the stored result too, fn's value
-// as its JSON decodes into T (as every repeat gets it: a number in an interface is a float64, a
-// []string in one a []any, a json.RawMessage compact), so that every caller gets one value;
-// DoLease does the same. fn runs again when that transaction is: after a
+// as its JSON decodes into T, so that every caller gets one value; DoLease does the same. What
+// JSON does not carry is not in it, for the first caller either: a field tagged "-" or not
+// exported is its zero value, an empty slice or map tagged omitempty is nil, a time.Time has
+// no monotonic reading and its zone as an offset, a number in an interface is a float64, a
+// []string in one a []any, a json.RawMessage is compact. fn runs again when that transaction is: after a
 // serialization failure or a deadlock (TxOptions), so what fn does outside the transaction
 // may happen more than once.
 // Another Input under the key is ErrMismatch, and so is a key whose work DoLease began for the

@@ -41,8 +41,9 @@ import (
 // shares the pool cannot starve it of connections), one after it holds one. tx.Conn() takes
 // it too, on fn's context: it is nil when that context ended first (a lost lease, Shutdown's
 // deadline), so fn's statements go through tx itself or check Conn for nil. When fn fails,
-// its transaction rolls back and Step returns fn's error; the step is not recorded, and runs
-// again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
+// its transaction rolls back and Step returns fn's error as it is (one that wraps ErrClaimLost
+// of another claim, from a call of fn's own, included: this lease stands); the step is not
+// recorded, and runs again on the next attempt. Serialization failures, deadlocks and lock timeouts run fn again
 // in a new transaction, as Do does.
 //
 // The step's COMMIT waits for its reply at most a lease (at least 5 seconds):
@@ -54,7 +55,8 @@ import (
 // When the claim was taken over (another attempt holds the key now) the step's writes roll
 // back, the lease counts as lost (its answer is not recorded: a lease route answers 409, DoLease
 // returns ErrLeaseLost), and Step returns an error that is ErrLeaseLost and ErrClaimLost, as
-// does every Step after it. A lease lost by this process's clock alone (its extensions failed
+// does every Step after it; so does a step whose fn failed because the heartbeat found the
+// takeover first and ended fn's context. A lease lost by this process's clock alone (its extensions failed
 // until the lease ran out) is ErrLeaseLost without ErrClaimLost: Step runs nothing and asks the
 // database nothing, which may be out of reach, so whether another attempt took the key over is
 // not known. Step

@@ -89,6 +89,7 @@ type d269Payout struct {
 	ID   string          `json:"id"`
 	Meta map[string]any  `json:"meta"`
 	Raw  json.RawMessage `json:"raw"`
+	Note string          `json:"-"` // not stored: no caller gets it
 }
 
 // TestDoReturnsTheStoredResultFirstToo (D269): Do and DoLease gave the first caller fn's
@@ -100,7 +101,8 @@ func TestDoReturnsTheStoredResultFirstToo(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.NewPool(t, 8)
 	fn := func() d269Payout {
-		return d269Payout{ID: "po_1", Meta: map[string]any{"attempts": 1, "tags": []string{"eu"}}, Raw: json.RawMessage(`{"b": 1, "a":2.50}`)}
+		return d269Payout{ID: "po_1", Meta: map[string]any{"attempts": 1, "tags": []string{"eu"}}, Raw: json.RawMessage(`{"b": 1, "a":2.50}`),
+			Note: "in-process"}
 	}
 	do := func(key string, lease time.Duration) (d269Payout, bool) {
 		t.Helper()
@@ -129,6 +131,9 @@ func TestDoReturnsTheStoredResultFirstToo(t *testing.T) {
 		}
 		if !reflect.DeepEqual(first, again) {
 			t.Errorf("%s: the first call got %#v, its replay %#v; want one value", c.name, first, again)
+		}
+		if first.Note != "" {
+			t.Errorf("%s: the first call's Note %q, a field JSON skips: no repeat can get it", c.name, first.Note)
 		}
 		if _, ok := first.Meta["attempts"].(float64); !ok {
 			t.Errorf("%s: the first call's attempts is a %T, want the float64 every replay decodes", c.name, first.Meta["attempts"])

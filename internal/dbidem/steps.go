@@ -200,12 +200,12 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 	// after it: fn's calls outside the database hold none.
 	var fnFailed bool // the error is fn's own, whatever it wraps (D269)
 	err := runTx(ctx, s.db, s.opts, commitBound, true, func(tx *Tx) error {
+		fnFailed = false
 		var err error
 		if result, err = fn(ctx, tx); err != nil {
 			fnFailed = true
 			return err
 		}
-		fnFailed = false
 		if raw, err = json.Marshal(result); err != nil {
 			return fmt.Errorf("%w: idem: step %s: encode its saved value: %w", ErrInvalidArgument, name, err)
 		}
@@ -252,15 +252,19 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 			s.lease.lose(true)
 		}
 		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
-	case err != nil && s.lease != nil && s.lease.Lost():
+	case err != nil && s.lease != nil && s.lease.Lost() && (!fnFailed || ctx.Err() != nil):
 		// The lease was lost while the step ran (an extension found the claim taken over, or
-		// its end passed by this process's clock): fn's context ended with it, and its error
-		// (context.Canceled, a statement cut) says the lease's loss, as every later Step does
-		// (D269).
+		// its end passed by this process's clock), and the step failed with it: its recording,
+		// or fn once its context ended (context.Canceled, a statement cut). The error says the
+		// lease's loss, as every later Step does: ErrClaimLost only when the claim was taken
+		// over (D269). fn's failure of its own while the lease runs out is fn's, as it is.
 		if s.lease.TakenOver() && !errors.Is(err, ErrClaimLost) {
-			return zero, fmt.Errorf("%w: %w: %w", ErrLeaseLost, ErrClaimLost, err)
+			err = fmt.Errorf("%w: %w", ErrClaimLost, err)
 		}
-		return zero, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+		if !errors.Is(err, ErrLeaseLost) {
+			err = fmt.Errorf("%w: %w", ErrLeaseLost, err)
+		}
+		return zero, err
 	case err != nil:
 		return zero, err
 	}
