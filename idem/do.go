@@ -227,9 +227,12 @@ var (
 	ErrInvalidArgument = dbidem.ErrInvalidArgument
 	// ErrCommitUnknown: the connection failed after COMMIT was sent, or the context ended
 	// while COMMIT ran: the transaction may or may not have committed; a retry with the same
-	// key tells which. No cancel request is ever sent for a COMMIT (RunTx): one that is still
-	// running when the context ends goes on, invisible to every other session, on a
-	// connection of the pool that comes back when PostgreSQL answers it.
+	// key tells which. No cancel request is sent for a COMMIT that may wait for a synchronous
+	// standby (RunTx): one that is still running when the context ends goes on, invisible to
+	// every other session, on a connection of the pool that comes back when PostgreSQL answers
+	// it. Where no commit waits for a standby, a cancel request stops such a COMMIT (a slow
+	// deferred trigger, say), which then rolls back or has committed: the outcome is told by a
+	// retry all the same.
 	ErrCommitUnknown = dbidem.ErrCommitUnknown
 	// ErrMismatch is returned by Do and DoLease when the key was used with another input.
 	ErrMismatch = dbidem.ErrMismatch

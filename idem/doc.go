@@ -7,7 +7,7 @@
 // Idempotent-Replayed: true), a different request under the same key gets 422, and a repeat
 // while the first still runs waits for its answer (up to Options.DuplicateWait) or gets 409
 // with Retry-After. The work of a keyed request outlives a client that goes away (up to
-// Options.WorkTimeout) and commits with its answer, so a client whose attempts are shorter
+// Options.WorkTimeout, or a lease route's Route.LeaseTimeout) and commits with its answer, so a client whose attempts are shorter
 // than the work still gets it on a retry. The claim, the
 // replay-or-conflict decision and the completion are PL/pgSQL functions (schema idem); this
 // package canonicalizes and hashes the request (RFC 8785), calls them in the request's

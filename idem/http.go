@@ -83,9 +83,12 @@ type Options struct {
 	// work while it runs, and replays it after); it ends at this server-side deadline, and
 	// when Shutdown gives up waiting for it, and then rolls back (its context's cause is
 	// context.DeadlineExceeded, or ErrShutdown; its Err is context.Canceled), and its client
-	// gets 500 internal_error, or 503 shutting_down. Default 0:
-	// DefaultWorkTimeout (30 seconds); Route.WorkTimeout overrides it for one route. Not
-	// negative.
+	// gets 500 internal_error, or 503 shutting_down. The deadline ends the work's context:
+	// a handler that ignores it (an outside call made without r.Context()) keeps its
+	// transaction, its connection and the key's row lock until it returns, and its
+	// duplicates wait for that. Default 0: DefaultWorkTimeout (30 seconds);
+	// Route.WorkTimeout overrides it for one route. Not negative. A lease route is bounded by
+	// Route.LeaseTimeout instead.
 	WorkTimeout time.Duration
 	// DuplicateWait bounds how long a duplicate of a request that is still running waits for
 	// that request's answer before it gets 409 request_in_progress, on every route: on a
@@ -188,8 +191,8 @@ type Route struct {
 	// provider): the claim is committed on its own before the handler runs, the handler gets
 	// no transaction, and the response is stored afterwards, fenced by the claim's token.
 	// While the handler runs, the lease is extended every third of it; the handler's context
-	// does not end when the client disconnects, and ends with cause ErrLeaseLost when the
-	// lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. TxFrom is nil in the
+	// does not end when the client of a keyed request disconnects, and ends with cause
+	// ErrLeaseLost when the lease is lost. Hand the provider ClaimOf(ctx).ProviderKey. TxFrom is nil in the
 	// handler: write in steps (Step), each committing its writes with its recovery point
 	// (TxFrom says why). Default 0: a
 	// transactional claim, whose handler's writes commit with the key. From a second to 10
@@ -200,10 +203,12 @@ type Route struct {
 	// gives up answers 5xx, which gives the lease up; one that returns without writing gives
 	// it up too, and its client gets 500 internal_error (never an empty 200). A request
 	// without a key on the route is bounded the same way. Default 0: five minutes
-	// (DefaultLeaseTimeout). Not negative.
+	// (DefaultLeaseTimeout). Not negative. Route panics when it is set without Lease: a
+	// transactional route is bounded by WorkTimeout.
 	LeaseTimeout time.Duration
 	// WorkTimeout bounds the unit of work of a keyed request on this transactional route
 	// (Options.WorkTimeout, which it overrides). Default 0: Options.WorkTimeout. Not negative.
+	// Route panics when it is set with Lease: a lease route is bounded by LeaseTimeout.
 	WorkTimeout time.Duration
 	// Fingerprint replaces the default fingerprint (method, path and canonical body,
 	// RequestFingerprint) for a route whose meaning is narrower than its body: build it on
@@ -330,10 +335,13 @@ func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handle
 // request to a lease route counts, with a key or without) to those committing or recording
 // their answers. Duplicates waiting for another
 // request's answer stop waiting at once (409 request_in_progress; the client retries, against
-// another process); requests with fresh keys are still served until ctx ends. When ctx ends
+// another process), but for those behind a request that found the key answered, which read
+// the answer (D270); requests with fresh keys are still served until ctx ends. When ctx ends
 // first, it ends the work's contexts with cause ErrShutdown (a transactional unit of work rolls
-// back and stores nothing; lease work gives its lease up, and the client's retry runs it again
-// under the same provider key), waits up to five seconds more for the work that began (a
+// back and stores nothing; lease work that stops without an answer gives its lease up, and the
+// client's retry runs it again under the same provider key; until it stops its lease is
+// extended, so that no other process runs it meanwhile, D270), waits up to five seconds more
+// for the work that began (a
 // request still arriving then is refused as it would begin: it needs no grace), and returns
 // ctx's error. From the moment ctx ends, a keyed request that comes is answered 503 shutting_down
 // (CodeShuttingDown, with Retry-After) before any claim, also when Shutdown had returned early

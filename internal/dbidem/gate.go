@@ -230,7 +230,8 @@ func IsRefusedByGate(err error) bool {
 // hundred ran out of its wait in that line, D211); only a request ahead that claims the key
 // afresh (it expired or was released meanwhile), or finds it held by a request elsewhere
 // (flight.claimed), ends the wait at the bound; so does a request ahead that has not left
-// ClaimReplyMargin after the bound or after the flight before it.
+// ClaimReplyMargin after the bound or after the flight before it. The end of ctx ends the wait
+// alike: at once for a key with no answer yet, as the bound does for an answered one (D270).
 func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound time.Duration, held int64) (*pass, error) {
 	id := flightKey{poolIdentity(db), principal, key}
 	var deadline <-chan time.Time
@@ -240,6 +241,7 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 		g.waitingBytes.Add(-weight)
 	}
 	answered, over := false, false
+	ended := ctx.Done()
 	for {
 		g.mu.Lock()
 		f, busy := g.flights[id]
@@ -317,9 +319,17 @@ func (g *Gate) enter(ctx context.Context, db any, principal, key string, bound t
 			stopWaiting()
 			g.countRefused(ctx)
 			return nil, errBusyHere
-		case <-ctx.Done():
+		case <-ended:
 			if st != nil {
 				st.Stop()
+			}
+			if answered {
+				// The key has its answer, which the request ahead reads in moments: a wait
+				// that its context ended (Shutdown's start, the client gone) reads it too, as
+				// one past its bound does, where it was told 409 request_in_progress for an
+				// answered key (D270). The reading runs on the work's context.
+				ended, over = nil, true
+				continue
 			}
 			stopWaiting()
 			return nil, fmt.Errorf("%w: %w", errWaitEnded, ctx.Err())

@@ -238,6 +238,7 @@ func (q *request) awaitAnswer(ctx context.Context, claim dbidem.Claim, b *busy, 
 		b.retryAfter = q.estimate(b)
 		return false
 	}
+	q.changed = true
 	return true
 }
 

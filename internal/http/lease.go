@@ -75,7 +75,14 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		q.m.problem(q.w, q.r, CodeShuttingDown, "this server is shutting down; the work did not start: retry with the same key", nil)
 		return StateAcquired
 	}
-	l := dbidem.KeepAlive(wctx, db, claim.Principal, claim.Key, attempt,
+	// The heartbeat outlives Shutdown's deadline, which ends the handler's context (below): a
+	// handler that goes on into the grace keeps its lease, extended, until it returns, or
+	// another process took the key over at the lease's end and ran the work beside it, and the
+	// answer given in the grace was lost (D270).
+	// It ends when this function does, whatever way (a handler's runtime.Goexit included).
+	beats, endBeats := context.WithCancel(context.WithoutCancel(wctx))
+	defer endBeats()
+	l := dbidem.KeepAlive(beats, db, claim.Principal, claim.Key, attempt,
 		dbidem.LeaseOptions{Lease: claim.Lease, Timeout: timeout, Start: d.Sent,
 			OnExtend: func() { q.m.o.Metrics.LeaseExtended(q.action) }})
 	if l.Lost() {
@@ -107,7 +114,12 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 	// ones this generation recorded before (a takeover, a retry after a yield) are skipped.
 	lc := dbidem.LeaseClaim{Principal: claim.Principal, Key: claim.Key, Attempt: attempt, ProviderKey: d.ProviderKey,
 		RecoveryPoint: d.RecoveryPoint}
-	sctx := dbidem.WithSteps(l.Context(), dbidem.NewSteps(q.m.o.DB, &lc, d, l, q.txOptions()))
+	// The handler's context ends with the lease (lost, or its LeaseTimeout) and at Shutdown's
+	// deadline (cause ErrShutdown).
+	lctx, endWork := context.WithCancelCause(l.Context())
+	defer endWork(nil)
+	defer context.AfterFunc(wctx, func() { endWork(context.Cause(wctx)) })()
+	sctx := dbidem.WithSteps(lctx, dbidem.NewSteps(q.m.o.DB, &lc, d, l, q.txOptions()))
 	hctx, handlerSpan := q.startSpan(sctx, "idem.handler")
 	// A handler that panics with http.ErrAbortHandler (run passes only that panic on) asks for
 	// the connection to be dropped without an answer: the claim is given up as for any other

@@ -210,6 +210,10 @@ type request struct {
 	keyHash         string     // the key's hash, for traces (keyed requests with tracing on)
 	noKey           bool       // a request without a key (unkeyed): its answers do not speak of one
 	claim           *ClaimInfo // the claim the handler works under (keyed requests)
+	// changed: a lease route's duplicate that its wait saw the key change (the holder's
+	// answer stored, or the key free again): its next claim reads that answer or claims a free
+	// key, in moments, and Shutdown's start does not end it (D270).
+	changed bool
 	// providerKey is the provider key of a request without a key on a lease route.
 	providerKey string
 	// shutDown: Shutdown's deadline ended the request's claim under way, and it was refused

@@ -324,6 +324,11 @@ func (rt Route) check() {
 		panic(fmt.Sprintf("idem: Route.Lease must be 0 (a transactional route) or from a second to 10 years, and LeaseTimeout and WorkTimeout not negative: got %s, %s, %s",
 			rt.Lease, rt.LeaseTimeout, rt.WorkTimeout))
 	}
+	if rt.Lease > 0 && rt.WorkTimeout != 0 || rt.Lease == 0 && rt.LeaseTimeout != 0 {
+		// Each bound is one kind of route's: set on the other it was ignored (D270).
+		panic(fmt.Sprintf("idem: Route.WorkTimeout bounds a transactional route's unit of work and LeaseTimeout a lease route's handler: "+
+			"got Lease %s with WorkTimeout %s and LeaseTimeout %s; set the one of the route's kind", rt.Lease, rt.WorkTimeout, rt.LeaseTimeout))
+	}
 	if utf8.RuneCountInString(rt.Action) > MaxActionLength {
 		panic(fmt.Sprintf("idem: Route.Action must be at most %d characters, got %d", MaxActionLength, utf8.RuneCountInString(rt.Action)))
 	}

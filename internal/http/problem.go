@@ -124,7 +124,7 @@ func errorProblem(err error) (code, detail string) {
 	case errors.Is(err, dbidem.ErrInvalidArgument):
 		return CodeMisconfigured, "the idempotency store refused the request's arguments (a route's action, the principal's length or the configured TTL): a server configuration problem; nothing was changed"
 	case errors.Is(err, dbidem.ErrCommitUnknown):
-		return CodeOutcomeUnknown, "the connection to the database was lost while the request was committing: it may or may not have taken effect; retry with the same key to get its answer"
+		return CodeOutcomeUnknown, "the request's commit got no answer (the connection to the database was lost, or the request's deadline or the server's shutdown ended it while it committed): it may or may not have taken effect; retry with the same key to get its answer"
 	case errors.Is(err, dbidem.ErrNotMigrated):
 		// New checked the schema at start; a function missing now is a migrate under a running
 		// server (a rolling upgrade), which the servers of the new release answer: retryable.

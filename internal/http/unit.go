@@ -411,10 +411,13 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 			panic(p)
 		}
 	}()
-	// The waits on the key end with the client, and when Shutdown starts.
+	// The waits on the key end with the client, and when Shutdown starts; but for a lease
+	// route's duplicate woken by the key's change, whose claim now reads its answer (D270).
 	waitCtx, stopWaiting := context.WithCancel(ctx)
 	defer stopWaiting()
-	defer context.AfterFunc(q.m.work.draining, stopWaiting)()
+	if !q.changed {
+		defer context.AfterFunc(q.m.work.draining, stopWaiting)()
+	}
 	if left := time.Until(until); left > 0 {
 		// The last wait on the key ends with the duplicate's wait, not a lock timeout later.
 		if lt, err := q.m.gate.LockTimeout(wctx, q.m.o.DB, claim); err == nil && left < lt {
