@@ -98,7 +98,7 @@ var All = []Mutant{
 	{
 		Name: "mw-replay-headers", Promise: "a replay has the stored headers (Location, ETag dropped)",
 		File:     "internal/http/answer.go",
-		Search:   "\tfor k, v := range resp.Header {\n\t\tq.w.Header()[k] = v\n\t}\n",
+		Search:   "\tfor k, v := range resp.Header {\n\t\tif replayable(k, v, resp.Body, q.r.Method == http.MethodHead) {\n\t\t\tq.w.Header()[k] = v\n\t\t}\n\t}\n",
 		Replace:  "\t_ = resp.Header\n",
 		Expected: "TestHTTPHistory: storm",
 	},
