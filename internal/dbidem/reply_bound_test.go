@@ -392,8 +392,14 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	holder := holdKey(t, url, job, start, 6400*time.Millisecond, 8400*time.Millisecond)
-	time.AfterFunc(6600*time.Millisecond, held.Release)
+	holder, claimed := holdKey(t, url, job, start, 6400*time.Millisecond, 8400*time.Millisecond)
+	// given back at 6.6 s, and never before the holder has the key: on a loaded machine its
+	// claim may come late, and the lease claim must not get the key first
+	go func() {
+		<-claimed
+		time.Sleep(time.Until(start.Add(6600 * time.Millisecond)))
+		held.Release()
+	}()
 	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
 	took := time.Since(start)
 	holder()
@@ -459,11 +465,12 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	at := func(d time.Duration) { time.Sleep(time.Until(start.Add(d))) }
 	// Another caller's claim holds the key, in its open transaction, from about 6 s (its
 	// insert takes a second too) to 10 s.
-	holder := holdKey(t, url, job, start, 5*time.Second, 10*time.Second)
+	holder, claimed := holdKey(t, url, job, start, 5*time.Second, 10*time.Second)
 	// The pool's one connection: the test's until 7.5 s (the probe is sent then, and answered
 	// at about 8.5 s, past the unit's bound at 8.02 s), then the probe's, then the test's again
 	// until 9.5 s (asked for at 7.7 s, while the probe runs: first in line), then the claim's.
 	go func() {
+		<-claimed // never before the holder has the key, however late its claim comes
 		at(7500 * time.Millisecond)
 		held.Release()
 		at(7700 * time.Millisecond)
@@ -492,8 +499,8 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 // holdKey has another caller (a pool of its own on url) claim job's key as a transactional
 // claim from..until after start, its transaction open all along, and roll it back then. The
 // function it returns waits for the holder and fails the test unless it gave the key up as
-// planned.
-func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, until time.Duration) func() {
+// planned; the channel is closed once the holder has the key.
+func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, until time.Duration) (func(), <-chan struct{}) {
 	t.Helper()
 	ctx := context.Background()
 	other, err := pgxpool.New(ctx, url)
@@ -507,10 +514,12 @@ func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, un
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
+	claimed := make(chan struct{})
 	time.AfterFunc(time.Until(start.Add(from)), func() {
 		tx := job
 		tx.Lease = 0
 		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
+			close(claimed)
 			time.Sleep(time.Until(start.Add(until)))
 			return "", errors.New("the holder gives the key up")
 		})
@@ -521,7 +530,7 @@ func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, un
 		if err := <-done; err == nil || !strings.Contains(err.Error(), "gives the key up") {
 			t.Fatalf("the key's holder: %v; want its own error, the key held until %s", err, until)
 		}
-	}
+	}, claimed
 }
 
 // The functions' default lock timeout, which a Gate reads once when a claim names none, is
