@@ -71,7 +71,11 @@ func TestClientAgainstTheMiddleware(t *testing.T) {
 		r, _ := c.Do(ctx, newReq(`{"amount":2,"hold":true}`), key)
 		first <- r
 	}()
-	time.Sleep(200 * time.Millisecond)
+	// The duplicate is sent once the first holds the key (its claim's transaction open while its
+	// handler waits on hold), not after a fixed pause: on a loaded machine the first could come
+	// second, and the duplicate then ran the work itself, not replayed.
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+		AND state = 'idle in transaction' AND pid <> pg_backend_pid()`)
 	time.AfterFunc(1500*time.Millisecond, func() { close(hold) })
 	res, err = c.Do(ctx, newReq(`{"amount":2,"hold":true}`), key)
 	r1 := <-first

@@ -266,7 +266,13 @@ func TestShutdownDrainsDuplicatesAndWaits(t *testing.T) {
 	first := shutdownSend(t, srv.URL, `{"a":1}`, "D1")
 	<-hIn
 	dup := shutdownSend(t, srv.URL, `{"a":1}`, "D1")
-	time.Sleep(200 * time.Millisecond) // let the duplicate start waiting in Go
+	// Shutdown starts once the duplicate waits in Go (not after a fixed pause: on a loaded
+	// machine its request may reach the middleware after Shutdown began, and be refused 503).
+	for deadline := time.Now().Add(10 * time.Second); m.GateStats().Waiting < 1; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the duplicate never waited in Go for the first request")
+		}
+	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	done := make(chan error, 2)

@@ -752,6 +752,10 @@ func TestStepsSQLExpiry(t *testing.T) {
 	began := time.Now()
 	a := ssBegin(t, e.app, key, "body", "100 ms", "1500 ms")
 	a2 := ssBegin(t, e.app, key2, "body", "100 ms", "1500 ms")
+	// Both claims' now() is before this: both keys expire by claimed + 1.6 s. (The checks past
+	// the expiry are timed from here, not from began: a claim slowed by a loaded machine ends
+	// later than began + 100 ms, and its key expires later than began + 1.6 s.)
+	claimed := time.Now()
 	pgtest.Exec(t, e.app, `SELECT idem.idem_step('p', $1, $2, 'one', '1')`, key, a.Attempt)
 	pgtest.Exec(t, e.app, `SELECT idem.idem_step('p', $1, $2, 'one', '1')`, key2, a2.Attempt)
 	time.Sleep(time.Until(began.Add(200 * time.Millisecond)))
@@ -760,7 +764,7 @@ func TestStepsSQLExpiry(t *testing.T) {
 	if err := e.app.QueryRow(ctx, `SELECT recovery_point FROM idem.idem_recovery('p', $1, $2)`, key, a.Attempt).Scan(&rp); err != nil || ssStr(rp) != "one" {
 		t.Errorf("recovery past the lease, within the TTL: %v %v", ssStr(rp), err)
 	}
-	time.Sleep(time.Until(began.Add(1700 * time.Millisecond)))
+	time.Sleep(time.Until(claimed.Add(1700 * time.Millisecond)))
 	ssRefused(t, e, key, a.Attempt, "holder of an expired lease claim")
 	var ok bool
 	if err := e.app.QueryRow(ctx, `SELECT idem.idem_save_final('p', $1, 'POST /x', sha256('x'::bytea), '1 hour', 404, '{}', 'gone')`, key2).Scan(&ok); err != nil || !ok {
@@ -784,20 +788,22 @@ func TestStepsSQLAnswerTTL(t *testing.T) {
 	t.Parallel()
 	e := ssSetup(t)
 	ctx := context.Background()
-	// Early: a lease of an hour, a TTL of 300 ms, answered at once.
+	// Early: a lease of an hour, a TTL of 1 s, answered at once. (A TTL of 300 ms left the
+	// replay right after, two round trips after the answer, too little room on a loaded
+	// machine.)
 	early := ssKey("early")
 	earlyOther := ssKey("early")
-	a := ssBegin(t, e.app, early, "body", "1 hour", "300 ms")
-	ao := ssBegin(t, e.app, earlyOther, "body", "1 hour", "300 ms")
+	a := ssBegin(t, e.app, early, "body", "1 hour", "1 second")
+	ao := ssBegin(t, e.app, earlyOther, "body", "1 hour", "1 second")
 	earlySF := ssKey("early")
-	sf := ssBegin(t, e.app, earlySF, "body", "1 hour", "300 ms")
+	sf := ssBegin(t, e.app, earlySF, "body", "1 hour", "1 second")
 	pgtest.Exec(t, e.app, `SELECT idem.idem_complete('p', $1, $2, 201, '{}', 'done')`, earlySF, sf.Attempt)
 	pgtest.Exec(t, e.app, `SELECT idem.idem_complete('p', $1, $2, 201, '{}', 'done')`, early, a.Attempt)
 	pgtest.Exec(t, e.app, `SELECT idem.idem_complete('p', $1, $2, 201, '{}', 'done')`, earlyOther, ao.Attempt)
 	if r := ssBegin(t, e.app, early, "body", "1 minute", "300 ms"); r.Outcome != "replay" {
 		t.Fatalf("replay right after: %+v", r)
 	}
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(1200 * time.Millisecond)
 	if r := ssBegin(t, e.app, early, "body", "1 minute", "1 hour"); r.Outcome != "claimed" || ssStr(r.PK) == ssStr(a.PK) {
 		t.Errorf("the same request past the answer's TTL: %+v, want claimed with a new provider key", r)
 	}
@@ -808,16 +814,23 @@ func TestStepsSQLAnswerTTL(t *testing.T) {
 	if err := e.app.QueryRow(ctx, `SELECT idem.idem_save_final('p', $1, 'POST /x', sha256('x'::bytea), '1 hour', 404, '{}', 'gone')`, earlySF).Scan(&ok); err != nil || !ok {
 		t.Errorf("save_final past the early answer's TTL: %v %v, want true", ok, err)
 	}
-	// Late: a lease of 100 ms, a TTL of 700 ms; answered 400 ms after the claim (after the lease
-	// ran out, not taken over). The claim's expiry is at 800 ms; the answer's at 1100 ms.
+	// Late: a lease of 100 ms, a TTL of 2.5 s; answered 1.2 s after the claim (after the lease
+	// ran out, not taken over). The claim's expiry is at 2.6 s; the answer's at 3.7 s; the
+	// look at 2.8 s is past the one and before the other, with room on both sides for a loaded
+	// machine (the claim's expiry at 800 ms and the answer's at 1100 ms, looked at at 950 ms,
+	// left 150 ms for two round trips). The times are taken after the claim returned (its
+	// expiry is at most that + 2.6 s) and before the answer was sent (its expiry is at least
+	// that + 2.5 s).
 	late := ssKey("late")
-	start := time.Now()
-	l := ssBegin(t, e.app, late, "body", "100 ms", "700 ms")
-	time.Sleep(400 * time.Millisecond)
+	l := ssBegin(t, e.app, late, "body", "100 ms", "2500 ms")
+	claimedAt := time.Now()
+	time.Sleep(time.Until(claimedAt.Add(1200 * time.Millisecond)))
+	answeredAt := time.Now()
 	pgtest.Exec(t, e.app, `SELECT idem.idem_complete('p', $1, $2, 201, '{}', 'done')`, late, l.Attempt)
-	time.Sleep(time.Until(start.Add(950 * time.Millisecond)))
+	time.Sleep(time.Until(claimedAt.Add(2800 * time.Millisecond)))
 	if r := ssBegin(t, e.app, late, "body", "1 minute", "1 hour"); r.Outcome != "replay" || ssStr(r.PK) != ssStr(l.PK) {
-		t.Errorf("950 ms after the claim, 550 ms after the late answer (TTL 700 ms): %+v, want replay", r)
+		t.Errorf("%v after the claim (its expiry 2.6 s after it), %v after the late answer (TTL 2.5 s): %+v, want replay",
+			time.Since(claimedAt).Round(time.Millisecond), time.Since(answeredAt).Round(time.Millisecond), r)
 	}
 	if o := ssBegin(t, e.app, late, "other", "1 minute", "1 hour"); o.Outcome != "mismatch" {
 		t.Errorf("another request within the answer's TTL: %+v, want mismatch", o)

@@ -326,7 +326,13 @@ func TestOpsShutdownEndsWaitsAndWork(t *testing.T) {
 	go func() { r := s.call("POST", path, token, "dep", `{"amount":5}`); first <- answer{r, time.Now()} }()
 	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`)
 	go func() { r := s.call("POST", path, token, "dep", `{"amount":5}`); dup <- answer{r, time.Now()} }()
-	time.Sleep(300 * time.Millisecond) // the duplicate waits in Go for the first's answer
+	// The stop starts once the duplicate waits in Go for the first's answer (not after a fixed
+	// pause: on a loaded machine its request may come after the stop began, and get a 503).
+	for deadline := time.Now().Add(10 * time.Second); s.main.idem.GateStats().Waiting < 1; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the duplicate never waited for the first's answer")
+		}
+	}
 	began := time.Now()
 	stopped := make(chan error, 1)
 	go func() { stopped <- s.shutdown() }()

@@ -195,19 +195,24 @@ func TestGateWaitInGoCountsTowardLockTimeout(t *testing.T) {
 		}
 		conns = append(conns, c)
 	}
+	// A and D go through one Acquirer that tells when A, the first to ask it for a connection,
+	// has the flight (the Gate lets a request ask for a connection only then) and waits for
+	// one: D starts only then, not after a fixed pause that a loaded machine may outlast, which
+	// let D take the flight ahead of A.
+	asking := &signalAcquirer{Pool: pool, asked: make(chan struct{})}
 	aDone := make(chan error, 1)
 	go func() {
 		c := claim("count", `{}`)
 		c.LockTimeout = dbidem.Probe
-		aDone <- gate.Run(ctx, pool, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error { return nil })
+		aDone <- gate.Run(ctx, asking, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error { return nil })
 	}()
-	time.Sleep(100 * time.Millisecond) // A has the flight and waits for a connection
+	<-asking.asked // A has the flight and waits for a connection
 	start := time.Now()
 	dDone := make(chan error, 1)
 	go func() {
 		c := claim("count", `{}`)
 		c.LockTimeout = lt
-		dDone <- gate.Run(ctx, pool, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error { return nil })
+		dDone <- gate.Run(ctx, asking, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error { return nil })
 	}()
 	gateWait(t, "the duplicate waits in Go", func() bool { return gate.Waiting() == 1 })
 	time.Sleep(lt*9/10 - time.Since(start))
@@ -229,4 +234,16 @@ func TestGateWaitInGoCountsTowardLockTimeout(t *testing.T) {
 	if took < lt-100*time.Millisecond {
 		t.Errorf("the duplicate with a lock timeout of %s gave up after %s", lt, took)
 	}
+}
+
+// signalAcquirer is a pool whose asked channel is closed at the first call of Acquire.
+type signalAcquirer struct {
+	*pgxpool.Pool
+	once  sync.Once
+	asked chan struct{}
+}
+
+func (s *signalAcquirer) Acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	s.once.Do(func() { close(s.asked) })
+	return s.Pool.Acquire(ctx)
 }

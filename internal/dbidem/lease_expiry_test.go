@@ -103,7 +103,9 @@ func TestLeaseLostAtItsEndWhileAnExtensionHangs(t *testing.T) {
 		t.Fatalf("the lease ran out at %v and the work was not told within 3 s, while its extension hung", end.Format(time.StampMilli))
 	}
 	lostAt := time.Now()
-	if late := lostAt.Sub(end); late > 200*time.Millisecond {
+	// A wake-up on a loaded machine can take a few hundred milliseconds; waiting for the hung
+	// extension takes until it is let go (3 s, the select above).
+	if late := lostAt.Sub(end); late > time.Second {
 		t.Errorf("the work learned its lease was lost %v after the lease's end by its own clock", late)
 	}
 	if !errors.Is(context.Cause(l.Context()), dbidem.ErrLeaseLost) || !l.Lost() || l.TakenOver() {
