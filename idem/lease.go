@@ -102,8 +102,10 @@ func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 // waiting for the key's row after its own lock timeout (2 s by default), a connection breaks,
 // the database restarts. The recording is fenced by the attempt, so trying again is safe: it
 // lands only while the claim is still this attempt's. When ctx ends first, the last failure
-// is returned joined with ctx's error. For an answer, PersistAnswer is Persist that also
-// recognises a recording whose reply was lost and that landed.
+// is returned joined with ctx's error. record runs at least once, even when ctx has ended
+// already (its own statements then fail at once, or an abandoned recording still lands). For
+// an answer, PersistAnswer is Persist that also recognises a recording whose reply was lost and
+// that landed.
 func Persist(ctx context.Context, record func(ctx context.Context) error) error {
 	return dbidem.Persist(ctx, record)
 }
@@ -111,12 +113,15 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 // PersistAnswer records r as the answer of the lease claim c with this attempt (Complete)
 // through Persist, until ctx ends: give it the Lease's AnswerDeadline. It also tells an answer
 // that landed from one that did not when a reply was lost: a Complete whose connection broke
-// after it was sent may have committed, and the next try then finds the claim completed and
-// fails with ErrClaimLost although the answer stored is this one. In that case PersistAnswer
-// reads the key's row (idem_key, which writes nothing; again until a read answers, or ctx ends)
-// and returns nil when it is completed with this attempt, whether or not its answer still
-// replays (its TTL may have passed meanwhile); ErrClaimLost when it is not; and, when no read
-// answered, an error that says so (the outcome is unknown). c is the claim as it was made.
+// after it was sent may have committed (one of PersistAnswer's own tries, or an earlier
+// Complete of the caller's that returned ErrCommitUnknown), and the next try then finds the
+// claim completed and fails with ErrClaimLost although the answer stored is this attempt's.
+// Whenever a try fails with ErrClaimLost, PersistAnswer reads the key's row (idem_key, which
+// writes nothing; again until a read answers, or ctx ends) and returns nil when it is
+// completed with this attempt, whether or not its answer still replays (its TTL may have
+// passed meanwhile); ErrClaimLost when it is not; and, when no read answered, an error that
+// says so (the outcome is unknown). The answer stored is the one that landed first: a token
+// is completed once. c is the claim as it was made.
 func PersistAnswer(ctx context.Context, db Pool, c Claim, attempt int64, r Response) error {
 	return dbidem.PersistAnswer(ctx, db, db, dbidem.Claim(c), attempt, dbidem.Response(r))
 }

@@ -92,13 +92,15 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 // the same round trip as COMMIT. If the claim was lost (ErrClaimLost), RunTx rolls back and
 // returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
 // in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
-// wrapping ErrClaimLost.
+// wrapping ErrClaimLost. Without a Claim before it in the transaction, RunTx rolls back and
+// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere).
 func (t *Tx) CompleteOnCommit(r Response) { t.t.CompleteOnCommit(dbidem.Response(r)) }
 
 // FinalOnCommit stores r as the final answer to this transaction's claim (a 404, a 422): when
 // the function returns, RunTx rolls the work back to the savepoint taken right after the
 // claim, stores r and commits, in one round trip. After a Claim whose outcome was not Claimed,
-// RunTx rolls back and returns an error wrapping ErrClaimLost, as CompleteOnCommit does.
+// RunTx rolls back and returns an error wrapping ErrClaimLost, as CompleteOnCommit does, and
+// without a Claim before it an error wrapping ErrInvalidArgument.
 func (t *Tx) FinalOnCommit(r Response) { t.t.FinalOnCommit(dbidem.Response(r)) }
 
 // Begin starts a nested transaction (a savepoint), as pgx.Tx does.
@@ -180,7 +182,9 @@ type Response struct {
 	Status int
 	// Header holds the stored headers (an allowlist chosen by the caller), each line as it
 	// was: a header with several values comes back with the same values, and bytes that are
-	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers").
+	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers"). A line feed or
+	// carriage return inside a line, which no header line can carry, is stored as a space, as
+	// net/http sends it.
 	Header http.Header
 	// Body is the body byte for byte; nil when withheld.
 	Body []byte
@@ -218,8 +222,10 @@ const (
 type Decision struct {
 	// Outcome is the decision.
 	Outcome Outcome
-	// Attempt is the fencing token of the claim (Claimed), or of the row's last claim: pass
-	// it to Complete, Release, Yield or Extend. No earlier holder of the key ever had it.
+	// Attempt is the fencing token of the claim (Claimed): pass it to Complete, Release,
+	// Yield or Extend. No earlier holder of the key ever had it. For another outcome it is
+	// the token of the row's last claim, which is another request's: this request holds no
+	// claim, and must not pass it on (the row's holder would lose its claim).
 	Attempt int64
 	// Response is the stored response (Replay only).
 	Response Response
@@ -283,7 +289,9 @@ func Complete(ctx context.Context, q Querier, principal, key string, attempt int
 // Release abandons the lease claim with this attempt without a response (idem_release), so
 // that the next request under the key starts a new generation with a new provider key: right
 // only when the work certainly did not happen (else Yield). It returns false when no such
-// claim is in progress.
+// claim is in progress (a transactional claim of another session's open transaction is not
+// seen). A transactional claim is not released but rolled back: in its own transaction,
+// Release returns ErrClaimLost and the transaction is aborted.
 func Release(ctx context.Context, q Querier, principal, key string, attempt int64) (bool, error) {
 	return dbidem.Release(ctx, q, principal, key, attempt)
 }

@@ -97,7 +97,9 @@ type Response struct {
 	Status int
 	// Header holds the stored headers (an allowlist chosen by the caller), each line as it
 	// was: a header with several values comes back with the same values, and bytes that are
-	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers").
+	// not UTF-8 come back as they were (docs/sql-api.md, "Stored headers"). A line feed or
+	// carriage return inside a line, which no header line can carry, is stored as a space, as
+	// net/http sends it.
 	Header http.Header
 	// Body is the body byte for byte; nil when withheld.
 	Body []byte

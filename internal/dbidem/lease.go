@@ -405,11 +405,12 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 // through Persist, and tells an answer that landed from one that did not when a reply was
 // lost. A Complete whose reply never came (the connection broke after the statement was sent)
 // may have committed: the next try then finds the claim completed and fails with ErrClaimLost,
-// although the answer stored is this one. So when a try ended without the server's answer and
-// a later one says the claim is lost, PersistAnswer reads the key's row on db (idem_key, which
-// writes nothing; again until a read answers): completed with this attempt means the answer is
-// stored, and PersistAnswer returns nil. Any other finding keeps ErrClaimLost; no answer to the
-// read is an error of its own (the outcome is unknown).
+// although the answer stored is this one. The same holds after an earlier Complete of the
+// caller's that returned ErrCommitUnknown. So whenever a try says the claim is lost,
+// PersistAnswer reads the key's row on db (idem_key, which writes nothing; again until a read
+// answers): completed with this attempt means the answer is stored, and PersistAnswer returns
+// nil. Any other finding keeps ErrClaimLost; no answer to the read is an error of its own (the
+// outcome is unknown).
 func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt int64, r Response) error {
 	unknown := false
 	err := Persist(ctx, func(ctx context.Context) error {
@@ -420,7 +421,10 @@ func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt 
 		}
 		return err
 	})
-	if errors.Is(err, ErrClaimLost) && unknown {
+	if errors.Is(err, ErrClaimLost) {
+		// The claim is not in progress with this attempt: taken over or released, or completed
+		// with it, by a try of this call whose reply was lost, or by an earlier Complete of the
+		// caller's whose outcome was unknown (ErrCommitUnknown, a process that died waiting).
 		landed, rerr := answered(ctx, db, c, attempt)
 		if landed {
 			return nil
@@ -428,8 +432,10 @@ func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt 
 		if rerr != nil && ctx.Err() == nil {
 			// Nothing is known: not ErrClaimLost, which says another attempt holds the key
 			// (the work would run again, under a new provider key once the key expired).
-			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read: %w (before: %v)", rerr, err)
+			return fmt.Errorf("idem: the claim is no longer in progress with this attempt, and whether an answer of it "+
+				"landed (a recording whose reply was lost) could not be read: %w (before: %v)", rerr, err)
 		}
+		unknown = unknown || rerr != nil
 		// The deadline came first: the read below, allowed a moment past it, tells.
 	}
 	if err != nil && unknown && ctx.Err() != nil {

@@ -80,6 +80,10 @@ func classifyStep(err error) error {
 	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
 		return fmt.Errorf("%w: %w", ErrStepRecorded, err)
 	}
+	if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
+		// the saved value is not JSON (the one argument cast from text): no retry mends it
+		return fmt.Errorf("%w: the step's saved value is not JSON: %w", ErrInvalidArgument, err)
+	}
 	return classify(err)
 }
 

@@ -53,7 +53,8 @@ type Tx struct {
 	end     []any // the arguments of idem_complete (complete) or idem_save_final (final)
 	final   bool
 	// outcome is the outcome of Claim's decision; misuse, an answer given to a
-	// claim whose outcome was not Claimed (unclaimed), which RunTx returns, rolled back.
+	// claim whose outcome was not Claimed, or with no Claim before it (unclaimed), which RunTx
+	// returns, rolled back.
 	outcome Outcome
 	misuse  error
 	retry   error // the first serialization failure or deadlock a statement hit
@@ -264,8 +265,14 @@ func (t *Tx) decidedOnly() bool {
 
 // unclaimed is the error of an answer given to a claim whose outcome was not Claimed (a
 // replay, a mismatch, a lease in progress): this transaction holds no claim to answer, and its
-// work is a duplicate's. RunTx rolls back and returns it.
+// work is a duplicate's; or given with no Claim before it. RunTx rolls back and returns it.
 func (t *Tx) unclaimed(method string) error {
+	if t.claim == nil {
+		// No Tx.Claim in this transaction (yet): the answer would be stored nowhere, and a retry
+		// would run the work again.
+		return fmt.Errorf("%w: %s without a Tx.Claim before it in this transaction: there is no claim to answer "+
+			"(claim the key first)", ErrInvalidArgument, method)
+	}
 	return fmt.Errorf("%w: %s after Tx.Claim's outcome %s: this transaction holds no claim to answer "+
 		"(answer with the Decision's stored response instead, and return without the work)", ErrClaimLost, method, t.outcome)
 }
@@ -274,9 +281,11 @@ func (t *Tx) unclaimed(method string) error {
 // the same round trip as COMMIT. If the claim was lost (ErrClaimLost), RunTx rolls back and
 // returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
 // in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
-// wrapping ErrClaimLost.
+// wrapping ErrClaimLost. Without a Claim before it in the transaction, RunTx rolls back and
+// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere).
 func (t *Tx) CompleteOnCommit(r Response) {
 	if t.claim == nil {
+		t.misuse = t.unclaimed("CompleteOnCommit")
 		return
 	}
 	if t.outcome != Claimed {
@@ -291,9 +300,10 @@ func (t *Tx) CompleteOnCommit(r Response) {
 // the claim, stores r with idem_save_final and commits, in one round trip. The claim is held
 // throughout, so a duplicate waiting on the key sees only the stored answer. After a Claim
 // whose outcome was not Claimed, RunTx rolls back and returns an error wrapping ErrClaimLost,
-// as CompleteOnCommit does.
+// as CompleteOnCommit does, and without a Claim before it an error wrapping ErrInvalidArgument.
 func (t *Tx) FinalOnCommit(r Response) {
 	if t.claim == nil {
+		t.misuse = t.unclaimed("FinalOnCommit")
 		return
 	}
 	if t.outcome != Claimed {
