@@ -15,7 +15,8 @@ import (
 // Extend moves the lease of the in-progress lease claim with this attempt to lease from now
 // (never earlier), and the key's expiry with it, and returns the lease's new end as the
 // database's clock has it (idem_extend). It returns ErrClaimLost when no lease claim with
-// this attempt is in progress. lease: from a microsecond to 10 years.
+// this attempt is in progress. lease: from a microsecond to 10 years (a part of a microsecond
+// is rounded up).
 func Extend(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (time.Time, error) {
 	return dbidem.Extend(ctx, q, principal, key, attempt, lease)
 }
