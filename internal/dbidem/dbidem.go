@@ -101,8 +101,8 @@ type Response struct {
 	// carriage return inside a line, which no header line can carry, is stored as a space, as
 	// net/http sends it.
 	Header http.Header
-	// Body is the body byte for byte (an empty body replays as empty, not nil); nil when
-	// withheld.
+	// Body is the body byte for byte (one stored empty replays as empty, one stored nil as
+	// nil); nil when withheld.
 	Body []byte
 	// ResourceID is the id of what the first request created, when the caller named it.
 	ResourceID string
