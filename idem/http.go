@@ -372,8 +372,8 @@ type GateStats struct {
 	// Coalesced counts the requests that found their key in flight in this process and
 	// waited in line for it (not a lease route's duplicates, which wait on the lease's answer
 	// and count in Waiting meanwhile); Refused those answered 409 without waiting on the
-	// database (their wait ran out,
-	// the waiting duplicates held too much, or every wait slot was taken).
+	// database (their wait ran out, the waiting duplicates held too much, or every wait slot was
+	// taken; not the 409s of waits that Shutdown ended).
 	Coalesced, Refused uint64
 }
 
