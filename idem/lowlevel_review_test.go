@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -66,6 +67,10 @@ func TestPersistAnswerAfterCompleteCommitUnknown(t *testing.T) {
 	if err := ltx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
+	// The abandoned Complete lands now (its lock timeout, 2 s, not reached): PersistAnswer's
+	// own try then finds the claim completed. Had it failed, PersistAnswer's try would land
+	// the answer itself, and the test would hold no gap open.
+	pgtest.WaitFor(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'pacu' AND state = 'c'`)
 	pctx, pcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer pcancel()
 	if err := idem.PersistAnswer(pctx, pool, c, d.Attempt, r); err != nil {
@@ -101,7 +106,7 @@ func TestPersistAnswerTellsThisAttemptsAnswer(t *testing.T) {
 	if err := idem.PersistAnswer(ctx, pool, c, d.Attempt, r); !errors.Is(err, idem.ErrClaimLost) {
 		t.Errorf("PersistAnswer after the expired key was claimed by a new generation: %v, want ErrClaimLost", err)
 	}
-	if err := idem.PersistAnswer(ctx, pool, c2, d2.Attempt-1, r); !errors.Is(err, idem.ErrClaimLost) {
+	if err := idem.PersistAnswer(ctx, pool, c2, d2.Attempt+1000, r); !errors.Is(err, idem.ErrClaimLost) {
 		t.Errorf("PersistAnswer with another attempt: %v, want ErrClaimLost", err)
 	}
 	c3 := llClaim("pa-rel", time.Minute)
@@ -162,6 +167,26 @@ func TestAnswerWithoutAClaimIsRefused(t *testing.T) {
 	if n := pgtest.Count(t, pool, `SELECT count(*) FROM idem.idempotency_keys WHERE key = 'late-claim'`); n != 0 {
 		t.Errorf("%d key rows; want none (rolled back)", n)
 	}
+	// an answer after a Claim that failed names the claim's failure, which is what a retry
+	// decides on: here the key held by another transaction past the claim's lock timeout
+	held := llClaim("held", 0)
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(ctx) }()
+	if _, err := idem.Begin(ctx, locker, held); err != nil {
+		t.Fatal(err)
+	}
+	held.LockTimeout = 100 * time.Millisecond
+	err = idem.RunTx(ctx, pool, idem.TxOptions{}, func(tx *idem.Tx) error {
+		_, _ = tx.Claim(ctx, held) // its error ignored
+		tx.CompleteOnCommit(idem.Response{Status: 201})
+		return nil
+	})
+	if !errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "Tx.Claim that failed") {
+		t.Errorf("an answer after a claim that failed on a held key: RunTx returned %v, want the claim's ErrInProgress, named", err)
+	}
 }
 
 // A step's saved value that is not JSON is a caller's error, not a reason to retry.
@@ -176,6 +201,12 @@ func TestRecordStepNotJSONIsInvalidArgument(t *testing.T) {
 	})
 	if !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Errorf("RecordStep with the saved value `{`: %v, want ErrInvalidArgument", err)
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return idem.RecordStep(ctx, tx, c.Principal, c.Key, d.Attempt, "s", json.RawMessage(`1e1000000`))
+	})
+	if !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Errorf("RecordStep with the saved value 1e1000000 (JSON, past numeric's range): %v, want ErrInvalidArgument", err)
 	}
 	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		return idem.RecordStep(ctx, tx, c.Principal, c.Key, d.Attempt, "s", json.RawMessage(`{"a":1}`))

@@ -86,7 +86,9 @@ func Step[T any](ctx context.Context, name string, fn func(ctx context.Context, 
 // takeover's Decision.Steps lists the steps recorded. It returns ErrClaimLost when no lease
 // claim with this attempt is in progress (the transaction is aborted: roll it back),
 // ErrStepRecorded when the generation recorded the step already, and ErrInvalidArgument when
-// the generation's saved values would pass 8192 bytes (as Step counts them).
+// the generation's saved values would pass 8192 bytes (as Step counts them), or saved is not
+// JSON that PostgreSQL's jsonb holds (not JSON, a number past numeric's range, U+0000, nesting
+// too deep).
 func RecordStep(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) error {
 	return dbidem.RecordStep(ctx, q, principal, key, attempt, name, saved)
 }

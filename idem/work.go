@@ -225,8 +225,8 @@ type Decision struct {
 	Outcome Outcome
 	// Attempt is the fencing token of the claim (Claimed): pass it to Complete, Release,
 	// Yield or Extend. No earlier holder of the key ever had it. For another outcome it is
-	// the token of the row's last claim, which is another request's: this request holds no
-	// claim, and must not pass it on (the row's holder would lose its claim).
+	// the token of the row's last claim, not this call's: this call holds no claim, and
+	// passing the token on acts on whoever holds the key (or fails, on a completed key).
 	Attempt int64
 	// Response is the stored response (Replay only).
 	Response Response

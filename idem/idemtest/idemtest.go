@@ -78,7 +78,10 @@ func ownInstallation(url string) error {
 }
 
 // NewEmptyDB creates an empty database for this test (no schema idem: for tests of a migrate
-// step), drops it when the test ends, and returns its connection string as its owner.
+// step), drops it when the test ends, and returns its connection string as the role that
+// created and owns it: TEST_DATABASE_URL's role, or the superuser of the container or cluster
+// this package started. For a migrate step run as a plain owner, as in production, pass the
+// string to OwnerURL.
 func NewEmptyDB(t testing.TB) string {
 	t.Helper()
 	return pgtest.NewEmptyDB(t)
@@ -115,6 +118,19 @@ func NewPool(t testing.TB) *pgxpool.Pool {
 func AppURL(t testing.TB, url string) string {
 	t.Helper()
 	return pgtest.LoginRole(t, url, "idem_app")
+}
+
+// OwnerURL returns the connection string of the database url names as a new login role that
+// owns it and is nothing more (not a superuser, no CREATEDB, no CREATEROLE): the role a
+// deployment runs its migrate step as, once a superuser made the roles idem_app and
+// idem_operator (docs/sql-api.md, "Installing without a superuser"; both exist on the test
+// server). The databases of NewDB and NewEmptyDB belong to the test server's own role, a
+// superuser where this package started the server: test a migrate step as production runs it
+// on NewEmptyDB's database through OwnerURL. The role is dropped when the test ends (what it
+// owns goes back to the test server's role first).
+func OwnerURL(t testing.TB, url string) string {
+	t.Helper()
+	return pgtest.OwnerRole(t, url)
 }
 
 // AppPool returns a pool on owner's database as a new login role that is only a member of

@@ -421,10 +421,20 @@ func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt 
 		}
 		return err
 	})
-	if errors.Is(err, ErrClaimLost) {
-		// The claim is not in progress with this attempt: taken over or released, or completed
-		// with it, by a try of this call whose reply was lost, or by an earlier Complete of the
+	if errors.Is(err, ErrClaimLost) && !unknown {
+		// Every try was answered, the last saying that the claim is not in progress with this
+		// attempt: taken over or released, or completed with it by an earlier Complete of the
 		// caller's whose outcome was unknown (ErrCommitUnknown, a process that died waiting).
+		// One read tells, bounded on its own (ctx may have ended): a moment, as past the
+		// deadline below. A read that gets no answer leaves the try's ErrClaimLost.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), answerReadGrace)
+		defer cancel()
+		if landed, _ := answered(rctx, db, c, attempt); landed {
+			return nil
+		}
+		return err
+	}
+	if errors.Is(err, ErrClaimLost) {
 		landed, rerr := answered(ctx, db, c, attempt)
 		if landed {
 			return nil
@@ -432,24 +442,29 @@ func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt 
 		if rerr != nil && ctx.Err() == nil {
 			// Nothing is known: not ErrClaimLost, which says another attempt holds the key
 			// (the work would run again, under a new provider key once the key expired).
-			return fmt.Errorf("idem: the claim is no longer in progress with this attempt, and whether an answer of it "+
-				"landed (a recording whose reply was lost) could not be read: %w (before: %v)", rerr, err)
+			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read: %w (before: %v)", rerr, err)
 		}
-		unknown = unknown || rerr != nil
 		// The deadline came first: the read below, allowed a moment past it, tells.
 	}
 	if err != nil && unknown && ctx.Err() != nil {
 		// The deadline came while a try's outcome was unknown (abandoned, or its reply lost):
 		// it may have landed since. A read, which stores nothing, is allowed a moment past
 		// the deadline; an answer found is this one (D168).
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), answerReadGrace)
 		defer cancel()
-		if landed, _ := answered(actx, db, c, attempt); landed {
+		landed, rerr := answered(actx, db, c, attempt)
+		if landed {
 			return nil
+		}
+		if rerr != nil && errors.Is(err, ErrClaimLost) {
+			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read by the deadline: %w (before: %v)", rerr, err)
 		}
 	}
 	return err
 }
+
+// answerReadGrace bounds PersistAnswer's read of the key's row where ctx may have ended.
+const answerReadGrace = time.Second
 
 // answered tells whether the answer of the claim c with this attempt is stored: the key's row
 // is completed with this attempt (idem_key). A token is drawn for one claim only, and only that

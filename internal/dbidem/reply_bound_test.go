@@ -391,6 +391,9 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var once sync.Once
+	release := func() { once.Do(held.Release) }
+	t.Cleanup(release) // before the pool's Close, which waits for it
 	start := time.Now()
 	holder, claimed := holdKey(t, url, job, start, 6400*time.Millisecond, 8400*time.Millisecond)
 	// given back at 6.6 s, and never before the holder has the key: on a loaded machine its
@@ -398,7 +401,7 @@ func TestLeaseClaimSentLateKeepsItsOwnBound(t *testing.T) {
 	go func() {
 		<-claimed
 		time.Sleep(time.Until(start.Add(6600 * time.Millisecond)))
-		held.Release()
+		release()
 	}()
 	v, replayed, err := dbidem.DoLease(ctx, pool, job, func(context.Context, dbidem.LeaseClaim) (string, error) { return "late", nil })
 	took := time.Since(start)
@@ -461,6 +464,9 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var once sync.Once
+	release := func() { once.Do(held.Release) }
+	t.Cleanup(release) // before the pool's Close, which waits for it
 	start := time.Now()
 	at := func(d time.Duration) { time.Sleep(time.Until(start.Add(d))) }
 	// Another caller's claim holds the key, in its open transaction, from about 6 s (its
@@ -472,7 +478,7 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 	go func() {
 		<-claimed // never before the holder has the key, however late its claim comes
 		at(7500 * time.Millisecond)
-		held.Release()
+		release()
 		at(7700 * time.Millisecond)
 		c, err := pool.Acquire(ctx)
 		if err != nil {
@@ -499,7 +505,7 @@ func TestLeaseClaimAfterALateProbeKeepsItsUnit(t *testing.T) {
 // holdKey has another caller (a pool of its own on url) claim job's key as a transactional
 // claim from..until after start, its transaction open all along, and roll it back then. The
 // function it returns waits for the holder and fails the test unless it gave the key up as
-// planned; the channel is closed once the holder has the key.
+// planned; the channel is closed once the holder has the key (or failed to claim it).
 func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, until time.Duration) (func(), <-chan struct{}) {
 	t.Helper()
 	ctx := context.Background()
@@ -515,14 +521,16 @@ func holdKey(t *testing.T, url string, job dbidem.Job, start time.Time, from, un
 	}
 	done := make(chan error, 1)
 	claimed := make(chan struct{})
+	var once sync.Once
 	time.AfterFunc(time.Until(start.Add(from)), func() {
 		tx := job
 		tx.Lease = 0
 		_, _, err := dbidem.Do(ctx, other, tx, dbidem.TxOptions{}, func(context.Context, pgx.Tx) (string, error) {
-			close(claimed)
+			once.Do(func() { close(claimed) })
 			time.Sleep(time.Until(start.Add(until)))
 			return "", errors.New("the holder gives the key up")
 		})
+		once.Do(func() { close(claimed) }) // a holder that failed to claim lets the test go on, to fail
 		done <- err
 	})
 	return func() {

@@ -37,7 +37,7 @@ var ErrStepRecorded = errors.New("idem: step recorded already")
 // returns ErrClaimLost when no lease claim with this attempt is in progress (taken over,
 // yielded, completed, released): the transaction is aborted and must roll back.
 // ErrStepRecorded when the generation recorded the step already, ErrInvalidArgument when the
-// steps' saved values would pass 8192 bytes.
+// steps' saved values would pass 8192 bytes or saved is not JSON that jsonb holds.
 func RecordStep(ctx context.Context, q Querier, principal, key string, attempt int64, name string, saved json.RawMessage) error {
 	var arg *string
 	if saved != nil {
@@ -80,9 +80,11 @@ func classifyStep(err error) error {
 	if errors.As(err, &pgErr) && pgErr.Code == "23505" {
 		return fmt.Errorf("%w: %w", ErrStepRecorded, err)
 	}
-	if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
-		// the saved value is not JSON (the one argument cast from text): no retry mends it
-		return fmt.Errorf("%w: the step's saved value is not JSON: %w", ErrInvalidArgument, err)
+	if errors.As(err, &pgErr) && (pgErr.Code == "22P02" || pgErr.Code == "22003" || pgErr.Code == "54001") {
+		// The saved value is not JSON that jsonb holds (the one argument cast from text to
+		// jsonb): not JSON (22P02), a number past numeric's range (22003), nesting deeper than
+		// the server's stack (54001). No retry mends it.
+		return fmt.Errorf("%w: the step's saved value is not JSON that PostgreSQL's jsonb holds: %w", ErrInvalidArgument, err)
 	}
 	return classify(err)
 }

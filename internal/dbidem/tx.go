@@ -57,7 +57,10 @@ type Tx struct {
 	// returns, rolled back.
 	outcome Outcome
 	misuse  error
-	retry   error // the first serialization failure or deadlock a statement hit
+	// claimErr: the error of a Claim that failed (none is held), which an answer given after
+	// it names
+	claimErr error
+	retry    error // the first serialization failure or deadlock a statement hit
 	// noStandbyWait: the claim's statement found that this transaction's COMMIT cannot wait
 	// for a synchronous standby (standbyWaitColumn), so RunTx may send it on its caller's
 	// context.
@@ -182,6 +185,15 @@ func withReadSteps(ctx context.Context) context.Context {
 // transactional claim (Lease 0) that is Claimed, end the work with CompleteOnCommit or
 // FinalOnCommit; a claim returned without either makes the COMMIT fail (ErrClaimNotCompleted).
 func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
+	d, err := t.claimOnce(ctx, c)
+	if err != nil && t.claim == nil {
+		t.claimErr = err // an answer given next names it, not a missing claim
+	}
+	return d, err
+}
+
+// claimOnce is Claim.
+func (t *Tx) claimOnce(ctx context.Context, c Claim) (Decision, error) {
 	if t.claim != nil {
 		return Decision{}, errors.New("idem: Tx.Claim called twice in one transaction")
 	}
@@ -267,6 +279,11 @@ func (t *Tx) decidedOnly() bool {
 // replay, a mismatch, a lease in progress): this transaction holds no claim to answer, and its
 // work is a duplicate's; or given with no Claim before it. RunTx rolls back and returns it.
 func (t *Tx) unclaimed(method string) error {
+	if t.claim == nil && t.claimErr != nil {
+		// The claim's failure is the story (ErrInProgress, a store that failed), and what a
+		// caller's retry decides on; the answer could not be stored either way.
+		return fmt.Errorf("idem: %s after a Tx.Claim that failed, so there is no claim to answer: %w", method, t.claimErr)
+	}
 	if t.claim == nil {
 		// No Tx.Claim in this transaction (yet): the answer would be stored nowhere, and a retry
 		// would run the work again.

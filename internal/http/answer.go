@@ -19,7 +19,17 @@ import (
 // answer sends the handler's response, or 500 for a panic.
 func (q *request) answer(rec *recorder) {
 	if rec == nil {
-		q.m.problem(q.w, q.r, CodeInternalError, q.retryHint("the request failed; nothing was changed; retrying with the same key is safe"), nil)
+		detail := q.retryHint("the request failed; nothing was changed; retrying with the same key is safe")
+		if q.rt.Lease > 0 {
+			// A lease route's work may have changed things before it failed: a provider called,
+			// steps committed. What the retry does with them depends on the key.
+			detail = "the request failed; the steps it recorded are kept, and retrying with the same key is safe: " +
+				"the retry goes on after them under the same provider key"
+			if q.noKey {
+				detail = "the request failed; the work it did outside the database or in steps before it failed may have had its effect"
+			}
+		}
+		q.m.problem(q.w, q.r, CodeInternalError, detail, nil)
 		return
 	}
 	rec.sendTo(q.w)

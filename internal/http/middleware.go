@@ -25,10 +25,14 @@ type Middleware struct {
 	o        Options
 	gate     *dbidem.Gate
 	declared map[string]Route // "METHOD template"
-	tracer   trace.Tracer     // nil: tracing off
-	work     *workTracker     // the keyed requests in flight, for Shutdown
-	watches  *watches         // the duplicates of lease requests waiting for answers
-	typical  typicals         // how long lease work takes here, per action (Retry-After)
+	// wildcards: a declared template holds a variable ({id}); unmatched: Handler has warned
+	// that such a template cannot match without Options.RouteTemplate (D272)
+	wildcards bool
+	unmatched atomic.Bool
+	tracer    trace.Tracer // nil: tracing off
+	work      *workTracker // the keyed requests in flight, for Shutdown
+	watches   *watches     // the duplicates of lease requests waiting for answers
+	typical   typicals     // how long lease work takes here, per action (Retry-After)
 	// leaseSlots bound the statements of lease work outside its claim (extensions, the
 	// recording of answers, yields, the duplicates' looks) running at once: as many as
 	// MaxWaitingClaims or half the pool, whichever is more (D229).
@@ -86,6 +90,7 @@ func (m *Middleware) Declare(method, pathTemplate string, rt Route) {
 	checkDeclared(method, pathTemplate)
 	rt.check()
 	m.declared[declaredKey(method, pathTemplate)] = rt
+	m.wildcards = m.wildcards || strings.Contains(pathTemplate, "{")
 }
 
 // declaredKey is the key of a declared route: the method in upper case (net/http passes a
@@ -136,6 +141,14 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		if rt, ok := m.declared[declaredKey(r.Method, m.template(r))]; ok {
 			m.serve(w, r, rt, next)
 			return
+		}
+		if m.wildcards && m.o.RouteTemplate == nil && r.Pattern == "" && !m.unmatched.Swap(true) {
+			// The template is the URL path, which a declared {variable} never matches: every
+			// such route would pass through without a key's protection, silently.
+			m.o.Logger.Warn("idem: Handler sees a request without a route template: Options.RouteTemplate is not set, "+
+				"so the template is the URL path, and a declared template with a {variable} never matches it "+
+				"(those routes pass through without idempotency); set Options.RouteTemplate "+
+				"(idemmux.RouteTemplate for gorilla/mux)", "method", r.Method)
 		}
 		next.ServeHTTP(w, r)
 	})

@@ -1,0 +1,74 @@
+package idemmux_test
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/gorilla/mux"
+
+	"github.com/pgidem/pgidem/idem"
+	"github.com/pgidem/pgidem/idem/idemmux"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Declare with a {variable} and r.Use(m.Handler) without Options.RouteTemplate: the template is
+// the URL path, which the declaration never matches, and every request passed through without
+// a key's protection, silently (a black-box review). Handler now logs a warning, once; with
+// idemmux.RouteTemplate there is none, and the route is served.
+func TestHandlerWarnsWithoutARouteTemplate(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	for _, withTemplate := range []bool{false, true} {
+		var logs syncBuffer
+		o := idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+		if withTemplate {
+			o.RouteTemplate = idemmux.RouteTemplate
+		}
+		m, err := idem.New(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Declare("POST", "/v1/items/{id}", idem.Route{Required: true})
+		r := mux.NewRouter()
+		r.Use(m.Handler)
+		r.HandleFunc("/v1/items/{id:[0-9]+}", func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+		}).Methods("POST")
+		srv := httptest.NewServer(r)
+		t.Cleanup(srv.Close)
+		for range 2 {
+			status, _, _ := pgtest.Send(t, context.Background(), "POST", srv.URL+"/v1/items/7", `{}`)
+			if want := map[bool]int{false: http.StatusCreated, true: http.StatusBadRequest}[withTemplate]; status != want {
+				t.Errorf("RouteTemplate set %v: a request without a key to a Required route got %d, want %d", withTemplate, status, want)
+			}
+		}
+		n := strings.Count(logs.String(), "Options.RouteTemplate is not set")
+		if withTemplate && n != 0 || !withTemplate && n != 1 {
+			t.Errorf("RouteTemplate set %v: %d warnings, want %d; log:\n%s", withTemplate, n, map[bool]int{false: 1, true: 0}[withTemplate], logs.String())
+		}
+	}
+}
