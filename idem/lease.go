@@ -67,7 +67,8 @@ func KeepAlive(parent context.Context, q Querier, principal, key string, attempt
 func (l *Lease) Context() context.Context { return l.l.Context() }
 
 // End is when the lease runs out by this process's clock, as far as it knows: Start plus the
-// lease, moved on by each extension that succeeded. The database's end is never earlier.
+// lease, moved on by each extension that succeeded. The database's end is never earlier (and
+// later by an extension that landed after it was given up: see Stop).
 func (l *Lease) End() time.Time { return l.l.End() }
 
 // AnswerDeadline is the deadline, read after Stop, for recording the work's answer
@@ -92,7 +93,11 @@ func (l *Lease) Extensions() int64 { return l.l.Extensions() }
 // Stop ends the heartbeat and the context, and waits for the heartbeat to finish: an extension
 // in flight runs to its end (at most a third of the lease by default), and none starts after
 // it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
-// the stop. Safe to call more than once.
+// the stop. Safe to call more than once. One limit: an extension still waiting on the key's
+// row when the lease ran out is given up and cancelled, and the server hears of the cancel a
+// moment later; a row freed in that moment lets it land. The database's lease then runs on
+// past End (by at most a lease), with nobody working under it: a takeover waits for its end,
+// as for any lease, and the key is never held by two attempts at once.
 func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 
 // Persist runs record (the Complete of a lease's answer, or the Yield that gives its claim up)

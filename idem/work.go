@@ -282,7 +282,8 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 // connection outside a transaction, the statement commits on its own and is never canceled by
 // ctx (a canceled commit that waits for a synchronous standby would stay on the primary alone):
 // when ctx ends first, Complete returns ErrCommitUnknown at once and the statement goes on until
-// PostgreSQL answers it.
+// PostgreSQL answers it. A ctx that ended before the call sends nothing: Complete returns ctx's
+// error, and nothing is stored.
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
 	return dbidem.Complete(ctx, q, principal, key, attempt, dbidem.Response(r))
 }
@@ -310,7 +311,8 @@ func Yield(ctx context.Context, q Querier, principal, key string, attempt int64)
 // transaction that claimed c (after rolling its work back to a savepoint) it finalizes that
 // claim; for a key nobody holds it inserts the answer. It returns false when a live row for
 // the key already exists. Inside RunTx prefer Tx.FinalOnCommit. Outside a transaction it is
-// never canceled by ctx, as Complete.
+// never canceled by ctx once sent, as Complete (a ctx that ended before the call sends
+// nothing and returns ctx's error).
 func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
 	return dbidem.SaveFinal(ctx, q, dbidem.Claim(c), dbidem.Response(r))
 }

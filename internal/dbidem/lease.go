@@ -38,6 +38,11 @@ var extendSQL = `SELECT ` + fmt.Sprintf(microsSQL, `idem.idem_extend(p_principal
 // progress: it was taken over by a later attempt, completed, released, or the key expired and
 // was cleaned up.
 func Extend(ctx context.Context, q Querier, principal, key string, attempt int64, lease time.Duration) (time.Time, error) {
+	if lease == 0 {
+		// interval sends 0 as NULL (the functions' default), which idem_extend refuses as a
+		// NULL: say what was wrong
+		return time.Time{}, fmt.Errorf("%w: idem_extend: the lease must be positive, got 0", ErrInvalidArgument)
+	}
 	var end *int64
 	err := q.QueryRow(ctx, extendSQL, principal, key, attempt, interval(lease)).Scan(&end)
 	return microsTime(end), classify(err)
@@ -290,7 +295,11 @@ func (l *Lease) Extensions() int64 { return l.beats.Load() }
 // Stop ends the heartbeat and the context, and waits for the heartbeat to finish: an extension
 // in flight runs to its end (at most a third of the lease by default), and none starts after
 // it. It reports whether the lease was lost before Stop was called, or before the heartbeat saw
-// the stop. Safe to call more than once.
+// the stop. Safe to call more than once. One limit: an extension still waiting on the key's
+// row when the lease ran out is given up and cancelled, and the server hears of the cancel a
+// moment later; a row freed in that moment lets it land. The database's lease then runs on
+// past End (by at most a lease), with nobody working under it: a takeover waits for its end,
+// as for any lease, and the key is never held by two attempts at once.
 func (l *Lease) Stop() (lost bool) {
 	l.once.Do(func() {
 		now := time.Now()
