@@ -253,3 +253,32 @@ func TestRecoveryClaimSQLRuns(t *testing.T) {
 		t.Fatalf("a repeat after the answer: %s, recovery %v; want replay without steps", r.outcome, r.point)
 	}
 }
+
+// TestLifeOfAKeyRunsAsTheApp runs docs/sql-api.md's "The life of a key" as psql does, as a
+// login role that is only a member of idem_app: the claim commits with its answer, and the
+// same request then replays it. It held a placeholder (<attempt>) that psql refused.
+func TestLifeOfAKeyRunsAsTheApp(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("../docs/sql-api.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block := replaceBlock(t, string(raw), "<!-- life-of-a-key:begin", "<!-- life-of-a-key:end -->", "")
+	m := regexp.MustCompile("(?s)```sql\n(.*?)```").FindStringSubmatch(block)
+	if m == nil {
+		t.Fatalf("no sql block between the life-of-a-key markers:\n%s", block)
+	}
+	url := pgtest.NewDB(t)
+	app := pgtest.LoginRole(t, url, "idem_app")
+	psql(t, app, []byte(m[1]), "-v", "ON_ERROR_STOP=1")
+	admin := pgtest.Connect(t, url)
+	if n := pgtest.Count(t, admin, `SELECT count(*) FROM idem.idempotency_keys WHERE principal_id = 'alice' AND key = 'k1'
+		AND state = 'c' AND response_status = 201 AND convert_from(response_body, 'UTF8') = '{"id":1}'`); n != 1 {
+		t.Fatalf("%d completed rows for the documented key; want its answer stored once", n)
+	}
+	out := psql(t, app, []byte(`SELECT outcome, response_status FROM idem.idem_begin(p_principal => 'alice', p_key => 'k1',
+		p_action => 'POST /v1/transfers', p_request_sha256 => sha256('...'::bytea));`), "-v", "ON_ERROR_STOP=1", "-At")
+	if strings.TrimSpace(out) != "replay|201" {
+		t.Errorf("the same request again: %q, want replay|201", out)
+	}
+}
