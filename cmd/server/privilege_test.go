@@ -3,8 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
+	"os"
+	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,6 +22,37 @@ func loginRole(t *testing.T, db string) string {
 	t.Helper()
 	return pgtest.LoginRole(t, db, "idem_app")
 }
+
+// docLedgerAppRole creates the login role of docs/operations.md ("Roles", the block between
+// the ledger-app-role markers) on db's server, under a name of this test's and a password of
+// its own, and returns db's connection string as that role; it checks the settings the block
+// gives the role, and drops the role when the test ends.
+func docLedgerAppRole(t *testing.T, db string) string {
+	t.Helper()
+	raw, err := os.ReadFile("../../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile("(?s)<!-- ledger-app-role:begin[^\n]*-->\n```sql\n(.*?)```\n<!-- ledger-app-role:end -->").FindSubmatch(raw)
+	if m == nil {
+		t.Fatal("docs/operations.md: no sql block between the ledger-app-role markers")
+	}
+	name := fmt.Sprintf("ledger_app_%d_%d", os.Getpid(), docRoles.Add(1))
+	block := strings.ReplaceAll(strings.ReplaceAll(string(m[1]), "ledger_app", name), "'...'", "'app-secret'")
+	admin := pgtest.Connect(t, db)
+	pgtest.Exec(t, admin, block)
+	pgtest.DropRoleAtEnd(t, db, name)
+	var settings []string
+	if err := admin.QueryRow(context.Background(), `SELECT coalesce(rolconfig, '{}') FROM pg_roles WHERE rolname = $1`, name).Scan(&settings); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(settings, ","); got != "idle_in_transaction_session_timeout=60s,tcp_user_timeout=30s" {
+		t.Fatalf("the documented role's settings: %s", got)
+	}
+	return pgtest.AsRole(t, db, name, "app-secret")
+}
+
+var docRoles atomic.Int64
 
 // migratedAsOwner is a new database on which `server migrate` ran as its owner.
 func migratedAsOwner(t *testing.T) string {
@@ -50,7 +85,7 @@ func loginRoleIn(t *testing.T, db, group string) string {
 func TestLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
 	db := migratedAsOwner(t)
-	app := loginRole(t, db)
+	app := docLedgerAppRole(t, db) // the role docs/operations.md creates, as it creates it
 
 	var log logBuffer
 	rcv := newReceiver(t, false)

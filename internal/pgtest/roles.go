@@ -27,6 +27,14 @@ func LoginRole(t testing.TB, db, group string) string {
 	return AsRole(t, db, name, "app-secret")
 }
 
+// DropRoleAtEnd drops the role name, which the test made on db's server (from a doc's block,
+// say), when the test ends, with what it owns and the privileges granted to it; the test fails
+// when it cannot.
+func DropRoleAtEnd(t testing.TB, db, name string) {
+	t.Helper()
+	t.Cleanup(func() { dropRole(t, db, name, "") })
+}
+
 // dropRole drops a role the test made, first what it owns (reassigned to the test's role when
 // reassign is set) and the privileges granted to it, and fails the test when it cannot: a
 // login role with a known password must not stay on a shared server. A role that is not a
