@@ -97,9 +97,9 @@ func (l *Lease) Extensions() int64 { return l.l.Extensions() }
 // row when the lease ran out is given up and cancelled, and the server hears of the cancel a
 // moment later; a row freed in that moment lets it land. The database's lease then runs on
 // past End (by at most a lease), with nobody working under it: a takeover waits for its end,
-// as for any lease, and the key is never held by two attempts at once. Only a lease whose
-// Interval is shorter than the functions' lock timeout (2 s) can see this: a longer one's last
-// extension stops waiting before the end.
+// as for any lease, and the key is never held by two attempts at once. Only an extension sent
+// less than the functions' lock timeout (2 s) before the end can land so (its wait for the row
+// ends by then): with the default Interval, a lease over 6 s sends none.
 func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 
 // Persist runs record (the Complete of a lease's answer, or the Yield that gives its claim up)
