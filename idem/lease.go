@@ -68,7 +68,7 @@ func (l *Lease) Context() context.Context { return l.l.Context() }
 
 // End is when the lease runs out by this process's clock, as far as it knows: Start plus the
 // lease, moved on by each extension that succeeded. The database's end is never earlier (and
-// later by an extension that landed after it was given up: see Stop).
+// is later after an extension that landed once it was given up: see Stop).
 func (l *Lease) End() time.Time { return l.l.End() }
 
 // AnswerDeadline is the deadline, read after Stop, for recording the work's answer
@@ -96,10 +96,11 @@ func (l *Lease) Extensions() int64 { return l.l.Extensions() }
 // the stop. Safe to call more than once. One limit: an extension still waiting on the key's
 // row when the lease ran out is given up and cancelled, and the server hears of the cancel a
 // moment later; a row freed in that moment lets it land. The database's lease then runs on
-// past End (by at most a lease), with nobody working under it: a takeover waits for its end,
-// as for any lease, and the key is never held by two attempts at once. Only an extension sent
+// past End (by about a lease), with nobody working under it: a takeover waits for its end, as
+// for any lease, and the key is never held by two attempts at once. Only an extension sent
 // less than the functions' lock timeout (2 s) before the end can land so (its wait for the row
-// ends by then): with the default Interval, a lease over 6 s sends none.
+// ends by then): with the default Interval, a lease over 6 s starts none then (one that first
+// waited for a pool connection may still be sent then).
 func (l *Lease) Stop() (lost bool) { return l.l.Stop() }
 
 // Persist runs record (the Complete of a lease's answer, or the Yield that gives its claim up)
@@ -125,11 +126,14 @@ func Persist(ctx context.Context, record func(ctx context.Context) error) error 
 // Complete of the caller's that returned ErrCommitUnknown), and the next try then finds the
 // claim completed and fails with ErrClaimLost although the answer stored is this attempt's.
 // Whenever a try fails with ErrClaimLost, PersistAnswer reads the key's row (idem_key, which
-// writes nothing; again until a read answers, or ctx ends) and returns nil when it is
-// completed with this attempt, whether or not its answer still replays (its TTL may have
-// passed meanwhile); ErrClaimLost when it is not; and, when no read answered, an error that
-// says so (the outcome is unknown). The answer stored is the one that landed first: a token
-// is completed once. c is the claim as it was made.
+// writes nothing) and returns nil when it is completed with this attempt, whether or not its
+// answer still replays (its TTL may have passed meanwhile); ErrClaimLost when it is not. When
+// one of its own tries lost its reply, the read is tried again until one answers, until ctx
+// ends and a moment past it, and when none answered the error says so (the outcome is
+// unknown). When every try was answered (the case after an earlier Complete's
+// ErrCommitUnknown), the read gets a second of its own, and when it gets no answer
+// ErrClaimLost stands: call ReadKey to tell then. The answer stored is the one that landed
+// first: a token is completed once. c is the claim as it was made.
 func PersistAnswer(ctx context.Context, db Pool, c Claim, attempt int64, r Response) error {
 	return dbidem.PersistAnswer(ctx, db, db, dbidem.Claim(c), attempt, dbidem.Response(r))
 }

@@ -93,14 +93,16 @@ func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 // returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
 // in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
 // wrapping ErrClaimLost. Without a Claim before it in the transaction, RunTx rolls back and
-// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere).
+// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere), or, after
+// a Claim that failed, that Claim's error.
 func (t *Tx) CompleteOnCommit(r Response) { t.t.CompleteOnCommit(dbidem.Response(r)) }
 
 // FinalOnCommit stores r as the final answer to this transaction's claim (a 404, a 422): when
 // the function returns, RunTx rolls the work back to the savepoint taken right after the
 // claim, stores r and commits, in one round trip. After a Claim whose outcome was not Claimed,
 // RunTx rolls back and returns an error wrapping ErrClaimLost, as CompleteOnCommit does, and
-// without a Claim before it an error wrapping ErrInvalidArgument.
+// without a Claim before it an error wrapping ErrInvalidArgument (after a Claim that failed,
+// that Claim's error).
 func (t *Tx) FinalOnCommit(r Response) { t.t.FinalOnCommit(dbidem.Response(r)) }
 
 // Begin starts a nested transaction (a savepoint), as pgx.Tx does.
@@ -283,7 +285,7 @@ func Begin(ctx context.Context, q Querier, c Claim) (Decision, error) {
 // ctx (a canceled commit that waits for a synchronous standby would stay on the primary alone):
 // when ctx ends first, Complete returns ErrCommitUnknown at once and the statement goes on until
 // PostgreSQL answers it. A ctx that ended before the call sends nothing: Complete returns ctx's
-// error, and nothing is stored.
+// cause (context.Cause), and nothing is stored.
 func Complete(ctx context.Context, q Querier, principal, key string, attempt int64, r Response) error {
 	return dbidem.Complete(ctx, q, principal, key, attempt, dbidem.Response(r))
 }
@@ -312,7 +314,7 @@ func Yield(ctx context.Context, q Querier, principal, key string, attempt int64)
 // claim; for a key nobody holds it inserts the answer. It returns false when a live row for
 // the key already exists. Inside RunTx prefer Tx.FinalOnCommit. Outside a transaction it is
 // never canceled by ctx once sent, as Complete (a ctx that ended before the call sends
-// nothing and returns ctx's error).
+// nothing and returns ctx's cause).
 func SaveFinal(ctx context.Context, q Querier, c Claim, r Response) (bool, error) {
 	return dbidem.SaveFinal(ctx, q, dbidem.Claim(c), dbidem.Response(r))
 }

@@ -104,7 +104,11 @@ var (
 )
 
 `+strings.Join(files, "\n"))
-	cmd := exec.Command("go", "build", "-o", os.DevNull, "./"+pkg)
+	args := []string{"build", "-o", os.DevNull}
+	if raceEnabled {
+		args = append(args, "-race") // the packages the test binary was built from, cached as they are
+	}
+	cmd := exec.Command("go", append(args, "./"+pkg)...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		src, _ := os.ReadFile(filepath.Join(dir, "fragments.go"))
 		t.Fatalf("the docs' Go fragments do not compile: %v\n%s\n%s", err, out, src)

@@ -2,6 +2,8 @@ package idemtest_test
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -40,5 +42,59 @@ func TestOwnerURLMigratesAsAPlainOwner(t *testing.T) {
 	}
 	if !ownsSchema {
 		t.Errorf("schema idem is not the plain owner's")
+	}
+}
+
+// TEST_DATABASE_URL may name a role that may create databases and roles without being a
+// superuser: OwnerURL gives such a role's database away too (it makes the new role one it is a
+// member of, as PostgreSQL asks), and quotes a database name that needs it.
+func TestOwnerURLByANonSuperuserCreator(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := idemtest.NewEmptyDB(t)
+	admin, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { admin.Close(ctx) }) // after the drops below
+	creator := fmt.Sprintf("idemtest_owner_creator_%d", os.Getpid())
+	db := fmt.Sprintf("Owner-URL %d", os.Getpid())
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+creator+` LOGIN PASSWORD 'creator' CREATEDB CREATEROLE`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(ctx, `DROP DATABASE IF EXISTS `+pgx.Identifier{db}.Sanitize()+` WITH (FORCE)`); err != nil {
+			t.Error(err)
+		}
+		if _, err := admin.Exec(ctx, `DROP OWNED BY `+creator+`; DROP ROLE `+creator); err != nil {
+			t.Error(err)
+		}
+	})
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := pgx.Connect(ctx, fmt.Sprintf("host=%s port=%d dbname=%s user=%s password=creator", cfg.Host, cfg.Port, cfg.Database, creator))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Exec(ctx, `CREATE DATABASE `+pgx.Identifier{db}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	c.Close(ctx)
+	asCreator := fmt.Sprintf("host=%s port=%d dbname='%s' user=%s password=creator", cfg.Host, cfg.Port, db, creator)
+	var owns bool
+	t.Run("owner", func(t *testing.T) {
+		oc, err := pgx.Connect(ctx, idemtest.OwnerURL(t, asCreator))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer oc.Close(ctx)
+		if err := oc.QueryRow(ctx, `SELECT datdba = (SELECT oid FROM pg_roles WHERE rolname = current_user) FROM pg_database WHERE datname = current_database()`).Scan(&owns); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if !owns {
+		t.Errorf("OwnerURL by a creator that is no superuser: the new role does not own %q", db)
 	}
 }

@@ -298,10 +298,11 @@ func (l *Lease) Extensions() int64 { return l.beats.Load() }
 // the stop. Safe to call more than once. One limit: an extension still waiting on the key's
 // row when the lease ran out is given up and cancelled, and the server hears of the cancel a
 // moment later; a row freed in that moment lets it land. The database's lease then runs on
-// past End (by at most a lease), with nobody working under it: a takeover waits for its end,
-// as for any lease, and the key is never held by two attempts at once. Only an extension sent
+// past End (by about a lease), with nobody working under it: a takeover waits for its end, as
+// for any lease, and the key is never held by two attempts at once. Only an extension sent
 // less than the functions' lock timeout (2 s) before the end can land so (its wait for the row
-// ends by then): with the default Interval, a lease over 6 s sends none.
+// ends by then): with the default Interval, a lease over 6 s starts none then (one that first
+// waited for a pool connection may still be sent then).
 func (l *Lease) Stop() (lost bool) {
 	l.once.Do(func() {
 		now := time.Now()
@@ -418,10 +419,12 @@ func GiveUpUnknown(ctx context.Context, db Pool, c Claim, attempt int64) (bool, 
 // may have committed: the next try then finds the claim completed and fails with ErrClaimLost,
 // although the answer stored is this one. The same holds after an earlier Complete of the
 // caller's that returned ErrCommitUnknown. So whenever a try says the claim is lost,
-// PersistAnswer reads the key's row on db (idem_key, which writes nothing; again until a read
-// answers): completed with this attempt means the answer is stored, and PersistAnswer returns
-// nil. Any other finding keeps ErrClaimLost; no answer to the read is an error of its own (the
-// outcome is unknown).
+// PersistAnswer reads the key's row on db (idem_key, which writes nothing): completed with this
+// attempt means the answer is stored, and PersistAnswer returns nil; any other finding keeps
+// ErrClaimLost. When a try's reply was lost, the read is tried again until one answers, until
+// ctx ends and a moment past it, and no answer is an error of its own (the outcome is
+// unknown). When every try was answered, the read gets a second of its own, and no answer
+// keeps ErrClaimLost.
 func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt int64, r Response) error {
 	unknown := false
 	err := Persist(ctx, func(ctx context.Context) error {
@@ -450,7 +453,10 @@ func PersistAnswer(ctx context.Context, q Querier, db Querier, c Claim, attempt 
 		if landed {
 			return nil
 		}
-		if rerr != nil && ctx.Err() == nil {
+		if rerr == nil {
+			return err // a read answered: not completed with this attempt, and nothing can land now
+		}
+		if ctx.Err() == nil {
 			// Nothing is known: not ErrClaimLost, which says another attempt holds the key
 			// (the work would run again, under a new provider key once the key expired).
 			return fmt.Errorf("idem: an answer's recording lost its reply, and whether it landed could not be read: %w (before: %v)", rerr, err)

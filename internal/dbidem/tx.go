@@ -186,8 +186,8 @@ func withReadSteps(ctx context.Context) context.Context {
 // FinalOnCommit; a claim returned without either makes the COMMIT fail (ErrClaimNotCompleted).
 func (t *Tx) Claim(ctx context.Context, c Claim) (Decision, error) {
 	d, err := t.claimOnce(ctx, c)
-	if err != nil && t.claim == nil {
-		t.claimErr = err // an answer given next names it, not a missing claim
+	if err != nil && t.claim == nil && t.claimErr == nil {
+		t.claimErr = err // an answer given next names it (the first: a later one is its echo, 25P02)
 	}
 	return d, err
 }
@@ -299,7 +299,8 @@ func (t *Tx) unclaimed(method string) error {
 // returns the error. After a Claim whose outcome was not Claimed (a replay, a mismatch, a lease
 // in progress) the transaction holds no claim to answer: RunTx rolls back and returns an error
 // wrapping ErrClaimLost. Without a Claim before it in the transaction, RunTx rolls back and
-// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere).
+// returns an error wrapping ErrInvalidArgument (the answer would be stored nowhere), or, after
+// a Claim that failed, that Claim's error.
 func (t *Tx) CompleteOnCommit(r Response) {
 	if t.claim == nil {
 		t.misuse = t.unclaimed("CompleteOnCommit")
@@ -317,7 +318,8 @@ func (t *Tx) CompleteOnCommit(r Response) {
 // the claim, stores r with idem_save_final and commits, in one round trip. The claim is held
 // throughout, so a duplicate waiting on the key sees only the stored answer. After a Claim
 // whose outcome was not Claimed, RunTx rolls back and returns an error wrapping ErrClaimLost,
-// as CompleteOnCommit does, and without a Claim before it an error wrapping ErrInvalidArgument.
+// as CompleteOnCommit does, and without a Claim before it an error wrapping ErrInvalidArgument
+// (after a Claim that failed, that Claim's error).
 func (t *Tx) FinalOnCommit(r Response) {
 	if t.claim == nil {
 		t.misuse = t.unclaimed("FinalOnCommit")

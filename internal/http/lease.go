@@ -296,7 +296,7 @@ func (q *request) lease(ctx context.Context, claim dbidem.Claim, d dbidem.Decisi
 		log.Error("idem: lease not ended; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.answer(rec)
 	case err != nil:
-		log.Error("idem: lease answer not recorded; the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
+		log.Error("idem: lease answer not recorded, or not known to be; if not, the key stays in progress until the lease runs out, then a retry runs the work again", "error", err)
 		q.w.Header().Set("Retry-After", strconv.Itoa(max(int(math.Ceil(claim.Lease.Seconds())), 1)))
 		q.m.problem(q.w, q.r, CodeOutcomeUnknown, "the work was done but its answer could not be recorded: retry with the same key "+
 			"after Retry-After to get an answer (work that an outside provider deduplicates is not repeated)", nil)

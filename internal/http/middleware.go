@@ -142,13 +142,13 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			m.serve(w, r, rt, next)
 			return
 		}
-		if m.wildcards && m.o.RouteTemplate == nil && r.Pattern == "" && !m.unmatched.Swap(true) {
+		if m.wildcards && m.o.RouteTemplate == nil && r.Pattern == "" && !m.unmatched.Load() && !m.unmatched.Swap(true) {
 			// The template is the URL path, which a declared {variable} never matches: every
 			// such route would pass through without a key's protection, silently.
 			m.o.Logger.Warn("idem: Handler sees a request without a route template: Options.RouteTemplate is not set, "+
 				"so the template is the URL path, and a declared template with a {variable} never matches it "+
-				"(those routes pass through without idempotency); set Options.RouteTemplate "+
-				"(idemmux.RouteTemplate for gorilla/mux)", "method", r.Method)
+				"(those routes pass through without idempotency); with gorilla/mux set Options.RouteTemplate "+
+				"to idemmux.RouteTemplate; with net/http's ServeMux wrap each route with Route", "method", r.Method)
 		}
 		next.ServeHTTP(w, r)
 	})

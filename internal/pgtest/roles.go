@@ -104,8 +104,17 @@ func OwnerRole(t testing.TB, db string) string {
 		t.Fatal(err)
 	}
 	name := fmt.Sprintf("idem_owner_%d_%d", os.Getpid(), loginRoles.Add(1))
-	Exec(t, admin, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE;
-		ALTER DATABASE %s OWNER TO %[1]s`, name, cfg.Database))
+	Exec(t, admin, fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD 'app-secret' NOSUPERUSER NOCREATEDB NOCREATEROLE`, name))
+	var super bool
+	if err := admin.QueryRow(context.Background(), `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super); err != nil {
+		t.Fatal(err)
+	}
+	if !super {
+		// A role that may create roles but is no superuser (TEST_DATABASE_URL's may be) gives
+		// a database away only to a role it is a member of.
+		Exec(t, admin, `GRANT `+name+` TO current_user`)
+	}
+	Exec(t, admin, fmt.Sprintf(`ALTER DATABASE %s OWNER TO %s`, pgx.Identifier{cfg.Database}.Sanitize(), name))
 	t.Cleanup(func() { dropRole(t, db, name, "current_user") })
 	return AsRole(t, db, name, "app-secret")
 }
