@@ -325,10 +325,10 @@ func (m *Middleware) Declared() map[string]Route {
 // declared with Declare take part; all others pass through untouched, header or not. It
 // needs a router that matches the route before it runs its middlewares, as gorilla/mux does
 // (with Options.RouteTemplate set to idemmux.RouteTemplate); with net/http's ServeMux, which
-// matches as it dispatches, wrap each route with Route. Without Options.RouteTemplate (and
-// outside a ServeMux pattern) the template is the URL path, which a declared template with a
-// {variable} never matches: Handler then logs a warning once, and such routes pass through
-// unprotected.
+// matches as it dispatches, wrap each route with Route. Without a template from
+// Options.RouteTemplate (unset, or returning "") or a ServeMux pattern, the template is the URL
+// path, which a declared template with a {variable} never matches: Handler then logs a warning
+// once, and such routes pass through unprotected.
 func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handler(next) }
 
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that

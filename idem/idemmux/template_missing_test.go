@@ -37,17 +37,25 @@ func (s *syncBuffer) String() string {
 // Declare with a {variable} and r.Use(m.Handler) without Options.RouteTemplate: the template is
 // the URL path, which the declaration never matches, and every request passed through without
 // a key's protection, silently (a black-box review). Handler now logs a warning, once; with
-// idemmux.RouteTemplate there is none, and the route is served.
+// idemmux.RouteTemplate there is none, and the route is served. A RouteTemplate that returns ""
+// (a router's function that does not know the route) leaves the URL path too, and is warned
+// about in its own words.
 func TestHandlerWarnsWithoutARouteTemplate(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.NewPool(t, 4)
-	for _, withTemplate := range []bool{false, true} {
+	for _, c := range []struct {
+		name     string
+		template func(*http.Request) string
+		warning  string
+	}{
+		{"none", nil, "Options.RouteTemplate is not set"},
+		{"idemmux", idemmux.RouteTemplate, ""},
+		{"empty", func(*http.Request) string { return "" }, `Options.RouteTemplate returned \"\"`},
+	} {
+		withTemplate := c.warning == ""
 		var logs syncBuffer
 		o := idem.Options{DB: pool, Principal: func(*http.Request) (string, bool) { return "alice", true },
-			Logger: slog.New(slog.NewTextHandler(&logs, nil))}
-		if withTemplate {
-			o.RouteTemplate = idemmux.RouteTemplate
-		}
+			Logger: slog.New(slog.NewTextHandler(&logs, nil)), RouteTemplate: c.template}
 		m, err := idem.New(context.Background(), o)
 		if err != nil {
 			t.Fatal(err)
@@ -63,12 +71,12 @@ func TestHandlerWarnsWithoutARouteTemplate(t *testing.T) {
 		for range 2 {
 			status, _, _ := pgtest.Send(t, context.Background(), "POST", srv.URL+"/v1/items/7", `{}`)
 			if want := map[bool]int{false: http.StatusCreated, true: http.StatusBadRequest}[withTemplate]; status != want {
-				t.Errorf("RouteTemplate set %v: a request without a key to a Required route got %d, want %d", withTemplate, status, want)
+				t.Errorf("RouteTemplate %s: a request without a key to a Required route got %d, want %d", c.name, status, want)
 			}
 		}
-		n := strings.Count(logs.String(), "Options.RouteTemplate is not set")
-		if withTemplate && n != 0 || !withTemplate && n != 1 {
-			t.Errorf("RouteTemplate set %v: %d warnings, want %d; log:\n%s", withTemplate, n, map[bool]int{false: 1, true: 0}[withTemplate], logs.String())
+		n := strings.Count(logs.String(), "without a route template")
+		if withTemplate && n != 0 || !withTemplate && (n != 1 || !strings.Contains(logs.String(), c.warning)) {
+			t.Errorf("RouteTemplate %s: %d warnings, want %d saying %q; log:\n%s", c.name, n, map[bool]int{false: 1, true: 0}[withTemplate], c.warning, logs.String())
 		}
 	}
 }

@@ -138,17 +138,28 @@ func (m *Middleware) Declared() map[string]Route {
 // with net/http's ServeMux, which matches as it dispatches, wrap each route with Route.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if rt, ok := m.declared[declaredKey(r.Method, m.template(r))]; ok {
+		template, routed := m.routeTemplate(r)
+		if rt, ok := m.declared[declaredKey(r.Method, template)]; ok {
 			m.serve(w, r, rt, next)
 			return
 		}
-		if m.wildcards && m.o.RouteTemplate == nil && r.Pattern == "" && !m.unmatched.Load() && !m.unmatched.Swap(true) {
+		if m.wildcards && !routed && !m.unmatched.Load() && !m.unmatched.Swap(true) {
 			// The template is the URL path, which a declared {variable} never matches: every
 			// such route would pass through without a key's protection, silently.
-			m.o.Logger.Warn("idem: Handler sees a request without a route template: Options.RouteTemplate is not set, "+
-				"so the template is the URL path, and a declared template with a {variable} never matches it "+
-				"(those routes pass through without idempotency); with gorilla/mux set Options.RouteTemplate "+
-				"to idemmux.RouteTemplate; with net/http's ServeMux wrap each route with Route", "method", r.Method)
+			// An Options.RouteTemplate that returns "" does so for a request its router did not
+			// match, or for every request when Handler wraps the router instead of being one of
+			// its middlewares (gorilla/mux's r.Use): worth a warning once, worded for both.
+			msg := "idem: Handler sees a request without a route template: Options.RouteTemplate is not set, " +
+				"so the template is the URL path, and a declared template with a {variable} never matches it " +
+				"(those routes pass through without idempotency); with gorilla/mux set Options.RouteTemplate " +
+				"to idemmux.RouteTemplate; with net/http's ServeMux wrap each route with Route"
+			if m.o.RouteTemplate != nil {
+				msg = `idem: Handler sees a request without a route template: Options.RouteTemplate returned "", ` +
+					"so the template is the URL path, and a declared template with a {variable} never matches it; " +
+					"if that happens to requests of a declared route, they pass through without idempotency: " +
+					"install Handler as one of the router's middlewares (gorilla/mux's r.Use), after it matched the route"
+			}
+			m.o.Logger.Warn(msg, "method", r.Method)
 		}
 		next.ServeHTTP(w, r)
 	})
@@ -158,12 +169,19 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 // net/http's ServeMux matched (Go 1.22 patterns, without their method and host), else the URL
 // path.
 func (m *Middleware) template(r *http.Request) string {
+	t, _ := m.routeTemplate(r)
+	return t
+}
+
+// routeTemplate is template's answer, and whether a router gave it (Options.RouteTemplate, or
+// the pattern ServeMux matched) rather than the URL path standing in for one.
+func (m *Middleware) routeTemplate(r *http.Request) (string, bool) {
 	if m.o.RouteTemplate != nil {
 		if t := m.o.RouteTemplate(r); t != "" {
-			return t
+			return t, true
 		}
 	}
-	return DefaultRouteTemplate(r)
+	return DefaultRouteTemplate(r), r.Pattern != ""
 }
 
 // DefaultRouteTemplate is the route template of a request when Options.RouteTemplate gives
