@@ -376,7 +376,8 @@ type GateStats struct {
 	// waited in line for it (not a lease route's duplicates, which wait on the lease's answer
 	// and count in Waiting meanwhile); Refused those answered 409 without waiting on the
 	// database (their wait ran out, the waiting duplicates held too much, or every wait slot was
-	// taken; not the 409s of waits that Shutdown ended).
+	// taken; not the 409s of waits that Shutdown ended, nor a locked key table's 503s, which
+	// a Gate's caller gets as ErrStoreBusy).
 	Coalesced, Refused uint64
 }
 

@@ -820,7 +820,9 @@ func (g *Gate) runGated(wait, work, ctx context.Context, db Acquirer, opts TxOpt
 	if isLockTimeout(err) && !IsKeyWait(err) && !isWork(err) && !worked {
 		// The table is locked: waiting for it would hold a connection for the whole lock
 		// timeout, and every other request's with it. Answer now; the caller retries later.
-		g.countRefused(ctx)
+		// Not counted as refused: Refused counts duplicates told the key is in progress
+		// without waiting on the database (409s), and this is ErrStoreBusy (a 503), as the
+		// middleware's tally already counted it.
 		// The lock timeout itself is wrapped, not the ErrInProgress around it: the key was
 		// never in progress, and a caller that tests for ErrInProgress first (Do's) must not
 		// read a locked table as a key another process holds.

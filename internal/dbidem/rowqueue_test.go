@@ -145,11 +145,18 @@ func TestLockedTableIsNoKeyWaitForAnExpiredKey(t *testing.T) {
 	defer func() { _ = locker.Rollback(ctx) }()
 	pgtest.Exec(t, locker, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`)
 	start := time.Now()
-	err = dbidem.NewGate(dbidem.GateOptions{}).Run(ctx, pool, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error {
+	gate := dbidem.NewGate(dbidem.GateOptions{})
+	err = gate.Run(ctx, pool, dbidem.TxOptions{}, c, func(*dbidem.Tx, dbidem.Decision) error {
 		return errors.New("the claim ran under a table lock")
 	})
 	if !errors.Is(err, dbidem.ErrStoreBusy) || dbidem.IsKeyWait(err) || time.Since(start) > time.Second {
 		t.Fatalf("a claim of an expired key under a locked table: %v after %s, want ErrStoreBusy at once", err, time.Since(start))
+	}
+	// Refused counts duplicates told the key is in progress without waiting on the database
+	// (the middleware's 409s); a locked table is ErrStoreBusy (its 503), which the
+	// middleware never counted there, and a bare Gate counted (D274).
+	if n := gate.Refused(); n != 0 {
+		t.Errorf("the Gate counted %d refused for a locked table, want 0", n)
 	}
 }
 
