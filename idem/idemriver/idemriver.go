@@ -44,17 +44,19 @@ import (
 	"github.com/pgidem/pgidem/internal/canon"
 )
 
-// ErrNoTx is Insert's error outside the transactional unit of work of a keyed request: there
-// is no transaction that the job could commit with (a lease route, a route that is not
-// declared, or a context that is not a request's).
+// ErrNoTx is Insert's error outside a transactional route's unit of work: there is no
+// transaction that the job could commit with (a lease route, a route that is not declared, or
+// a context that is not a request's). A transactional route's request without a key (where
+// the route does not require one) has a unit of work too, and Insert enqueues there: once per
+// attempt, since nothing tells a retry of it from a new request.
 var ErrNoTx = errors.New("idemriver: no transaction in the context (idem.TxFrom is nil): " +
 	"enqueue from a transactional route's handler, or with client.InsertTx on a transaction of your own")
 
 // Insert enqueues args with client.InsertTx on the transaction of the request's unit of work
 // (idem.TxFrom(ctx)): the job is inserted when the request's effect, its answer and its key
 // commit, and never when they roll back. A replay of the request does not run its handler, so
-// a retried request enqueues one job. It returns ErrNoTx when the context has no such
-// transaction. Work outside HTTP calls client.InsertTx itself, on the transaction of idem.Do
+// a retried request enqueues one job (a request without a key: one job per attempt). It
+// returns ErrNoTx when the context has no such transaction. Work outside HTTP calls client.InsertTx itself, on the transaction of idem.Do
 // or of idem.RunTx.
 func Insert(ctx context.Context, client *river.Client[pgx.Tx], args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
 	tx := idem.TxFrom(ctx)
