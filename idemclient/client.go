@@ -169,6 +169,7 @@ type Result struct {
 	// one) counts too: Attempts may be one more than the requests the server saw, never fewer.
 	Attempts int
 	// Key is the idempotency key the operation used: retry a failed operation later under it.
+	// Empty only when Do refused a request that carried two keys (it chose neither).
 	Key string
 }
 

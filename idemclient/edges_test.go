@@ -54,6 +54,10 @@ func TestTwoKeyHeadersRefusalClosesBody(t *testing.T) {
 		if err == nil || res.Attempts != 0 {
 			t.Fatalf("%s: %d %v, want a refusal", name, res.Status, err)
 		}
+		// Two keys: Do chose neither, and Result.Key named one by the header map's order.
+		if name != "upgrade (reference)" && res.Key != "" {
+			t.Errorf("%s: Result.Key %q after a refusal for two keys, want none", name, res.Key)
+		}
 		if closes.Load() != 1 {
 			t.Errorf("%s: refused (%v) but the body was closed %d times, want once (\"A request refused before sending has its body closed, as net/http does\")", name, err, closes.Load())
 		}

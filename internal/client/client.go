@@ -283,7 +283,9 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 	if key == "" {
 		if v := c.keyValues(req.Header); len(v) > 1 {
 			closeBody(req)
-			return Result{Key: v[0]}, fmt.Errorf("idemclient: the request carries %d %s headers; an operation has one key", len(v), c.keyHeader())
+			// No key is the operation's: which value came first depends on the header map's
+			// order (two spellings of the name are two entries), so Result.Key names none.
+			return Result{}, fmt.Errorf("idemclient: the request carries %d %s headers; an operation has one key", len(v), c.keyHeader())
 		} else if len(v) == 1 {
 			key = v[0]
 		}
