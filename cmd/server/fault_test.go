@@ -322,6 +322,11 @@ func TestDatabaseDownIs503(t *testing.T) {
 				!strings.Contains(body, "unavailable") {
 				t.Fatalf("%s while the database is unreachable: %d %v %s, want 503 with Retry-After", call.name, status, header, body)
 			}
+			// The detail tells a keyed request to retry with its key, and a read, which
+			// carries none, to send it again (an operator's review saw a GET told the key).
+			if keyed := strings.Contains(body, "Idempotency-Key"); keyed != (call.name == "a keyed deposit") {
+				t.Errorf("%s while the database is unreachable: %s; the detail names the key %v, want only for a keyed request", call.name, body, keyed)
+			}
 		}
 	}
 

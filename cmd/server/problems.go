@@ -49,12 +49,12 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		// The shutdown timeout ended the work before it answered: a transfer or deposit rolled
 		// back; a payout's retry runs it again under the same provider key.
 		w.Header().Set("Retry-After", "1")
-		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; retry with the same Idempotency-Key")
+		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; "+retryHint(r))
 		return
 	}
 	if idem.IsUnavailable(err) {
 		w.Header().Set("Retry-After", "1")
-		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; retry with the same Idempotency-Key")
+		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; "+retryHint(r))
 		return
 	}
 	if poolerCacheError(err) {
@@ -63,10 +63,19 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		// statements (D259); the log names the fix (database.go).
 		w.Header().Set("Retry-After", "1")
 		problem(w, r, http.StatusServiceUnavailable, "service_unavailable",
-			"the database connection's prepared statements failed (a connection pooler; see the server's log); retry with the same Idempotency-Key")
+			"the database connection's prepared statements failed (a connection pooler; see the server's log); "+retryHint(r))
 		return
 	}
-	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; retry with the same Idempotency-Key")
+	problem(w, r, http.StatusInternalServerError, "internal_error", "nothing was changed; "+retryHint(r))
+}
+
+// retryHint is the end of serverError's details: a request that carries a key is retried
+// with it; one without (a GET, a balance's read) is simply sent again.
+func retryHint(r *http.Request) string {
+	if r.Header.Get("Idempotency-Key") != "" {
+		return "retry with the same Idempotency-Key"
+	}
+	return "retry the request"
 }
 
 // unrecordedPayout is serverError for a payout the provider made whose row could not be
