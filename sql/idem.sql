@@ -3667,6 +3667,7 @@ DECLARE
     v_state   "char";
     v_attempt bigint;
     v_expired boolean;
+    v_given   boolean;
     v_now     timestamptz;
     v_token   bigint;
 BEGIN
@@ -3704,14 +3705,19 @@ IF v_problem IS NOT NULL THEN
         SELECT k.state, k.attempt,
                CASE WHEN k.state = 'c' THEN coalesce(k.lease_expires_at, k.expires_at) <= v_now
                     ELSE k.expires_at <= v_now AND (k.lease_expires_at IS NULL OR k.lease_expires_at <= v_now)
-                         AND k.uncompleted IS NULL END
-          INTO v_state, v_attempt, v_expired
+                         AND k.uncompleted IS NULL END,
+               -- given up since (this function's release, or its holder's idem_yield): a new
+               -- token, the lease ended, no claim time, and no retry has taken it over yet
+               k.state = 'p' AND k.claimed_at IS NULL AND k.lease_expires_at <= v_now
+          INTO v_state, v_attempt, v_expired, v_given
           FROM idem.idempotency_keys AS k WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
         RAISE EXCEPTION 'idem_release_stuck: no lease claim in progress for this key with attempt %: %', p_attempt,
             CASE WHEN v_state IS NULL THEN 'the key does not exist'
                  WHEN v_expired THEN 'the key expired: it is absent, and the next request claims it anew'
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
+                 WHEN v_attempt <> p_attempt AND v_given
+                     THEN format('the claim was given up already (released by an operator, or yielded by its holder) and its token is now %s: the retry of the request takes it over', v_attempt)
                  WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
