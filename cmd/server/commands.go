@@ -77,6 +77,12 @@ func (m *Main) Run(ctx context.Context) error {
 		check = checkIdemMigrated
 	}
 	if err := check(ctx, m.pool); err != nil {
+		if poolerCacheError(err) {
+			// default_query_exec_mode=cache_statement behind a pooler: a server connection
+			// kept another session's prepared statement. Not a migration's problem.
+			return fmt.Errorf("%w: DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?) that does not "+
+				"keep prepared statements, which default_query_exec_mode=cache_statement needs; set default_query_exec_mode=exec in DATABASE_URL", err)
+		}
 		return err
 	}
 	switch m.Command {

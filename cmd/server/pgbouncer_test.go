@@ -446,3 +446,34 @@ func TestPgBouncerStatementCacheChosen(t *testing.T) {
 		t.Fatalf("the log does not name the fix:\n%s", text)
 	}
 }
+
+// TestPgBouncerStatementCacheAtStartNamesTheFix: with default_query_exec_mode=cache_statement
+// behind PgBouncer 1.18, a command's start check meets a prepared statement that an earlier
+// session left on PgBouncer's server connection (42P05). The command exits with that error,
+// which blamed "check the migrations"; it now names the fix, as the requests' log does (an
+// operator's review started the server three times this way).
+func TestPgBouncerStatementCacheAtStartNamesTheFix(t *testing.T) {
+	t.Parallel()
+	bb := behindPgBouncer(t)
+	via := withoutExecMode(t, bb.via, "cache_statement")
+	failed := 0
+	for range 4 {
+		m := NewMain(io.Discard, io.Discard)
+		if err := m.ParseFlags([]string{"keys"}, serverEnv(via, nil)); err != nil {
+			t.Fatal(err)
+		}
+		err := m.Run(context.Background())
+		_ = m.Close()
+		if err == nil {
+			continue
+		}
+		failed++
+		if !poolerCacheError(err) || !strings.Contains(err.Error(), "set default_query_exec_mode=exec in DATABASE_URL") {
+			t.Fatalf("a start behind PgBouncer with the statement cache: %v; want the pooler's error naming the fix", err)
+		}
+	}
+	if failed == 0 {
+		t.Fatal("four starts with the statement cache behind PgBouncer never met a statement left by the one before; the test no longer shows the case")
+	}
+	t.Logf("%d of 4 starts met the earlier sessions' statements", failed)
+}
