@@ -64,9 +64,9 @@ func (s *ledger) createPayout(w http.ResponseWriter, r *http.Request) {
 	claim, _ := idem.ClaimOf(ctx)
 	ref, err := s.provider.pay(ctx, principal, claim.ProviderKey, amt)
 	if err != nil {
-		// The lease was lost or the work ran out of time: the middleware answers for the
-		// attempt that holds the key.
-		s.serverError(w, r, err)
+		// The lease was lost (the middleware answers for the attempt that holds the key), or
+		// the call failed or ran out of time, maybe after the provider acted.
+		s.providerFailed(w, r, err)
 		return
 	}
 	out := payout{AccountID: account, Amount: amt, ProviderRef: ref, ProviderKey: claim.ProviderKey}

@@ -52,6 +52,16 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; "+retryHint(r))
 		return
 	}
+	if errors.Is(err, idem.ErrCommitUnknown) {
+		// A step's COMMIT (idem.Step) was sent and its reply lost: the step may have taken
+		// effect (a reservation made, money moved), so "nothing was changed" would not be
+		// true. As the middleware answers its own lost COMMIT.
+		w.Header().Set("Retry-After", "1")
+		problem(w, r, http.StatusServiceUnavailable, idem.CodeOutcomeUnknown,
+			"the connection to the database was lost while the work committed: it may or may not have taken effect; "+retryHint(r)+
+				" (the retry gets its answer, or goes on from what took effect)")
+		return
+	}
 	if idem.IsUnavailable(err) {
 		w.Header().Set("Retry-After", "1")
 		problem(w, r, http.StatusServiceUnavailable, "service_unavailable", "the database could not be reached; "+retryHint(r))
@@ -82,7 +92,31 @@ func retryHint(r *http.Request) string {
 // written: "nothing was changed" would not be true. The retry runs under the same provider key,
 // which the provider answers from its record, and records the payout (D259).
 func (s *ledger) unrecordedPayout(w http.ResponseWriter, r *http.Request, err error) {
-	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || poolerCacheError(err) {
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || poolerCacheError(err) || errors.Is(err, idem.ErrCommitUnknown) {
+		s.serverError(w, r, err)
+		return
+	}
+	if r.Context().Err() == nil {
+		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
+	}
+	// "failed or was cut off": a connection lost after the recording's COMMIT was sent leaves
+	// it recorded or not; the retry finds out either way.
+	problem(w, r, http.StatusInternalServerError, "internal_error",
+		"the provider was paid under the payout's provider key, but the payout's recording failed or was cut off; retry with the same Idempotency-Key: "+
+			"the provider answers the retry from its record, and the payout is recorded once")
+}
+
+// providerFailed is serverError for a payout whose provider call failed: the call may have been
+// made (the provider acted, and its answer was lost or the work's time ran out while it
+// waited), so "nothing was changed" would not be true. A lease lost meanwhile is not answered
+// here: another attempt may hold the key, and the middleware answers for this one when the
+// handler writes nothing (D274).
+func (s *ledger) providerFailed(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(context.Cause(r.Context()), idem.ErrLeaseLost) {
+		return
+	}
+	if errors.Is(err, errProviderKeyReused) || errors.Is(context.Cause(r.Context()), idem.ErrShutdown) ||
+		idem.IsUnavailable(err) || poolerCacheError(err) || errors.Is(err, idem.ErrCommitUnknown) {
 		s.serverError(w, r, err)
 		return
 	}
@@ -90,8 +124,8 @@ func (s *ledger) unrecordedPayout(w http.ResponseWriter, r *http.Request, err er
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 	}
 	problem(w, r, http.StatusInternalServerError, "internal_error",
-		"the provider was paid under the payout's provider key, but the payout could not be recorded; retry with the same Idempotency-Key: "+
-			"the provider answers the retry from its record, and the payout is recorded once")
+		"the provider's call failed or was cut off, and may have been made under the payout's provider key; retry with the same Idempotency-Key: "+
+			"the provider answers a repeat under that key from its record, and pays once")
 }
 
 // poolerCacheError tells whether err is pgx's statement cache failing through a connection
@@ -106,7 +140,7 @@ func poolerCacheError(err error) bool {
 // it did are recorded with the key, so "nothing was changed" would not be true; the retry
 // with the key goes on after them.
 func (s *ledger) stepError(w http.ResponseWriter, r *http.Request, err error) {
-	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) {
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || errors.Is(err, idem.ErrCommitUnknown) {
 		s.serverError(w, r, err)
 		return
 	}
