@@ -154,6 +154,12 @@ func (t *Tx) ended() error {
 	return nil
 }
 
+// ConnLost tells whether the transaction's connection has been lost: pgx closed it after a
+// network error, or after a FATAL error of the server (a backend terminated, the server
+// shutting down). A statement of the work that failed so failed because the database did, not
+// because of what it asked; the middleware counts a 5xx then as the store's failure.
+func (t *Tx) ConnLost() bool { return t.conn != nil && t.conn.IsClosed() }
+
 // note remembers an error of the work after which the unit of work runs again: a
 // serialization failure or a deadlock (IsRetryable), or a lock timeout (55P03) of one of the
 // work's own statements. The work's code usually answers it with a failure of its own (a

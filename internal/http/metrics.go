@@ -24,7 +24,9 @@ const (
 	StateBusy State = "busy"
 	// StateKeyReused: the key belongs to another request: 422 idempotency_key_reuse.
 	StateKeyReused State = "key_reused"
-	// StateStoreError: the database failed; the client got a 5xx.
+	// StateStoreError: the database failed; the client got a 5xx (the middleware's own
+	// statements, or a transactional handler's 5xx after the database dropped its
+	// transaction's connection).
 	StateStoreError State = "store_error"
 	// StateOversize: counted on top of StateAcquired for a response too large to store for
 	// replay, so oversize ÷ acquired is the uncacheable rate.

@@ -396,6 +396,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		acquired bool
 		counted  bool // acquired was counted (a lease's handler runs after)
 		oversize bool
+		connLost bool       // the handler answered a 5xx on a connection the database dropped
 		done     trace.Span // idem.complete, while the answer is recorded
 		worked   time.Time  // the last run's claim: its work's start
 	)
@@ -462,6 +463,12 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		endSpan(done, "run_again", nil)
 		_, done = q.startSpan(wctx, "idem.complete")
 		if v == rollBack {
+			// A 5xx of a handler whose statements met a connection the database dropped (a
+			// backend terminated, a server shutting down, the network): the database failed
+			// under the work, counted store_error. Not when the work's own context ended it
+			// (its WorkTimeout, Shutdown's deadline), which pgx answers by closing the
+			// connection too.
+			connLost = rec != nil && rec.status >= 500 && tx.ConnLost() && wctx.Err() == nil
 			return errRollBack
 		}
 		resp, big := q.stored(rec, st)
@@ -493,6 +500,10 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 	case errors.Is(err, errRollBack):
 		endSpan(done, "rolled_back", nil)
 		q.answer(rec)
+		if connLost {
+			q.m.o.Metrics.Count(q.action, StateStoreError) // on top of acquired
+			return StateStoreError, nil
+		}
 		return StateAcquired, nil
 	case err != nil && !acquired && q.r.Context().Err() != nil && !dbidem.IsNoReply(err) &&
 		(waitable(err) || dbidem.IsWaitEnded(err) || errors.Is(err, context.Canceled)):
