@@ -123,9 +123,7 @@ var ErrResponseTooLarge = client.ErrResponseTooLarge
 const DefaultMaxAttempts = client.DefaultMaxAttempts
 
 // Do sends req as one logical operation under key, and retries it until its answer is final,
-// the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result);
-// a wait that would start the next attempt after the context's deadline ends it at once
-// (ErrGaveUp and context.DeadlineExceeded).
+// the context ends or MaxAttempts runs out (ErrGaveUp, with the last answer in the Result).
 // Every attempt carries the same key and the same body: req's body is read once (from
 // req.GetBody when it is set and req.Body is not nil, which then wins over req.Body, as on
 // net/http's retries; req.Body is then closed unread; a nil req.Body is no body, whatever
@@ -188,10 +186,7 @@ func (r Result) Code() string { return client.Result(r).Code() }
 // ErrGaveUp is returned when an operation ran out of attempts (Client.MaxAttempts) with its
 // outcome still unknown; the last attempt's error or answer is wrapped. When that attempt ran
 // out of Client.AttemptTimeout, errors.Is(err, context.DeadlineExceeded) is true too, though
-// the caller's context is still live: test ErrGaveUp first. It is returned too, with
-// context.DeadlineExceeded, when the wait before the next attempt (a Retry-After, the
-// backoff) would end after the context's deadline: no attempt could be made, and Do ends at
-// once instead of sleeping until the deadline.
+// the caller's context is still live: test ErrGaveUp first.
 var ErrGaveUp = client.ErrGaveUp
 
 // NewKey returns a new idempotency key: a UUID of version 7 (RFC 9562), a 48-bit Unix

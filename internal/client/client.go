@@ -394,17 +394,6 @@ func (c *Client) Do(ctx context.Context, req *http.Request, key string) (Result,
 			}
 			return res, fmt.Errorf("%w after %s: last answer %d", ErrGaveUp, n, res.Status)
 		}
-		if deadline, ok := ctx.Deadline(); ok && time.Now().Add(wait).After(deadline) {
-			// No attempt can start before the deadline: waiting for it would only make the
-			// caller wait for the same end (a Retry-After of a minute under a deadline of a
-			// second). Ended now, with the last answer or error.
-			if err != nil {
-				return res, fmt.Errorf("%w: the next attempt would start %s from now, after the context's deadline: %w: %w",
-					ErrGaveUp, wait.Round(time.Millisecond), context.DeadlineExceeded, err)
-			}
-			return res, fmt.Errorf("%w: the next attempt would start %s from now, after the context's deadline: %w: last answer %d",
-				ErrGaveUp, wait.Round(time.Millisecond), context.DeadlineExceeded, res.Status)
-		}
 		select {
 		case <-ctx.Done():
 			return res, ctx.Err()
