@@ -327,8 +327,9 @@ func (m *Middleware) Declared() map[string]Route {
 // (with Options.RouteTemplate set to idemmux.RouteTemplate); with net/http's ServeMux, which
 // matches as it dispatches, wrap each route with Route. Without a template from
 // Options.RouteTemplate (unset, or returning "") or a ServeMux pattern, the template is the URL
-// path, which a declared template with a {variable} never matches: Handler then logs a warning
-// once, and such routes pass through unprotected.
+// path, which a declared template with a {variable} never matches: such routes pass through
+// unprotected, and Handler logs a warning once, at the first request whose path a declared
+// template would match.
 func (m *Middleware) Handler(next http.Handler) http.Handler { return m.m.Handler(next) }
 
 // Shutdown waits for the keyed requests still in flight, whose work runs on a context that

@@ -37,8 +37,8 @@ func TestReleaseStuckTwiceSaysGivenUp(t *testing.T) {
 		t.Fatalf("the first release: %v", err)
 	}
 	err := release(first)
-	if err == nil || !strings.Contains(err.Error(), "given up already") || !strings.Contains(err.Error(), "55000") {
-		t.Errorf("a second release of the same claim: %v; want 55000 saying it was given up already", err)
+	if err == nil || !strings.Contains(err.Error(), "claim was given up") || !strings.Contains(err.Error(), "55000") {
+		t.Errorf("a second release of the same claim: %v; want 55000 saying it was given up", err)
 	}
 	second := claim() // the retry takes the key over
 	if second == first {

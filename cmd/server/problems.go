@@ -45,13 +45,6 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 	if r.Context().Err() == nil {
 		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 	}
-	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) {
-		// The shutdown timeout ended the work before it answered: a transfer or deposit rolled
-		// back; a payout's retry runs it again under the same provider key.
-		w.Header().Set("Retry-After", "1")
-		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; "+retryHint(r))
-		return
-	}
 	if errors.Is(err, idem.ErrCommitUnknown) {
 		// A step's COMMIT (idem.Step) was sent and its reply lost: the step may have taken
 		// effect (a reservation made, money moved), so "nothing was changed" would not be
@@ -60,6 +53,13 @@ func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) 
 		problem(w, r, http.StatusServiceUnavailable, idem.CodeOutcomeUnknown,
 			"the connection to the database was lost while the work committed: it may or may not have taken effect; "+retryHint(r)+
 				" (the retry gets its answer, or goes on from what took effect)")
+		return
+	}
+	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) {
+		// The shutdown timeout ended the work before it answered: a transfer or deposit rolled
+		// back; a payout's retry runs it again under the same provider key.
+		w.Header().Set("Retry-After", "1")
+		problem(w, r, http.StatusServiceUnavailable, idem.CodeShuttingDown, "the server is shutting down and ended the work before it answered; "+retryHint(r))
 		return
 	}
 	if idem.IsUnavailable(err) {

@@ -61,6 +61,9 @@ type Tx struct {
 	// it names
 	claimErr error
 	retry    error // the first serialization failure or deadlock a statement hit
+	// dropped: a statement of the work failed because the database dropped the connection
+	// (IsUnavailable: a FATAL of the server, a network error; not a context that ended)
+	dropped atomic.Bool
 	// noStandbyWait: the claim's statement found that this transaction's COMMIT cannot wait
 	// for a synchronous standby (standbyWaitColumn), so RunTx may send it on its caller's
 	// context.
@@ -154,11 +157,13 @@ func (t *Tx) ended() error {
 	return nil
 }
 
-// ConnLost tells whether the transaction's connection has been lost: pgx closed it after a
-// network error, or after a FATAL error of the server (a backend terminated, the server
-// shutting down). A statement of the work that failed so failed because the database did, not
-// because of what it asked; the middleware counts a 5xx then as the store's failure.
-func (t *Tx) ConnLost() bool { return t.conn != nil && t.conn.IsClosed() }
+// ConnLost tells whether the database dropped the transaction's connection under the work: a
+// statement of it failed with a FATAL error of the server (a backend terminated, the server
+// shutting down) or a network error, and the connection is closed. A statement that a context
+// ended (the work's, or one of the handler's own, which pgx answers by closing the connection
+// too) does not count, nor a connection the work closed itself: those are the work's doing,
+// not the database's. The middleware counts a 5xx after it as the store's failure.
+func (t *Tx) ConnLost() bool { return t.dropped.Load() && t.conn != nil && t.conn.IsClosed() }
 
 // note remembers an error of the work after which the unit of work runs again: a
 // serialization failure or a deadlock (IsRetryable), or a lock timeout (55P03) of one of the
@@ -167,6 +172,9 @@ func (t *Tx) ConnLost() bool { return t.conn != nil && t.conn.IsClosed() }
 func (t *Tx) note(err error) {
 	if err != nil && t.retry == nil && (IsRetryable(err) || isLockTimeout(err)) {
 		t.retry = err
+	}
+	if err != nil && IsUnavailable(err) {
+		t.dropped.Store(true)
 	}
 }
 

@@ -143,26 +143,59 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			m.serve(w, r, rt, next)
 			return
 		}
-		if m.wildcards && !routed && !m.unmatched.Load() && !m.unmatched.Swap(true) {
+		if m.wildcards && !routed && !m.unmatched.Load() && m.declaredMatch(r.Method, r.URL.Path) && !m.unmatched.Swap(true) {
 			// The template is the URL path, which a declared {variable} never matches: every
 			// such route would pass through without a key's protection, silently.
-			// An Options.RouteTemplate that returns "" does so for a request its router did not
-			// match, or for every request when Handler wraps the router instead of being one of
-			// its middlewares (gorilla/mux's r.Use): worth a warning once, worded for both.
+			// The path has the shape of a declared template (declaredMatch), so this is most
+			// likely a declared route's request. An Options.RouteTemplate that returns "" for
+			// it: Handler wraps the router instead of being one of its middlewares
+			// (gorilla/mux's r.Use), so no route was matched yet.
 			msg := "idem: Handler sees a request without a route template: Options.RouteTemplate is not set, " +
 				"so the template is the URL path, and a declared template with a {variable} never matches it " +
 				"(those routes pass through without idempotency); with gorilla/mux set Options.RouteTemplate " +
 				"to idemmux.RouteTemplate; with net/http's ServeMux wrap each route with Route"
 			if m.o.RouteTemplate != nil {
-				msg = `idem: Handler sees a request without a route template: Options.RouteTemplate returned "", ` +
-					"so the template is the URL path, and a declared template with a {variable} never matches it; " +
-					"if that happens to requests of a declared route, they pass through without idempotency: " +
-					"install Handler as one of the router's middlewares (gorilla/mux's r.Use), after it matched the route"
+				msg = `idem: Handler sees a request without a route template: Options.RouteTemplate returned "" ` +
+					"for a path that a declared template with a {variable} would match, so the template is the URL path, " +
+					"which never matches it, and the request passes through without idempotency: install Handler as one " +
+					"of the router's middlewares (gorilla/mux's r.Use), which runs after the router matched the route"
 			}
 			m.o.Logger.Warn(msg, "method", r.Method)
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// declaredMatch tells whether path is one a declared template of method with a {variable}
+// would match, segment by segment (a variable matches any one segment, a {name...} the rest):
+// a request that Handler let pass only because no router gave it a template. A request to a
+// route that is not declared (an OPTIONS route, a path of its own) is not one, and is no
+// reason to warn.
+func (m *Middleware) declaredMatch(method, path string) bool {
+	prefix := strings.ToUpper(method) + " "
+	for k := range m.declared {
+		if t, ok := strings.CutPrefix(k, prefix); ok && strings.Contains(t, "{") && templateMatches(t, path) {
+			return true
+		}
+	}
+	return false
+}
+
+// templateMatches tells whether path has the shape of template (see declaredMatch).
+func templateMatches(template, path string) bool {
+	ts, ps := strings.Split(template, "/"), strings.Split(path, "/")
+	for i, t := range ts {
+		if strings.HasPrefix(t, "{") && strings.HasSuffix(t, "...}") {
+			return i < len(ps)
+		}
+		if i >= len(ps) {
+			return false
+		}
+		if !strings.Contains(t, "{") && t != ps[i] {
+			return false
+		}
+	}
+	return len(ts) == len(ps)
 }
 
 // template is the route template of r: Options.RouteTemplate's answer, else the pattern

@@ -353,7 +353,7 @@ BEGIN
                  WHEN v_state = 'c' THEN 'the key is completed: its answer stays'
                  WHEN v_state = 'r' THEN 'the key is released already'
                  WHEN v_attempt <> p_attempt AND v_given
-                     THEN format('the claim was given up already (released by an operator, or yielded by its holder) and its token is now %s: the retry of the request takes it over', v_attempt)
+                     THEN format('the key''s claim was given up (released by an operator, or yielded by its holder) and its token is now %s (the token given is an earlier one, or mistyped): the retry of the request takes it over', v_attempt)
                  WHEN v_attempt <> p_attempt THEN format('the key''s token is %s (taken over since it was read, or mistyped)', v_attempt)
                  ELSE 'the claim is not a lease claim' END
             USING ERRCODE = '55000';
