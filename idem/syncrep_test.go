@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -127,5 +128,79 @@ func TestCommitWaitingForTheStandbyIsNeverCanceled(t *testing.T) {
 			t.Fatalf("the retry after the standby answered: %v", err)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestClearingSynchronousStandbyNamesAsDocumented: docs/operations.md tells an operator whose
+// two-node failover left the new primary waiting for a standby (synchronous_standby_names in
+// its postgresql.conf, as the docs configure it) to clear the setting. It said `ALTER SYSTEM
+// RESET` and a reload, which only removes a value ALTER SYSTEM set: the one in postgresql.conf
+// stayed, and every write kept waiting (a review of the failover runbook). The documented
+// `ALTER SYSTEM SET synchronous_standby_names = ”` and a reload release the waiting write.
+func TestClearingSynchronousStandbyNamesAsDocumented(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c, stop, err := pgcluster.StartTemp(ctx, "idem-syncclear-", map[string]string{"fsync": "off"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	conf, err := os.OpenFile(filepath.Join(c.Dir, "data", "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conf.WriteString("\nsynchronous_standby_names = 'ANY 1 (standby_a, standby_b)'\n"); err != nil {
+		t.Fatal(err)
+	}
+	_ = conf.Close()
+	url := c.ConnString("postgres")
+	owner, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer owner.Close(ctx)
+	pgtest.Exec(t, owner, `SELECT pg_reload_conf()`)
+	names := func() string {
+		var v string
+		if err := owner.QueryRow(ctx, `SHOW synchronous_standby_names`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	for deadline := time.Now().Add(10 * time.Second); names() == ""; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("synchronous_standby_names from postgresql.conf never took effect")
+		}
+	}
+	writer, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer writer.Close(context.Background())
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := writer.Exec(ctx, `CREATE TABLE after_failover (id int)`)
+		wrote <- err
+	}()
+	pgtest.WaitFor(t, owner, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
+
+	// What the docs said before: the setting stays, and the write keeps waiting.
+	pgtest.Exec(t, owner, `ALTER SYSTEM RESET synchronous_standby_names`)
+	pgtest.Exec(t, owner, `SELECT pg_reload_conf()`)
+	time.Sleep(500 * time.Millisecond)
+	if v := names(); v == "" {
+		t.Fatalf("ALTER SYSTEM RESET cleared the setting of postgresql.conf; the docs' warning is wrong")
+	}
+
+	// What they say now.
+	pgtest.Exec(t, owner, `ALTER SYSTEM SET synchronous_standby_names = ''`)
+	pgtest.Exec(t, owner, `SELECT pg_reload_conf()`)
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatalf("the waiting write: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the write still waits for a standby 10 s after the documented clearing")
 	}
 }

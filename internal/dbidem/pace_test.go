@@ -130,6 +130,9 @@ func TestIsUnavailable(t *testing.T) {
 		{&pgconn.PgError{Code: "08006"}, true},
 		{&pgconn.PgError{Code: "53300"}, true},
 		{fmt.Errorf("query: %w", opErr), true},
+		// pgx's "conn closed": a pool's connection whose socket went away (a failover) before
+		// the statement was sent; answered 500 by the reference server before (a review)
+		{fmt.Errorf("failed to deallocate cached statement(s): %w", pgconn.ErrConnClosed), true},
 		{&pgconn.PgError{Code: "23505"}, false},
 		{&pgconn.PgError{Code: "57014"}, false}, // statement_timeout: the database answered
 		{context.DeadlineExceeded, false},

@@ -173,7 +173,9 @@ func (t *Tx) note(err error) {
 	if err != nil && t.retry == nil && (IsRetryable(err) || isLockTimeout(err)) {
 		t.retry = err
 	}
-	if err != nil && IsUnavailable(err) {
+	// Not pgx's "conn closed": a statement sent on a connection closed already (by a
+	// statement before it, whose own error told why; or by the work itself).
+	if err != nil && IsUnavailable(err) && !errors.Is(err, pgconn.ErrConnClosed) {
 		t.dropped.Store(true)
 	}
 }
