@@ -174,7 +174,7 @@ const MaxDuration = 120 * 30 * 24 * time.Hour
 const MaxLockTimeout = (1<<31 - 1) * time.Millisecond
 
 // IsUnavailable tells whether err says the database could not be reached or dropped the
-// connection (refused or failed connections, network errors, class 08, shutdown, too many
-// connections): a retry may succeed once it is back, so an HTTP server answers 503 with
+// connection (refused or failed connections, network errors, a connection pgx had closed
+// already, class 08, shutdown, too many connections): a retry may succeed once it is back, so an HTTP server answers 503 with
 // Retry-After, not 500. A context that ended is not unavailability: false.
 func IsUnavailable(err error) bool { return dbidem.IsUnavailable(err) }
