@@ -180,12 +180,12 @@ func TestReplyLeaseStopsMidwayIsGivenUp(t *testing.T) {
 }
 
 // Replays whose transfer ends about when the plain bound (5 ms + ClaimReplyMargin) passes, on
-// two connections that three callers share (each connection reused as soon as one replay is
-// done), transactional and lease claims mixed, under the race detector: the bound's timer
-// fires as statements end and looks at sockets that go back to the pool. Every replay
-// arrives whole. (Three callers, not four: a fourth could wait for two transfers of up to
-// 5.5 s for a connection, past a lease claim's bound on the pool's wait, 8 s, on a loaded
-// machine.)
+// connections that three callers share (each connection back in the pool as soon as one
+// replay is done, and taken by the next), transactional and lease claims mixed, under the race
+// detector: the bound's timer fires as statements end and looks at sockets that go back to the
+// pool. Every replay arrives whole. (As many connections as callers: with two, a caller waited
+// for a transfer of up to 5.5 s for a connection, and on the loaded CI machine a lease claim
+// passed its bound on the pool's wait, 8 s; that wait is not what this test is about.)
 func TestReplyBoundEndsAsStatementsEndOnReusedConnections(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -211,7 +211,7 @@ func TestReplyBoundEndsAsStatementsEndOnReusedConnections(t *testing.T) {
 	}
 	p := pgtest.NewProxy(t, pgtest.TCPAddr(t))
 	p.Rate.Store(rate)
-	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.Addr)+" pool_max_conns=2")
+	pool, err := pgxpool.New(ctx, pgtest.Via(t, url, p.Addr)+" pool_max_conns=3")
 	if err != nil {
 		t.Fatal(err)
 	}
