@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgidem/pgidem/idem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -42,6 +44,20 @@ func TestLedgerAnswersWhatItCannotKnow(t *testing.T) {
 		if w.Code != http.StatusServiceUnavailable || !strings.Contains(w.Body.String(), idem.CodeOutcomeUnknown) ||
 			w.Header().Get("Retry-After") != "1" || strings.Contains(w.Body.String(), "nothing was changed") {
 			t.Errorf("%s of a COMMIT whose outcome is unknown: %d %s; want 503 outcome_unknown with Retry-After", c.name, w.Code, w.Body)
+		}
+	}
+
+	// pgx's statement cache through a pooler is the database's failure in every helper (a
+	// stepped payout's answered 500 "stopped after some of its steps" for it).
+	cache := &pgconn.PgError{Code: "26000", Message: `prepared statement "stmtcache_1" does not exist`}
+	for _, c := range []struct {
+		name   string
+		answer func(http.ResponseWriter, *http.Request, error)
+	}{{"serverError", s.serverError}, {"stepError", s.stepError}, {"unrecordedPayout", s.unrecordedPayout}, {"providerFailed", s.providerFailed}} {
+		w := httptest.NewRecorder()
+		c.answer(w, keyed(context.Background()), cache)
+		if w.Code != http.StatusServiceUnavailable || !strings.Contains(w.Body.String(), "service_unavailable") {
+			t.Errorf("%s of pgx's statement cache through a pooler: %d %s; want 503 service_unavailable", c.name, w.Code, w.Body)
 		}
 	}
 

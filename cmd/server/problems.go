@@ -92,7 +92,7 @@ func retryHint(r *http.Request) string {
 // written: "nothing was changed" would not be true. The retry runs under the same provider key,
 // which the provider answers from its record, and records the payout (D259).
 func (s *ledger) unrecordedPayout(w http.ResponseWriter, r *http.Request, err error) {
-	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || poolerCacheError(err) || errors.Is(err, idem.ErrCommitUnknown) {
+	if unavailable(r, err) {
 		s.serverError(w, r, err)
 		return
 	}
@@ -115,8 +115,7 @@ func (s *ledger) providerFailed(w http.ResponseWriter, r *http.Request, err erro
 	if errors.Is(context.Cause(r.Context()), idem.ErrLeaseLost) {
 		return
 	}
-	if errors.Is(err, errProviderKeyReused) || errors.Is(context.Cause(r.Context()), idem.ErrShutdown) ||
-		idem.IsUnavailable(err) || poolerCacheError(err) || errors.Is(err, idem.ErrCommitUnknown) {
+	if errors.Is(err, errProviderKeyReused) || unavailable(r, err) {
 		s.serverError(w, r, err)
 		return
 	}
@@ -126,6 +125,15 @@ func (s *ledger) providerFailed(w http.ResponseWriter, r *http.Request, err erro
 	problem(w, r, http.StatusInternalServerError, "internal_error",
 		"the provider's call failed or was cut off, and may have been made under the payout's provider key; retry with the same Idempotency-Key: "+
 			"the provider answers a repeat under that key from its record, and pays once")
+}
+
+// unavailable tells whether serverError answers err with a 503 of its own (a COMMIT whose
+// outcome is unknown, the shutdown's deadline, a database that could not be reached, pgx's
+// statement cache through a pooler): the answers that say neither "nothing was changed" nor
+// anything a route's own 500 would say. The payout routes' helpers defer to it.
+func unavailable(r *http.Request, err error) bool {
+	return errors.Is(err, idem.ErrCommitUnknown) || errors.Is(context.Cause(r.Context()), idem.ErrShutdown) ||
+		idem.IsUnavailable(err) || poolerCacheError(err)
 }
 
 // poolerCacheError tells whether err is pgx's statement cache failing through a connection
@@ -140,7 +148,7 @@ func poolerCacheError(err error) bool {
 // it did are recorded with the key, so "nothing was changed" would not be true; the retry
 // with the key goes on after them.
 func (s *ledger) stepError(w http.ResponseWriter, r *http.Request, err error) {
-	if errors.Is(context.Cause(r.Context()), idem.ErrShutdown) || idem.IsUnavailable(err) || errors.Is(err, idem.ErrCommitUnknown) {
+	if unavailable(r, err) {
 		s.serverError(w, r, err)
 		return
 	}
