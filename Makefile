@@ -26,7 +26,8 @@ build: ## build the reference server into bin/server
 .PHONY: run
 run: ## serve on 127.0.0.1:8080 (a private PostgreSQL under .data/ when DATABASE_URL is unset)
 	@$(GO) build -o bin/server ./cmd/server
-	@# exec: the server gets Ctrl-C itself, stops cleanly and make exits 0 (go run would exit 1)
+	@# exec: the server gets Ctrl-C itself and stops cleanly (its private cluster too) with status
+	@# 0; make, which gets the Ctrl-C as well, then reports 130 (under go run the server would exit 1)
 	@exec bin/server serve
 
 .PHONY: migrate

@@ -213,9 +213,22 @@ func TestRecoveryClaimSQLRuns(t *testing.T) {
 		t.Fatalf("no sql block between the recovery-claim markers:\n%s", block)
 	}
 	claim := m[1]
+	km := regexp.MustCompile(`p_key => '([^']+)'`).FindStringSubmatch(claim)
+	if km == nil {
+		t.Fatalf("no p_key in the documented claim:\n%s", claim)
+	}
+	key := km[1]
 	ctx := context.Background()
 	url := pgtest.NewDB(t)
 	admin := pgtest.Connect(t, url)
+	// A reader runs the page from the top in one database: "The life of a key" first. The
+	// claim of work in steps once reused its key for another action and answered mismatch.
+	_, life := replaceBlock(t, string(raw), "<!-- life-of-a-key:begin", "<!-- life-of-a-key:end -->", "")
+	lm := regexp.MustCompile("(?s)```sql\n(.*?)```").FindStringSubmatch(life)
+	if lm == nil {
+		t.Fatalf("no sql block between the life-of-a-key markers:\n%s", life)
+	}
+	psql(t, pgtest.LoginRole(t, url, "idem_app"), []byte(lm[1]), "-v", "ON_ERROR_STOP=1")
 	app := pgtest.Connect(t, url)
 	pgtest.Exec(t, app, `SET ROLE idem_app`)
 	type row struct {
@@ -237,18 +250,18 @@ func TestRecoveryClaimSQLRuns(t *testing.T) {
 	if first.outcome != "claimed" || first.point != nil || first.saved != nil {
 		t.Fatalf("a fresh claim: %s, recovery %v %v; want claimed without steps", first.outcome, first.point, first.saved)
 	}
-	pgtest.Exec(t, app, `SELECT idem.idem_step('alice', 'k1', $1, 'reserve', '{"id": 41}')`, *first.attempt)
+	pgtest.Exec(t, app, `SELECT idem.idem_step('alice', $1, $2, 'reserve', '{"id": 41}')`, key, *first.attempt)
 	if r := run(); r.outcome != "in_progress" || r.point != nil {
 		t.Fatalf("a duplicate while the lease runs: %s, recovery %v; want in_progress without steps", r.outcome, r.point)
 	}
-	pgtest.Exec(t, admin, `UPDATE idem.idempotency_keys SET lease_expires_at = clock_timestamp() - interval '1 second' WHERE key = 'k1'`)
+	pgtest.Exec(t, admin, `UPDATE idem.idempotency_keys SET lease_expires_at = clock_timestamp() - interval '1 second' WHERE key = $1`, key)
 	took := run()
 	if took.outcome != "claimed" || took.point == nil || *took.point != "reserve" || took.saved == nil ||
 		*took.saved != `{"reserve": {"id": 41}}` || *took.pk != *first.pk {
 		t.Fatalf("the takeover: %s, recovery %v %v, provider key %v (first %v); want claimed after step reserve, the same provider key",
 			took.outcome, took.point, took.saved, took.pk, first.pk)
 	}
-	pgtest.Exec(t, app, `SELECT idem.idem_complete('alice', 'k1', $1, 201, '{}', 'paid')`, *took.attempt)
+	pgtest.Exec(t, app, `SELECT idem.idem_complete('alice', $1, $2, 201, '{}', 'paid')`, key, *took.attempt)
 	if r := run(); r.outcome != "replay" || r.point != nil {
 		t.Fatalf("a repeat after the answer: %s, recovery %v; want replay without steps", r.outcome, r.point)
 	}
