@@ -238,10 +238,8 @@ var (
 	ErrMismatch = dbidem.ErrMismatch
 	// ErrStoreBusy: the claim found the key table itself locked (a migration's swap, VACUUM
 	// FULL, pg_repack, LOCK TABLE), not a key: nothing was written; try again shortly (the
-	// middleware answers 503 with Retry-After). A claim does not wait for such a lock, with
-	// one exception: LOCK TABLE ... IN EXCLUSIVE MODE (which lets reads through) can stop the
-	// claim of an expired, released or run-out key at its locking read of the row, and that
-	// claim then waits as for a key held by another request. The operators' reads
+	// middleware answers 503 with Retry-After). A claim does not wait for such a lock, LOCK
+	// TABLE ... IN EXCLUSIVE MODE (which lets reads through) included. The operators' reads
 	// (ReadHealth, ReadSummary, ReadKey, ReadStuck) return it too, after waiting 2 s for
 	// such a lock.
 	ErrStoreBusy = dbidem.ErrStoreBusy

@@ -1254,7 +1254,8 @@ COMMENT ON FUNCTION idem.provider_key_prefixes() IS
 -- the INSERT has waited for an uncommitted holder (bounded by lock_timeout, SQLSTATE 55P03 past
 -- it); the row is then read again and decided on. Only the two writes (re-claiming an expired
 -- or released row, taking over a lease that ran out) lock the row, and they decide again on
--- the locked version. No EXCEPTION block: no subtransaction on any path. Bad arguments raise
+-- the locked version; before the lock they wait for a writer of the row without one (D275).
+-- No EXCEPTION block: no subtransaction on any path. Bad arguments raise
 -- 22004 (NULL) or 22023 (invalid value), on every path.
 --
 -- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
@@ -1319,6 +1320,7 @@ DECLARE
     -- the SET clause's whole lock timeout. The statements below take the table's lock under it.
     v_row     record;
     v_lock    boolean;
+    v_waited  boolean;
     v_tries   integer;
     v_names   text[];
     v_hashes  bytea[];
@@ -1759,8 +1761,55 @@ attempt := v_row.attempt;
         || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
-        -- A write is due: read the row again FOR UPDATE and decide on the locked version.
-        v_lock := true;
+        IF v_waited IS NULL THEN
+            -- A write is due. First wait, without a lock, for a transaction that is writing
+            -- the row now (a takeover, a re-claim, a completion, a cleanup): the claim's INSERT
+            -- waits for such a writer as for the holder of any conflicting row, and locks
+            -- nothing. Then decide again on what it committed. A locking read that waited
+            -- would keep its lock after deciding not to write (PostgreSQL locks the version
+            -- committed meanwhile before it tests it), until the caller's transaction ends:
+            -- a caller that kept that transaction open after an in_progress or mismatch
+            -- answer held up the new holder's heartbeat and completion (D275). A row that
+            -- is gone (cleanup deleted it) is claimed by the INSERT.
+            v_waited := true;
+IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
+                SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
+                  INTO v_fields
+                  FROM jsonb_each(p_request_fields) AS f;
+            END IF;
+
+            v_now := clock_timestamp();
+            v_token := nextval('idem.token_seq');
+            v_lease := v_now + p_lease;
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+INSERT INTO idem.idempotency_keys AS k
+            (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
+             principal_id, key, request_sha256, request_fields, claimed_at)
+        VALUES
+            (v_expires, v_token, hashtextextended(p_action COLLATE pg_catalog."default", 0), v_lease, 'p', nullif(p_lease IS NULL, false),
+             p_principal, p_key, p_request_sha256, v_fields, CASE WHEN p_lease IS NOT NULL THEN v_now END)
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
+        RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
+
+            IF FOUND THEN
+                provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
+        || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
+        || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
+                RETURN;
+            END IF;
+SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
+               k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
+               k.response_headers, k.response_body, k.resource_id, k.withheld
+          INTO v_row FROM idem.idempotency_keys AS k
+         WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
+
+        ELSE
+            -- Still due after that wait: read the row again FOR UPDATE and decide on the
+            -- locked version. Only a writer that started since the wait above (another
+            -- request for the key, arriving at the same moment) makes this read wait; then an
+            -- answer other than claimed keeps the row's lock until the transaction ends
+            -- (docs/sql-api.md).
+            v_lock := true;
 SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
@@ -1768,6 +1817,7 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
          WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default"
            FOR UPDATE;
 
+        END IF;
     END LOOP;
     RAISE EXCEPTION 'idem_begin: the row of this key kept vanishing; retry the transaction'
         USING ERRCODE = '40001';

@@ -187,10 +187,9 @@ var (
 	// ErrStoreBusy: a claim's probes (Gate) found the key table itself locked, not a key (a
 	// migration's swap, VACUUM FULL, pg_repack, LOCK TABLE): nothing was written; answer 503
 	// with Retry-After and let the client retry. A claim does not wait for such a lock, so a
-	// locked table costs no pool connections and stalls nothing else. One exception: LOCK
-	// TABLE ... IN EXCLUSIVE MODE (which lets reads through) can stop the claim of an expired,
-	// released or run-out key at its locking read of the row, and that wait counts as a wait
-	// on the key (IsKeyWait).
+	// locked table costs no pool connections and stalls nothing else; LOCK TABLE ... IN
+	// EXCLUSIVE MODE (which lets reads through) is one too, for the claim of a fresh key and of
+	// an expired, released or run-out one alike.
 	ErrStoreBusy = errors.New("idem: the key table is locked")
 )
 

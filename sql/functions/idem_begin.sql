@@ -6,7 +6,8 @@
 -- the INSERT has waited for an uncommitted holder (bounded by lock_timeout, SQLSTATE 55P03 past
 -- it); the row is then read again and decided on. Only the two writes (re-claiming an expired
 -- or released row, taking over a lease that ran out) lock the row, and they decide again on
--- the locked version. No EXCEPTION block: no subtransaction on any path. Bad arguments raise
+-- the locked version; before the lock they wait for a writer of the row without one (D275).
+-- No EXCEPTION block: no subtransaction on any path. Bad arguments raise
 -- 22004 (NULL) or 22023 (invalid value), on every path.
 --
 -- Generations: a claim of a free key (absent, expired, released) starts a new generation, whose
@@ -47,6 +48,7 @@ DECLARE
     -- the SET clause's whole lock timeout. The statements below take the table's lock under it.
     v_row     record;
     v_lock    boolean;
+    v_waited  boolean;
     v_tries   integer;
     v_names   text[];
     v_hashes  bytea[];
@@ -285,9 +287,37 @@ BEGIN
             provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         END IF;
-        -- A write is due: read the row again FOR UPDATE and decide on the locked version.
-        v_lock := true;
+        IF v_waited IS NULL THEN
+            -- A write is due. First wait, without a lock, for a transaction that is writing
+            -- the row now (a takeover, a re-claim, a completion, a cleanup): the claim's INSERT
+            -- waits for such a writer as for the holder of any conflicting row, and locks
+            -- nothing. Then decide again on what it committed. A locking read that waited
+            -- would keep its lock after deciding not to write (PostgreSQL locks the version
+            -- committed meanwhile before it tests it), until the caller's transaction ends:
+            -- a caller that kept that transaction open after an in_progress or mismatch
+            -- answer held up the new holder's heartbeat and completion (D275). A row that
+            -- is gone (cleanup deleted it) is claimed by the INSERT.
+            v_waited := true;
+{{ template "include/fields_blob_lazy.sql" . }}
+            v_now := clock_timestamp();
+            v_token := nextval('idem.token_seq');
+            v_lease := v_now + p_lease;
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
+{{ template "include/claim_insert.sql" . }}
+            IF FOUND THEN
+                provider_key := {{ template "include/provider_key.sql" "attempt" }};
+                RETURN;
+            END IF;
+{{ template "include/read_key.sql" "" }}
+        ELSE
+            -- Still due after that wait: read the row again FOR UPDATE and decide on the
+            -- locked version. Only a writer that started since the wait above (another
+            -- request for the key, arriving at the same moment) makes this read wait; then an
+            -- answer other than claimed keeps the row's lock until the transaction ends
+            -- (docs/sql-api.md).
+            v_lock := true;
 {{ template "include/read_key.sql" "FOR UPDATE" }}
+        END IF;
     END LOOP;
     RAISE EXCEPTION 'idem_begin: the row of this key kept vanishing; retry the transaction'
         USING ERRCODE = '40001';
