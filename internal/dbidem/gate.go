@@ -944,9 +944,8 @@ func isWork(err error) bool {
 // row's tuple lock, which has no context line of its own: that timeout is recognised by its
 // statement, idem_begin's locking read of the key's row (the innermost context is that
 // statement's text, which no translation changes either; only the quotes around it differ).
-// The one other lock that statement can wait for is a LOCK TABLE of the key table IN
-// EXCLUSIVE MODE taken after the claim's first read; on a connection that has run the
-// statement before, such a wait is counted as a key wait too.
+// That read cannot wait for the table's lock: idem_begin's INSERT before it (D275) holds the
+// table in ROW EXCLUSIVE mode already, so a LOCK TABLE stops the claim there, a 503.
 func IsKeyWait(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
@@ -956,8 +955,12 @@ func IsKeyWait(err error) bool {
 	return rowPosition.MatchString(first) && strings.Contains(first, KeyTable) || isLockingRead(pgErr.Where)
 }
 
-// rowPosition matches a row's position in an error's context, (block,offset).
-var rowPosition = regexp.MustCompile(`\(\d+,\d+\)`)
+// rowPosition matches a row's position in an error's context: (block,offset); with a space
+// after the comma, as French messages write it ("lors de l'insertion de l'enregistrement
+// (0, 3) de l'index dans la relation « idempotency_keys »"); or without parentheses at the
+// line's start, as Korean ones do ("0,3 튜플 인덱스(해당 릴레이션 "idempotency_keys")를 삽입하는
+// 중에 발생"). PostgreSQL 15's other translations write (block,offset).
+var rowPosition = regexp.MustCompile(`\(\d+, ?\d+\)|^\d+,\d+ `)
 
 // isLockingRead tells whether an error's context says it came from idem_begin's locking read
 // of a key's row: the context lines before idem_begin's own (its statement's text, and on

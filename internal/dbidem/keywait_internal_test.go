@@ -26,6 +26,11 @@ func TestLockingReadInEveryTranslation(t *testing.T) {
 		{`SQL statement "` + insert + "\"\nPL/pgSQL function " + fn, false},
 		{`SQL statement "SELECT 1 FROM other AS o FOR UPDATE"` + "\nPL/pgSQL function " + fn, false},
 		{`SQL statement "` + stmt + "\"\nPL/pgSQL function idem.idem_step(text) line 9 at SQL statement", false},
+		// The INSERT's wait for the row's writer, in French: a space after the comma.
+		{"lors de l'insertion de l'enregistrement (0, 3) de l'index dans la relation « idempotency_keys »\ninstruction SQL « " + insert + " »\nfonction PL/pgSQL " + fn, true},
+		// And in Korean: the position without parentheses, first on the line.
+		{"0,3 튜플 인덱스(해당 릴레이션 \"idempotency_keys\")를 삽입하는 중에 발생\nSQL 구문: \"" + insert + "\"\nPL/pgSQL 함수 \"" + fn + "\"", true},
+		{"while inserting index tuple (0,3) in relation \"other\"\nSQL statement \"" + insert + "\"\nPL/pgSQL function " + fn, false},
 		{"", false},
 	} {
 		err := &pgconn.PgError{Code: "55P03", Where: c.where}

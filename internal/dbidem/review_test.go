@@ -101,11 +101,40 @@ func TestLeaseThatRanOutBeforeItStartedRunsNoWork(t *testing.T) {
 // A cluster of its own with German messages (the translations ship with Debian's
 // postgresql-15; LANGUAGE selects them); the gap is a real uncommitted claim of the key.
 func TestKeyWaitIsRecognisedOnALocalizedServer(t *testing.T) {
-	ctx := context.Background()
 	pool := localizedServer(t, "de", "Division durch Null")
+	duplicateOfAFreshKey(t, pool, "de-1")
+	// A third request queued behind another waiter on the row: its timeout's context is the
+	// locking read's statement, in German too.
+	thirdInLine(t, pool, "de-2")
+}
 
+// TestThirdInLineOnAFrenchServer: French messages quote a statement as « … », with a space
+// inside the quotes, and write a row's position (0, 3), with a space after the comma (D275:
+// not matched before, so a fresh key's duplicate got ErrStoreBusy there); the duplicate of a
+// fresh key and the third request queued on a key's row are key waits there too.
+func TestThirdInLineOnAFrenchServer(t *testing.T) {
+	pool := localizedServer(t, "fr", "division par zéro")
+	duplicateOfAFreshKey(t, pool, "fr-0")
+	thirdInLine(t, pool, "fr-1")
+}
+
+// TestKeyWaitOnAKoreanServer: Korean messages write a row's position without parentheses,
+// first on the context's line ("0,3 튜플 인덱스(해당 릴레이션 ...)를 삽입하는 중에 발생"), so no
+// key wait was recognised there: a duplicate of a request in flight got ErrStoreBusy (D275).
+func TestKeyWaitOnAKoreanServer(t *testing.T) {
+	pool := localizedServer(t, "ko", "0으로는 나눌수 없습니다")
+	duplicateOfAFreshKey(t, pool, "ko-0")
+	thirdInLine(t, pool, "ko-1")
+}
+
+// duplicateOfAFreshKey: a duplicate of a fresh key's request in flight in another process
+// (answered, not committed yet) waits on the key's row and replays its answer once it commits,
+// not ErrStoreBusy.
+func duplicateOfAFreshKey(t *testing.T, pool *pgxpool.Pool, key string) {
+	t.Helper()
+	ctx := context.Background()
 	// Another process's request of the same key, answered but not committed yet.
-	cl := claim("de-1", `{"amount":1}`)
+	cl := claim(key, `{"amount":1}`)
 	holder, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -137,15 +166,6 @@ func TestKeyWaitIsRecognisedOnALocalizedServer(t *testing.T) {
 		t.Fatalf("a duplicate of a request in flight in another process: %v (%+v), want the replay once it commits; "+
 			"the 55P03's context: %q", err, got.Outcome, where)
 	}
-	// A third request queued behind another waiter on the row: its timeout's context is the
-	// locking read's statement, in German too.
-	thirdInLine(t, pool, "de-2")
-}
-
-// TestThirdInLineOnAFrenchServer: French messages quote a statement as « … », with a space
-// inside the quotes; the third request queued on a key's row is a key wait there too.
-func TestThirdInLineOnAFrenchServer(t *testing.T) {
-	thirdInLine(t, localizedServer(t, "fr", "division par zéro"), "fr-1")
 }
 
 // localizedServer starts a migrated cluster of its own whose messages are in language (the
