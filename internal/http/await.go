@@ -28,7 +28,8 @@ import (
 // busy is what a claim that found the key in progress knows.
 type busy struct {
 	lease      bool          // the holder is a lease claim (committed; the watch applies)
-	rest       time.Duration // the rest of the holder's lease, when known
+	rest       time.Duration // the rest of the holder's lease at restAt, when known
+	restAt     time.Time     // when the claim that told rest came back
 	err        error         // the ErrInProgress of a transactional claim
 	claimedAt  time.Time     // when the holder claimed, when the watch saw it
 	arrived    time.Time     // when this request first claimed: the holder claimed before
@@ -271,7 +272,9 @@ func (q *request) estimate(b *busy) time.Duration {
 		est = max(typical-time.Since(start), time.Second)
 	}
 	if b.rest > 0 {
-		est = min(est, max(b.rest, time.Second))
+		// What is left of the lease now: the 409 goes out after the wait, not when the
+		// claim came back.
+		est = min(est, max(b.rest-time.Since(b.restAt), time.Second))
 	}
 	return est
 }

@@ -116,7 +116,9 @@ const notStrictJSON = "the body is not strictly valid JSON (one value, no duplic
 func errorProblem(err error) (code, detail string) {
 	switch {
 	case errors.Is(err, dbidem.ErrStoreBusy):
-		return CodeStoreUnavailable, "the idempotency store is locked for maintenance; nothing was changed; retry with the same key"
+		// A lock other than a key's row: the key table's (maintenance), or a row the claim's
+		// INSERT checks, such as the principal's row a foreign key of the application's names.
+		return CodeStoreUnavailable, "the idempotency store is locked (maintenance on its table, or a row the claim checks held by another transaction); nothing was changed; retry with the same key"
 	case errors.Is(err, dbidem.ErrInProgress):
 		return CodeInProgress, "a request with this key is still running; retry later with the same key"
 	case errors.Is(err, dbidem.ErrUnknownPrincipal):

@@ -582,7 +582,7 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return StateAcquired, nil
 	}
 	if d.Outcome == dbidem.InProgress {
-		return "", &busy{lease: true, rest: d.RetryAfter}
+		return "", &busy{lease: true, rest: d.RetryAfter, restAt: time.Now()}
 	}
 	st := stateOfOutcome(d.Outcome)
 	q.m.o.Metrics.Count(q.action, st)
