@@ -41,3 +41,17 @@ func TestCanonicalExponentFitsTheLimit(t *testing.T) {
 		}
 	}
 }
+
+// TestExponentLeadingZerosAreNotCounted: docs/http.md's limit is 16 significant digits of an
+// exponent: leading zeros are not counted, so 1e0000000000000000001 (19 digits as written) is
+// the number 10, one request with the body that writes 10 (a review read "as written" as every
+// digit).
+func TestExponentLeadingZerosAreNotCounted(t *testing.T) {
+	a, b := Compute("POST", "/f", []byte(`{"amount":1e0000000000000000001}`)), Compute("POST", "/f", []byte(`{"amount":10}`))
+	if !a.JSON || !b.JSON || a.Sum != b.Sum {
+		t.Errorf("1e0000000000000000001 (JSON %v) and 10 (JSON %v): want one canonical request", a.JSON, b.JSON)
+	}
+	if c := Compute("POST", "/f", []byte(`{"amount":1e00000000000000000012345678901234567}`)); c.JSON {
+		t.Errorf("an exponent of 17 significant digits after leading zeros is strictly valid")
+	}
+}
