@@ -1761,7 +1761,7 @@ attempt := v_row.attempt;
         || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(v_gen::text, 'UTF8')), 'hex');
             RETURN;
         END IF;
-        IF v_waited IS NULL THEN
+        IF v_waited IS NULL AND current_setting('transaction_isolation') = 'read committed' THEN
             -- A write is due. First wait, without a lock, for a transaction that is writing
             -- the row now (a takeover, a re-claim, a completion, a cleanup): the claim's INSERT
             -- waits for such a writer as for the holder of any conflicting row, and locks
@@ -1770,7 +1770,11 @@ attempt := v_row.attempt;
             -- committed meanwhile before it tests it), until the caller's transaction ends:
             -- a caller that kept that transaction open after an in_progress or mismatch
             -- answer held up the new holder's heartbeat and completion (D275). A row that
-            -- is gone (cleanup deleted it) is claimed by the INSERT.
+            -- is gone (cleanup deleted it) is claimed by the INSERT. Under READ COMMITTED
+            -- only: a snapshot of REPEATABLE READ or SERIALIZABLE would still see a row the
+            -- INSERT does not (cleanup deleted it since), and the claim would stand beside it;
+            -- there the locking read below raises 40001 for a row changed since the snapshot,
+            -- and never waits to lock a version it cannot see.
             v_waited := true;
 IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                 SELECT coalesce(string_agg(convert_to(f.key, 'UTF8') || E'\\x00'::bytea || decode(left(f.value #>> '{}', 16), 'hex'), ''::bytea), ''::bytea)
@@ -1804,8 +1808,8 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
          WHERE k.principal_id = p_principal COLLATE pg_catalog."default" AND k.key = p_key COLLATE pg_catalog."default";
 
         ELSE
-            -- Still due after that wait: read the row again FOR UPDATE and decide on the
-            -- locked version. Only a writer that started since the wait above (another
+            -- Still due after that wait (under REPEATABLE READ or SERIALIZABLE, due): read the
+            -- row again FOR UPDATE and decide on the locked version. Only a writer that started since the wait above (another
             -- request for the key, arriving at the same moment) makes this read wait; then an
             -- answer other than claimed keeps the row's lock until the transaction ends
             -- (docs/sql-api.md).

@@ -2,6 +2,8 @@ package tests
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -94,5 +96,38 @@ func TestAnswerAfterARacedWriteHoldsNoLock(t *testing.T) {
 			}
 			pgtest.Exec(t, dup, `ROLLBACK`)
 		})
+	}
+}
+
+// TestSnapshotClaimOfADeletedKeyIs40001 (D275): under REPEATABLE READ and SERIALIZABLE, a key
+// whose expired row cleanup deleted after the transaction's snapshot is not claimed: the
+// claim raises 40001, as docs/sql-api.md says for a row that changed after the snapshot. The
+// first build of D275 claimed it with the INSERT that waits for a writer (ON CONFLICT sees only
+// live rows), and the transaction then saw two rows for one key and failed at its completion
+// instead, after the work (a review of the change).
+func TestSnapshotClaimOfADeletedKeyIs40001(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	admin := pgtest.Connect(t, url)
+	for _, iso := range []string{"REPEATABLE READ", "SERIALIZABLE"} {
+		for _, lease := range []string{"NULL", "'1 minute'"} {
+			key := strings.NewReplacer(" ", "-", "'", "").Replace(fmt.Sprintf("snap-%s-%s", iso, lease))
+			pgtest.Exec(t, admin, `SELECT idem.idem_begin('p', $1, 'POST /x', sha256('x'), p_lease => '1 minute')`, key)
+			pgtest.Exec(t, admin, `UPDATE idem.idempotency_keys SET lease_expires_at = clock_timestamp() - interval '2 seconds',
+				expires_at = clock_timestamp() - interval '1 second' WHERE key = $1`, key)
+			app := pgtest.Connect(t, url)
+			pgtest.Exec(t, app, `SET ROLE idem_app`)
+			pgtest.Exec(t, app, `BEGIN ISOLATION LEVEL `+iso)
+			pgtest.Exec(t, app, `SELECT idem.idem_version()`) // the snapshot
+			if n := pgtest.Count(t, admin, `SELECT idem.idem_cleanup(1000)`); n < 1 {
+				t.Fatalf("cleanup deleted %d rows, want the expired key's", n)
+			}
+			_, err := app.Exec(ctx, `SELECT idem.idem_begin('p', $1, 'POST /x', sha256('y'), p_lease => `+lease+`)`, key)
+			if err == nil || !strings.Contains(err.Error(), "40001") {
+				t.Errorf("%s, lease %s: the claim of a key deleted after the snapshot: %v; want 40001", iso, lease, err)
+			}
+			_, _ = app.Exec(ctx, `ROLLBACK`)
+		}
 	}
 }

@@ -287,7 +287,7 @@ BEGIN
             provider_key := {{ template "include/provider_key.sql" "v_gen" }};
             RETURN;
         END IF;
-        IF v_waited IS NULL THEN
+        IF v_waited IS NULL AND current_setting('transaction_isolation') = 'read committed' THEN
             -- A write is due. First wait, without a lock, for a transaction that is writing
             -- the row now (a takeover, a re-claim, a completion, a cleanup): the claim's INSERT
             -- waits for such a writer as for the holder of any conflicting row, and locks
@@ -296,7 +296,11 @@ BEGIN
             -- committed meanwhile before it tests it), until the caller's transaction ends:
             -- a caller that kept that transaction open after an in_progress or mismatch
             -- answer held up the new holder's heartbeat and completion (D275). A row that
-            -- is gone (cleanup deleted it) is claimed by the INSERT.
+            -- is gone (cleanup deleted it) is claimed by the INSERT. Under READ COMMITTED
+            -- only: a snapshot of REPEATABLE READ or SERIALIZABLE would still see a row the
+            -- INSERT does not (cleanup deleted it since), and the claim would stand beside it;
+            -- there the locking read below raises 40001 for a row changed since the snapshot,
+            -- and never waits to lock a version it cannot see.
             v_waited := true;
 {{ template "include/fields_blob_lazy.sql" . }}
             v_now := clock_timestamp();
@@ -310,8 +314,8 @@ BEGIN
             END IF;
 {{ template "include/read_key.sql" "" }}
         ELSE
-            -- Still due after that wait: read the row again FOR UPDATE and decide on the
-            -- locked version. Only a writer that started since the wait above (another
+            -- Still due after that wait (under REPEATABLE READ or SERIALIZABLE, due): read the
+            -- row again FOR UPDATE and decide on the locked version. Only a writer that started since the wait above (another
             -- request for the key, arriving at the same moment) makes this read wait; then an
             -- answer other than claimed keeps the row's lock until the transaction ends
             -- (docs/sql-api.md).
