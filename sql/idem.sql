@@ -1604,10 +1604,10 @@ IF p_request_fields IS NOT NULL AND v_fields IS NULL THEN
                   FROM jsonb_each(p_request_fields) AS f;
             END IF;
 
-                v_now := clock_timestamp();
-                v_token := nextval('idem.token_seq');
-                v_lease := v_now + p_lease;
-                v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
+            v_now := clock_timestamp();
+            v_token := nextval('idem.token_seq');
+            v_lease := v_now + p_lease;
+            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, interval '24 hours');
 INSERT INTO idem.idempotency_keys AS k
             (expires_at, attempt, action_hash, lease_expires_at, state, uncompleted,
              principal_id, key, request_sha256, request_fields, claimed_at)
@@ -1617,12 +1617,12 @@ INSERT INTO idem.idempotency_keys AS k
         ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING
         RETURNING 'claimed'::text, k.attempt INTO outcome, attempt;
 
-                IF FOUND THEN
-                    provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
+            IF FOUND THEN
+                provider_key := encode(sha256((idem.provider_key_prefixes())[width_bucket(attempt, idem.provider_key_bounds()) + 1]
         || convert_to(p_principal, 'UTF8') || E'\\x00'::bytea
         || convert_to(p_key, 'UTF8') || E'\\x00'::bytea || convert_to(attempt::text, 'UTF8')), 'hex');
-                    RETURN;
-                END IF;
+                RETURN;
+            END IF;
 SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,
                k.response_headers, k.response_body, k.resource_id, k.withheld
@@ -1809,10 +1809,10 @@ SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.act
 
         ELSE
             -- Still due after that wait (under REPEATABLE READ or SERIALIZABLE, due): read the
-            -- row again FOR UPDATE and decide on the locked version. Only a writer that started since the wait above (another
-            -- request for the key, arriving at the same moment) makes this read wait; then an
-            -- answer other than claimed keeps the row's lock until the transaction ends
-            -- (docs/sql-api.md).
+            -- row again FOR UPDATE and decide on the locked version. Only a writer that started
+            -- since the wait above (another request for the key, arriving at the same moment)
+            -- makes this read wait; then an answer other than claimed keeps the row's lock
+            -- until the transaction ends (docs/sql-api.md).
             v_lock := true;
 SELECT k.state, k.expires_at, k.lease_expires_at, k.attempt, k.generation, k.action_hash,
                k.request_sha256, k.request_fields, k.response_status::integer AS response_status,

@@ -174,16 +174,7 @@ BEGIN
             v_lock := false;
 {{ template "include/read_key.sql" "" }}
             IF NOT FOUND THEN
-{{ template "include/fields_blob_lazy.sql" . }}
-                v_now := clock_timestamp();
-                v_token := nextval('idem.token_seq');
-                v_lease := v_now + p_lease;
-                v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-{{ template "include/claim_insert.sql" . }}
-                IF FOUND THEN
-                    provider_key := {{ template "include/provider_key.sql" "attempt" }};
-                    RETURN;
-                END IF;
+{{ template "include/claim_now.sql" . }}
 {{ template "include/read_key.sql" "" }}
             END IF;
             CONTINUE;
@@ -302,23 +293,14 @@ BEGIN
             -- there the locking read below raises 40001 for a row changed since the snapshot,
             -- and never waits to lock a version it cannot see.
             v_waited := true;
-{{ template "include/fields_blob_lazy.sql" . }}
-            v_now := clock_timestamp();
-            v_token := nextval('idem.token_seq');
-            v_lease := v_now + p_lease;
-            v_expires := coalesce(v_lease, v_now) + coalesce(p_ttl, {{ template "default_ttl" }});
-{{ template "include/claim_insert.sql" . }}
-            IF FOUND THEN
-                provider_key := {{ template "include/provider_key.sql" "attempt" }};
-                RETURN;
-            END IF;
+{{ template "include/claim_now.sql" . }}
 {{ template "include/read_key.sql" "" }}
         ELSE
             -- Still due after that wait (under REPEATABLE READ or SERIALIZABLE, due): read the
-            -- row again FOR UPDATE and decide on the locked version. Only a writer that started since the wait above (another
-            -- request for the key, arriving at the same moment) makes this read wait; then an
-            -- answer other than claimed keeps the row's lock until the transaction ends
-            -- (docs/sql-api.md).
+            -- row again FOR UPDATE and decide on the locked version. Only a writer that started
+            -- since the wait above (another request for the key, arriving at the same moment)
+            -- makes this read wait; then an answer other than claimed keeps the row's lock
+            -- until the transaction ends (docs/sql-api.md).
             v_lock := true;
 {{ template "include/read_key.sql" "FOR UPDATE" }}
         END IF;
