@@ -3,8 +3,10 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -177,12 +179,22 @@ func TestClearingSynchronousStandbyNamesAsDocumented(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer writer.Close(context.Background())
+	// Writes until one waits for a standby: a commit waits only once the checkpointer has
+	// taken the reload in too (it publishes whether synchronous standbys are defined), which
+	// on a loaded machine comes after the sessions see the setting.
 	wrote := make(chan error, 1)
+	var waiting atomic.Bool
 	go func() {
-		_, err := writer.Exec(ctx, `CREATE TABLE after_failover (id int)`)
-		wrote <- err
+		for i := 0; ; i++ {
+			_, err := writer.Exec(ctx, fmt.Sprintf(`CREATE TABLE after_failover_%d (id int)`, i))
+			if err != nil || waiting.Load() {
+				wrote <- err
+				return
+			}
+		}
 	}()
 	pgtest.WaitFor(t, owner, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
+	waiting.Store(true)
 
 	// What the docs said before: the setting stays, and the write keeps waiting.
 	pgtest.Exec(t, owner, `ALTER SYSTEM RESET synchronous_standby_names`)
@@ -190,6 +202,11 @@ func TestClearingSynchronousStandbyNamesAsDocumented(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	if v := names(); v == "" {
 		t.Fatalf("ALTER SYSTEM RESET cleared the setting of postgresql.conf; the docs' warning is wrong")
+	}
+	select {
+	case err := <-wrote:
+		t.Fatalf("the write stopped waiting after ALTER SYSTEM RESET (%v); the docs' warning is wrong", err)
+	default:
 	}
 
 	// What they say now.
