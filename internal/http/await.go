@@ -28,8 +28,7 @@ import (
 // busy is what a claim that found the key in progress knows.
 type busy struct {
 	lease      bool          // the holder is a lease claim (committed; the watch applies)
-	rest       time.Duration // the rest of the holder's lease at restAt, when known
-	restAt     time.Time     // when the claim that told rest came back
+	leaseEnd   time.Time     // when the holder's lease ends by this process's clock, when known
 	err        error         // the ErrInProgress of a transactional claim
 	claimedAt  time.Time     // when the holder claimed, when the watch saw it
 	arrived    time.Time     // when this request first claimed: the holder claimed before
@@ -271,10 +270,10 @@ func (q *request) estimate(b *busy) time.Duration {
 	if typical := q.m.typical.get(q.action); typical > 0 && !start.IsZero() {
 		est = max(typical-time.Since(start), time.Second)
 	}
-	if b.rest > 0 {
+	if !b.leaseEnd.IsZero() {
 		// What is left of the lease now: the 409 goes out after the wait, not when the
 		// claim came back.
-		est = min(est, max(b.rest-time.Since(b.restAt), time.Second))
+		est = min(est, max(time.Until(b.leaseEnd), time.Second))
 	}
 	return est
 }

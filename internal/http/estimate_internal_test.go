@@ -24,7 +24,7 @@ func TestRetryAfterIsCappedByTheLeaseLeftWhenSent(t *testing.T) {
 		{5 * time.Second, 4900 * time.Millisecond, time.Second}, // at least a second
 		{5 * time.Second, time.Minute, time.Second},
 	} {
-		b := &busy{lease: true, rest: c.rest, restAt: now.Add(-c.waited), claimedAt: now.Add(-c.waited)}
+		b := &busy{lease: true, leaseEnd: now.Add(c.rest - c.waited), claimedAt: now.Add(-c.waited)}
 		got := q.estimate(b)
 		// The clock moves on while the test runs: a few milliseconds less than wanted.
 		if got > c.want || got < c.want-100*time.Millisecond {

@@ -582,7 +582,11 @@ func (q *request) keyedOnce(ctx context.Context, claim dbidem.Claim, until time.
 		return StateAcquired, nil
 	}
 	if d.Outcome == dbidem.InProgress {
-		return "", &busy{lease: true, rest: d.RetryAfter, restAt: time.Now()}
+		b := &busy{lease: true}
+		if d.RetryAfter > 0 {
+			b.leaseEnd = time.Now().Add(d.RetryAfter)
+		}
+		return "", b
 	}
 	st := stateOfOutcome(d.Outcome)
 	q.m.o.Metrics.Count(q.action, st)
