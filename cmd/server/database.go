@@ -263,7 +263,8 @@ func (m *Main) releaseCluster() {
 // No record (a cluster started by another command, or by a release without the record) is
 // a server that is gone. The record holds the process number and, where the system says when
 // a process started (Linux's /proc), that time: a live process with the recorded number that
-// started at another time reuses the number of a server that is gone. A record without the time
+// started at another time reuses the number of a server that is gone, and a process killed but not
+// yet reaped by its parent (a zombie) is gone too. A record without the time
 // (written by an earlier release, or where /proc is missing) counts any live process.
 func clusterServerAlive(dir string) bool {
 	b, err := os.ReadFile(filepath.Join(dir, clusterServerFile))
@@ -277,10 +278,14 @@ func clusterServerAlive(dir string) bool {
 	if err := syscall.Kill(pid, 0); err != nil && !errors.Is(err, syscall.EPERM) {
 		return false
 	}
-	if f := strings.Fields(string(b)); len(f) > 1 {
-		if start, ok := processStart(pid); ok && start != f[1] {
-			return false
-		}
+	state, start, ok := processStat(pid)
+	if ok && (state == "Z" || state == "X") {
+		// Killed and not yet reaped by its parent (a zombie): a number and a start time, but
+		// no server.
+		return false
+	}
+	if f := strings.Fields(string(b)); len(f) > 1 && ok && start != f[1] {
+		return false
 	}
 	return true
 }
@@ -298,24 +303,31 @@ func recordedPid(record string) int {
 	return pid
 }
 
-// processStart returns when process pid started, in the clock ticks since boot that Linux gives
-// as the 22nd field of /proc/PID/stat; false where there is no such file. The field count starts
-// after the command's name, which may hold spaces and parentheses: it ends at the last ')'.
+// processStart returns when process pid started (processStat).
 func processStart(pid int) (string, bool) {
+	_, start, ok := processStat(pid)
+	return start, ok
+}
+
+// processStat returns process pid's state (the 3rd field of Linux's /proc/PID/stat: "Z" for a
+// process that ended and that its parent has not reaped yet) and when it started (the 22nd, in
+// clock ticks since boot); false where there is no such file. The field count starts after the
+// command's name, which may hold spaces and parentheses: it ends at the last ')'.
+func processStat(pid int) (state, start string, ok bool) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return "", false
+		return "", "", false
 	}
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 {
-		return "", false
+		return "", "", false
 	}
 	f := strings.Fields(s[i+1:])
 	if len(f) < 20 {
-		return "", false
+		return "", "", false
 	}
-	return f[19], true
+	return f[0], f[19], true
 }
 
 // clientsCheckName is the application_name of otherClients' own connection.

@@ -355,3 +355,43 @@ func TestCtrlCOfTheFirstServeLeavesTheSecondItsDatabase(t *testing.T) {
 		t.Errorf("after the last serve's Ctrl-C the cluster still runs:\nfirst's log:\n%s\nsecond's log:\n%s", first.out.String(), second.out.String())
 	}
 }
+
+// TestClusterServerRecordOfAZombie: a server killed (kill -9) whose parent has not reaped it yet
+// keeps its process number and start time, but serves nothing: a serve that finds its record
+// takes the cluster over, as it does once the process is reaped. Before, the zombie read as a
+// live server until its parent waited for it.
+func TestClusterServerRecordOfAZombie(t *testing.T) {
+	dir := t.TempDir()
+	child := exec.Command("sleep", "60")
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := child.Process.Pid
+	start, ok := processStart(pid)
+	if !ok {
+		t.Fatal("no start time for a live child")
+	}
+	record := []byte(strconv.Itoa(pid) + " " + start + "\n")
+	if err := os.WriteFile(filepath.Join(dir, clusterServerFile), record, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if !clusterServerAlive(dir) {
+		t.Fatal("the record of a live child reads as a server that is gone")
+	}
+	_ = child.Process.Signal(syscall.SIGKILL)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if state, _, _ := processStat(pid); state == "Z" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the killed child did not become a zombie")
+		}
+	}
+	if clusterServerAlive(dir) {
+		t.Error("a killed server that its parent has not reaped reads as alive")
+	}
+	_ = child.Wait()
+	if clusterServerAlive(dir) {
+		t.Error("a reaped server reads as alive")
+	}
+}
