@@ -245,7 +245,7 @@ func (m *Main) ParseFlags(args []string, getenv func(string) string) error {
 	p.integer("DATABASE_POOL_SIZE", &c.PoolSize, 2, 10_000)
 	p.str("IDEM_DATA_DIR", &c.DataDir)
 	p.integer("IDEM_DATA_PORT", &c.DataPort, 1, 65535)
-	if v := getenv("IDEM_APP_ROLE"); v != "" {
+	if v := strings.TrimSpace(getenv("IDEM_APP_ROLE")); v != "" {
 		switch {
 		case !roleName.MatchString(v):
 			p.fail("IDEM_APP_ROLE", v, "want a lower-case SQL identifier")

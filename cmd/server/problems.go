@@ -42,9 +42,7 @@ func problem(w http.ResponseWriter, r *http.Request, status int, code, detail st
 // 500 otherwise. A retry with the same key is safe either way: it gets the answer of
 // whatever took effect, or runs.
 func (s *ledger) serverError(w http.ResponseWriter, r *http.Request, err error) {
-	if r.Context().Err() == nil {
-		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
-	}
+	failed(s.log, r, err)
 	if errors.Is(err, idem.ErrCommitUnknown) {
 		// A step's COMMIT (idem.Step) was sent and its reply lost: the step may have taken
 		// effect (a reservation made, money moved), so "nothing was changed" would not be
@@ -96,9 +94,7 @@ func (s *ledger) unrecordedPayout(w http.ResponseWriter, r *http.Request, err er
 		s.serverError(w, r, err)
 		return
 	}
-	if r.Context().Err() == nil {
-		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
-	}
+	failed(s.log, r, err)
 	// "failed or was cut off": a connection lost after the recording's COMMIT was sent leaves
 	// it recorded or not; the retry finds out either way.
 	problem(w, r, http.StatusInternalServerError, "internal_error",
@@ -119,9 +115,7 @@ func (s *ledger) providerFailed(w http.ResponseWriter, r *http.Request, err erro
 		s.serverError(w, r, err)
 		return
 	}
-	if r.Context().Err() == nil {
-		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
-	}
+	failed(s.log, r, err)
 	problem(w, r, http.StatusInternalServerError, "internal_error",
 		"the provider's call failed or was cut off, and may have been made under the payout's provider key; retry with the same Idempotency-Key: "+
 			"the provider answers a repeat under that key from its record, and pays once")
@@ -152,9 +146,7 @@ func (s *ledger) stepError(w http.ResponseWriter, r *http.Request, err error) {
 		s.serverError(w, r, err)
 		return
 	}
-	if r.Context().Err() == nil {
-		s.log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
-	}
+	failed(s.log, r, err)
 	problem(w, r, http.StatusInternalServerError, "internal_error",
 		"the payout stopped after some of its steps, which are recorded with the key; retry with the same Idempotency-Key to finish it")
 }

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
@@ -22,6 +23,40 @@ type requestIDKey struct{}
 func requestIDOf(ctx context.Context) string {
 	id, _ := ctx.Value(requestIDKey{}).(string)
 	return id
+}
+
+type failuresKey struct{}
+
+// requestFailures holds what a request's handler failed with (failed) until correlate logs the
+// request: a transactional route's work that fails on a deadlock, a serialization failure or
+// a lock timeout runs again, and its answer is the last run's.
+type requestFailures struct {
+	mu     sync.Mutex
+	logged bool // correlate has logged the request: a later failure logs at once
+	last   error
+	n      int
+}
+
+// failed records an error the request cannot be blamed for, which its handler answers with a
+// 5xx. correlate logs it with the request: at error level when the answer sent was a 5xx (or
+// the client was gone), at warn level when it was not, because the middleware ran the work
+// again and answered that run's answer (D279). Nothing is logged for a request whose client
+// went away first, as before; a failure after the request was logged (work that outlives its
+// request) logs at error level at once.
+func failed(log interface{ Error(msg string, args ...any) }, r *http.Request, err error) {
+	if r.Context().Err() != nil {
+		return
+	}
+	if f, ok := r.Context().Value(failuresKey{}).(*requestFailures); ok {
+		f.mu.Lock()
+		if !f.logged {
+			f.last, f.n = err, f.n+1
+			f.mu.Unlock()
+			return
+		}
+		f.mu.Unlock()
+	}
+	log.Error("request failed", "request_id", requestIDOf(r.Context()), "error", err)
 }
 
 // correlate gives every request a correlation id (the client's X-Request-Id when it is a
@@ -44,7 +79,8 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 		// or to close the connection after a large unread one, and a body of another type
 		// made it read the body first (D258).
 		body := &bodyWatch{ReadCloser: r.Body}
-		r2 := r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id))
+		failures := &requestFailures{}
+		r2 := r.WithContext(context.WithValue(context.WithValue(r.Context(), requestIDKey{}, id), failuresKey{}, failures))
 		if r.Body != nil && r.Body != http.NoBody {
 			r2.Body = body
 		}
@@ -61,6 +97,17 @@ func correlate(log *slog.Logger, next http.Handler) http.Handler {
 			// when the body's read ran out of the server's read timeout: net/http ends the
 			// request's context then too, with the client still there to read the 408 (D257).
 			status = statusClientGone
+		}
+		failures.mu.Lock()
+		failures.logged = true
+		last, n := failures.last, failures.n
+		failures.mu.Unlock()
+		if n > 0 {
+			if status < 500 && status != statusClientGone {
+				log.Warn("the request's work failed and ran again", "request_id", id, "error", last, "failures", n)
+			} else {
+				log.Error("request failed", "request_id", id, "error", last, "failures", n)
+			}
 		}
 		log.Log(r.Context(), level, "request", "request_id", id, "method", clipped(r.Method, maxLoggedMethod), "path", clipped(loggedPath(r), maxLoggedPath), "status", status,
 			"replayed", sw.Header().Get("Idempotent-Replayed") == "true", "duration_ms", time.Since(start).Milliseconds())

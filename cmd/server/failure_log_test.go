@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// logLinesOf returns the server's JSON log lines that carry request_id id.
+func logLinesOf(t *testing.T, log string, id string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, l := range strings.Split(log, "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(l), &m) == nil && m["request_id"] == id {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// TestRetriedDeadlockLogsNoError: a transfer chosen as a deadlock's victim runs again and answers
+// 201; its failed run logs at warn level ("the request's work failed and ran again", with the
+// error), not the error level that says a request failed (D279). A handler's failure that is its
+// answer (a 500) still logs "request failed" at error level.
+func TestRetriedDeadlockLogsNoError(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmptyDB(t)
+	mig := NewMain(io.Discard, io.Discard)
+	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := mig.Run(context.Background()); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	_ = mig.Close()
+	log := &toBuf{}
+	s := serveWith(t, db, db, nil, log)
+	_, token := s.principal("dead")
+	acct := func(n string) int64 {
+		return int64(s.call("POST", "/v1/accounts", token, "", `{"name":"`+n+`","currency":"EUR"}`).json(t)["id"].(float64))
+	}
+	a, b := acct("a"), acct("b")
+	s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "", `{"amount":100}`)
+	ctx := context.Background()
+	ext, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ext.Rollback(ctx) }()
+	if _, err := ext.Exec(ctx, `SET LOCAL deadlock_timeout = '2s'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ext.Exec(ctx, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, b); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan resp, 1)
+	go func() {
+		done <- s.call("POST", "/v1/transfers", token, "dead-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b),
+			"X-Request-Id", "deadlock-victim")
+	}()
+	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FOR NO KEY UPDATE%'`)
+	if _, err := ext.Exec(ctx, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, a); err != nil {
+		t.Fatalf("the test's transaction was the deadlock's victim: %v", err)
+	}
+	_ = ext.Rollback(ctx)
+	if r := <-done; r.status != 201 {
+		t.Fatalf("the transfer after a deadlock: %d %s, want 201", r.status, r.body)
+	}
+	lines := logLinesOf(t, log.String(), "deadlock-victim")
+	var warned bool
+	for _, l := range lines {
+		if l["level"] == "ERROR" {
+			t.Errorf("a request answered 201 logged an error: %v", l)
+		}
+		if l["level"] == "WARN" && l["msg"] == "the request's work failed and ran again" &&
+			strings.Contains(fmt.Sprint(l["error"]), "40P01") && l["failures"] == float64(1) {
+			warned = true
+		}
+	}
+	if !warned {
+		t.Errorf("no warning of the run that failed: %v", lines)
+	}
+
+	// A failure that is the answer: a 500, logged at error level.
+	pgtest.Exec(t, s.pool, `CREATE FUNCTION ledger.boom() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'boom'; END$$`)
+	pgtest.Exec(t, s.pool, `CREATE TRIGGER boom BEFORE INSERT ON ledger.transfers FOR EACH ROW EXECUTE FUNCTION ledger.boom()`)
+	if r := s.call("POST", "/v1/transfers", token, "boom-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":1}`, a, b),
+		"X-Request-Id", "boom-victim"); r.status != 500 {
+		t.Fatalf("a transfer whose insert fails: %d %s, want 500", r.status, r.body)
+	}
+	var logged bool
+	for _, l := range logLinesOf(t, log.String(), "boom-victim") {
+		if l["level"] == "ERROR" && l["msg"] == "request failed" && strings.Contains(fmt.Sprint(l["error"]), "boom") {
+			logged = true
+		}
+	}
+	if !logged {
+		t.Errorf("a 500 logged no error: %s", log.String())
+	}
+}
