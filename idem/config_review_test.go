@@ -399,3 +399,28 @@ func TestConfigTinyMaxBodyBytes(t *testing.T) {
 		t.Fatalf("%d effects, %d keys", e.effects(t), e.keys(t))
 	}
 }
+
+// TestConfigReplayHeaderThatIsAnotherHeader: New accepted a ReplayHeader equal to the
+// KeyHeader, and every replay carried "Idempotency-Key: true" (a QA review of the go doc; New
+// refused the same for CorrelationHeader). It refuses a ReplayHeader that is the KeyHeader or
+// the CorrelationHeader, in any case, defaults included.
+func TestConfigReplayHeaderThatIsAnotherHeader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := pgtest.NewPool(t, 4)
+	for _, o := range []idem.Options{
+		{ReplayHeader: "Idempotency-Key"},
+		{ReplayHeader: "x-request-id"},
+		{ReplayHeader: "K", KeyHeader: "k"},
+		{ReplayHeader: "Idempotent-Replayed", CorrelationHeader: "idempotent-replayed"},
+	} {
+		o.DB, o.Principal = pool, alice
+		if _, err := idem.New(ctx, o); err == nil || !strings.Contains(err.Error(), "ReplayHeader") {
+			t.Errorf("ReplayHeader %q, KeyHeader %q, CorrelationHeader %q: %v, want New to refuse it",
+				o.ReplayHeader, o.KeyHeader, o.CorrelationHeader, err)
+		}
+	}
+	if _, err := idem.New(ctx, idem.Options{DB: pool, Principal: alice, ReplayHeader: "X-Replayed"}); err != nil {
+		t.Fatalf("another ReplayHeader: %v", err)
+	}
+}

@@ -29,8 +29,9 @@ type ClaimInfo struct {
 	// is 64 hex digits. On a lease route a request without a key gets one of its own
 	// (ClaimOf's ok is false then).
 	// On a transactional route the claim commits with the answer or not at all: when the
-	// work rolls back (a 5xx, a panic, a serialization failure that runs the handler again), its
-	// claim and generation roll back with it, and the next run or retry has a new ProviderKey.
+	// work rolls back (an answer that is not stored, such as a 5xx; a panic; a serialization
+	// failure that runs the handler again), its claim and generation roll back with it, and
+	// the next run or retry has a new ProviderKey.
 	// Work outside the database, which a rollback cannot undo, belongs on a lease route.
 	ProviderKey string
 	// RecoveryPoint is the last step (Step) that an earlier attempt of this request recorded

@@ -54,7 +54,8 @@ type Options struct {
 	// header name (an RFC 9110 token).
 	KeyHeader string
 	// ReplayHeader is set to "true" on a replayed response. Default "Idempotent-Replayed"; a
-	// header name.
+	// header name, neither KeyHeader's nor CorrelationHeader's (a replay would overwrite the
+	// header a client reads its key or its correlation id from).
 	ReplayHeader string
 	// CorrelationHeader names the request's correlation id, which problems carry and a replay
 	// keeps from the current request. Default "X-Request-Id"; a header name, not KeyHeader's
@@ -200,8 +201,11 @@ type Route struct {
 	// under Route) runs a lease route against a provider that counts its calls.
 	Lease time.Duration
 	// LeaseTimeout bounds a lease route's handler: its context ends then, and a handler that
-	// gives up answers 5xx, which gives the lease up; one that returns without writing gives
-	// it up too, and its client gets 500 internal_error (never an empty 200). A request
+	// gives up answers 5xx, which gives the lease up; one that returns without writing once
+	// its context ended gives it up too, and its client gets 500 internal_error (never an
+	// empty 200). Before that, a handler that returns without writing answers what net/http
+	// sends for it, an empty 200, which is stored and replayed like any answer (the middleware
+	// cannot tell it from one), on every route. A request
 	// without a key on the route is bounded the same way. Default 0: five minutes
 	// (DefaultLeaseTimeout). Not negative. Route panics when it is set without Lease: a
 	// transactional route is bounded by WorkTimeout.

@@ -79,8 +79,9 @@ const (
 )
 
 // interval is a duration as an interval parameter; 0 is NULL, the function's default. It is
-// sent in whole microseconds, a positive one rounded up: below a microsecond it stays
-// positive (truncated, it was 0, which the functions refuse).
+// sent in whole microseconds, rounded away from zero: below a microsecond it stays positive
+// (truncated, it was 0, which the functions refuse), and a negative one stays negative, so that
+// the functions' refusal names it (-1ns was refused as "got 00:00:00").
 func interval(d time.Duration) *string {
 	if d == 0 {
 		return nil
@@ -88,6 +89,8 @@ func interval(d time.Duration) *string {
 	us := d.Microseconds()
 	if d%time.Microsecond > 0 {
 		us++
+	} else if d%time.Microsecond < 0 {
+		us--
 	}
 	s := fmt.Sprintf("%d microseconds", us)
 	return &s

@@ -272,6 +272,12 @@ func (o Options) check() error {
 		return fmt.Errorf("idem: Options.KeyHeader and Options.CorrelationHeader are both %q: the correlation id is logged "+
 			"and sent in problems as it is, and a key never is; set CorrelationHeader to another header", key)
 	}
+	if replay := cmp.Or(o.ReplayHeader, "Idempotent-Replayed"); strings.EqualFold(replay, key) || strings.EqualFold(replay, correlation) {
+		// A replay sets it to "true": over the key (which a client would then read back as
+		// its key) or over the current request's correlation id, which a replay carries.
+		return fmt.Errorf("idem: Options.ReplayHeader %q is also Options.KeyHeader or Options.CorrelationHeader (%q, %q): "+
+			"a replay sets it to \"true\" over that header; choose another", replay, key, correlation)
+	}
 	for _, h := range o.StoredHeaders {
 		if !httpsyntax.IsToken(h) {
 			return fmt.Errorf("idem: Options.StoredHeaders: %q is not a header name", h)
