@@ -155,3 +155,30 @@ func TestReviewSilentUnkeyedLeaseRequestNotBoundedByLeaseTimeout(t *testing.T) {
 		t.Fatalf("an unkeyed request on a lease route with LeaseTimeout 1s ran %v: its context did not end at LeaseTimeout", took.Round(time.Millisecond))
 	}
 }
+
+// TestHandlerThatWritesNothingStoresAnEmpty200: Route.LeaseTimeout's doc says a handler that
+// returns without writing, while its context still runs, answers net/http's empty 200, stored
+// and replayed like any answer, on every route (a review of the go doc read "never an empty
+// 200" as a rule for every such handler).
+func TestHandlerThatWritesNothingStoresAnEmpty200(t *testing.T) {
+	t.Parallel()
+	pool, _ := pgtest.NewPool(t, 4)
+	m := quietMiddleware(t, idem.Options{DB: pool})
+	var runs atomic.Int32
+	silent := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { runs.Add(1) })
+	for _, route := range []idem.Route{{Action: "POST /tx"}, {Action: "POST /lease", Lease: 10 * time.Second}} {
+		srv := httptest.NewServer(m.Route(route)(silent))
+		key := "silent-" + strings.TrimPrefix(route.Action, "POST /")
+		ctx := context.Background()
+		st, _, body := pgtest.Send(t, ctx, "POST", srv.URL+"/x", `{}`, "Idempotency-Key", key)
+		st2, h2, body2 := pgtest.Send(t, ctx, "POST", srv.URL+"/x", `{}`, "Idempotency-Key", key)
+		srv.Close()
+		if st != 200 || body != "" || st2 != 200 || body2 != "" || h2.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("%s: %d %q then %d %q replayed %q, want an empty 200 stored and replayed",
+				route.Action, st, body, st2, body2, h2.Get("Idempotent-Replayed"))
+		}
+	}
+	if n := runs.Load(); n != 2 {
+		t.Errorf("the handler ran %d times, want once a route", n)
+	}
+}
