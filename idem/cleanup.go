@@ -12,8 +12,8 @@ import (
 
 // Cleanup: expired keys stay in the table until something deletes them. A service starts a
 // Cleaner in one call (StartCleaner); pg_cron (docs/sql-api.md) or `server cleanup` do the
-// same from outside. Every minute, paced, one process at a time: the table then holds about
-// one TTL of keys, and the API's latency barely notices the cleaner.
+// same from outside. Every minute, paced, one batch at a time across processes: the table then
+// holds about one TTL of keys, and the API's latency barely notices the cleaner.
 
 // CleanerOptions configure a Cleaner. The zero value has the defaults; NewCleaner checks the
 // bounds.
@@ -37,7 +37,7 @@ type CleanerOptions struct {
 	SkipVacuum bool
 	// Wait makes every batch of a pass wait for CleanupLock when another process's batch
 	// holds it, instead of skipping the pass (or stopping it there, leaving the rest to that
-	// process). Default false, what a scheduled cleaner wants: one process cleans at a time.
+	// process). Default false, what a scheduled cleaner wants: no pass waits for another's.
 	// Set it for a pass that must run to its end, such as a pass by hand to catch up: it
 	// then takes turns with the other processes' batches, and a transaction that holds
 	// CleanupLock holds it up until it ends, whatever lock_timeout and statement_timeout the
@@ -114,8 +114,11 @@ func (a cleanupObserver) Vacuumed() {
 // Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement
 // in a transaction of its own under CleanupLock, until a batch comes back short, pausing after
 // each so that batches take at most Duty of the time. With several processes on one database
-// one of them cleans at a time (the others' passes are skipped); a pass holds at most one
-// connection, and only while a statement runs. Rows that a request holds are skipped, never
+// one batch runs at a time: a pass that starts while another process's batch runs is skipped,
+// and one whose batch meets another's stops there; but the lock is free during the pauses, so
+// passes that start in each other's pauses take turns, batch by batch, and the database sees
+// the sum of their Duty shares (run one process's Cleaner, or divide Duty among them). A pass
+// holds at most one connection, and only while a statement runs. Rows that a request holds are skipped, never
 // waited for. A batch statement that gets no answer within two minutes (a connection that
 // stopped answering) fails the pass, which the metrics count as failed; a cleaner whose
 // batches wait for the lock (CleanerOptions.Wait) waits as long as the lock is held. Safe for

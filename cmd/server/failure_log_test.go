@@ -104,3 +104,28 @@ func TestRetriedDeadlockLogsNoError(t *testing.T) {
 		t.Errorf("a 500 logged no error: %s", log.String())
 	}
 }
+
+// TestHealthzStaysUpWhileTheKeyTableIsLocked: docs/operations.md, "Maintenance of the key
+// table": while the key table is locked, keyed requests get 503 store_unavailable and /healthz
+// stays 200.
+func TestHealthzStaysUpWhileTheKeyTableIsLocked(t *testing.T) {
+	t.Parallel()
+	s := startServer(t, nil)
+	_, token := s.principal("maint")
+	ctx := context.Background()
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `LOCK TABLE idem.idempotency_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	if r := s.call("POST", "/v1/accounts", token, "maint-1", `{"name":"a","currency":"EUR"}`); r.status != 503 ||
+		!strings.Contains(r.body, "store_unavailable") {
+		t.Fatalf("a keyed request while the key table is locked: %d %s, want 503 store_unavailable", r.status, r.body)
+	}
+	if r := s.call("GET", "/healthz", "", "", ""); r.status != 200 {
+		t.Fatalf("/healthz while the key table is locked: %d %s, want 200", r.status, r.body)
+	}
+}

@@ -17,8 +17,8 @@ import (
 
 // The scheduled cleaner: what the reference server ran in-process (its cmd/server/cleanup.go
 // until 0.2.0), moved here so that any service starts it in one call. One pass deletes
-// expired keys batch by batch under an advisory lock that makes one process clean at a time,
-// paced by a duty share, and vacuums the key table when its role owns it.
+// expired keys batch by batch under an advisory lock that makes one batch run at a time across
+// processes, paced by a duty share, and vacuums the key table when its role owns it.
 
 // CleanupLock is the advisory lock that makes one cleanup batch run at a time across every
 // process on a database ("idem" in ASCII, then "clean"). Each batch takes it for its own
@@ -202,8 +202,9 @@ var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT pg_advisory_xact_lock
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. Each batch takes the cleanup lock for its own
 // transaction: a pass whose first batch finds another process's batch running is skipped,
-// and a pass that finds one later stops there (the other process goes on), so one process
-// cleans at a time; with CleanerOptions.Wait each batch waits for the lock instead, and the
+// and a pass that finds one later stops there (the other process goes on); passes that start
+// in each other's pauses take turns, batch by batch, so one batch, not one pass, runs at a
+// time; with CleanerOptions.Wait each batch waits for the lock instead, and the
 // pass runs to its end. The pass holds at most one connection, and only while a statement runs:
 // with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
 // When ctx ends it stops and returns ctx's error.
