@@ -90,8 +90,8 @@ func newShop(ctx context.Context, pool *pgxpool.Pool) (*shop, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Expired keys are deleted every minute, paced, by one process at a time: without it the
-	// key table grows forever.
+	// Expired keys are deleted every minute, paced, one batch at a time across processes:
+	// without it the key table grows forever.
 	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{})
 	if err != nil {
 		return nil, err
