@@ -615,6 +615,28 @@ func TestContractDeadlockRetried(t *testing.T) {
 	}
 	a, b := acct("a"), acct("b")
 	s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "", `{"amount":100}`)
+	r := transferInADeadlock(t, s, token, "dead-1", a, b)
+	if r.status != 201 {
+		t.Fatalf("the transfer after a deadlock: %d %s, want 201 (the unit of work retried)", r.status, r.body)
+	}
+	again := s.call("POST", "/v1/transfers", token, "dead-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b))
+	if again.status != 201 || again.body != r.body {
+		t.Fatalf("replay: %+v", again)
+	}
+	if n := s.count(`SELECT count(*) FROM ledger.transfers WHERE principal_id = $1`, pid); n != 1 {
+		t.Fatalf("%d transfers, want 1", n)
+	}
+	if x, y := s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, a), s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, b); x != 93 || y != 7 {
+		t.Fatalf("balances %d/%d, want 93/7", x, y)
+	}
+}
+
+// transferInADeadlock sends a keyed transfer of 7 from account a to b (with headers) and makes it
+// a deadlock's victim: a transaction of the test holds b, the transfer holds a and waits for b,
+// and the test's transaction then waits for a (with a deadlock_timeout longer than the
+// server's, so that the transfer's backend finds the cycle). It returns the transfer's answer.
+func transferInADeadlock(t *testing.T, s *testServer, token, key string, a, b int64, headers ...string) resp {
+	t.Helper()
 	ctx := context.Background()
 	ext, err := s.pool.Begin(ctx)
 	if err != nil {
@@ -629,7 +651,7 @@ func TestContractDeadlockRetried(t *testing.T) {
 	}
 	done := make(chan resp, 1)
 	go func() {
-		done <- s.call("POST", "/v1/transfers", token, "dead-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b))
+		done <- s.call("POST", "/v1/transfers", token, key, fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b), headers...)
 	}()
 	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FOR NO KEY UPDATE%'`)
 	// Now close the cycle: the transfer holds a and waits for b; this waits for a.
@@ -637,20 +659,7 @@ func TestContractDeadlockRetried(t *testing.T) {
 		t.Fatalf("the test's transaction was the deadlock's victim: %v", err)
 	}
 	_ = ext.Rollback(ctx)
-	r := <-done
-	if r.status != 201 {
-		t.Fatalf("the transfer after a deadlock: %d %s, want 201 (the unit of work retried)", r.status, r.body)
-	}
-	again := s.call("POST", "/v1/transfers", token, "dead-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b))
-	if again.status != 201 || again.body != r.body {
-		t.Fatalf("replay: %+v", again)
-	}
-	if n := s.count(`SELECT count(*) FROM ledger.transfers WHERE principal_id = $1`, pid); n != 1 {
-		t.Fatalf("%d transfers, want 1", n)
-	}
-	if x, y := s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, a), s.count(`SELECT balance FROM ledger.accounts WHERE id = $1`, b); x != 93 || y != 7 {
-		t.Fatalf("balances %d/%d, want 93/7", x, y)
-	}
+	return <-done
 }
 
 // TestContractReuse: "repeat, other method, path or body: 422 idempotency_key_reuse, naming changed

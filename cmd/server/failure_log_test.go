@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"strings"
 	"testing"
 
@@ -30,15 +29,7 @@ func logLinesOf(t *testing.T, log string, id string) []map[string]any {
 // answer (a 500) still logs "request failed" at error level.
 func TestRetriedDeadlockLogsNoError(t *testing.T) {
 	t.Parallel()
-	db := pgtest.NewEmptyDB(t)
-	mig := NewMain(io.Discard, io.Discard)
-	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := mig.Run(context.Background()); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	_ = mig.Close()
+	db := migratedDB(t, nil)
 	log := &toBuf{}
 	s := serveWith(t, db, db, nil, log)
 	_, token := s.principal("dead")
@@ -47,29 +38,7 @@ func TestRetriedDeadlockLogsNoError(t *testing.T) {
 	}
 	a, b := acct("a"), acct("b")
 	s.call("POST", fmt.Sprintf("/v1/accounts/%d/deposits", a), token, "", `{"amount":100}`)
-	ctx := context.Background()
-	ext, err := s.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ext.Rollback(ctx) }()
-	if _, err := ext.Exec(ctx, `SET LOCAL deadlock_timeout = '2s'`); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ext.Exec(ctx, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, b); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan resp, 1)
-	go func() {
-		done <- s.call("POST", "/v1/transfers", token, "dead-1", fmt.Sprintf(`{"from":%d,"to":%d,"amount":7}`, a, b),
-			"X-Request-Id", "deadlock-victim")
-	}()
-	pgtest.WaitFor(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FOR NO KEY UPDATE%'`)
-	if _, err := ext.Exec(ctx, `SELECT 1 FROM ledger.accounts WHERE id = $1 FOR UPDATE`, a); err != nil {
-		t.Fatalf("the test's transaction was the deadlock's victim: %v", err)
-	}
-	_ = ext.Rollback(ctx)
-	if r := <-done; r.status != 201 {
+	if r := transferInADeadlock(t, s, token, "dead-1", a, b, "X-Request-Id", "deadlock-victim"); r.status != 201 {
 		t.Fatalf("the transfer after a deadlock: %d %s, want 201", r.status, r.body)
 	}
 	lines := logLinesOf(t, log.String(), "deadlock-victim")

@@ -28,6 +28,12 @@ type testServer struct {
 
 func startServer(t testing.TB, env map[string]string) *testServer {
 	t.Helper()
+	return serveOn(t, migratedDB(t, env), env)
+}
+
+// migratedDB is a fresh database that the server's migrate (with env) has migrated.
+func migratedDB(t testing.TB, env map[string]string) string {
+	t.Helper()
 	db := pgtest.NewEmptyDB(t)
 	mig := NewMain(io.Discard, io.Discard)
 	if err := mig.ParseFlags([]string{"migrate"}, serverEnv(db, env)); err != nil {
@@ -37,7 +43,7 @@ func startServer(t testing.TB, env map[string]string) *testServer {
 		t.Fatalf("migrate: %v", err)
 	}
 	_ = mig.Close()
-	return serveOn(t, db, env)
+	return db
 }
 
 // serverEnv is the environment of a test server on db: a free port, no scheduled cleanup,
