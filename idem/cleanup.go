@@ -111,18 +111,18 @@ func (a cleanupObserver) Vacuumed() {
 	a.o.Vacuumed()
 }
 
-// Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement
-// in a transaction of its own under CleanupLock, until a batch comes back short, pausing after
+// Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement in
+// a transaction of its own under CleanupLock, until a batch comes back short, pausing after
 // each so that batches take at most Duty of the time. With several processes on one database
 // one batch runs at a time: a pass that starts while another process's batch runs is skipped,
 // and one whose batch meets another's stops there; but the lock is free during the pauses, so
 // passes that start in each other's pauses take turns, batch by batch, and the database sees
 // the sum of their Duty shares (run one process's Cleaner, or divide Duty among them). A pass
-// holds at most one connection, and only while a statement runs. Rows that a request holds are skipped, never
-// waited for. A batch statement that gets no answer within two minutes (a connection that
-// stopped answering) fails the pass, which the metrics count as failed; a cleaner whose
-// batches wait for the lock (CleanerOptions.Wait) waits as long as the lock is held. Safe for
-// concurrent use.
+// holds at most one connection, and only while a statement runs. Rows that a request holds are
+// skipped, never waited for. A batch statement that gets no answer within two minutes (a
+// connection that stopped answering) fails the pass, which the metrics count as failed; a
+// cleaner whose batches wait for the lock (CleanerOptions.Wait) waits as long as the lock is
+// held. Safe for concurrent use.
 type Cleaner struct{ c *dbidem.Cleaner }
 
 // NewCleaner returns a cleaner on db (a pool: each batch is a statement of its own, never

@@ -215,8 +215,8 @@ func ExampleDo() {
 }
 
 // The cleaner a service starts beside its routes: a pass every Interval (a minute by default),
-// paced, one batch at a time across processes. Here a key whose TTL is a millisecond is gone after the
-// first pass.
+// paced, one batch at a time across processes. Here a key whose TTL is a millisecond is gone
+// after the first pass.
 func ExampleStartCleaner() {
 	ctx := context.Background()
 	pool, done := exampleDB()

@@ -143,9 +143,10 @@ func ReadStuck(ctx context.Context, q Querier, olderThan time.Duration, limit in
 // ReleaseStuck releases the in-progress lease claim of (principal, key) with this token, whose
 // work is known to be dead, so that the client's retry runs again; reason goes into the
 // database's NOTICE. The retry takes the key over in the same generation, with the same
-// provider key (as after Yield, unlike Release), so that a provider that saw the dead
-// attempt's call answers from its record; the stuck holder, should it wake, is fenced off. ErrClaimLost when there is no such claim (completed, released, taken
-// over, absent). Only the operator role may (ErrPermissionDenied otherwise).
+// provider key (as after Yield, unlike Release), so that a provider that saw the dead attempt's
+// call answers from its record; the stuck holder, should it wake, is fenced off. ErrClaimLost
+// when there is no such claim (completed, released, taken over, absent). Only the operator role
+// may (ErrPermissionDenied otherwise).
 func ReleaseStuck(ctx context.Context, q Querier, principal, key string, attempt int64, reason string) error {
 	return dbidem.ReleaseStuck(ctx, q, principal, key, attempt, reason)
 }
