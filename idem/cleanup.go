@@ -12,7 +12,7 @@ import (
 
 // Cleanup: expired keys stay in the table until something deletes them. A service starts a
 // Cleaner in one call (StartCleaner); pg_cron (docs/sql-api.md) or `server cleanup` do the
-// same from outside. Every minute, paced, one batch at a time across processes: the table then
+// same from outside. Every minute, paced, one pass at a time across processes: the table then
 // holds about one TTL of keys, and the API's latency barely notices the cleaner.
 
 // CleanerOptions configure a Cleaner. The zero value has the defaults; NewCleaner checks the
@@ -36,10 +36,11 @@ type CleanerOptions struct {
 	// autovacuum).
 	SkipVacuum bool
 	// Wait makes every batch of a pass wait for CleanupLock when another process's batch
-	// holds it, instead of skipping the pass (or stopping it there, leaving the rest to that
-	// process). Default false, what a scheduled cleaner wants: no pass waits for another's.
-	// Set it for a pass that must run to its end, such as a pass by hand to catch up: it
-	// then takes turns with the other processes' batches, and a transaction that holds
+	// holds it, and take the cleanup lease over from another process's pass, instead of
+	// skipping the pass (or stopping it there, leaving the rest to that process). Default
+	// false, what a scheduled cleaner wants: no pass waits for another's. Set it for a pass
+	// that must run to its end, such as a pass by hand to catch up: the other process's pass
+	// then stops at its next batch, and a transaction that holds
 	// CleanupLock holds it up until it ends, whatever lock_timeout and statement_timeout the
 	// role has (a wait the server cuts is waited again; a batch's own work still gets the
 	// role's statement_timeout).
@@ -59,7 +60,8 @@ const DefaultCleanupInterval = time.Minute
 // CleanupLock is the advisory lock that makes one cleanup batch run at a time across every
 // process on a database ("idem" in ASCII, then "clean"): each batch takes it for its own transaction
 // (pg_try_advisory_xact_lock). Holding it (pg_advisory_xact_lock in a transaction of your
-// own) pauses every Cleaner.
+// own) pauses every Cleaner. One pass at a time is the cleanup lease's work, which each batch
+// takes under this lock (idem_cleanup_leased, docs/sql-api.md).
 const CleanupLock int64 = 0x6964656d636c6e
 
 // PassResult is how a cleanup pass ended.
@@ -67,10 +69,11 @@ type PassResult string
 
 // The results of a cleanup pass.
 const (
-	// PassDone: the pass deleted every expired key it found (or handed over to another
-	// process's batch), and its vacuum, if any, succeeded.
+	// PassDone: the pass deleted every expired key it found (or handed over to a pass that
+	// took the cleanup lease over), and its vacuum, if any, succeeded.
 	PassDone PassResult = "done"
-	// PassSkipped: another process's batch held the lock: it is cleaning.
+	// PassSkipped: another process's batch held the lock, or another pass the cleanup
+	// lease: it is cleaning.
 	PassSkipped PassResult = "skipped"
 	// PassFailed: a batch, the read of the defaults or the vacuum failed.
 	PassFailed PassResult = "failed"
@@ -114,15 +117,15 @@ func (a cleanupObserver) Vacuumed() {
 // Cleaner deletes expired keys: a pass deletes them batch by batch, each batch one statement in
 // a transaction of its own under CleanupLock, until a batch comes back short, pausing after
 // each so that batches take at most Duty of the time. With several processes on one database
-// one batch runs at a time: a pass that starts while another process's batch runs is skipped,
-// and one whose batch meets another's stops there; but the lock is free during the pauses, so
-// passes that start in each other's pauses take turns, batch by batch, and the database sees
-// the sum of their Duty shares (run one process's Cleaner, or divide Duty among them). A pass
-// holds at most one connection, and only while a statement runs. Rows that a request holds are
-// skipped, never waited for. A batch statement that gets no answer within two minutes (a
-// connection that stopped answering) fails the pass, which the metrics count as failed; a
-// cleaner whose batches wait for the lock (CleanerOptions.Wait) waits as long as the lock is
-// held. Safe for concurrent use.
+// one pass runs at a time: each batch also takes the cleanup lease for its pass (a row of
+// idem.cleanup_lease) for the pause after it, and the pass's last batch frees it, so a pass
+// that starts while another process's batch runs, or during another pass's pauses, is
+// skipped. A pass stopped part way (its process shut down or died) keeps the lease until it runs
+// out, twice its last pause and 10 seconds. A pass holds at most one connection, and only
+// while a statement runs. Rows that a request holds are skipped, never waited for. A batch
+// statement that gets no answer within two minutes (a connection that stopped answering) fails
+// the pass, which the metrics count as failed; a cleaner whose batches wait for the lock
+// (CleanerOptions.Wait) waits as long as the lock is held. Safe for concurrent use.
 type Cleaner struct{ c *dbidem.Cleaner }
 
 // NewCleaner returns a cleaner on db (a pool: each batch is a statement of its own, never
@@ -162,8 +165,10 @@ func StartCleaner(ctx context.Context, db Querier, o CleanerOptions) (*Cleaner, 
 	if err := CheckSchema(ctx, db); err != nil {
 		return nil, err
 	}
-	if err := dbidem.CheckCall(ctx, db, dbidem.CleanupWorkersSignature); err != nil {
-		return nil, err
+	for _, fn := range []string{dbidem.CleanupWorkersSignature, dbidem.CleanupLeasedSignature} {
+		if err := dbidem.CheckCall(ctx, db, fn); err != nil {
+			return nil, err
+		}
 	}
 	if err := c.Start(ctx); err != nil {
 		return nil, err
@@ -184,7 +189,8 @@ func (c *Cleaner) Start(ctx context.Context) error { return c.c.Start(ctx) }
 func (c *Cleaner) Stop() { c.c.Stop() }
 
 // Pass runs one pass now and returns how many keys it deleted and whether it ran (false: it
-// was skipped, another process's batch holds the lock; never with CleanerOptions.Wait). When
+// was skipped, another process's batch holds the lock or another pass the cleanup lease;
+// never with CleanerOptions.Wait). When
 // ctx ends it stops and returns ctx's error. For a command that cleans by hand, set Duty to 1
 // (no pauses) and Wait.
 func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) { return c.c.Pass(ctx) }

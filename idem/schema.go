@@ -71,8 +71,8 @@ var (
 // role's or database's client_encoding of LATIN1 stored principals garbled, and a repeat on a
 // connection of the other encoding ran again). New, StartCleaner and the first Do or DoLease on a pool run it,
 // and then check that the role may call the application's functions (idem_begin; the
-// cleaner's idem_cleanup_workers): a member of idem_operator alone is ErrPermissionDenied
-// there.
+// cleaner's idem_cleanup_workers and idem_cleanup_leased): a member of idem_operator alone
+// is ErrPermissionDenied there.
 func CheckSchema(ctx context.Context, q Querier) error {
 	err := dbidem.CheckSchema(ctx, q, SchemaVersion())
 	var se *dbidem.SchemaError

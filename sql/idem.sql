@@ -1,4 +1,4 @@
--- idem, schema version 7: the SQL API alone (schema idem), for psql. Install or upgrade with
+-- idem, schema version 8: the SQL API alone (schema idem), for psql. Install or upgrade with
 --
 --     psql -v ON_ERROR_STOP=1 -f sql/idem.sql
 --
@@ -13,7 +13,7 @@
 -- It does what `server migrate` and idemmigrate.Migrate do for schema idem, and keeps the same
 -- version table (tern's idem.schema_version, one row), so they can be mixed: in one transaction,
 -- under tern's advisory lock, each migration the database lacks runs and sets the version
--- (schema version 7 is the last), then the functions are installed. It pins this session's
+-- (schema version 8 is the last), then the functions are installed. It pins this session's
 -- search_path to PostgreSQL's own schema (and the temporary one, last): its statements run as
 -- the owner, and a schema that the database's or the role's search_path names could hold a
 -- function that matches one of their calls more exactly than PostgreSQL's own does. It sets
@@ -290,7 +290,7 @@ BEGIN
     IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 7)
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 8)
        OR EXISTS (SELECT FROM pg_catalog.pg_attribute
                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
@@ -329,8 +329,8 @@ insert into idem.schema_version(version) select 0 where 0=(select count(*) from 
 
 DO $idem_bundle$
 BEGIN
-    IF (SELECT version FROM idem.schema_version) > 7 THEN
-        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (7): use the sql/idem.sql of that release',
+    IF (SELECT version FROM idem.schema_version) > 8 THEN
+        RAISE EXCEPTION 'idem: the database is at schema version %, newer than this file (8): use the sql/idem.sql of that release',
             (SELECT version FROM idem.schema_version);
     END IF;
 END
@@ -1050,7 +1050,7 @@ BEGIN
     IF pg_catalog.to_regclass('idem.schema_version') IS NULL OR pg_catalog.to_regclass('idem.idempotency_keys') IS NULL THEN
         RETURN;
     END IF;
-    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 7)
+    IF NOT EXISTS (SELECT FROM idem.schema_version WHERE version BETWEEN 3 AND 8)
        OR EXISTS (SELECT FROM pg_catalog.pg_attribute
                    WHERE attrelid = 'idem.idempotency_keys'::regclass AND attname = 'recovery_point' AND NOT attisdropped) THEN
         RETURN;
@@ -1084,6 +1084,39 @@ $idem_007$;
 RESET ALL;
 SET search_path = pg_catalog, pg_temp;
 UPDATE idem.schema_version SET version = 7;
+\endif
+
+-- ---------------------------------------------------------------------------------------
+-- Migration 8: sql/migrations/008_cleanup_lease.sql, when the database is below version 8.
+SELECT version < 8 AS idem_migration_due FROM idem.schema_version \gset
+\if :idem_migration_due
+-- 008: the cleanup lease: one cleanup pass at a time across every process on the database
+-- (docs/operations.md, "Cleanup"; D282).
+--
+-- A pass is batches with pauses between them. The cleanup lock (an advisory lock, taken by each
+-- batch for its transaction) keeps two batches from running at once, but it is free during a
+-- pause, so two replicas' passes could take turns batch by batch. The lease is one row: the pass
+-- that holds it, and until when. idem_cleanup_leased takes or renews it in each batch's
+-- transaction, for the pause after the batch and a margin, and frees it when its batch comes
+-- back short (the pass's end); a pass that finds another's lease running is skipped or stops.
+-- A process that dies mid-pass leaves the lease to run out.
+--
+-- Expand only: a new table of one row; it touches nothing the previous release reads or locks.
+CREATE TABLE idem.cleanup_lease (
+    id    boolean PRIMARY KEY DEFAULT true CHECK (id),
+    pass  uuid,
+    until timestamptz NOT NULL DEFAULT '-infinity'
+);
+REVOKE ALL ON idem.cleanup_lease FROM PUBLIC;
+COMMENT ON TABLE idem.cleanup_lease IS
+    'The cleanup pass that holds the lease, and until when (one row); private to the schema''s owner, written by idem_cleanup_leased.';
+INSERT INTO idem.cleanup_lease DEFAULT VALUES;
+
+-- As tern does after each migration: back to the session's settings (the search_path pinned
+-- again), then the version.
+RESET ALL;
+SET search_path = pg_catalog, pg_temp;
+UPDATE idem.schema_version SET version = 8;
 \endif
 
 -- ---------------------------------------------------------------------------------------
@@ -3077,10 +3110,92 @@ $$;
 COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
     'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED; on a Citus coordinator, from every worker) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
 
+-- idem_cleanup_leased: one batch of a cleanup pass that holds the cleanup lease (migration
+-- 008), so that one pass, not only one batch, runs at a time across processes: the scheduled
+-- cleaner's batch, and idem_cleanup_all's. p_pass names the pass (the same UUID for each of
+-- its batches). Under the cleanup lock (taken here for the transaction, if the caller has not
+-- taken it already), it reads the lease: when another pass holds it and it has not run out, the
+-- batch deletes nothing and returns NULL (as it does when another transaction holds the lock,
+-- except for the pass that holds the lease, which waits for the lock up to the lock timeout),
+-- unless p_take_over (a pass by hand, which must run to its end: the other pass stops at its
+-- next batch). Otherwise it deletes at most p_batch_size expired keys (idem_cleanup), and then
+-- frees the lease when the batch came back short (the pass is over), or keeps it for this pass
+-- for twice the pause that p_duty asks after a batch that took this long, and 10 seconds more:
+-- a pass whose process dies holds the lease until it runs out, and the next pass then runs.
+CREATE OR REPLACE FUNCTION idem.idem_cleanup_leased(
+    p_pass       uuid,
+    p_batch_size integer          DEFAULT 1000,
+    p_duty       double precision DEFAULT 1,
+    p_take_over  boolean          DEFAULT false)
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+
+AS $$
+DECLARE
+    v_problem text;
+    v_start   timestamptz := clock_timestamp();
+    v_pass    uuid;
+    v_until   timestamptz;
+    v_deleted integer;
+BEGIN
+    v_problem := CASE
+        WHEN p_pass IS NULL OR p_batch_size IS NULL OR p_duty IS NULL OR p_take_over IS NULL
+            THEN '22004 p_pass, p_batch_size, p_duty and p_take_over must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+        WHEN NOT (p_duty >= 0.01 AND p_duty <= 1)
+            THEN format('22023 p_duty must be from 0.01 to 1, got %s', p_duty)
+    END;
+IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'idem_cleanup_leased: %', substr(v_problem, 7) USING ERRCODE = left(v_problem, 5);
+    END IF;
+
+    IF NOT pg_try_advisory_xact_lock(29665259344325742) THEN
+        -- Another transaction holds the lock. A batch of another pass leaves: that is another
+        -- pass running. The pass that holds the lease (or takes it over) waits for it, for at
+        -- most the lock timeout: what holds it then is a moment's work (another cleaner's first
+        -- statement, a caller of idem_cleanup), not another pass, which would need the lease.
+        IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l
+                                            WHERE l.pass = p_pass AND l.until > v_start) THEN
+            RETURN NULL;
+        END IF;
+        BEGIN
+            PERFORM pg_advisory_xact_lock(29665259344325742);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN NULL; -- a maintenance window holds it: the pass stops here
+        END;
+    END IF;
+    SELECT l.pass, l.until INTO v_pass, v_until FROM idem.cleanup_lease AS l FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem_cleanup_leased: the lease''s row is missing from idem.cleanup_lease'
+            USING ERRCODE = '55000', HINT = 'INSERT INTO idem.cleanup_lease DEFAULT VALUES, as the table''s owner.';
+    END IF;
+    IF v_pass IS DISTINCT FROM p_pass AND v_until > v_start AND NOT p_take_over THEN
+        RETURN NULL;
+    END IF;
+    v_deleted := idem.idem_cleanup(p_batch_size);
+    UPDATE idem.cleanup_lease
+       SET pass = p_pass,
+           until = CASE WHEN v_deleted < p_batch_size THEN '-infinity'::timestamptz
+                        ELSE clock_timestamp() + (clock_timestamp() - v_start) * (2 / p_duty) + interval '10 seconds' END;
+    RETURN v_deleted;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_cleanup_leased(uuid, integer, double precision, boolean) IS
+    'One batch of the cleanup pass p_pass under the cleanup lease: NULL when another pass holds the lock or the lease (unless p_take_over), else idem_cleanup(p_batch_size); frees the lease when the batch comes back short. See docs/sql-api.md.';
+
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
 -- procedure that commits), each under the cleanup lock (idem.CleanupLock in Go,
--- 29665259344325742), which it waits for, as `server cleanup` does: it takes turns with the
--- servers' cleaners, and a maintenance window that holds the lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
+-- 29665259344325742), which it waits for, as `server cleanup` does, and batch by batch
+-- (idem_cleanup_leased) it takes the cleanup lease over, as `server cleanup` does: a server's
+-- scheduled pass stops at its next batch, the others skip until this one ends (on a Citus
+-- worker, which has no lease, it calls idem_cleanup), and a maintenance window that holds the
+-- lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
 -- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
 -- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
@@ -3098,6 +3213,10 @@ DECLARE
     v_deleted bigint;
     v_done    boolean;
     v_problem pg_catalog.text;
+    v_pass    pg_catalog.uuid := pg_catalog.gen_random_uuid();
+    -- The cleanup lease is migration 008's, on the node where the migrations ran; a Citus
+    -- worker (run_command_on_workers) has none, and cleans its shards without it.
+    v_leased  pg_catalog.bool := pg_catalog.to_regclass('idem.cleanup_lease') IS NOT NULL;
 BEGIN
 PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 
@@ -3137,7 +3256,11 @@ PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 
         PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
-        v_n := idem.idem_cleanup(p_batch_size);
+        IF v_leased THEN
+            v_n := idem.idem_cleanup_leased(v_pass, p_batch_size, 1, true);
+        ELSE
+            v_n := idem.idem_cleanup(p_batch_size);
+        END IF;
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
         COMMIT;
 PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
@@ -3182,7 +3305,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT 7, (SELECT v.version FROM idem.schema_version AS v)
+    SELECT 8, (SELECT v.version FROM idem.schema_version AS v)
 $$;
 
 COMMENT ON FUNCTION idem.idem_version() IS
@@ -3210,7 +3333,7 @@ BEGIN
         RAISE EXCEPTION 'idem_serves_version: p_version must not be NULL'
             USING ERRCODE = '22004';
     END IF;
-    RETURN p_version BETWEEN 5 AND 7;
+    RETURN p_version BETWEEN 5 AND 8;
 END
 $$;
 
@@ -4129,7 +4252,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
+    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_leased, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
     idem.idem_serves_version
 TO "idem_app";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "idem_app";

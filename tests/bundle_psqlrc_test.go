@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgidem/pgidem/internal/pgtest"
 	"github.com/pgidem/pgidem/internal/release010"
+	idemsql "github.com/pgidem/pgidem/sql"
 )
 
 // TestBundleUnderAutocommitOff: sql/idem.sql run as the docs show it (psql without -X, so the
@@ -42,8 +43,8 @@ func TestBundleUnderAutocommitOff(t *testing.T) {
 		t.Fatalf("psql -f sql/idem.sql with AUTOCOMMIT off in the psqlrc, from 0.1.0: %v\n%s", err, out)
 	}
 	var v int
-	if err := conn.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err != nil || v != 7 {
-		t.Fatalf("schema version after the bundle: %d (%v), want 7", v, err)
+	if err := conn.QueryRow(ctx, `SELECT version FROM idem.schema_version`).Scan(&v); err != nil || v != idemsql.Version() {
+		t.Fatalf("schema version after the bundle: %d (%v), want %d", v, err, idemsql.Version())
 	}
 }
 

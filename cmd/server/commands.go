@@ -88,8 +88,8 @@ func (m *Main) Run(ctx context.Context) error {
 	switch m.Command {
 	case "cleanup":
 		// One full pass by hand, without pauses: for catching up. Its batches wait for the
-		// cleanup lock when a running server's cleaner holds it, taking turns with it, so
-		// the pass runs to its end.
+		// cleanup lock when a running server's batch holds it, and take the cleanup lease over
+		// from that server's pass (which stops at its next batch), so the pass runs to its end.
 		began := time.Now()
 		c, err := idem.NewCleaner(m.pool, idem.CleanerOptions{BatchSize: m.Config.CleanupBatchSize, Duty: 1,
 			SkipVacuum: !m.Config.CleanupVacuum, Wait: true, Logger: m.log})

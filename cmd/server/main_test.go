@@ -101,8 +101,8 @@ func TestServeHealthz(t *testing.T) {
 	}
 	var granted int
 	if err := s.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_proc
-		WHERE pronamespace = 'idem'::regnamespace AND has_function_privilege('idem_app', oid, 'EXECUTE')`).Scan(&granted); err != nil || granted != 19 {
-		t.Fatalf("%d functions of schema idem granted to idem_app, want the 19 of the API (%v)", granted, err)
+		WHERE pronamespace = 'idem'::regnamespace AND has_function_privilege('idem_app', oid, 'EXECUTE')`).Scan(&granted); err != nil || granted != 20 {
+		t.Fatalf("%d functions of schema idem granted to idem_app, want the 20 of the API (%v)", granted, err)
 	}
 }
 

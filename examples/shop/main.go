@@ -90,7 +90,7 @@ func newShop(ctx context.Context, pool *pgxpool.Pool) (*shop, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Expired keys are deleted every minute, paced, one batch at a time across processes:
+	// Expired keys are deleted every minute, paced, one pass at a time across processes:
 	// without it the key table grows forever.
 	cleaner, err := idem.StartCleaner(ctx, pool, idem.CleanerOptions{})
 	if err != nil {

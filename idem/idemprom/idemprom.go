@@ -203,7 +203,7 @@ func NewCleanupObserver(reg prometheus.Registerer) *CleanupObserver {
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_deleted_total",
 			Help: "Expired idempotency keys deleted by this process."}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_cleanup_passes_total",
-			Help: "Cleanup passes by result: done, skipped (another process held the lock), failed, stopped (by shutdown)."}, []string{"result"}),
+			Help: "Cleanup passes by result: done, skipped (another process held the lock or another pass the lease), failed, stopped (by shutdown)."}, []string{"result"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "idem_cleanup_pass_duration_seconds",
 			Help: "Duration of the cleanup passes this process ran, the pauses between batches included.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}),
 		vacuums: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_cleanup_vacuums_total",

@@ -2,6 +2,7 @@ package dbidem
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,21 +18,25 @@ import (
 
 // The scheduled cleaner: what the reference server ran in-process (its cmd/server/cleanup.go
 // until 0.2.0), moved here so that any service starts it in one call. One pass deletes
-// expired keys batch by batch under an advisory lock that makes one batch run at a time across
-// processes, paced by a duty share, and vacuums the key table when its role owns it.
+// expired keys batch by batch, paced by a duty share, each batch under an advisory lock that
+// makes one batch run at a time across processes and renewing a lease (a row of
+// idem.cleanup_lease) that makes one pass run at a time, and vacuums the key table when its
+// role owns it.
 
 // CleanupLock is the advisory lock that makes one cleanup batch run at a time across every
 // process on a database ("idem" in ASCII, then "clean"). Each batch takes it for its own
 // transaction (pg_try_advisory_xact_lock); holding it (pg_advisory_xact_lock in a transaction
-// of your own) pauses every cleaner.
+// of your own) pauses every cleaner. One pass at a time is the cleanup lease's work
+// (idem_cleanup_leased), which each batch takes under this lock.
 const CleanupLock int64 = 0x6964656d636c6e
 
 // The results of a cleanup pass, as CleanerObserver.PassEnded reports them.
 const (
-	// PassDone: the pass ran until a batch came back short (or another process's batch took
-	// over), and its vacuum, if any, succeeded.
+	// PassDone: the pass ran until a batch came back short (or another process's pass took
+	// the lease over), and its vacuum, if any, succeeded.
 	PassDone = "done"
-	// PassSkipped: the pass's first batch found another process's batch holding the lock.
+	// PassSkipped: the pass's first batch found another process's batch holding the lock, or
+	// another pass holding the cleanup lease.
 	PassSkipped = "skipped"
 	// PassFailed: a batch, the defaults' read or the vacuum failed.
 	PassFailed = "failed"
@@ -69,9 +74,10 @@ type CleanerOptions struct {
 	Duty float64
 	// SkipVacuum turns the vacuum of the key table after a pass off.
 	SkipVacuum bool
-	// Wait makes every batch of a pass wait for the cleanup lock instead of skipping the
-	// pass (or stopping it there) when another process's batch holds it: a pass that must
-	// run to its end, such as a pass by hand.
+	// Wait makes every batch of a pass wait for the cleanup lock, and take the cleanup lease
+	// over, instead of skipping the pass (or stopping it there) when another process's batch
+	// holds the lock or its pass the lease: a pass that must run to its end, such as a pass by
+	// hand. The other pass stops at its next batch.
 	Wait bool
 	// Logger receives the passes and their failures. Nil: slog.Default().
 	Logger *slog.Logger
@@ -151,17 +157,21 @@ func NewCleaner(db Querier, o CleanerOptions) (*Cleaner, error) {
 	return c, nil
 }
 
-// batchSQL is one cleanup batch as one statement, in a transaction of its own: under the
-// cleanup lock (transaction-scoped, so it also works behind PgBouncer in transaction mode),
-// idem_cleanup deletes up to $2 expired keys and returns how many; NULL when a batch of
-// another process holds the lock.
-const batchSQL = `SELECT CASE WHEN pg_try_advisory_xact_lock($1) THEN idem.idem_cleanup($2) END`
+// batchSQL is one cleanup batch of pass $1 as one statement, in a transaction of its own:
+// idem_cleanup_leased takes the cleanup lock for the transaction (so it also works behind
+// PgBouncer in transaction mode) and the cleanup lease for the pass, deletes up to $2 expired
+// keys and returns how many, keeping the lease for the pause that duty $3 asks after it (or
+// freeing it when the batch came back short); NULL when a batch of another process holds the
+// lock, or another pass the lease.
+const batchSQL = `SELECT idem.idem_cleanup_leased($1::uuid, $2::integer, $3::float8, false)`
 
-// batchWaitSQL is batchSQL that waits for the lock (CleanerOptions.Wait), whatever
-// lock_timeout the session has (a role's ALTER ROLE ... SET lock_timeout): a maintenance window
-// holds the lock for as long as it needs, as idem_cleanup_all waits for it. The wait is its
-// transaction's, the statement's own; lock_timeout 0 lasts as long.
-const batchWaitSQL = `SELECT idem.idem_cleanup($2) FROM (SELECT pg_advisory_xact_lock($1) FROM ` + noLockTimeout + ` OFFSET 0) AS l`
+// batchWaitSQL is batchSQL that waits for the lock and takes the lease over
+// (CleanerOptions.Wait), whatever lock_timeout the session has (a role's ALTER ROLE ... SET
+// lock_timeout): a maintenance window holds the lock for as long as it needs, as
+// idem_cleanup_all waits for it. The wait is its transaction's, the statement's own;
+// lock_timeout 0 lasts as long.
+const batchWaitSQL = `SELECT idem.idem_cleanup_leased($1::uuid, $2::integer, $3::float8, true)
+	  FROM (SELECT pg_advisory_xact_lock($4) FROM ` + noLockTimeout + ` OFFSET 0) AS l`
 
 // waitCut tells whether err is a waiting batch's (CleanerOptions.Wait) wait for the cleanup
 // lock that the server cut (57014) while ctx goes on: a statement_timeout of the role or the
@@ -200,19 +210,24 @@ const workersSQLFormat = `SELECT l.locked, CASE WHEN l.locked THEN (SELECT ARRAY
 var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT pg_advisory_xact_lock($4) IS NOT NULL AS locked FROM "+noLockTimeout+" OFFSET 0")
 
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
-// many it deleted and whether it ran. Each batch takes the cleanup lock for its own
-// transaction: a pass whose first batch finds another process's batch running is skipped,
-// and a pass that finds one later stops there (the other process goes on); passes that start
-// in each other's pauses take turns, batch by batch, so one batch, not one pass, runs at a
-// time; with CleanerOptions.Wait each batch waits for the lock instead, and the
-// pass runs to its end. The pass holds at most one connection, and only while a statement runs:
-// with a pool of two the API always has one, and behind PgBouncer a pool of one suffices.
-// When ctx ends it stops and returns ctx's error.
+// many it deleted and whether it ran. One pass runs at a time across every process on the
+// database: each batch takes the cleanup lock for its own transaction and, under it, the
+// cleanup lease for this pass (idem_cleanup_leased), for the pause after it and a margin; the
+// batch that comes back short frees the lease. A pass whose first batch finds another
+// process's batch running, or another pass holding the lease, is skipped; a pass that finds
+// one later stops there (the other pass goes on). With CleanerOptions.Wait each batch waits for
+// the lock and takes the lease over instead, and the pass runs to its end. A pass stopped part
+// way (ctx ended, a batch failed, the process died) keeps the lease until it runs out: twice
+// the pause after its last batch, and 10 seconds. The pass holds at most one connection, and
+// only while a statement runs: with a pool of two the API always has one, and behind PgBouncer
+// a pool of one suffices. When ctx ends it stops and returns ctx's error.
 //
 // On a Citus coordinator the pass is passes of idem_cleanup_workers instead, each under the
 // lock: every worker cleans its own shards, paced to the cleaner's duty there, for up to
 // CleanupWorkersTime, in parallel, until every node is drained. The coordinator then pays one
-// round of new connections to the workers per CleanupWorkersTime, not per batch.
+// round of new connections to the workers per CleanupWorkersTime, not per batch. Those rounds
+// run one at a time, back to back, without the lease: there are no pauses between them for
+// another pass to start in.
 func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	start := time.Now()
 	batch := c.batchSize
@@ -241,15 +256,16 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	if workers {
 		return c.finish(ctx, start, total, true)
 	}
+	pass := newPassID()
 	for {
 		var n *int
 		began := time.Now()
-		sql := batchSQL
+		sql, args := batchSQL, []any{pass, batch, c.duty}
 		if c.wait {
-			sql = batchWaitSQL
+			sql, args = batchWaitSQL, append(args, CleanupLock)
 		}
 		bctx, cancel := c.batchContext(ctx, 0)
-		err := c.db.QueryRow(bctx, sql, CleanupLock, batch).Scan(&n)
+		err := c.db.QueryRow(bctx, sql, args...).Scan(&n)
 		cancel()
 		if c.wait && waitCut(ctx, err) && sleep(ctx, waitCutPause) {
 			continue // the lock is still held: wait for it again
@@ -263,7 +279,7 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 				c.observer.PassEnded(PassSkipped, 0, 0)
 				return 0, false, nil
 			}
-			break // another process's batch took over
+			break // another process's pass took over
 		}
 		total += *n
 		if *n < batch {
@@ -488,4 +504,14 @@ func (c *Cleaner) Stop() {
 	if stop != nil {
 		stop()
 	}
+}
+
+// newPassID names one cleanup pass for the lease (idem_cleanup_leased): a random UUID
+// (version 4), the same for each of the pass's batches.
+func newPassID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

@@ -125,6 +125,7 @@ func CheckSchema(ctx context.Context, q Querier, want int) error {
 const (
 	BeginSignature          = "idem.idem_begin(text,text,text,bytea,interval,interval,jsonb,interval)"
 	CleanupWorkersSignature = "idem.idem_cleanup_workers(integer,double precision,interval)"
+	CleanupLeasedSignature  = "idem.idem_cleanup_leased(uuid,integer,double precision,boolean)"
 )
 
 // CheckCall tells whether q's role may call the SQL API's function fn (a signature, as

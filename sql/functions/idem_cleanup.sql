@@ -452,10 +452,84 @@ $$;
 COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
     'Deletes at most p_batch_size expired keys (oldest first, SKIP LOCKED; on a Citus coordinator, from every worker) and returns how many; repeat until the count is below the batch size. See docs/sql-api.md.';
 
+-- idem_cleanup_leased: one batch of a cleanup pass that holds the cleanup lease (migration
+-- 008), so that one pass, not only one batch, runs at a time across processes: the scheduled
+-- cleaner's batch, and idem_cleanup_all's. p_pass names the pass (the same UUID for each of
+-- its batches). Under the cleanup lock (taken here for the transaction, if the caller has not
+-- taken it already), it reads the lease: when another pass holds it and it has not run out, the
+-- batch deletes nothing and returns NULL (as it does when another transaction holds the lock,
+-- except for the pass that holds the lease, which waits for the lock up to the lock timeout),
+-- unless p_take_over (a pass by hand, which must run to its end: the other pass stops at its
+-- next batch). Otherwise it deletes at most p_batch_size expired keys (idem_cleanup), and then
+-- frees the lease when the batch came back short (the pass is over), or keeps it for this pass
+-- for twice the pause that p_duty asks after a batch that took this long, and 10 seconds more:
+-- a pass whose process dies holds the lease until it runs out, and the next pass then runs.
+CREATE OR REPLACE FUNCTION idem.idem_cleanup_leased(
+    p_pass       uuid,
+    p_batch_size integer          DEFAULT {{ template "default_batch_size" }},
+    p_duty       double precision DEFAULT 1,
+    p_take_over  boolean          DEFAULT false)
+RETURNS integer
+{{ template "include/attributes.sql" . }}
+AS $$
+DECLARE
+    v_problem text;
+    v_start   timestamptz := clock_timestamp();
+    v_pass    uuid;
+    v_until   timestamptz;
+    v_deleted integer;
+BEGIN
+    v_problem := CASE
+        WHEN p_pass IS NULL OR p_batch_size IS NULL OR p_duty IS NULL OR p_take_over IS NULL
+            THEN '22004 p_pass, p_batch_size, p_duty and p_take_over must not be NULL'
+        WHEN p_batch_size < 1
+            THEN format('22023 p_batch_size must be at least 1, got %s', p_batch_size)
+        WHEN NOT (p_duty >= 0.01 AND p_duty <= 1)
+            THEN format('22023 p_duty must be from 0.01 to 1, got %s', p_duty)
+    END;
+{{ template "include/raise.sql" "idem_cleanup_leased" }}
+    IF NOT pg_try_advisory_xact_lock({{ template "cleanup_lock" }}) THEN
+        -- Another transaction holds the lock. A batch of another pass leaves: that is another
+        -- pass running. The pass that holds the lease (or takes it over) waits for it, for at
+        -- most the lock timeout: what holds it then is a moment's work (another cleaner's first
+        -- statement, a caller of idem_cleanup), not another pass, which would need the lease.
+        IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l
+                                            WHERE l.pass = p_pass AND l.until > v_start) THEN
+            RETURN NULL;
+        END IF;
+        BEGIN
+            PERFORM pg_advisory_xact_lock({{ template "cleanup_lock" }});
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN NULL; -- a maintenance window holds it: the pass stops here
+        END;
+    END IF;
+    SELECT l.pass, l.until INTO v_pass, v_until FROM idem.cleanup_lease AS l FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem_cleanup_leased: the lease''s row is missing from idem.cleanup_lease'
+            USING ERRCODE = '55000', HINT = 'INSERT INTO idem.cleanup_lease DEFAULT VALUES, as the table''s owner.';
+    END IF;
+    IF v_pass IS DISTINCT FROM p_pass AND v_until > v_start AND NOT p_take_over THEN
+        RETURN NULL;
+    END IF;
+    v_deleted := idem.idem_cleanup(p_batch_size);
+    UPDATE idem.cleanup_lease
+       SET pass = p_pass,
+           until = CASE WHEN v_deleted < p_batch_size THEN '-infinity'::timestamptz
+                        ELSE clock_timestamp() + (clock_timestamp() - v_start) * (2 / p_duty) + interval '10 seconds' END;
+    RETURN v_deleted;
+END
+$$;
+
+COMMENT ON FUNCTION idem.idem_cleanup_leased(uuid, integer, double precision, boolean) IS
+    'One batch of the cleanup pass p_pass under the cleanup lease: NULL when another pass holds the lock or the lease (unless p_take_over), else idem_cleanup(p_batch_size); frees the lease when the batch comes back short. See docs/sql-api.md.';
+
 -- idem_cleanup_all: every expired key, batch by batch, each batch its own transaction (a
 -- procedure that commits), each under the cleanup lock (idem.CleanupLock in Go,
--- 29665259344325742), which it waits for, as `server cleanup` does: it takes turns with the
--- servers' cleaners, and a maintenance window that holds the lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
+-- 29665259344325742), which it waits for, as `server cleanup` does, and batch by batch
+-- (idem_cleanup_leased) it takes the cleanup lease over, as `server cleanup` does: a server's
+-- scheduled pass stops at its next batch, the others skip until this one ends (on a Citus
+-- worker, which has no lease, it calls idem_cleanup), and a maintenance window that holds the
+-- lock pauses it. For pg_cron and psql: CALL idem.idem_cleanup_all(5000); outside a
 -- transaction block. On a Citus coordinator, passes of idem_cleanup_workers (each worker
 -- cleans its own shards, in parallel) until every node is drained; elsewhere idem_cleanup,
 -- batch after batch. SECURITY INVOKER without SET clauses, because a procedure with either
@@ -473,6 +547,10 @@ DECLARE
     v_deleted bigint;
     v_done    boolean;
     v_problem pg_catalog.text;
+    v_pass    pg_catalog.uuid := pg_catalog.gen_random_uuid();
+    -- The cleanup lease is migration 008's, on the node where the migrations ran; a Citus
+    -- worker (run_command_on_workers) has none, and cleans its shards without it.
+    v_leased  pg_catalog.bool := pg_catalog.to_regclass('idem.cleanup_lease') IS NOT NULL;
 BEGIN
 {{ template "include/pin_path.sql" }}
     v_problem := CASE
@@ -491,7 +569,7 @@ BEGIN
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
 {{ template "include/pin_path.sql" }}
-        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
+        PERFORM pg_catalog.pg_advisory_xact_lock({{ template "cleanup_lock" }});
         SELECT w.deleted, w.done INTO v_deleted, v_done
           FROM idem.idem_cleanup_workers(p_batch_size, 1, interval '1 minute') AS w;
         EXIT WHEN NOT FOUND; -- no workers here: batch by batch, below
@@ -507,8 +585,12 @@ BEGIN
         -- procedure that commits can have no SET clause); reset at this batch's COMMIT.
         PERFORM pg_catalog.set_config('lock_timeout', '0', true);
 {{ template "include/pin_path.sql" }}
-        PERFORM pg_catalog.pg_advisory_xact_lock(29665259344325742);
-        v_n := idem.idem_cleanup(p_batch_size);
+        PERFORM pg_catalog.pg_advisory_xact_lock({{ template "cleanup_lock" }});
+        IF v_leased THEN
+            v_n := idem.idem_cleanup_leased(v_pass, p_batch_size, 1, true);
+        ELSE
+            v_n := idem.idem_cleanup(p_batch_size);
+        END IF;
         p_deleted := p_deleted OPERATOR(pg_catalog.+) v_n;
         COMMIT;
 {{ template "include/pin_path.sql" }}

@@ -201,7 +201,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idem FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA idem FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION
     idem.idem_begin, idem.idem_complete, idem.idem_save_final, idem.idem_release, idem.idem_yield,
-    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
+    idem.idem_step, idem.idem_recovery, idem.idem_begin_steps, idem.idem_extend, idem.idem_cleanup, idem.idem_cleanup_leased, idem.idem_cleanup_workers, idem.idem_defaults, idem.idem_version,
     idem.idem_serves_version
 TO "{{.app_role}}";
 GRANT EXECUTE ON PROCEDURE idem.idem_cleanup_all TO "{{.app_role}}";

@@ -1,7 +1,7 @@
 -- Bad input to every function: a clear SQL error with a documented SQLSTATE, nothing written.
 -- 22004 null_value_not_allowed, 22023 invalid_parameter_value.
 BEGIN;
-SELECT plan(87);
+SELECT plan(91);
 
 CREATE TEMP TABLE bad (fn text, call text, state text);
 INSERT INTO bad VALUES
@@ -67,7 +67,11 @@ INSERT INTO bad VALUES
  ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 'NaN')$$, '22023'),
  ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 1, '0 s')$$, '22023'),
  ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, 1, '2 hours')$$, '22023'),
- ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, NULL)$$, '22004');
+ ('cleanup_workers', $$SELECT * FROM idem.idem_cleanup_workers(100, NULL)$$, '22004'),
+ ('cleanup_leased', $$SELECT idem.idem_cleanup_leased(NULL)$$, '22004'),
+ ('cleanup_leased', $$SELECT idem.idem_cleanup_leased(gen_random_uuid(), 0)$$, '22023'),
+ ('cleanup_leased', $$SELECT idem.idem_cleanup_leased(gen_random_uuid(), 100, 0)$$, '22023'),
+ ('cleanup_leased', $$SELECT idem.idem_cleanup_leased(gen_random_uuid(), 100, 'NaN')$$, '22023');
 
 SELECT throws_ok(call, state, NULL, fn || ' refuses: ' || call) FROM bad;
 -- Values that are not strings, though their text would decode (a number of 16 digits), or

@@ -1,7 +1,7 @@
 -- idem_app may call the API and nothing else; PUBLIC may call nothing; no role but the
 -- owner may touch the key table, so the functions are its only writers.
 BEGIN;
-SELECT plan(36);
+SELECT plan(37);
 
 CREATE ROLE idem_test_stranger NOLOGIN;
 
@@ -22,6 +22,7 @@ SELECT ok(has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may execut
     'idem.idem_cleanup(integer)',
     'idem.idem_cleanup_all(integer,bigint)',
     'idem.idem_cleanup_workers(integer,double precision,interval)',
+    'idem.idem_cleanup_leased(uuid,integer,double precision,boolean)',
     'idem.idem_defaults()']) AS f;
 SELECT ok(NOT has_function_privilege('idem_app', f, 'EXECUTE'), 'idem_app may not execute the internal ' || f)
   FROM unnest(ARRAY['idem.cleanup_relations(regclass[],integer)', 'idem.key_relations()', 'idem.cleanup_share(jsonb)',

@@ -9,3 +9,7 @@
    error), and a key that outlives it would never be cleaned within any retention that
    matters; it also keeps every interval the functions return inside Go's time.Duration. */ -}}
 {{- define "max_interval" }}10 years{{ end -}}
+{{- /* cleanup_lock: the advisory lock of the cleanup batches ("idem" then "clean" in ASCII;
+   idem.CleanupLock in Go), which every batch of a cleaner and of idem_cleanup_all takes for
+   its transaction. */ -}}
+{{- define "cleanup_lock" }}29665259344325742{{ end -}}

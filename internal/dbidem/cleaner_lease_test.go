@@ -1,0 +1,107 @@
+package dbidem_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/pgidem/pgidem/internal/dbidem"
+	"github.com/pgidem/pgidem/internal/pgtest"
+)
+
+// TestOnePassAtATimeAcrossProcesses (D282): two cleaners on one database, as two replicas run
+// them. A paced pass sits in its pause between batches, where the cleanup lock is free; the
+// other replica's pass, started in that pause, is skipped (it used to run, and the two passes
+// took turns batch by batch). The gap is held open with a real row lock: the paced pass's first
+// batch waits 300 ms on the lease's row, so at duty 0.1 its pause lasts about 2.7 s. A pass
+// that meets another's lease at a later batch stops there; a pass with Wait (`server cleanup`)
+// takes the lease over and runs to its end; the pass that came back short frees the lease, and
+// the next pass runs at once; a lease whose pass died runs out.
+func TestOnePassAtATimeAcrossProcesses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url := pgtest.NewPool(t, 4)
+	pgtest.InsertExpired(t, pool, "p", 450)
+	watch := pgtest.Connect(t, url)
+	holder := pgtest.Connect(t, url)
+	newCleaner := func(duty float64, wait bool) *dbidem.Cleaner {
+		c, err := dbidem.NewCleaner(pool, dbidem.CleanerOptions{BatchSize: 100, Duty: duty, Wait: wait, SkipVacuum: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	paced, other, byHand := newCleaner(0.1, false), newCleaner(1, false), newCleaner(1, true)
+	left := func() int { return pgtest.Count(t, watch, `SELECT count(*) FROM idem.idempotency_keys`) }
+
+	pgtest.Exec(t, holder, `BEGIN`)
+	pgtest.Exec(t, holder, `SELECT FROM idem.cleanup_lease FOR UPDATE`)
+	type result struct {
+		n   int
+		ran bool
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		n, ran, err := paced.Pass(ctx)
+		done <- result{n, ran, err}
+	}()
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM pg_stat_activity
+		WHERE query LIKE '%idem_cleanup_leased%' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`)
+	time.Sleep(300 * time.Millisecond)
+	pgtest.Exec(t, holder, `COMMIT`)
+	// The paced pass's first batch committed: 100 keys gone, the lease its own for about 16 s.
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until > now() + interval '12 seconds'`)
+	if n := left(); n != 350 {
+		t.Fatalf("%d keys left after the paced pass's first batch, want 350", n)
+	}
+
+	// In its pause, the lock is free, and the other replica's pass is skipped.
+	if n, ran, err := other.Pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass in another pass's pause: %d, ran %v, %v; want skipped", n, ran, err)
+	}
+	if n := left(); n != 350 {
+		t.Fatalf("%d keys left after a pass in another's pause, want 350", n)
+	}
+
+	// Another pass takes the lease (as a `server cleanup` would): the paced pass stops at its
+	// next batch, having deleted what it deleted, and counts as done.
+	pgtest.Exec(t, watch, `UPDATE idem.cleanup_lease SET pass = gen_random_uuid(), until = now() + interval '1 minute'`)
+	select {
+	case r := <-done:
+		if r.err != nil || !r.ran || r.n != 100 {
+			t.Fatalf("the paced pass after another took its lease: %d, ran %v, %v; want 100, ran", r.n, r.ran, r.err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the paced pass did not stop at its next batch after another pass took its lease")
+	}
+	if n := left(); n != 350 {
+		t.Fatalf("%d keys left after the paced pass stopped, want 350", n)
+	}
+	if n, ran, err := other.Pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass while another pass holds the lease: %d, ran %v, %v; want skipped", n, ran, err)
+	}
+
+	// A pass by hand takes the lease over, runs to its end, and frees the lease.
+	if n, ran, err := byHand.Pass(ctx); err != nil || !ran || n != 350 {
+		t.Fatalf("a pass with Wait while another pass holds the lease: %d, ran %v, %v; want 350, ran", n, ran, err)
+	}
+	if free := pgtest.Count(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until = '-infinity'`); free != 1 {
+		t.Fatal("the lease is still held after a pass that came back short")
+	}
+	pgtest.InsertExpired(t, pool, "q", 30)
+	if n, ran, err := other.Pass(ctx); err != nil || !ran || n != 30 {
+		t.Fatalf("a pass after another pass ended: %d, ran %v, %v; want 30, ran", n, ran, err)
+	}
+
+	// A pass whose process died holds the lease until it runs out; then the next pass runs.
+	pgtest.InsertExpired(t, pool, "r", 30)
+	pgtest.Exec(t, watch, `UPDATE idem.cleanup_lease SET pass = gen_random_uuid(), until = now() + interval '1 minute'`)
+	if n, ran, err := other.Pass(ctx); err != nil || ran || n != 0 {
+		t.Fatalf("a pass while a dead pass's lease runs: %d, ran %v, %v; want skipped", n, ran, err)
+	}
+	pgtest.Exec(t, watch, `UPDATE idem.cleanup_lease SET until = now() - interval '1 millisecond'`)
+	if n, ran, err := other.Pass(ctx); err != nil || !ran || n != 30 {
+		t.Fatalf("a pass after a dead pass's lease ran out: %d, ran %v, %v; want 30, ran", n, ran, err)
+	}
+}
