@@ -3116,7 +3116,7 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 -- its batches). Under the cleanup lock (taken here for the transaction, if the caller has not
 -- taken it already), it reads the lease: when another pass holds it and it has not run out, the
 -- batch deletes nothing and returns NULL (as it does when another transaction holds the lock,
--- except for the pass that holds the lease, which waits for the lock up to the lock timeout),
+-- except for the pass that holds the lease, which waits up to 2 seconds for the lock),
 -- unless p_take_over (a pass by hand, which must run to its end: the other pass stops at its
 -- next batch). Otherwise it deletes at most p_batch_size expired keys (idem_cleanup), and then
 -- frees the lease when the batch came back short (the pass is over), or keeps it for this pass
@@ -3157,17 +3157,21 @@ IF v_problem IS NOT NULL THEN
     IF NOT pg_try_advisory_xact_lock(29665259344325742) THEN
         -- Another transaction holds the lock. A batch of another pass leaves: that is another
         -- pass running. The pass that holds the lease (or takes it over) waits for it, for at
-        -- most the lock timeout: what holds it then is a moment's work (another cleaner's first
+        -- most 2 seconds: what holds it then is a moment's work (another cleaner's first
         -- statement, a caller of idem_cleanup), not another pass, which would need the lease.
+        -- It polls, every 10 ms: a wait bounded by lock_timeout would need an EXCEPTION block
+        -- (a subtransaction) to end without an error, and the API has none.
         IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l
                                             WHERE l.pass = p_pass AND l.until > v_start) THEN
             RETURN NULL;
         END IF;
-        BEGIN
-            PERFORM pg_advisory_xact_lock(29665259344325742);
-        EXCEPTION WHEN lock_not_available THEN
-            RETURN NULL; -- a maintenance window holds it: the pass stops here
-        END;
+        LOOP
+            PERFORM pg_sleep(0.01);
+            EXIT WHEN pg_try_advisory_xact_lock(29665259344325742);
+            IF clock_timestamp() > v_start + interval '2 seconds' THEN
+                RETURN NULL; -- a maintenance window holds it: the pass stops here
+            END IF;
+        END LOOP;
     END IF;
     SELECT l.pass, l.until INTO v_pass, v_until FROM idem.cleanup_lease AS l FOR UPDATE;
     IF NOT FOUND THEN
