@@ -197,8 +197,9 @@ func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) {
 
 // Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default; else from 1
 // to 1,000,000, as CleanerOptions.BatchSize, or ErrInvalidArgument) until a
-// batch comes back short, and returns how many it deleted, without pauses and without the
-// cleanup lock (the SQL API's idem_cleanup_all does the same from pg_cron). Pass a pool, so
+// batch comes back short, and returns how many it deleted, without pauses, without the
+// cleanup lock and without the cleanup lease (it takes turns with the cleaners batch by batch;
+// the SQL API's idem_cleanup_all, for pg_cron, takes both). Pass a pool, so
 // that each batch is a short transaction of its own. On a Citus coordinator every worker cleans
 // its own shards, in parallel (idem_cleanup_workers). A Cleaner is what a service runs.
 func Cleanup(ctx context.Context, db Querier, batchSize int) (int, error) {

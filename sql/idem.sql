@@ -3120,7 +3120,8 @@ COMMENT ON FUNCTION idem.idem_cleanup(integer) IS
 -- unless p_take_over (a pass by hand, which must run to its end: the other pass stops at its
 -- next batch). Otherwise it deletes at most p_batch_size expired keys (idem_cleanup), and then
 -- frees the lease when the batch came back short (the pass is over), or keeps it for this pass
--- for twice the pause that p_duty asks after a batch that took this long, and 10 seconds more:
+-- for twice the pause that p_duty asks after a batch that took this long (took × (1 - p_duty) /
+-- p_duty, at most an hour, as the Go cleaner's pause), and 10 seconds more:
 -- a pass whose process dies holds the lease until it runs out, and the next pass then runs.
 CREATE OR REPLACE FUNCTION idem.idem_cleanup_leased(
     p_pass       uuid,
@@ -3138,6 +3139,7 @@ AS $$
 DECLARE
     v_problem text;
     v_start   timestamptz := clock_timestamp();
+    v_wait_end timestamptz := v_start + interval '2 seconds';
     v_pass    uuid;
     v_until   timestamptz;
     v_deleted integer;
@@ -3161,14 +3163,19 @@ IF v_problem IS NOT NULL THEN
         -- statement, a caller of idem_cleanup), not another pass, which would need the lease.
         -- It polls, every 10 ms: a wait bounded by lock_timeout would need an EXCEPTION block
         -- (a subtransaction) to end without an error, and the API has none.
-        IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l
-                                            WHERE l.pass = p_pass AND l.until > v_start) THEN
+        -- The lease is the pass's while no other pass has taken it, run out or not.
+        IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l WHERE l.pass = p_pass) THEN
             RETURN NULL;
+        END IF;
+        -- Half a statement_timeout at most: a maintenance window then ends the batch with NULL,
+        -- as it should, not with the timeout's error.
+        IF current_setting('statement_timeout') NOT IN ('0', '0ms') THEN
+            v_wait_end := least(v_wait_end, statement_timestamp() + current_setting('statement_timeout')::interval / 2);
         END IF;
         LOOP
             PERFORM pg_sleep(0.01);
             EXIT WHEN pg_try_advisory_xact_lock(29665259344325742);
-            IF clock_timestamp() > v_start + interval '2 seconds' THEN
+            IF clock_timestamp() > v_wait_end THEN
                 RETURN NULL; -- a maintenance window holds it: the pass stops here
             END IF;
         END LOOP;
@@ -3185,7 +3192,8 @@ IF v_problem IS NOT NULL THEN
     UPDATE idem.cleanup_lease
        SET pass = p_pass,
            until = CASE WHEN v_deleted < p_batch_size THEN '-infinity'::timestamptz
-                        ELSE clock_timestamp() + (clock_timestamp() - v_start) * (2 / p_duty) + interval '10 seconds' END;
+                        ELSE clock_timestamp() + interval '10 seconds'
+                             + 2 * least((clock_timestamp() - v_start) * ((1 - p_duty) / p_duty), interval '1 hour') END;
     RETURN v_deleted;
 END
 $$;

@@ -125,3 +125,36 @@ func TestCleanupLeaseAsTheAppRole(t *testing.T) {
 		}
 	}
 }
+
+// TestLeaseThatRanOutStillNamesItsPass (D282): a pass's lease that ran out while no other pass
+// took it is still the pass's: its next batch waits for a moment's holder of the lock (here a
+// transaction of 300 ms) instead of returning NULL at once and ending the pass with keys left
+// and no other pass going on.
+func TestLeaseThatRanOutStillNamesItsPass(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	app, admin, _, _ := appSession(t, false)
+	pgtest.InsertExpired(t, admin, "p", 25)
+	const p = "00000000-0000-4000-8000-000000000003"
+	var n *int
+	if err := app.QueryRow(ctx, `SELECT idem.idem_cleanup_leased($1, 10, 0.5)`, p).Scan(&n); err != nil || n == nil || *n != 10 {
+		t.Fatalf("the pass's first batch: %v, %v; want 10", n, err)
+	}
+	pgtest.Exec(t, admin, `UPDATE idem.cleanup_lease SET until = now() - interval '1 millisecond'`)
+	pgtest.Exec(t, admin, `BEGIN`)
+	pgtest.Exec(t, admin, `SELECT pg_advisory_xact_lock(29665259344325742)`)
+	released := make(chan struct{})
+	go func() {
+		defer close(released)
+		time.Sleep(300 * time.Millisecond)
+		_, _ = admin.Exec(context.Background(), `COMMIT`)
+	}()
+	began := time.Now()
+	err := app.QueryRow(ctx, `SELECT idem.idem_cleanup_leased($1, 10, 0.5)`, p).Scan(&n)
+	took := time.Since(began)
+	<-released
+	if err != nil || n == nil || *n != 10 || took < 250*time.Millisecond {
+		t.Fatalf("the pass's batch behind a 300 ms holder of the lock, its lease run out: %v, %v after %v; want 10 after the holder",
+			n, err, took)
+	}
+}

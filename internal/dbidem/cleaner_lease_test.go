@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -103,5 +105,65 @@ func TestOnePassAtATimeAcrossProcesses(t *testing.T) {
 	pgtest.Exec(t, watch, `UPDATE idem.cleanup_lease SET until = now() - interval '1 millisecond'`)
 	if n, ran, err := other.Pass(ctx); err != nil || !ran || n != 30 {
 		t.Fatalf("a pass after a dead pass's lease ran out: %d, ran %v, %v; want 30, ran", n, ran, err)
+	}
+}
+
+// TestLeasePollUnderAShortStatementTimeout (D282): a maintenance window that begins in a paced
+// pass's pause makes the pass's next batch wait for the lock, up to 2 seconds, and then stop
+// there. Under a statement_timeout of 1 s (a role's ALTER ROLE ... SET statement_timeout) the
+// wait was cut with 57014, and the pass counted as failed; the wait is now half the timeout,
+// and the pass ends done with what it deleted. (A review's reproducer.)
+func TestLeasePollUnderAShortStatementTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDB(t)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "1s"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	pgtest.InsertExpired(t, pool, "p", 450)
+	watch, holder, window := pgtest.Connect(t, url), pgtest.Connect(t, url), pgtest.Connect(t, url)
+	c, err := dbidem.NewCleaner(pool, dbidem.CleanerOptions{BatchSize: 100, Duty: 0.1, SkipVacuum: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first batch waits 300 ms on the lease's row, so that its pause lasts about 2.7 s.
+	pgtest.Exec(t, holder, `BEGIN`)
+	pgtest.Exec(t, holder, `SELECT FROM idem.cleanup_lease FOR UPDATE`)
+	type result struct {
+		n   int
+		ran bool
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		n, ran, err := c.Pass(ctx)
+		done <- result{n, ran, err}
+	}()
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM pg_stat_activity
+		WHERE query LIKE '%idem_cleanup_leased%' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`)
+	time.Sleep(300 * time.Millisecond)
+	pgtest.Exec(t, holder, `COMMIT`)
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until > now() + interval '5 seconds'`)
+	// The maintenance window begins in the pause, and lasts until the pass has ended.
+	pgtest.Exec(t, window, `BEGIN`)
+	pgtest.Exec(t, window, `SELECT pg_advisory_xact_lock($1)`, dbidem.CleanupLock)
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the pass did not end during the maintenance window")
+	}
+	pgtest.Exec(t, window, `COMMIT`)
+	if r.err != nil || !r.ran || r.n != 100 {
+		t.Fatalf("a maintenance window in a pass's pause, under a 1 s statement_timeout: %d, ran %v, %v; want 100, ran, no error",
+			r.n, r.ran, r.err)
 	}
 }
