@@ -25,7 +25,6 @@ func TestOnePassAtATimeAcrossProcesses(t *testing.T) {
 	pool, url := pgtest.NewPool(t, 4)
 	pgtest.InsertExpired(t, pool, "p", 450)
 	watch := pgtest.Connect(t, url)
-	holder := pgtest.Connect(t, url)
 	newCleaner := func(duty float64, wait bool) *dbidem.Cleaner {
 		c, err := dbidem.NewCleaner(pool, dbidem.CleanerOptions{BatchSize: 100, Duty: duty, Wait: wait, SkipVacuum: true})
 		if err != nil {
@@ -36,24 +35,8 @@ func TestOnePassAtATimeAcrossProcesses(t *testing.T) {
 	paced, other, byHand := newCleaner(0.1, false), newCleaner(1, false), newCleaner(1, true)
 	left := func() int { return pgtest.Count(t, watch, `SELECT count(*) FROM idem.idempotency_keys`) }
 
-	pgtest.Exec(t, holder, `BEGIN`)
-	pgtest.Exec(t, holder, `SELECT FROM idem.cleanup_lease FOR UPDATE`)
-	type result struct {
-		n   int
-		ran bool
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		n, ran, err := paced.Pass(ctx)
-		done <- result{n, ran, err}
-	}()
-	pgtest.WaitFor(t, watch, `SELECT count(*) FROM pg_stat_activity
-		WHERE query LIKE '%idem_cleanup_leased%' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`)
-	time.Sleep(300 * time.Millisecond)
-	pgtest.Exec(t, holder, `COMMIT`)
-	// The paced pass's first batch committed: 100 keys gone, the lease its own for about 16 s.
-	pgtest.WaitFor(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until > now() + interval '12 seconds'`)
+	done := inItsPause(t, url, paced)
+	// The paced pass's first batch committed: 100 keys gone, the lease its own.
 	if n := left(); n != 350 {
 		t.Fatalf("%d keys left after the paced pass's first batch, want 350", n)
 	}
@@ -129,33 +112,16 @@ func TestLeasePollUnderAShortStatementTimeout(t *testing.T) {
 	}
 	t.Cleanup(pool.Close)
 	pgtest.InsertExpired(t, pool, "p", 450)
-	watch, holder, window := pgtest.Connect(t, url), pgtest.Connect(t, url), pgtest.Connect(t, url)
+	window := pgtest.Connect(t, url)
 	c, err := dbidem.NewCleaner(pool, dbidem.CleanerOptions{BatchSize: 100, Duty: 0.1, SkipVacuum: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The first batch waits 300 ms on the lease's row, so that its pause lasts about 2.7 s.
-	pgtest.Exec(t, holder, `BEGIN`)
-	pgtest.Exec(t, holder, `SELECT FROM idem.cleanup_lease FOR UPDATE`)
-	type result struct {
-		n   int
-		ran bool
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		n, ran, err := c.Pass(ctx)
-		done <- result{n, ran, err}
-	}()
-	pgtest.WaitFor(t, watch, `SELECT count(*) FROM pg_stat_activity
-		WHERE query LIKE '%idem_cleanup_leased%' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`)
-	time.Sleep(300 * time.Millisecond)
-	pgtest.Exec(t, holder, `COMMIT`)
-	pgtest.WaitFor(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until > now() + interval '5 seconds'`)
+	done := inItsPause(t, url, c)
 	// The maintenance window begins in the pause, and lasts until the pass has ended.
 	pgtest.Exec(t, window, `BEGIN`)
 	pgtest.Exec(t, window, `SELECT pg_advisory_xact_lock($1)`, dbidem.CleanupLock)
-	var r result
+	var r passResult
 	select {
 	case r = <-done:
 	case <-time.After(20 * time.Second):
@@ -166,4 +132,34 @@ func TestLeasePollUnderAShortStatementTimeout(t *testing.T) {
 		t.Fatalf("a maintenance window in a pass's pause, under a 1 s statement_timeout: %d, ran %v, %v; want 100, ran, no error",
 			r.n, r.ran, r.err)
 	}
+}
+
+// passResult is what a cleanup pass returned.
+type passResult struct {
+	n   int
+	ran bool
+	err error
+}
+
+// inItsPause starts a pass of c, a paced cleaner (duty 0.1, batches of 100) on the database of
+// url that holds more than 100 expired keys, and returns once the pass sits in the pause after
+// its first batch, with the lease its own for more than 12 seconds: a real row lock on the
+// lease's row holds that batch 300 ms, so the pause lasts about 2.7 s. The pass's result comes
+// on the channel.
+func inItsPause(t *testing.T, url string, c *dbidem.Cleaner) <-chan passResult {
+	t.Helper()
+	holder, watch := pgtest.Connect(t, url), pgtest.Connect(t, url)
+	pgtest.Exec(t, holder, `BEGIN`)
+	pgtest.Exec(t, holder, `SELECT FROM idem.cleanup_lease FOR UPDATE`)
+	done := make(chan passResult, 1)
+	go func() {
+		n, ran, err := c.Pass(context.Background())
+		done <- passResult{n, ran, err}
+	}()
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM pg_stat_activity
+		WHERE query LIKE '%idem_cleanup_leased%' AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()`)
+	time.Sleep(300 * time.Millisecond)
+	pgtest.Exec(t, holder, `COMMIT`)
+	pgtest.WaitFor(t, watch, `SELECT count(*) FROM idem.cleanup_lease WHERE until > now() + interval '12 seconds'`)
+	return done
 }
