@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -98,19 +96,8 @@ func TestOnePassAtATimeAcrossProcesses(t *testing.T) {
 // and the pass ends done with what it deleted. (A review's reproducer.)
 func TestLeasePollUnderAShortStatementTimeout(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	url := pgtest.NewDB(t)
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 2
-	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "1s"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := pgtest.PoolWith(t, url, 2, map[string]string{"statement_timeout": "1s"})
 	pgtest.InsertExpired(t, pool, "p", 450)
 	window := pgtest.Connect(t, url)
 	c, err := dbidem.NewCleaner(pool, dbidem.CleanerOptions{BatchSize: 100, Duty: 0.1, SkipVacuum: true})

@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/pgidem/internal/dbidem"
 	"github.com/pgidem/pgidem/internal/pgtest"
 )
@@ -19,17 +17,7 @@ func TestWaitingCleanerIgnoresTheSessionLockTimeout(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := pgtest.NewDB(t)
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	pool := pgtest.PoolWith(t, url, 1, map[string]string{"lock_timeout": "100ms"})
 	pgtest.InsertExpired(t, pool, "p", 30)
 	holder := pgtest.Connect(t, url)
 	pgtest.Exec(t, holder, `BEGIN`)

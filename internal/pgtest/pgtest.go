@@ -267,17 +267,28 @@ func NewEmptyDB(t testing.TB) string {
 func NewPool(t testing.TB, maxConns int32) (*pgxpool.Pool, string) {
 	t.Helper()
 	url := NewDB(t)
+	return PoolWith(t, url, maxConns, nil), url
+}
+
+// PoolWith opens a pool of at most maxConns connections to url whose sessions start with these
+// settings (statement_timeout, lock_timeout: as a role's ALTER ROLE ... SET would), closed when
+// the test ends.
+func PoolWith(t testing.TB, url string, maxConns int32, settings map[string]string) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
 	cfg.MaxConns = maxConns
+	for k, v := range settings {
+		cfg.ConnConfig.RuntimeParams[k] = v
+	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
 	t.Cleanup(pool.Close)
-	return pool, url
+	return pool
 }
 
 // URLOf is the connection string of the database a pool created by NewPool uses.
