@@ -70,7 +70,8 @@ type PassResult string
 // The results of a cleanup pass.
 const (
 	// PassDone: the pass deleted every expired key it found (or handed over to a pass that
-	// took the cleanup lease over), and its vacuum, if any, succeeded.
+	// took the cleanup lease over, or stopped at a maintenance window that held CleanupLock),
+	// and its vacuum, if any, succeeded.
 	PassDone PassResult = "done"
 	// PassSkipped: another process's batch held the lock, or another pass the cleanup
 	// lease: it is cleaning.
@@ -118,7 +119,8 @@ func (a cleanupObserver) Vacuumed() {
 // a transaction of its own under CleanupLock, until a batch comes back short, pausing after
 // each so that batches take at most Duty of the time. With several processes on one database
 // one pass runs at a time: each batch also takes the cleanup lease for its pass (a row of
-// idem.cleanup_lease) for the pause after it, and the pass's last batch frees it, so a pass
+// idem.cleanup_lease) for twice the pause the duty share asks after it (at most an hour) and
+// 10 seconds, and the pass's last batch frees it, so a pass
 // that starts while another process's batch runs, or during another pass's pauses, is
 // skipped. A pass stopped part way (its process shut down or died) keeps the lease until it runs
 // out, twice its last pause and 10 seconds. A pass holds at most one connection, and only
@@ -198,8 +200,9 @@ func (c *Cleaner) Pass(ctx context.Context) (deleted int, ran bool, err error) {
 // Cleanup deletes expired keys in batches of batchSize (0: the SQL API's default; else from 1
 // to 1,000,000, as CleanerOptions.BatchSize, or ErrInvalidArgument) until a
 // batch comes back short, and returns how many it deleted, without pauses, without the
-// cleanup lock and without the cleanup lease (it takes turns with the cleaners batch by batch;
-// the SQL API's idem_cleanup_all, for pg_cron, takes both). Pass a pool, so
+// cleanup lock and without the cleanup lease (its batches run alongside the cleaners': rows
+// one of them has locked are skipped, none is deleted twice; the SQL API's idem_cleanup_all,
+// for pg_cron, takes both). Pass a pool, so
 // that each batch is a short transaction of its own. On a Citus coordinator every worker cleans
 // its own shards, in parallel (idem_cleanup_workers). A Cleaner is what a service runs.
 func Cleanup(ctx context.Context, db Querier, batchSize int) (int, error) {

@@ -3160,7 +3160,8 @@ IF v_problem IS NOT NULL THEN
         -- Another transaction holds the lock. A batch of another pass leaves: that is another
         -- pass running. The pass that holds the lease (or takes it over) waits for it, for at
         -- most 2 seconds: what holds it then is a moment's work (another cleaner's first
-        -- statement, a caller of idem_cleanup), not another pass, which would need the lease.
+        -- statement, a batch of release 0.2.0's cleaner), not another pass, which would need
+        -- the lease.
         -- It polls, every 10 ms: a wait bounded by lock_timeout would need an EXCEPTION block
         -- (a subtransaction) to end without an error, and the API has none.
         -- The lease is the pass's while no other pass has taken it, run out or not.

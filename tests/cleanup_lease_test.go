@@ -107,6 +107,20 @@ func TestCleanupLeaseAsTheAppRole(t *testing.T) {
 		t.Fatal("the lease is held after idem_cleanup_all ended")
 	}
 
+	// docs/operations.md ("Cleanup"), as the schema's owner: who holds the lease, and freeing
+	// the lease of a pass that died.
+	pgtest.InsertExpired(t, admin, "r", 5)
+	pgtest.Exec(t, admin, live)
+	var holder *string
+	var left time.Duration
+	if err := admin.QueryRow(ctx, `SELECT pass, until, until - now() AS time_left FROM idem.cleanup_lease`).
+		Scan(&holder, new(time.Time), &left); err != nil || holder == nil || left < 50*time.Second {
+		t.Fatalf("the owner's read of the lease: %v, %v left, %v", holder, left, err)
+	}
+	want("a batch while a dead pass's lease runs", batch(q, false), -1)
+	pgtest.Exec(t, admin, `UPDATE idem.cleanup_lease SET until = '-infinity'`)
+	want("a batch after the owner freed a dead pass's lease", batch(q, false), 5)
+
 	for _, c := range []struct{ sql, code string }{
 		{`SELECT idem.idem_cleanup_leased(NULL)`, "22004"},
 		{`SELECT idem.idem_cleanup_leased(gen_random_uuid(), NULL)`, "22004"},

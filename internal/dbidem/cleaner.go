@@ -212,7 +212,8 @@ var workersWaitSQL = fmt.Sprintf(workersSQLFormat, "SELECT pg_advisory_xact_lock
 // Pass deletes expired keys, batch by batch, until a batch comes back short, and returns how
 // many it deleted and whether it ran. One pass runs at a time across every process on the
 // database: each batch takes the cleanup lock for its own transaction and, under it, the
-// cleanup lease for this pass (idem_cleanup_leased), for the pause after it and a margin; the
+// cleanup lease for this pass (idem_cleanup_leased), for twice the pause after it (at most an
+// hour) and 10 seconds; the
 // batch that comes back short frees the lease. A pass whose first batch finds another
 // process's batch running, or another pass holding the lease, is skipped; a pass that finds
 // one later stops there (the other pass goes on). With CleanerOptions.Wait each batch waits for
