@@ -2,7 +2,6 @@ package dbidem
 
 import (
 	"context"
-	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,6 +10,7 @@ import (
 	"time"
 
 	"github.com/go-co-op/gocron/v2"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/pgidem/internal/safelog"
@@ -257,7 +257,7 @@ func (c *Cleaner) Pass(ctx context.Context) (int, bool, error) {
 	if workers {
 		return c.finish(ctx, start, total, true)
 	}
-	pass := newPassID()
+	pass := uuid.NewString() // names the pass for the lease, the same for each of its batches
 	for {
 		var n *int
 		began := time.Now()
@@ -505,14 +505,4 @@ func (c *Cleaner) Stop() {
 	if stop != nil {
 		stop()
 	}
-}
-
-// newPassID names one cleanup pass for the lease (idem_cleanup_leased): a random UUID
-// (version 4), the same for each of the pass's batches.
-func newPassID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

@@ -492,13 +492,12 @@ BEGIN
 {{ template "include/raise.sql" "idem_cleanup_leased" }}
     IF NOT pg_try_advisory_xact_lock({{ template "cleanup_lock" }}) THEN
         -- Another transaction holds the lock. A batch of another pass leaves: that is another
-        -- pass running. The pass that holds the lease (or takes it over) waits for it, for at
-        -- most 2 seconds: what holds it then is a moment's work (another cleaner's first
-        -- statement, a batch of release 0.2.0's cleaner), not another pass, which would need
-        -- the lease.
-        -- It polls, every 10 ms: a wait bounded by lock_timeout would need an EXCEPTION block
-        -- (a subtransaction) to end without an error, and the API has none.
-        -- The lease is the pass's while no other pass has taken it, run out or not.
+        -- pass running. The pass that holds the lease (its own while no other pass has taken
+        -- it, run out or not), or takes it over, waits for it, for at most 2 seconds: what
+        -- holds it then is a moment's work (another cleaner's first statement, a batch of
+        -- release 0.2.0's cleaner), not another pass, which would need the lease. It polls,
+        -- every 10 ms: a wait bounded by lock_timeout would need an EXCEPTION block (a
+        -- subtransaction) to end without an error, and the API has none.
         IF NOT p_take_over AND NOT EXISTS (SELECT FROM idem.cleanup_lease AS l WHERE l.pass = p_pass) THEN
             RETURN NULL;
         END IF;
@@ -520,7 +519,7 @@ BEGIN
         RAISE EXCEPTION 'idem_cleanup_leased: the lease''s row is missing from idem.cleanup_lease'
             USING ERRCODE = '55000', HINT = 'INSERT INTO idem.cleanup_lease DEFAULT VALUES, as the table''s owner.';
     END IF;
-    IF v_pass IS DISTINCT FROM p_pass AND v_until > v_start AND NOT p_take_over THEN
+    IF v_pass IS DISTINCT FROM p_pass AND v_until > clock_timestamp() AND NOT p_take_over THEN
         RETURN NULL;
     END IF;
     v_deleted := idem.idem_cleanup(p_batch_size);
